@@ -1,0 +1,30 @@
+"""megatron-ext: a thin overlay on NVIDIA Megatron Core for stable, debuggable pretraining."""
+
+from setuptools import find_packages, setup
+
+MEGATRON_CORE_VERSION = "0.19.2"
+
+setup(
+    name="megatron-ext",
+    version="0.1.0",
+    description=(
+        "Megatron Core overlay: z-loss, weight-decay overrides, per-bucket grad norms, "
+        "spike tracking with automatic rollback/skip, and sample-id reverse lookup."
+    ),
+    python_requires=">=3.12",
+    packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
+    py_modules=["pretrain_gpt_ext"],
+    install_requires=[
+        f"megatron-core=={MEGATRON_CORE_VERSION}",
+        "torch>=2.6",
+        "numpy",
+        "psutil",  # imported by Megatron's checkpoint code, not declared by megatron-core
+        "tokenizers>=0.19",  # offline BPE training for `megatron-ext preprocess`
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout"],
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},
+)
