@@ -1,0 +1,281 @@
+"""Megatron adapter for GPT pretraining: batch, loss, forward step and dataset provider.
+
+Semantics follow Megatron-LM's ``pretrain_gpt.py`` at core_v0.19.0 (which the wheel does not
+ship) for the standard pretraining path: TP rank 0 reads the batch and broadcasts it,
+the loss is token-summed with a token count, NaN/Inf go through the rerun state machine and
+``--check-for-spiky-loss`` is honoured. SFT, FIM, packed sequences, hybrid CP, ModelOpt and
+cached-logit distillation are refused at start-up (use Megatron-LM's own script for them).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+from megatron.core import mpu
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.parallel_state import get_context_parallel_group
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+from megatron.core.utils import (
+    get_attr_wrapped_model,
+    get_batch_on_this_cp_rank,
+    get_batch_on_this_tp_rank,
+)
+from megatron.training import get_args, get_timers, print_rank_0
+from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
+
+from megatron_ext.sample_log import SampleLog, SampleRecord
+
+# Megatron-LM pretrain_gpt.py: a loss 10x the max of the first losses is "spiky".
+SPIKY_LOSS_FACTOR = 10
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+SAMPLE_ID_KEY = "sample_id"
+
+UNSUPPORTED_FLAGS = {
+    "sft": "--sft",
+    "fim_data": "--fim-data",
+    "dataloader_inter_document_masking": "--dataloader-inter-document-masking",
+    "hybrid_context_parallel": "--hybrid-context-parallel",
+    "logits_load_dir": "--logits-load-dir",
+    "use_legacy_models": "--use-legacy-models",
+    "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm",
+}
+
+
+def check_supported(args: Any) -> None:
+    """Refuse Megatron modes this entry point does not implement, instead of mis-training."""
+    used = [flag for attr, flag in UNSUPPORTED_FLAGS.items() if getattr(args, attr, None)]
+    if used:
+        raise SystemExit(
+            f"pretrain_gpt_ext.py does not support {', '.join(used)}; use Megatron-LM's "
+            "pretrain_gpt.py for those modes."
+        )
+
+
+class SampleIdDataset(torch.utils.data.Dataset):
+    """Adds the global sample index to each sample so the trainer can log what it consumed.
+
+    Attribute access falls through to the wrapped dataset, so Megatron's data loader sees the
+    same ``split``/``index_split`` and length; the extra key is ignored by Megatron's batch code.
+    """
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        sample = dict(self.dataset[idx])
+        sample[SAMPLE_ID_KEY] = torch.tensor(int(idx), dtype=torch.int64)
+        return sample
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class _SampleLogState:
+    """Which micro-batch of the current iteration this rank is on, and the open log."""
+
+    def __init__(self) -> None:
+        self.log: SampleLog | None = None
+        self.iteration = -1
+        self.microbatch = 0
+
+    def next_microbatch(self, iteration: int) -> int:
+        if iteration != self.iteration:
+            self.iteration, self.microbatch = iteration, 0
+        else:
+            self.microbatch += 1
+        return self.microbatch
+
+
+_SAMPLE_LOG = _SampleLogState()
+
+
+def get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int | None = None):
+    """Read on TP rank 0, broadcast over TP, slice for CP; returns (batch dict, sample ids)."""
+    args = get_args()
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return None, None
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch: dict[str, Any] = {}
+    sample_ids = None
+    if tp_rank == 0:
+        batch = next(data_iterator)  # type: ignore[arg-type]
+        sample_ids = batch.get(SAMPLE_ID_KEY)
+        for key in BATCH_KEYS:
+            value = batch.get(key)
+            batch[key] = value.cuda(non_blocking=True) if value is not None else None
+    batch = get_batch_on_this_tp_rank(
+        batch,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
+        has_cu_seqlens=False,
+        is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        cp_size=args.context_parallel_size,
+        tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
+        is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
+    )
+    batch = get_batch_on_this_cp_rank(
+        batch, is_hybrid_cp=False, cp_group=get_context_parallel_group()
+    )
+    return batch, sample_ids
+
+
+def loss_func(
+    loss_mask: torch.Tensor,
+    sample_ids: torch.Tensor | None,
+    output_tensor: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-summed loss, token count and the ``lm loss`` report, as Megatron expects."""
+    args = get_args()
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+    rerun_state_machine = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            rerun_state_machine.validate_result(
+                result=loss,
+                rejection_func=reject,
+                message=f"found {what} in local forward loss calculation",
+                tolerance=0.0,  # the forward pass is deterministic
+                fatal=True,
+            )
+    if args.check_for_spiky_loss:
+        rerun_state_machine.validate_result(
+            result=loss,
+            rejection_func=partial(
+                rerun_state_machine.is_unexpectedly_large,
+                threshold=SPIKY_LOSS_FACTOR,
+                context="loss",
+            ),
+            message="Spiky loss",
+            tolerance=0.0,
+            fatal=False,
+        )
+    if sample_ids is not None and args.sample_log_dir is not None:
+        _record_samples(args, sample_ids, loss, num_tokens)
+    return loss, num_tokens, report
+
+
+def _record_samples(
+    args: Any, sample_ids: torch.Tensor, loss: torch.Tensor, num_tokens: torch.Tensor
+) -> None:
+    dp_rank = mpu.get_data_parallel_rank()
+    if _SAMPLE_LOG.log is None:
+        _SAMPLE_LOG.log = SampleLog(args.sample_log_dir, dp_rank)
+    iteration = args.curr_iteration + 1  # Megatron logs iterations 1-indexed
+    _SAMPLE_LOG.log.write(
+        SampleRecord(
+            iteration=iteration,
+            dp_rank=dp_rank,
+            microbatch=_SAMPLE_LOG.next_microbatch(iteration),
+            sample_ids=[int(i) for i in sample_ids.view(-1).tolist()],
+            loss_sum=float(loss.detach().item()),
+            num_tokens=int(num_tokens.item()),
+        )
+    )
+
+
+def forward_step(data_iterator: Any, model: Any):
+    """One micro-batch forward; returns the per-token loss tensor and the loss closure."""
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    batch, sample_ids = get_batch(data_iterator, vp_stage)
+    timers("batch-generator").stop()
+    if batch is None:
+        batch = dict.fromkeys(BATCH_KEYS)
+    # Only the rank that reads data (TP rank 0) and computes the loss logs samples; the
+    # last pipeline stage computes the loss, so that is where the record is written.
+    log_ids = sample_ids if (mpu.is_pipeline_last_stage() and model.training) else None
+    output_tensor = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+    )
+    return output_tensor, partial(loss_func, batch["loss_mask"], log_ids)
+
+
+def is_dataset_built_on_rank(vp_stage: int | None = None) -> bool:
+    """Datasets are read on TP rank 0 of the first and last pipeline stages only."""
+    return (
+        mpu.get_tensor_model_parallel_rank() == 0 and is_first_or_last_pipeline_stage(vp_stage)
+    )
+
+
+def gpt_dataset_config_from_args(args: Any) -> GPTDatasetConfig:
+    """The GPTDatasetConfig Megatron-LM's pretrain_gpt.py builds (standard path)."""
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        multiple_validation_sets=args.multiple_validation_sets,
+        full_validation=args.full_validation,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=build_tokenizer(args),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        object_storage_cache_path=args.object_storage_cache_path,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
+        fast_cache_load=args.dataloader_fast_cache_load,
+        defer_npy_index_mmap=args.dataloader_defer_npy_index_mmap,
+        context_parallel_size=args.context_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        sequence_parallel_size=args.tensor_model_parallel_size * args.sequence_parallel,
+    )
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Build train/valid/test datasets through BlendedMegatronDatasetBuilder."""
+    args = get_args()
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
+        dataset_type,
+        train_val_test_num_samples,
+        partial(is_dataset_built_on_rank, vp_stage=vp_stage),
+        gpt_dataset_config_from_args(args),
+    ).build()
+    if train_ds is not None and args.sample_log_dir is not None:
+        train_ds = SampleIdDataset(train_ds)
+    print_rank_0("> finished creating GPT datasets ...")
+    return train_ds, valid_ds, test_ds
+
+
+train_valid_test_datasets_provider.is_distributed = True  # type: ignore[attr-defined]
+
+
+def get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
+    """First stage, plus the last when the output layer shares the embedding weights."""
+    ranks = [pp_ranks[0]]
+    if len(pp_ranks) > 1 and not get_args().untie_embeddings_and_output_weights:
+        ranks.append(pp_ranks[-1])
+    return sorted(set(ranks))

@@ -1,0 +1,68 @@
+"""Pretrain GPT with megatron-ext: Megatron-LM's ``pretrain_gpt.py`` semantics plus the overlay.
+
+Run it exactly like Megatron-LM's script (``torchrun ... pretrain_gpt_ext.py <megatron args>``);
+megatron-ext flags live in their own argument group (``--help``). With no megatron-ext flag
+set, training is plain Megatron, apart from the upstream bug fixes listed by
+``megatron-ext patches``.
+"""
+
+import time
+
+_PROGRAM_START_TIME = time.time()
+
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+
+
+def _default_transformer_impl(argv: list[str]) -> list[str]:
+    """Use Megatron's local layer spec when Transformer Engine is absent and none was chosen.
+
+    Megatron defaults to ``--transformer-impl transformer_engine``, which cannot start without
+    TE; choosing ``local`` keeps CPU/TE-less runs working and is announced, never silent.
+    """
+    if "--transformer-impl" in argv or importlib.util.find_spec("transformer_engine"):
+        return argv
+    print("megatron-ext: Transformer Engine not importable; using --transformer-impl local")
+    return [*argv, "--transformer-impl", "local"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse Megatron + megatron-ext arguments, install patches and run ``pretrain``."""
+    sys.argv = [sys.argv[0], *_default_transformer_impl(sys.argv[1:] if argv is None else argv)]
+
+    from megatron.core.enums import ModelType
+    from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
+    from megatron.training.argument_utils import (
+        gpt_config_from_args,
+        pretrain_cfg_container_from_args,
+    )
+    from megatron.training.arguments import parse_and_validate_args
+
+    from megatron_ext import gpt_step, patches
+    from megatron_ext.arguments import add_megatron_ext_args
+    from megatron_ext.fixes import BUGFIXES
+
+    set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
+    patches.verify_all()
+    for fix in BUGFIXES:
+        patches.apply(fix.name)
+
+    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    args = parse_and_validate_args(
+        extra_args_provider=add_megatron_ext_args,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+    )
+    gpt_step.check_supported(args)
+    config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    run(
+        config,
+        gpt_step.train_valid_test_datasets_provider,
+        ModelType.encoder_or_decoder,
+        gpt_step.forward_step,
+        store=store,
+        get_embedding_ranks=gpt_step.get_embedding_ranks,
+    )
+
+
+if __name__ == "__main__":
+    main()

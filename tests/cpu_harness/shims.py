@@ -1,0 +1,243 @@
+"""Test-only shims that let megatron-core's real ``pretrain`` loop run on CPU with gloo.
+
+Why this exists: megatron-core 0.19.2 assumes CUDA in a handful of places (device queries,
+streams, RNG state, ``device='cuda'`` allocations, ``Tensor.type()`` string asserts). These
+shims redirect exactly those calls to the CPU so CI (no GPU) runs the genuine training loop.
+
+Rules, enforced here:
+- pinned: :func:`install` refuses any megatron-core other than ``PINNED_MEGATRON_CORE``;
+- counted: every shim increments a counter, dumped per rank as JSON at exit, so tests can
+  assert which CUDA touch points the loop hit;
+- strict: every *other* public ``torch.cuda`` callable is replaced by a tripwire that records
+  ``unexpected:<name>`` and raises, so a new CUDA dependency fails the suite loudly;
+- never imported by the ``megatron_ext`` package (a test checks this).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import functools
+import importlib.metadata
+import json
+import os
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+PINNED_MEGATRON_CORE = "0.19.2"
+
+COUNTS: collections.Counter[str] = collections.Counter()
+
+# torch.cuda attributes that are not device calls (types, submodules, constants) or that
+# are safe on a CUDA-less host; everything else callable becomes a tripwire.
+_LEAVE_ALONE = {
+    "is_available", "is_initialized", "is_bf16_supported", "device", "_lazy_init",
+    "_is_compiled", "_initialized", "nvtx", "amp", "graphs", "memory", "random",
+    "streams", "comm", "sparse", "jiterator", "profiler", "nccl", "tunable", "gds",
+    "_utils", "_sleep", "get_rng_state_all", "set_rng_state_all",
+}
+
+
+def _count(name: str) -> None:
+    COUNTS[name] += 1
+
+
+def _shim(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _count(name)
+        return fn(*args, **kwargs)
+
+    wrapper.__name__ = f"cpu_shim_{name}"
+    return wrapper
+
+
+def _tripwire(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)  # keeps attributes such as __wrapped__ that torch reads
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _count(f"unexpected:{name}")
+        raise RuntimeError(
+            f"CPU harness: unexpected CUDA call torch.cuda.{name}; add a counted shim in "
+            "tests/cpu_harness/shims.py only if megatron-core really needs it on this path"
+        )
+
+    return wrapper
+
+
+class _FakeStream:
+    """Stands in for ``torch.cuda.Stream``: CPU work is synchronous, so streams are no-ops."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _count("Stream")
+
+    def wait_stream(self, *args: Any) -> None:
+        _count("Stream.wait_stream")
+
+    def synchronize(self) -> None:
+        _count("Stream.synchronize")
+
+    def wait_event(self, *args: Any) -> None:
+        _count("Stream.wait_event")
+
+    def record_event(self, *args: Any) -> "_FakeEvent":
+        _count("Stream.record_event")
+        return _FakeEvent()
+
+    def __enter__(self) -> "_FakeStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _FakeEvent:
+    """Stands in for ``torch.cuda.Event`` (timers); records wall time for elapsed_time."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _count("Event")
+        self._t = 0.0
+
+    def record(self, *args: Any) -> None:
+        import time
+
+        self._t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, *args: Any) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: "_FakeEvent") -> float:
+        return (other._t - self._t) * 1000.0
+
+
+def _props(*args: Any, **kwargs: Any) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        name="cpu-harness", major=9, minor=0, total_memory=24 << 30, multi_processor_count=2
+    )
+
+
+def _is_cuda_device(dev: Any) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps ``device='cuda*'`` (or an int ordinal) to CPU and fakes ``Tensor.type()`` names.
+
+    Megatron asserts ``param.type() == 'torch.cuda.FloatTensor'`` in the optimizer and grad
+    clipping code, so ``Tensor.type()`` with no argument reports the CUDA name of a CPU tensor.
+    """
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            _count("device=cuda")
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            _count("Tensor.type")
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
+        if func is torch.Tensor.cuda:
+            _count("Tensor.cuda")
+            return args[0]
+        if func is torch.Tensor.to and len(args) >= 2 and _is_cuda_device(args[1]):
+            _count("Tensor.to(cuda)")
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _dump_counts() -> None:
+    out_dir = os.environ.get("MEGATRON_EXT_HARNESS_COUNTS")
+    if not out_dir:
+        return
+    rank = os.environ.get("RANK", "0")
+    path = Path(out_dir) / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(COUNTS), sort_keys=True))
+
+
+def install() -> None:
+    """Install every shim (idempotent per process) and the exit-time counter dump."""
+    if getattr(torch.cuda, "_megatron_ext_cpu_harness", False):
+        return
+    found = importlib.metadata.version("megatron-core")
+    if found != PINNED_MEGATRON_CORE:
+        raise RuntimeError(
+            f"CPU harness is pinned to megatron-core {PINNED_MEGATRON_CORE}, found {found}: "
+            "re-verify the shims before moving the pin"
+        )
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    cuda = torch.cuda
+    for name in dir(cuda):
+        if name.startswith("_") or name in _LEAVE_ALONE:
+            continue
+        obj = getattr(cuda, name)
+        if isinstance(obj, types.FunctionType) or isinstance(obj, types.BuiltinFunctionType):
+            setattr(cuda, name, _tripwire(name, obj))
+
+    shims: dict[str, Callable[..., Any]] = {
+        "current_device": lambda: "cpu",
+        "device_count": lambda: 1,
+        "set_device": lambda *a, **k: None,
+        "get_device_properties": _props,
+        "get_device_capability": lambda *a, **k: (9, 0),
+        "get_device_name": lambda *a, **k: "cpu-harness",
+        "synchronize": lambda *a, **k: None,
+        "current_stream": lambda *a, **k: _FakeStream(),
+        "default_stream": lambda *a, **k: _FakeStream(),
+        "stream": lambda *a, **k: _FakeStream(),
+        "get_rng_state": lambda *a, **k: torch.get_rng_state(),
+        "set_rng_state": lambda *a, **k: None,
+        "manual_seed": lambda *a, **k: None,
+        "manual_seed_all": lambda *a, **k: None,
+        "empty_cache": lambda *a, **k: None,
+        "memory_allocated": lambda *a, **k: 0,
+        "max_memory_allocated": lambda *a, **k: 0,
+        "memory_reserved": lambda *a, **k: 0,
+        "max_memory_reserved": lambda *a, **k: 0,
+        "reset_peak_memory_stats": lambda *a, **k: None,
+    }
+    for name, fn in shims.items():
+        setattr(cuda, name, _shim(name, fn))
+    # Megatron's RNG tracker reads the CUDA generator state through torch.cuda.random.
+    cuda.random.get_rng_state = _shim("random.get_rng_state", lambda *a, **k: torch.get_rng_state())
+    cuda.Stream = _FakeStream  # type: ignore[misc,assignment]
+    cuda.Event = _FakeEvent  # type: ignore[misc,assignment]
+    torch.nn.Module.cuda = lambda self, *a, **k: (_count("Module.cuda"), self)[1]  # type: ignore[method-assign]
+
+    _CudaToCpuMode().__enter__()
+    _patch_megatron()
+    cuda._megatron_ext_cpu_harness = True  # type: ignore[attr-defined]
+    atexit.register(_dump_counts)
+
+
+def _patch_megatron() -> None:
+    """The Megatron-side shim: ``initialize_megatron`` must not require CUDA.
+
+    (The ``compile_helpers`` failure is not CPU-specific; the package fixes it for everyone,
+    see ``megatron_ext.fixes``.)
+    """
+    from megatron.training import initialize
+
+    original_init = initialize.initialize_megatron
+
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+        _count("initialize_megatron(allow_no_cuda)")
+        kwargs["allow_no_cuda"] = True
+        return original_init(*args, **kwargs)
+
+    initialize.initialize_megatron = initialize_megatron
+    import megatron.training.training as training
+
+    training.initialize_megatron = initialize_megatron
