@@ -21,6 +21,7 @@ setup(
         "psutil",  # imported by Megatron's checkpoint code, not declared by megatron-core
         "tokenizers>=0.19",  # offline BPE training for `megatron-ext preprocess`
         "tqdm",
+        "transformers>=4.57",  # Megatron loads the HuggingFaceTokenizer through it
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout"],

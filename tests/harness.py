@@ -17,30 +17,20 @@ from pathlib import Path
 
 import psutil
 
+from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
 from megatron_ext.sample_log import SampleRecord, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = REPO / "tests" / "cpu_harness" / "run.py"
 
-# A tiny Llama-style GPT: small enough for ~50-130 ms per iteration on 2 CPU cores.
-TINY_MODEL = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64",
-    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-    "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-]
 TINY_TRAINING = [
     "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "20",
     "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
     "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "1234",
     "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
 ]
-# The CPU settings megatron-core 0.19.2 needs without CUDA kernels (megatron-facts.md).
-CPU_FLAGS = [
-    "--distributed-backend", "gloo", "--use-cpu-initialization", "--transformer-impl", "local",
-    "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion",
-    "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
-]
+GLOBAL_BATCH = 8
+MICRO_BATCH = 2
 
 # Every CUDA touch point megatron-core 0.19.2 hits on these paths; anything else is a finding.
 EXPECTED_SHIMS = {
