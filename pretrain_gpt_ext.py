@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.training.arguments import parse_and_validate_args
 
     from megatron_ext import gpt_step, patches
-    from megatron_ext.arguments import add_megatron_ext_args
+    from megatron_ext.arguments import add_megatron_ext_args, install_features
     from megatron_ext.fixes import BUGFIXES
 
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     )
     gpt_step.check_supported(args)
+    install_features(args)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     run(
         config,

@@ -1,23 +1,37 @@
 """Every megatron-ext command-line flag, in one argument group added to Megatron's parser.
 
-Flags follow Megatron's conventions (``--kebab-case``). With none of them set, a run is
-plain Megatron (apart from the upstream bug fixes listed by ``megatron-ext patches``).
+Each feature module owns its flags (``add_args(group)``) and its start-up hook
+(``install(args)``); this module only lists the features. Flags follow Megatron's conventions
+(``--kebab-case``). With none of them set, a run is plain Megatron, apart from the upstream bug
+fixes listed by ``megatron-ext patches``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+from types import ModuleType
+from typing import Any
+
+# Feature modules, in installation order. Each defines add_args(group) and install(args).
+FEATURES: tuple[str, ...] = (
+    "megatron_ext.sample_log_adapter",
+)
+
+
+def _features() -> list[ModuleType]:
+    return [importlib.import_module(name) for name in FEATURES]
 
 
 def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``extra_args_provider`` for ``parse_and_validate_args``."""
     group = parser.add_argument_group(title="megatron-ext")
-    group.add_argument(
-        "--sample-log-dir",
-        type=str,
-        default=None,
-        help="Append, per DP rank, one JSON line per trained micro-batch with its global "
-        "sample ids and local loss (samples-dp{rank}.jsonl). Used to prove resume/skip "
-        "exactness and to answer which rank trained on what.",
-    )
+    for feature in _features():
+        feature.add_args(group)
     return parser
+
+
+def install_features(args: Any) -> None:
+    """Validate each feature's flags and install the patches the enabled ones need."""
+    for feature in _features():
+        feature.install(args)

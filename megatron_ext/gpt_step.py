@@ -27,7 +27,7 @@ from megatron.core.utils import (
 from megatron.training import get_args, get_timers, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from megatron_ext.sample_log import SampleLog, SampleRecord
+from megatron_ext import sample_log_adapter
 
 # Megatron-LM pretrain_gpt.py: a loss 10x the max of the first losses is "spiky".
 SPIKY_LOSS_FACTOR = 10
@@ -80,25 +80,6 @@ class SampleIdDataset(torch.utils.data.Dataset):
         return getattr(self.dataset, name)
 
 
-class _SampleLogState:
-    """Which micro-batch of the current iteration this rank is on, and the open log."""
-
-    def __init__(self) -> None:
-        self.log: SampleLog | None = None
-        self.iteration = -1
-        self.microbatch = 0
-
-    def next_microbatch(self, iteration: int) -> int:
-        if iteration != self.iteration:
-            self.iteration, self.microbatch = iteration, 0
-        else:
-            self.microbatch += 1
-        return self.microbatch
-
-
-_SAMPLE_LOG = _SampleLogState()
-
-
 def get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int | None = None):
     """Read on TP rank 0, broadcast over TP, slice for CP; returns (batch dict, sample ids)."""
     args = get_args()
@@ -137,7 +118,7 @@ def get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int | No
 
 def loss_func(
     loss_mask: torch.Tensor,
-    sample_ids: torch.Tensor | None,
+    logged: tuple[torch.Tensor, torch.Tensor] | None,
     output_tensor: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Token-summed loss, token count and the ``lm loss`` report, as Megatron expects."""
@@ -170,28 +151,10 @@ def loss_func(
             tolerance=0.0,
             fatal=False,
         )
-    if sample_ids is not None and args.sample_log_dir is not None:
-        _record_samples(args, sample_ids, loss, num_tokens)
+    if logged is not None:
+        sample_ids, tokens = logged
+        sample_log_adapter.record(args, sample_ids, tokens, loss, num_tokens)
     return loss, num_tokens, report
-
-
-def _record_samples(
-    args: Any, sample_ids: torch.Tensor, loss: torch.Tensor, num_tokens: torch.Tensor
-) -> None:
-    dp_rank = mpu.get_data_parallel_rank()
-    if _SAMPLE_LOG.log is None:
-        _SAMPLE_LOG.log = SampleLog(args.sample_log_dir, dp_rank)
-    iteration = args.curr_iteration + 1  # Megatron logs iterations 1-indexed
-    _SAMPLE_LOG.log.write(
-        SampleRecord(
-            iteration=iteration,
-            dp_rank=dp_rank,
-            microbatch=_SAMPLE_LOG.next_microbatch(iteration),
-            sample_ids=[int(i) for i in sample_ids.view(-1).tolist()],
-            loss_sum=float(loss.detach().item()),
-            num_tokens=int(num_tokens.item()),
-        )
-    )
 
 
 def forward_step(data_iterator: Any, model: Any):
@@ -205,7 +168,9 @@ def forward_step(data_iterator: Any, model: Any):
         batch = dict.fromkeys(BATCH_KEYS)
     # Only the rank that reads data (TP rank 0) and computes the loss logs samples; the
     # last pipeline stage computes the loss, so that is where the record is written.
-    log_ids = sample_ids if (mpu.is_pipeline_last_stage() and model.training) else None
+    logged = None
+    if sample_ids is not None and mpu.is_pipeline_last_stage() and model.training:
+        logged = (sample_ids, batch["tokens"])
     output_tensor = model(
         batch["tokens"],
         batch["position_ids"],
@@ -213,7 +178,7 @@ def forward_step(data_iterator: Any, model: Any):
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
     )
-    return output_tensor, partial(loss_func, batch["loss_mask"], log_ids)
+    return output_tensor, partial(loss_func, batch["loss_mask"], logged)
 
 
 def is_dataset_built_on_rank(vp_stage: int | None = None) -> bool:

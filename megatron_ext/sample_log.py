@@ -24,6 +24,7 @@ class SampleRecord:
     dp_rank: int
     microbatch: int
     sample_ids: list[int]
+    token_sha1: list[str]  # SHA-1 of each sample's input token ids (int64, little-endian)
     loss_sum: float  # token-summed local loss (before any averaging)
     num_tokens: int
 

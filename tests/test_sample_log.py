@@ -10,7 +10,7 @@ from megatron_ext.sample_log import SampleLog, SampleRecord, read_records
 
 
 def _record(iteration: int) -> SampleRecord:
-    return SampleRecord(iteration=iteration, dp_rank=1, microbatch=0, sample_ids=[4, 5],
+    return SampleRecord(iteration=iteration, dp_rank=1, microbatch=0, sample_ids=[4, 5], token_sha1=["a", "b"],
                         loss_sum=1.5, num_tokens=128)
 
 
