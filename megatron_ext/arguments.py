@@ -16,6 +16,8 @@ from typing import Any
 # Feature modules, in installation order. Each defines add_args(group) and install(args).
 FEATURES: tuple[str, ...] = (
     "megatron_ext.sample_log_adapter",
+    "megatron_ext.signals_adapter",
+    "megatron_ext.weight_decay_adapter",
 )
 
 

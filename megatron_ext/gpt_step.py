@@ -9,6 +9,7 @@ cached-logit distillation are refused at start-up (use Megatron-LM's own script 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Iterator
 
@@ -27,7 +28,7 @@ from megatron.core.utils import (
 from megatron.training import get_args, get_timers, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from megatron_ext import sample_log_adapter
+from megatron_ext import sample_log_adapter, signals_adapter, zloss_adapter
 
 # Megatron-LM pretrain_gpt.py: a loss 10x the max of the first losses is "spiky".
 SPIKY_LOSS_FACTOR = 10
@@ -116,9 +117,22 @@ def get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int | No
     return batch, sample_ids
 
 
+@dataclass(frozen=True)
+class StepContext:
+    """What the loss function needs to know about its micro-batch beyond the loss itself.
+
+    ``sample_ids``/``tokens`` are set only on the rank that logs samples (TP rank 0 of the
+    last pipeline stage) and only when ``--sample-log-dir`` is set.
+    """
+
+    training: bool
+    sample_ids: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+
+
 def loss_func(
     loss_mask: torch.Tensor,
-    logged: tuple[torch.Tensor, torch.Tensor] | None,
+    context: StepContext,
     output_tensor: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Token-summed loss, token count and the ``lm loss`` report, as Megatron expects."""
@@ -128,6 +142,7 @@ def loss_func(
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    report.update(zloss_adapter.report_terms(mask, num_tokens))  # z-loss: pure-CE lm loss
 
     rerun_state_machine = get_rerun_state_machine()
     if args.check_for_nan_in_loss_and_grad:
@@ -151,9 +166,10 @@ def loss_func(
             tolerance=0.0,
             fatal=False,
         )
-    if logged is not None:
-        sample_ids, tokens = logged
-        sample_log_adapter.record(args, sample_ids, tokens, loss, num_tokens)
+    if context.training:
+        signals_adapter.observe_loss(args, loss, num_tokens)
+        if context.sample_ids is not None:
+            sample_log_adapter.record(args, context.sample_ids, context.tokens, loss, num_tokens)
     return loss, num_tokens, report
 
 
@@ -168,9 +184,9 @@ def forward_step(data_iterator: Any, model: Any):
         batch = dict.fromkeys(BATCH_KEYS)
     # Only the rank that reads data (TP rank 0) and computes the loss logs samples; the
     # last pipeline stage computes the loss, so that is where the record is written.
-    logged = None
+    context = StepContext(training=model.training)
     if sample_ids is not None and mpu.is_pipeline_last_stage() and model.training:
-        logged = (sample_ids, batch["tokens"])
+        context = StepContext(training=True, sample_ids=sample_ids, tokens=batch["tokens"])
     output_tensor = model(
         batch["tokens"],
         batch["position_ids"],
@@ -178,7 +194,7 @@ def forward_step(data_iterator: Any, model: Any):
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
     )
-    return output_tensor, partial(loss_func, batch["loss_mask"], logged)
+    return output_tensor, partial(loss_func, batch["loss_mask"], context)
 
 
 def is_dataset_built_on_rank(vp_stage: int | None = None) -> bool:

@@ -7,6 +7,7 @@ verifies each target against the installed megatron-core; exits 1 if any target 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import textwrap
 
@@ -14,8 +15,12 @@ from megatron_ext import MEGATRON_CORE_VERSION, patches
 
 
 def _load_registrations() -> None:
-    """Import every module that registers patches, so the list is complete."""
+    """Import the fixes and every feature adapter: importing one registers its patches."""
     import megatron_ext.fixes  # noqa: F401
+    from megatron_ext.arguments import FEATURES
+
+    for name in FEATURES:
+        importlib.import_module(name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,11 +9,12 @@ No Megatron imports here; the adapter that calls :meth:`SampleLog.write` is ``gp
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
+
+from megatron_ext.jsonl import JsonlAppender, read_jsonl
 
 
 @dataclass(frozen=True)
@@ -33,27 +34,22 @@ class SampleLog:
     """Append-only JSONL writer, one file per DP rank (``samples-dp{rank}.jsonl``)."""
 
     def __init__(self, directory: str | os.PathLike[str], dp_rank: int) -> None:
-        self.path = Path(directory) / f"samples-dp{dp_rank}.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._out = JsonlAppender(Path(directory) / f"samples-dp{dp_rank}.jsonl")
+        self.path = self._out.path
 
     def write(self, record: SampleRecord) -> None:
         """Append one record and flush, so it survives the process being killed."""
-        self._file.write(json.dumps(asdict(record), separators=(",", ":")) + "\n")
-        self._file.flush()
+        self._out.append(asdict(record))
 
 
 def read_records(path: str | os.PathLike[str]) -> Iterator[SampleRecord]:
-    """Yield records, dropping a torn final line (the only damage kill -9 can cause).
+    """Yield records in file order; torn lines (kill -9) are skipped and reported.
 
-    Every record is written with its newline in one flushed write, so only text after the
-    last newline can be incomplete. A malformed *complete* line means the file was edited or
-    corrupted, and that is an error, never silently skipped.
+    A line that is valid JSON but not a sample record means the file is not what it claims
+    to be, and that is an error, never silently skipped.
     """
-    text = Path(path).read_text(encoding="utf-8")
-    complete, _, _torn = text.rpartition("\n")
-    for number, line in enumerate(complete.split("\n") if complete else [], start=1):
+    for number, raw in enumerate(read_jsonl(path).records, start=1):
         try:
-            yield SampleRecord(**json.loads(line))
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise ValueError(f"{path}:{number}: malformed sample record: {exc}") from exc
+            yield SampleRecord(**raw)
+        except TypeError as exc:
+            raise ValueError(f"{path}: record {number} is not a sample record: {exc}") from exc

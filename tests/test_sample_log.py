@@ -20,16 +20,20 @@ def test_round_trip_and_append_across_restarts(tmp_path: Path) -> None:
     assert list(read_records(tmp_path / "samples-dp1.jsonl")) == [_record(1), _record(2)]
 
 
-def test_torn_last_line_is_dropped(tmp_path: Path) -> None:
+def test_torn_line_is_skipped_and_the_next_writer_starts_a_new_line(tmp_path: Path) -> None:
     log = SampleLog(tmp_path, dp_rank=1)
     log.write(_record(1))
     with open(log.path, "a") as f:
         f.write('{"iteration":2,"dp_rank":1,"micro')  # what SIGKILL mid-write leaves
-    assert list(read_records(log.path)) == [_record(1)]
+    with pytest.warns(UserWarning, match=r"skipped 1 torn line\(s\) at \[2\]"):
+        assert list(read_records(log.path)) == [_record(1)]
+    SampleLog(tmp_path, dp_rank=1).write(_record(3))  # the restarted run appends
+    with pytest.warns(UserWarning, match="torn"):
+        assert list(read_records(log.path)) == [_record(1), _record(3)]
 
 
-def test_corrupt_complete_line_is_an_error(tmp_path: Path) -> None:
+def test_json_that_is_not_a_sample_record_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "samples-dp0.jsonl"
-    path.write_text('{"iteration": 1}\nnot json\n')
-    with pytest.raises(ValueError, match=r"samples-dp0.jsonl:1: malformed sample record"):
+    path.write_text('{"iteration": 1}\n')
+    with pytest.raises(ValueError, match=r"samples-dp0.jsonl: record 1 is not a sample record"):
         list(read_records(path))

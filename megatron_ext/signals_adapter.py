@@ -1,0 +1,311 @@
+"""Megatron adapter for per-bucket grad norms and the per-step signals log.
+
+Flags: ``--log-bucket-grad-norms``, ``--signals-dir DIR``, ``--signals-update-ratio``.
+Three registered patches, applied only when one of the flags is set:
+
+- ``setup_model_and_optimizer``: keeps the DDP model chunks and the optimizer, and lays out
+  this rank's bucket views (whole bucket under DDP, own shard under the distributed optimizer);
+- ``ChainedOptimizer.get_grad_norm``: right before Megatron computes the pre-clip grad norm,
+  computes the squared bucket norms and launches ONE all-reduce for all of them (no host sync;
+  the values are read after Megatron's own ``.item()`` on the grad norm);
+- ``training_log``: assembles the iteration's :class:`~megatron_ext.signals.SignalRecord`, logs
+  bucket norms to console/TensorBoard/W&B, and checks Σ bucket² against Megatron's grad norm².
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core import mpu
+from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
+from megatron.training import get_tensorboard_writer, get_wandb_writer
+from megatron.training.utils import calc_params_l2_norm
+
+from megatron_ext import patches
+from megatron_ext.bucket_norms import BucketView, bucket_name, clip_range, squared_norms
+from megatron_ext.signals import SignalRecord, SignalsWriter
+
+# Σ bucket² must equal grad-norm² to this relative tolerance (fp32 summation-order noise).
+NORM_CHECK_RTOL = 1e-5
+
+
+def add_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--log-bucket-grad-norms", action="store_true",
+                       help="Log the L2 norm of every DDP gradient bucket's reduced, pre-clip "
+                       "gradient each step (console at --log-interval, TensorBoard key "
+                       "bucket-grad-norm/<name>, W&B, signals log).")
+    group.add_argument("--signals-dir", type=str, default=None,
+                       help="Append one JSON line per iteration to DIR/signals.jsonl (written by "
+                       "the last rank every step): losses, worst DP rank, grad/bucket/params "
+                       "norms, lr, loss scale, zeros, flags, job id and attempt.")
+    group.add_argument("--signals-update-ratio", action="store_true",
+                       help="Also record ||Δθ||/||θ|| per step. Keeps an fp32 copy of this "
+                       "rank's optimizer parameters (1/DP of them with the distributed "
+                       "optimizer), hence opt-in.")
+
+
+class _Telemetry:
+    """Per-process state shared by the three patches."""
+
+    def __init__(self) -> None:
+        self.args: Any = None
+        self.model: list[Any] = []
+        self.optimizer: Any = None
+        self.views: list[BucketView] = []
+        self.names: list[str] = []  # all pipeline stages' bucket names, in slot order
+        self.offset = 0  # where this stage's buckets start in the slot vector
+        self.pending: torch.Tensor | None = None
+        self.snapshot: list[torch.Tensor] | None = None
+        self.loss_sum: torch.Tensor | float = 0.0
+        self.loss_tokens: torch.Tensor | float = 0.0
+        self.writer: SignalsWriter | None = None
+
+    # -- set-up -------------------------------------------------------------------------
+    def attach(self, model: list[Any], optimizer: Any) -> None:
+        from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+        if not isinstance(optimizer, ChainedOptimizer):
+            raise RuntimeError(
+                f"megatron-ext telemetry expects Megatron's ChainedOptimizer, got "
+                f"{type(optimizer).__name__}; re-verify signals_adapter against megatron-core"
+            )
+        self.model, self.optimizer = model, optimizer
+        if self.args.log_bucket_grad_norms:
+            self._layout_buckets()
+        if self.args.signals_dir and dist.get_rank() == dist.get_world_size() - 1:
+            self.writer = SignalsWriter(self.args.signals_dir)
+
+    def _layout_buckets(self) -> None:
+        names_of = {}
+        for chunk in self.model:
+            for name, param in chunk.named_parameters():
+                names_of[param] = name
+        views: list[BucketView] = []
+        for chunk in self.model:
+            for group in [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]:
+                sharded = group.ddp_config.use_distributed_optimizer
+                size = group.intra_distributed_optimizer_instance_size if sharded else 1
+                rank = group.intra_distributed_optimizer_instance_rank if sharded else 0
+                for bucket in group.buckets:
+                    shard = bucket.grad_data.numel() // size
+                    lo, hi = rank * shard, (rank + 1) * shard
+                    ordered = sorted(bucket.params_list, key=lambda p: bucket.param_to_index[p])
+                    segments = tuple(
+                        bucket.grad_data[r[0]:r[1]] for p in ordered
+                        if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+                        if (r := clip_range(*bucket.param_to_index[p], lo, hi)) is not None
+                    )
+                    views.append(BucketView(
+                        name=bucket_name(len(views), [names_of[p] for p in ordered]),
+                        segments=segments,
+                    ))
+        self.views = views
+        # Each pipeline stage owns different buckets: give every stage its own slots so ONE
+        # all-reduce over the grad-stats group (TP x PP [x DP]) carries all of them.
+        stage_names: list[list[str]] = [[] for _ in range(mpu.get_pipeline_model_parallel_world_size())]
+        dist.all_gather_object(stage_names, [v.name for v in views],
+                               group=mpu.get_pipeline_model_parallel_group())
+        stage = mpu.get_pipeline_model_parallel_rank()
+        self.offset = sum(len(n) for n in stage_names[:stage])
+        self.names = [f"pp{s}.{n}" if len(stage_names) > 1 else n
+                      for s, names in enumerate(stage_names) for n in names]
+
+    # -- per step -----------------------------------------------------------------------
+    def before_grad_norm(self, optimizer: Any) -> None:
+        """Called by the patched get_grad_norm: grads are reduced and not yet clipped."""
+        if optimizer is not self.optimizer:
+            return
+        if self.views:
+            local = squared_norms(self.views)
+            slots = torch.zeros(len(self.names), dtype=torch.float64, device=local.device)
+            scale = float(optimizer.get_loss_scale())
+            slots[self.offset:self.offset + len(local)] = local / (scale * scale)
+            dist.all_reduce(slots, group=optimizer.get_grad_stats_parallel_group())
+            self.pending = slots
+        if self.args.signals_update_ratio:
+            self.snapshot = [p.detach().float().clone() for p in self._main_params()]
+
+    def _main_params(self) -> list[torch.Tensor]:
+        return [p for opt in self.optimizer.chained_optimizers for p in opt.get_parameters()]
+
+    def observe_loss(self, loss: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """Accumulate this rank's token-summed training loss of the current iteration."""
+        self.loss_sum = self.loss_sum + loss.detach().float()
+        self.loss_tokens = self.loss_tokens + num_tokens.detach().float()
+
+    def _update_ratio(self) -> float | None:
+        if self.snapshot is None:
+            return None
+        params = self._main_params()
+        sums = torch.zeros(2, dtype=torch.float32, device=params[0].device if params else "cpu")
+        for p, before in zip(params, self.snapshot):
+            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                sums[0] += (p.detach().float() - before).square().sum()
+                sums[1] += p.detach().float().square().sum()
+        dist.all_reduce(sums, group=self.optimizer.get_grad_stats_parallel_group())
+        self.snapshot = None
+        delta, norm = sums.tolist()
+        return math.sqrt(delta) / math.sqrt(norm) if norm > 0 else None
+
+    def _worst_rank(self) -> tuple[float | None, int | None]:
+        if not mpu.is_pipeline_last_stage() or not torch.is_tensor(self.loss_tokens):
+            return None, None
+        local = (self.loss_sum / self.loss_tokens).reshape(1)
+        gathered = [torch.zeros_like(local) for _ in range(mpu.get_data_parallel_world_size())]
+        dist.all_gather(gathered, local, group=mpu.get_data_parallel_group())
+        values = torch.cat(gathered).tolist()
+        worst = max(range(len(values)), key=lambda i: values[i])
+        return values[worst], worst
+
+    def after_training_log(self, iteration: int, loss_dict: dict[str, Any], lr: float | None,
+                           loss_scale: float, skipped_iter: int, grad_norm: float | None,
+                           params_norm: float | None, num_zeros: float | None,
+                           max_attention_logit: float | None) -> None:
+        bucket_sq = self.pending.tolist() if self.pending is not None else []
+        self.pending = None
+        buckets = {n: math.sqrt(max(s, 0.0)) for n, s in zip(self.names, bucket_sq)}
+        if buckets and grad_norm is not None and math.isfinite(grad_norm):
+            self._check(iteration, sum(bucket_sq), grad_norm)
+        worst_loss, worst_rank = self._worst_rank()
+        self.loss_sum, self.loss_tokens = 0.0, 0.0
+        update_ratio = self._update_ratio()
+        if self.args.signals_dir and params_norm is None:
+            params_norm = calc_params_l2_norm(self.model)
+        if dist.get_rank() != dist.get_world_size() - 1:
+            return
+        self._log_buckets(iteration, buckets)
+        if self.writer is None:
+            return
+        losses = {k: float(v) for k, v in loss_dict.items()}
+        lm_loss = losses.get("lm loss")
+        self.writer.write(SignalRecord(
+            iteration=iteration, attempt=0, job_id=os.environ.get("SLURM_JOB_ID", "local"),
+            wall_time=time.time(), consumed_samples=int(self.args.consumed_train_samples),
+            skipped_samples=int(self.args.skipped_train_samples), lm_loss=lm_loss,
+            z_loss=losses.get("z loss"), max_local_loss=worst_loss, max_loss_dp_rank=worst_rank,
+            grad_norm=grad_norm, bucket_grad_norms=buckets, params_norm=params_norm,
+            update_ratio=update_ratio, lr=lr, loss_scale=float(loss_scale), num_zeros=num_zeros,
+            max_attention_logit=max_attention_logit if self.args.log_max_attention_logit else None,
+            skipped_iter=bool(skipped_iter),
+            nan_iter=any(not math.isfinite(v) for v in losses.values()),
+        ))
+
+    def _check(self, iteration: int, bucket_sum_sq: float, grad_norm: float) -> None:
+        expected = grad_norm * grad_norm
+        if abs(bucket_sum_sq - expected) > NORM_CHECK_RTOL * max(expected, 1e-30):
+            print(f"megatron-ext WARNING: iteration {iteration}: sum of bucket grad norms^2 "
+                  f"{bucket_sum_sq:.9g} != grad-norm^2 {expected:.9g} (rtol {NORM_CHECK_RTOL}); "
+                  "bucket norms do not cover what Megatron's grad norm covers", flush=True)
+
+    def _log_buckets(self, iteration: int, buckets: dict[str, float]) -> None:
+        if not buckets:
+            return
+        writer, wandb = get_tensorboard_writer(), get_wandb_writer()
+        for name, value in buckets.items():
+            if writer is not None:
+                writer.add_scalar(f"bucket-grad-norm/{name}", value, iteration)
+        if wandb is not None:
+            wandb.log({f"bucket-grad-norm/{n}": v for n, v in buckets.items()}, iteration)
+        if iteration % self.args.log_interval == 0:
+            shown = " | ".join(f"{n}: {v:.4g}" for n, v in buckets.items())
+            print(f" iteration {iteration:8d} | bucket grad norms | {shown}", flush=True)
+
+
+TELEMETRY = _Telemetry()
+
+
+def _wrap_setup(original: Callable[..., Any]) -> Callable[..., Any]:
+    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+        model, optimizer, scheduler = original(*args, **kwargs)
+        TELEMETRY.attach(model, optimizer)
+        return model, optimizer, scheduler
+
+    return setup_model_and_optimizer
+
+
+def _wrap_get_grad_norm(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def get_grad_norm(self: Any) -> Any:
+        TELEMETRY.before_grad_norm(self)
+        return original(self)
+
+    return get_grad_norm
+
+
+def _wrap_training_log(original: Callable[..., Any]) -> Callable[..., Any]:
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                     report_memory_flag, skipped_iter, grad_norm, params_norm,
+                     num_zeros_in_grad, max_attention_logit, *args: Any, **kwargs: Any) -> Any:
+        result = original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                          report_memory_flag, skipped_iter, grad_norm, params_norm,
+                          num_zeros_in_grad, max_attention_logit, *args, **kwargs)
+        TELEMETRY.after_training_log(iteration, loss_dict, learning_rate, loss_scale,
+                                     skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
+                                     max_attention_logit)
+        return result
+
+    return training_log
+
+
+SETUP = patches.register(patches.Patch(
+    name="telemetry-setup-model-and-optimizer",
+    target="megatron.training.training:setup_model_and_optimizer",
+    reason="Keep the DDP model chunks and optimizer so bucket views and update ratios can be "
+    "computed; lays out the bucket views once.",
+    signature=(
+        "(model_type, model_provider_func=None, checkpointing_context=None, *, cfg_container: "
+        "megatron.training.config.container.PretrainConfigContainer | None = None, "
+        "pg_collection: megatron.core.process_groups_config.ProcessGroupCollection | "
+        "megatron.core.process_groups_config.MultiModuleProcessGroupCollection | None = None)"
+    ),
+    wrap=_wrap_setup,
+))
+GRAD_NORM = patches.register(patches.Patch(
+    name="telemetry-bucket-grad-norms",
+    target="megatron.core.optimizer.optimizer:ChainedOptimizer.get_grad_norm",
+    reason="The one point where gradients are reduced but not yet clipped: bucket norms and "
+    "the update-ratio snapshot are taken here, with one all-reduce and no host sync.",
+    signature="(self)",
+    wrap=_wrap_get_grad_norm,
+))
+TRAINING_LOG = patches.register(patches.Patch(
+    name="telemetry-signals-log",
+    target="megatron.training.training:training_log",
+    reason="Called every iteration with Megatron's reduced losses, lr, loss scale, grad norm, "
+    "params norm and zeros: the signals record and bucket-norm logging are emitted here.",
+    signature=(
+        "(loss_dict, total_loss_dict, learning_rate: float | None, iteration, loss_scale, "
+        "report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad, "
+        "max_attention_logit, pg_collection=None, is_first_iteration=False, "
+        "seqlen_squared_sum_in_batch: float | None = None, "
+        "total_real_tokens_in_batch: float | None = None)"
+    ),
+    wrap=_wrap_training_log,
+))
+
+
+def observe_loss(args: Any, loss: torch.Tensor, num_tokens: torch.Tensor) -> None:
+    """Called by the GPT loss function for every training micro-batch (no host sync)."""
+    if args.signals_dir:
+        TELEMETRY.observe_loss(loss, num_tokens)
+
+
+def enabled(args: Any) -> bool:
+    return bool(args.log_bucket_grad_norms or args.signals_dir or args.signals_update_ratio)
+
+
+def install(args: Any) -> None:
+    """Apply the telemetry patches when any telemetry flag is set."""
+    if not enabled(args):
+        return
+    if args.signals_update_ratio and not args.signals_dir:
+        raise SystemExit("--signals-update-ratio needs --signals-dir (it is a signals field)")
+    TELEMETRY.args = args
+    for patch in (SETUP, GRAD_NORM, TRAINING_LOG):
+        patches.apply(patch.name)
