@@ -26,9 +26,23 @@ def _default_transformer_impl(argv: list[str]) -> list[str]:
     return [*argv, "--transformer-impl", "local"]
 
 
+def _expand_skips(argv: list[str]) -> list[str]:
+    """Ranges and ``--iterations-to-skip-file`` → Megatron's flat ``--iterations-to-skip``,
+    plus the list persisted with the checkpoints being loaded (absolute iterations)."""
+    from megatron_ext.skip_ranges import expand_argv, with_persisted
+
+    try:
+        rest, requested = expand_argv(argv)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"megatron-ext: {exc}") from None
+    load = rest[rest.index("--load") + 1] if "--load" in rest[:-1] else None
+    return with_persisted(rest, requested, load)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse Megatron + megatron-ext arguments, install patches and run ``pretrain``."""
-    sys.argv = [sys.argv[0], *_default_transformer_impl(sys.argv[1:] if argv is None else argv)]
+    argv = _default_transformer_impl(sys.argv[1:] if argv is None else argv)
+    sys.argv = [sys.argv[0], *_expand_skips(argv)]
 
     from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain, set_startup_timestamps

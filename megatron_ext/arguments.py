@@ -17,6 +17,7 @@ from typing import Any
 FEATURES: tuple[str, ...] = (
     "megatron_ext.sample_log_adapter",
     "megatron_ext.signals_adapter",
+    "megatron_ext.spike_adapter",
     "megatron_ext.weight_decay_adapter",
 )
 

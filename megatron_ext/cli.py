@@ -14,7 +14,10 @@ USAGE = """usage: megatron-ext <command> [args]
 commands:
   preprocess   JSONL -> Megatron .bin/.idx (trains an offline BPE tokenizer if asked)
   demo         tiny corpus + tiny GPT trained by the real Megatron loop (CPU or GPU)
+  skiplist     plan (and --apply) a rollback + skip after a spike exit (code 42)
   patches      list the runtime patches megatron-ext applies to Megatron, and verify them
+  lookup       iteration + DP rank -> samples, documents, tokens; document -> iterations
+  plot         signals log -> PNG: loss, grad norm, params norm, max logit, spike candidates
 """
 
 
@@ -36,10 +39,31 @@ def _patches(argv: list[str]) -> int:
     return main(argv)
 
 
+def _lookup(argv: list[str]) -> int:
+    from megatron_ext.lookup.cli import main
+
+    return main(argv)
+
+
+def _plot(argv: list[str]) -> int:
+    from megatron_ext.plot import main
+
+    return main(argv)
+
+
+def _skiplist(argv: list[str]) -> int:
+    from megatron_ext.skiplist_cli import main
+
+    return main(argv)
+
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "preprocess": _preprocess,
     "demo": _demo,
     "patches": _patches,
+    "skiplist": _skiplist,
+    "lookup": _lookup,
+    "plot": _plot,
 }
 
 

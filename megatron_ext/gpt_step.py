@@ -28,7 +28,7 @@ from megatron.core.utils import (
 from megatron.training import get_args, get_timers, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from megatron_ext import sample_log_adapter, signals_adapter, zloss_adapter
+from megatron_ext import sample_log_adapter, signals_adapter, spike_adapter, zloss_adapter
 
 # Megatron-LM pretrain_gpt.py: a loss 10x the max of the first losses is "spiky".
 SPIKY_LOSS_FACTOR = 10
@@ -81,7 +81,8 @@ class SampleIdDataset(torch.utils.data.Dataset):
         return getattr(self.dataset, name)
 
 
-def get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int | None = None):
+def get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int | None = None,
+              training: bool = True):
     """Read on TP rank 0, broadcast over TP, slice for CP; returns (batch dict, sample ids)."""
     args = get_args()
     if not is_first_or_last_pipeline_stage(vp_stage):
@@ -92,6 +93,8 @@ def get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int | No
     if tp_rank == 0:
         batch = next(data_iterator)  # type: ignore[arg-type]
         sample_ids = batch.get(SAMPLE_ID_KEY)
+        if training:
+            spike_adapter.TRACKER.corrupt(batch)
         for key in BATCH_KEYS:
             value = batch.get(key)
             batch[key] = value.cuda(non_blocking=True) if value is not None else None
@@ -178,7 +181,7 @@ def forward_step(data_iterator: Any, model: Any):
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
-    batch, sample_ids = get_batch(data_iterator, vp_stage)
+    batch, sample_ids = get_batch(data_iterator, vp_stage, training=model.training)
     timers("batch-generator").stop()
     if batch is None:
         batch = dict.fromkeys(BATCH_KEYS)

@@ -66,6 +66,7 @@ class _Telemetry:
         self.loss_sum: torch.Tensor | float = 0.0
         self.loss_tokens: torch.Tensor | float = 0.0
         self.writer: SignalsWriter | None = None
+        self.last_record: SignalRecord | None = None  # on the writing (last) rank
 
     # -- set-up -------------------------------------------------------------------------
     def attach(self, model: list[Any], optimizer: Any) -> None:
@@ -185,7 +186,7 @@ class _Telemetry:
             return
         losses = {k: float(v) for k, v in loss_dict.items()}
         lm_loss = losses.get("lm loss")
-        self.writer.write(SignalRecord(
+        self.last_record = SignalRecord(
             iteration=iteration, attempt=0, job_id=os.environ.get("SLURM_JOB_ID", "local"),
             wall_time=time.time(), consumed_samples=int(self.args.consumed_train_samples),
             skipped_samples=int(self.args.skipped_train_samples), lm_loss=lm_loss,
@@ -195,7 +196,8 @@ class _Telemetry:
             max_attention_logit=max_attention_logit if self.args.log_max_attention_logit else None,
             skipped_iter=bool(skipped_iter),
             nan_iter=any(not math.isfinite(v) for v in losses.values()),
-        ))
+        )
+        self.writer.write(self.last_record)
 
     def _check(self, iteration: int, bucket_sum_sq: float, grad_norm: float) -> None:
         expected = grad_norm * grad_norm
@@ -219,6 +221,9 @@ class _Telemetry:
 
 
 TELEMETRY = _Telemetry()
+
+# Called on every rank after each iteration's training_log (the spike tracker registers here).
+STEP_HOOKS: list[Callable[[int], None]] = []
 
 
 def _wrap_setup(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -248,6 +253,8 @@ def _wrap_training_log(original: Callable[..., Any]) -> Callable[..., Any]:
         TELEMETRY.after_training_log(iteration, loss_dict, learning_rate, loss_scale,
                                      skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
                                      max_attention_logit)
+        for hook in STEP_HOOKS:
+            hook(iteration)
         return result
 
     return training_log
