@@ -18,6 +18,7 @@ FEATURES: tuple[str, ...] = (
     "megatron_ext.sample_log_adapter",
     "megatron_ext.signals_adapter",
     "megatron_ext.spike_adapter",
+    "megatron_ext.zloss_adapter",
     "megatron_ext.weight_decay_adapter",
 )
 
