@@ -8,6 +8,8 @@ Rules (seed 004: "a sliding median and a robust spread, not a single high step";
   AND grad norm ≥ ``grad_factor`` × its median (a loss jump the gradients corroborate).
 - **Divergence**: a non-finite loss or grad norm, or the loss above the threshold for
   ``patience`` consecutive iterations without the gradient corroboration (slow blow-up).
+- Iterations between the relative and the full threshold stay out of the baseline (so a
+  spike's first steps cannot raise its own threshold) unless they last ``patience`` iterations.
 - **Recovery**: after a spike, the loss back under the (frozen) threshold within ``patience``
   iterations: transient, logged, nothing else. Otherwise: **rollback**.
 
@@ -121,7 +123,8 @@ class SpikeDetector:
         self.grad = RollingWindow(config.window)
         self.seen = 0
         self.state: Literal["healthy", "watching", "rollback"] = "healthy"
-        self.elevated = 0
+        self.elevated = 0  # consecutive iterations above the threshold, uncorroborated
+        self.suspicious = 0  # consecutive iterations between the relative and full threshold
         self.incident: SpikeEvent | None = None
         self.recent: deque[SignalRecord] = deque(maxlen=config.context)
 
@@ -152,12 +155,16 @@ class SpikeDetector:
             return self._watch(record)
         relative = self.loss.median() * (1.0 + self.config.loss_rel)
         if loss <= relative:  # cheap path: most iterations stop here
-            self.elevated = 0
+            self.elevated = self.suspicious = 0
             self._learn(loss, grad)
             return []
         if loss <= self.threshold():
+            # Suspicious but not a spike: keep it out of the baseline so a spike's first steps
+            # cannot raise the threshold, unless it lasts (a level shift, e.g. a new mixture).
             self.elevated = 0
-            self._learn(loss, grad)
+            self.suspicious += 1
+            if self.suspicious > self.config.patience:
+                self._learn(loss, grad)
             return []
         grad_baseline = self.grad.median() if len(self.grad) else None
         corroborated = (grad is not None and grad_baseline is not None
