@@ -53,12 +53,32 @@ class JsonlContent:
     torn_lines: list[int] = field(default_factory=list)
 
 
-def read_jsonl(path: str | os.PathLike[str], warn: bool = True) -> JsonlContent:
-    """Read every JSON object line; torn lines are skipped and reported, never guessed at."""
+_ITERATION_KEY = '{"iteration":'
+
+
+def _outside(line: str, iterations: tuple[int, int]) -> bool:
+    """True when a ``{"iteration":N,...`` line is certainly outside ``iterations``."""
+    if not line.startswith(_ITERATION_KEY):
+        return False
+    end = line.find(",", len(_ITERATION_KEY))
+    try:
+        value = int(line[len(_ITERATION_KEY):end])
+    except ValueError:
+        return False  # let the JSON parser decide (torn or foreign line)
+    return not iterations[0] <= value <= iterations[1]
+
+
+def read_jsonl(path: str | os.PathLike[str], warn: bool = True,
+               iterations: tuple[int, int] | None = None) -> JsonlContent:
+    """Read every JSON object line; torn lines are skipped and reported, never guessed at.
+
+    With ``iterations``, lines that start with an ``iteration`` key outside the range are
+    skipped unparsed (the writers here always put that key first).
+    """
     content = JsonlContent()
     with open(path, encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, start=1):
-            if not line.strip():
+            if not line.strip() or (iterations is not None and _outside(line, iterations)):
                 continue
             try:
                 value = json.loads(line)

@@ -69,10 +69,16 @@ def _from_json(value: Any) -> Any:
 _FIELDS = {f.name for f in fields(SignalRecord)}
 
 
-def read_signals(path: str | os.PathLike[str]) -> list[SignalRecord]:
-    """Every record of every attempt, in file order (torn lines skipped and reported)."""
+def read_signals(path: str | os.PathLike[str],
+                 iterations: tuple[int, int] | None = None) -> list[SignalRecord]:
+    """Every record of every attempt, in file order (torn lines skipped and reported).
+
+    ``iterations=(first, last)`` keeps only that range; lines outside it are recognised by
+    their leading ``{"iteration":N`` key without being parsed, so a planner can look at the
+    stretch before an incident in a million-line log quickly.
+    """
     records = []
-    for number, raw in enumerate(read_jsonl(path).records, start=1):
+    for number, raw in enumerate(read_jsonl(path, iterations=iterations).records, start=1):
         unknown = set(raw) - _FIELDS
         try:
             if unknown:

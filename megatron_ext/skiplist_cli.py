@@ -33,6 +33,7 @@ from megatron_ext.skiplist import (
 LEDGER_NAME = "spikes.jsonl"
 INCIDENTS = "megatron_ext_incidents"
 SKIP_FILE = "megatron_ext_skip.txt"
+ONSET_LOOKBACK = 10_000  # iterations of signals read before the incident
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                             beta2=args.beta2, policy=args.policy)
         train_iters = args.train_iters or (
             _train_iters(args.ckpt_dir, checkpoints[-1]) if checkpoints else None)
-        plan = make_plan(ledger, read_signals(signals_path), checkpoints,
+        # The onset search looks back from the incident; read only that stretch of the log.
+        last = max((int(e["iteration"]) for e in ledger if e.get("kind") == "rollback"),
+                   default=0)
+        history = read_signals(signals_path, iterations=(max(1, last - ONSET_LOOKBACK), last))
+        plan = make_plan(ledger, history, checkpoints,
                          _earlier_skips(args.ckpt_dir), config, train_iters, str(args.ckpt_dir))
     except (PlanError, ValueError) as exc:
         print(f"megatron-ext skiplist: error: {exc}", file=sys.stderr)
