@@ -28,8 +28,9 @@
 #   17  EXIT_CODE_FAILED_ON_RESULT_VALIDATION   -> stop: print the failure, the
 #       tracker file and suspect nodes; exit 17 (never retried blindly)
 #   42  megatron-ext "spike detected, rollback requested" -> run
-#       $MEGATRON_EXT_ON_SPIKE, then relaunch (at most MAX_ROLLBACKS times);
-#       without a hook: stop with exit 42
+#       $MEGATRON_EXT_ON_SPIKE (default when the run has --signals-dir:
+#       megatron-ext skiplist --apply ... $SKIPLIST_ARGS), then relaunch (at
+#       most MAX_ROLLBACKS times); without a hook: stop with exit 42
 #   other non-zero                              -> stop with that code
 #
 # torchrun reports exit code 1 whenever a worker fails, whatever the worker's
@@ -144,6 +145,8 @@ mx_setup() {
     : "${LAUNCH_STATE_DIR:=$CKPT_DIR/launch_state}"
     : "${MODEL_ARGS:=}" "${DATA_ARGS:=}" "${EXTRA_ARGS:=}" "${EXTRA_ENV:=}"
     : "${MEGATRON_EXT_ON_SPIKE:=}"
+    : "${SKIPLIST_ARGS:=}"  # extra `megatron-ext skiplist` flags for the default spike hook
+    MX_SIGNALS_DIR=""       # the run's --signals-dir, found in its arguments
     # H100 / NCCL environment of the training processes (exported through an
     # explicit `env` prefix so that it is visible in --dry-run output).
     : "${CUDA_DEVICE_MAX_CONNECTIONS:=1}"     # Megatron TP/SP comm ordering
@@ -179,8 +182,10 @@ mx_build_train_args() {
                     "--save \$CKPT_DIR --load \$CKPT_DIR (auto-resume); set CKPT_DIR instead" \
                     "(to start from another checkpoint use --pretrained-checkpoint)" ;;
             --result-rejected-tracker-filename=*) TRACKER_FILE=${a#*=} ;;
+            --signals-dir=*) MX_SIGNALS_DIR=${a#*=} ;;
         esac
         if [[ $prev == --result-rejected-tracker-filename ]]; then TRACKER_FILE=$a; fi
+        if [[ $prev == --signals-dir ]]; then MX_SIGNALS_DIR=$a; fi
         prev=$a
     done
     MX_TRAIN_ARGS=(
@@ -401,10 +406,16 @@ mx_on_validation_failure() {
 # Returns 0 to relaunch; otherwise exits.
 mx_on_spike() {
     mx_log "training exited 42: megatron-ext detected a loss spike and requests a rollback"
+    if [[ -z $MEGATRON_EXT_ON_SPIKE && -n $MX_SIGNALS_DIR ]]; then
+        # Default hook: plan and apply the rollback + skip, then relaunch (same command).
+        # shellcheck disable=SC2016  # expanded by the hook's bash, where these are set
+        MEGATRON_EXT_ON_SPIKE='"$PYTHON" -m megatron_ext.cli skiplist --apply --ckpt-dir "$MEGATRON_EXT_CKPT_DIR" --signals-dir "$MEGATRON_EXT_SIGNALS_DIR" --tracker-file "$MEGATRON_EXT_TRACKER_FILE" $SKIPLIST_ARGS'
+    fi
     if [[ -z $MEGATRON_EXT_ON_SPIKE ]]; then
-        mx_log "ERROR: MEGATRON_EXT_ON_SPIKE is not set, so there is no rollback hook to run;" \
-            "stopping with exit 42. Set MEGATRON_EXT_ON_SPIKE to a command (e.g. a" \
-            "'megatron-ext skiplist ...' planner) to roll back and restart automatically."
+        mx_log "ERROR: MEGATRON_EXT_ON_SPIKE is not set and the run has no --signals-dir," \
+            "so there is no rollback hook to run; stopping with exit 42. Train with" \
+            "--signals-dir DIR --spike-detect (default hook: megatron-ext skiplist --apply)" \
+            "or set MEGATRON_EXT_ON_SPIKE to your own command."
         exit 42
     fi
     if ((MX_ROLLBACKS >= MAX_ROLLBACKS)); then
@@ -416,7 +427,9 @@ mx_on_spike() {
     mx_log "running spike hook (rollback $MX_ROLLBACKS/$MAX_ROLLBACKS): $MEGATRON_EXT_ON_SPIKE"
     local hook_rc=0
     MEGATRON_EXT_CKPT_DIR=$CKPT_DIR \
+        MEGATRON_EXT_SIGNALS_DIR=$MX_SIGNALS_DIR \
         MEGATRON_EXT_TRACKER_FILE=$TRACKER_FILE \
+        PYTHON=$PYTHON SKIPLIST_ARGS=$SKIPLIST_ARGS \
         MEGATRON_EXT_ROLLBACK=$MX_ROLLBACKS \
         MEGATRON_EXT_MAX_ROLLBACKS=$MAX_ROLLBACKS \
         MEGATRON_EXT_TRAIN_EXIT_CODE=42 \
