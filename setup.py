@@ -17,6 +17,7 @@ setup(
     install_requires=[
         f"megatron-core=={MEGATRON_CORE_VERSION}",
         "torch>=2.6",
+        "matplotlib",  # `megatron-ext plot` (Agg backend, no display needed)
         "numpy",
         "psutil",  # imported by Megatron's checkpoint code, not declared by megatron-core
         "tokenizers>=0.19",  # offline BPE training for `megatron-ext preprocess`

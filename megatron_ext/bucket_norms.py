@@ -46,13 +46,30 @@ def clip_range(start: int, end: int, lo: int, hi: int) -> tuple[int, int] | None
     return (a, b) if a < b else None
 
 
+class BucketNormer:
+    """Computes every bucket's squared norm with one fused ``_foreach_norm`` per step.
+
+    The segment list and the segment → bucket index are built once (a host-to-device copy
+    per step would synchronise the GPU).
+    """
+
+    def __init__(self, views: list[BucketView]) -> None:
+        self.count = len(views)
+        self.segments = [s for v in views for s in v.segments]
+        device = self.segments[0].device if self.segments else torch.device("cpu")
+        self.owner = torch.tensor([i for i, v in enumerate(views) for _ in v.segments],
+                                  dtype=torch.long, device=device)
+
+    def __call__(self) -> torch.Tensor:
+        """Squared L2 norm of each bucket (fp64 sums of per-segment fp32 norms)."""
+        device = self.owner.device
+        totals = torch.zeros(self.count, dtype=torch.float64, device=device)
+        if not self.segments:
+            return totals
+        per_segment = torch.stack(torch._foreach_norm(self.segments)).double().square()
+        return totals.index_add_(0, self.owner, per_segment)
+
+
 def squared_norms(views: list[BucketView]) -> torch.Tensor:
-    """Squared L2 norm of each bucket (fp64), from one fused norm over all its segments."""
-    segments = [s for v in views for s in v.segments]
-    if not segments:
-        return torch.zeros(len(views), dtype=torch.float64)
-    per_segment = torch.stack(torch._foreach_norm(segments)).double().square()
-    owner = torch.tensor([i for i, v in enumerate(views) for _ in v.segments],
-                         device=per_segment.device)
-    totals = torch.zeros(len(views), dtype=torch.float64, device=per_segment.device)
-    return totals.index_add_(0, owner, per_segment)
+    """One-shot convenience form of :class:`BucketNormer`."""
+    return BucketNormer(views)()

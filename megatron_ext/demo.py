@@ -92,41 +92,90 @@ def training_command(workdir: Path, nproc: int, iters: int, extra: list[str]) ->
     ]
 
 
+# The incident drill: garbage tokens on DP rank 1 for iterations 40-45, caught by a detector
+# tuned for a 60-iteration run (short window, low MAD factor: the tiny model's loss is still
+# falling steeply), then a rollback to a checkpoint >= 5 iterations before the onset and a
+# 12-batch skip window.
+DRILL_FLAGS = [
+    "--z-loss-coeff", "1e-4", "--log-bucket-grad-norms", "--spike-detect",
+    "--spike-window", "10", "--spike-warmup", "20", "--spike-mad-k", "3",
+    "--spike-grad-factor", "1.5", "--spike-patience", "3",
+    "--drill-corrupt-batch", "40-45:1", "--save-interval", "5",
+]
+DRILL_PLAN = ["--rollback-iters", "5", "--skip-batches", "12"]
+MAX_DRILL_ROLLBACKS = 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-ext demo", description=__doc__)
     parser.add_argument("--workdir", type=Path, default=Path("runs/demo"),
                         help="where data, checkpoints and logs go (default: %(default)s)")
-    parser.add_argument("--iters", type=int, default=40, help="training iterations")
-    parser.add_argument("--nproc", type=int, default=1, help="processes (data parallel)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="training iterations (default 40; 60 with --drill)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes, data parallel (default 1; 2 with --drill)")
     parser.add_argument("--fresh", action="store_true",
                         help="delete checkpoints and logs from an earlier demo first")
+    parser.add_argument("--drill", action="store_true",
+                        help="the incident drill: bad batch on DP rank 1 -> spike exit -> "
+                        "megatron-ext skiplist --apply -> restart past the spike")
     parser.add_argument("extra", nargs=argparse.REMAINDER,
                         help="after --: more Megatron / megatron-ext flags")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Prepare data, train, and print where everything went."""
-    args = build_parser().parse_args(argv)
-    workdir = args.workdir.resolve()
-    if args.fresh:
-        for sub in ("checkpoints", "tensorboard", "samples", "train.log"):
-            shutil.rmtree(workdir / sub, ignore_errors=True)
-            (workdir / sub).unlink(missing_ok=True)
-    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
-    command = training_command(workdir, args.nproc, args.iters, extra)
+def _train(command: list[str], workdir: Path, log_path: Path) -> int:
+    """Run one launch, echoing iteration lines and megatron-ext messages."""
     print("+ " + " ".join(command), flush=True)
-    log_path = workdir / "train.log"
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, cwd=workdir)
         assert process.stdout is not None
         for line in process.stdout:
             log.write(line)
-            if " iteration " in line or "error" in line.lower():
+            if " iteration " in line or "megatron-ext" in line or "error" in line.lower():
                 print(line.rstrip(), flush=True)
-        status = process.wait()
+        return process.wait()
+
+
+def _rollback_requests(workdir: Path) -> int:
+    ledger = workdir / "signals" / "spikes.jsonl"
+    return ledger.read_text().count('"kind":"rollback"') if ledger.exists() else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prepare data, train (drill: plan, apply and restart), print where everything went."""
+    args = build_parser().parse_args(argv)
+    workdir = args.workdir.resolve()
+    if args.fresh or args.drill:
+        for sub in ("checkpoints", "tensorboard", "samples", "signals", "train.log"):
+            shutil.rmtree(workdir / sub, ignore_errors=True)
+            (workdir / sub).unlink(missing_ok=True)
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    iters = args.iters or (60 if args.drill else 40)
+    nproc = args.nproc or (2 if args.drill else 1)
+    extra = [*(DRILL_FLAGS if args.drill else []), "--signals-dir", str(workdir / "signals"),
+             *extra]
+    command = training_command(workdir, nproc, iters, extra)
+    log_path = workdir / "train.log"
+    status = _train(command, workdir, log_path)
+    rollbacks = 0
+    while args.drill and status != 0 and _rollback_requests(workdir) > rollbacks:
+        rollbacks += 1
+        if rollbacks > MAX_DRILL_ROLLBACKS:
+            print(f"demo: more than {MAX_DRILL_ROLLBACKS} rollbacks; stopping")
+            break
+        print(f"\ndemo: spike exit -> megatron-ext skiplist --apply (rollback {rollbacks})")
+        from megatron_ext.skiplist_cli import main as skiplist
+
+        if skiplist(["--ckpt-dir", str(workdir / "checkpoints"), "--signals-dir",
+                     str(workdir / "signals"), "--apply", *DRILL_PLAN]) != 0:
+            break
+        status = _train(command, workdir, log_path)
+    incidents = sorted((workdir / "checkpoints" / "megatron_ext_incidents").glob("*.md"))
     print(f"\ntraining log:   {log_path}\ncheckpoints:    {workdir / 'checkpoints'}\n"
           f"tensorboard:    {workdir / 'tensorboard'}\nsample log:     {workdir / 'samples'}\n"
-          f"exit status:    {status}")
+          f"signals:        {workdir / 'signals'}\n"
+          + "".join(f"incident:       {p}\n" for p in incidents)
+          + f"exit status:    {status}")
     return status

@@ -29,7 +29,7 @@ from megatron.training import get_tensorboard_writer, get_wandb_writer
 from megatron.training.utils import calc_params_l2_norm
 
 from megatron_ext import patches
-from megatron_ext.bucket_norms import BucketView, bucket_name, clip_range, squared_norms
+from megatron_ext.bucket_norms import BucketNormer, BucketView, bucket_name, clip_range
 from megatron_ext.signals import SignalRecord, SignalsWriter
 
 # Σ bucket² must equal grad-norm² to this relative tolerance (fp32 summation-order noise).
@@ -59,6 +59,7 @@ class _Telemetry:
         self.model: list[Any] = []
         self.optimizer: Any = None
         self.views: list[BucketView] = []
+        self.normer: BucketNormer | None = None
         self.names: list[str] = []  # all pipeline stages' bucket names, in slot order
         self.offset = 0  # where this stage's buckets start in the slot vector
         self.pending: torch.Tensor | None = None
@@ -108,6 +109,7 @@ class _Telemetry:
                         segments=segments,
                     ))
         self.views = views
+        self.normer = BucketNormer(views)
         # Each pipeline stage owns different buckets: give every stage its own slots so ONE
         # all-reduce over the grad-stats group (TP x PP [x DP]) carries all of them.
         stage_names: list[list[str]] = [[] for _ in range(mpu.get_pipeline_model_parallel_world_size())]
@@ -123,10 +125,11 @@ class _Telemetry:
         """Called by the patched get_grad_norm: grads are reduced and not yet clipped."""
         if optimizer is not self.optimizer:
             return
-        if self.views:
-            local = squared_norms(self.views)
+        if self.normer is not None:
+            local = self.normer()
             slots = torch.zeros(len(self.names), dtype=torch.float64, device=local.device)
-            scale = float(optimizer.get_loss_scale())
+            # fp16: grad_data holds scaled grads; the loss scale stays a tensor (no host sync).
+            scale = torch.as_tensor(optimizer.get_loss_scale()).to(local.device, torch.float64)
             slots[self.offset:self.offset + len(local)] = local / (scale * scale)
             dist.all_reduce(slots, group=optimizer.get_grad_stats_parallel_group())
             self.pending = slots
