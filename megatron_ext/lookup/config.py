@@ -1,0 +1,295 @@
+"""The run's data and batch configuration: from a checkpoint's saved args, or Megatron flags.
+
+Megatron saves its whole ``args`` namespace in every checkpoint, so a checkpoint is the most
+faithful record of how the run read data. Flags are parsed by Megatron's own argument parser,
+on top of the checkpoint's args when both are given (explicit flags win), so every flag means
+exactly what it meant to the training job. What the lookup needs is then distilled into a
+:class:`RunConfig`; modes whose sample order this tool cannot reproduce are refused here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.lookup.errors import ConfigError
+from megatron_ext.lookup.indices import DataSpec
+from megatron_ext.lookup.position import Anchor, Schedule, parse_step_schedule
+from megatron_ext.lookup.topology import Topology
+
+# Megatron-LM's validate_args default when --data-path is given without --split.
+LEGACY_SPLIT = "969, 30, 1"
+
+UNSUPPORTED = {
+    "mock_data": "--mock-data (there is no data to look up)",
+    "sft": "--sft (SFT packs conversations; its sample order is not GPTDataset's)",
+    "fim_data": "--fim-data",
+    "hybrid_context_parallel": "--hybrid-context-parallel (its sampler reorders micro-batches)",
+    "perform_rl_step": "RL training (data comes from rollouts)",
+}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a checkpoint says about its run."""
+
+    directory: Path
+    iteration: int
+    args: argparse.Namespace
+
+
+def load_checkpoint(path: str | Path, step: int | None = None) -> Checkpoint:
+    """Read the saved args of a torch_dist checkpoint (a --save dir or one ``iter_*`` dir)."""
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+    root = Path(path)
+    tracker = root / "latest_checkpointed_iteration.txt"
+    if step is not None:
+        directory = root / f"iter_{step:07d}"
+    elif tracker.is_file():
+        directory = root / f"iter_{int(tracker.read_text().strip()):07d}"
+    else:
+        directory = root
+    if not (directory / "metadata.json").is_file() and not (directory / "common.pt").is_file():
+        raise ConfigError(
+            f"{directory} is not a torch_dist checkpoint (no metadata.json); pass the --save "
+            "directory or an iter_NNNNNNN directory, and --ckpt-step to choose one"
+        )
+    state = load_common_state_dict(str(directory))
+    if "args" not in state:
+        raise ConfigError(f"{directory} holds no saved Megatron args")
+    return Checkpoint(directory, int(state.get("iteration", 0)), state["args"])
+
+
+def megatron_namespace(argv: list[str], base: argparse.Namespace | None) -> argparse.Namespace:
+    """Parse Megatron flags with Megatron's parser; values already in ``base`` are defaults.
+
+    argparse only fills defaults for attributes the namespace lacks, so checkpoint values stay
+    unless a flag overrides them, and flags absent from the checkpoint get Megatron's defaults.
+    """
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(prog="megatron flags",
+                                                            allow_abbrev=False))
+    namespace = copy.deepcopy(base) if base is not None else argparse.Namespace()
+    parsed, unknown = parser.parse_known_args(argv, namespace=namespace)
+    if unknown:
+        raise ConfigError(f"unknown flags (neither lookup nor Megatron flags): {' '.join(unknown)}")
+    if isinstance(parsed.phase_transition_iterations, str):  # as validate_args does
+        parsed.phase_transition_iterations = sorted(
+            int(x.strip()) for x in parsed.phase_transition_iterations.split(","))
+    if parsed.data_path is not None and parsed.split is None:
+        parsed.split = LEGACY_SPLIT
+    return parsed
+
+
+def _blend(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...] | None, bool]:
+    """(prefixes, weights, per-split) of the train split, via Megatron's own blend parsing."""
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    blend, per_split = get_blend_and_blend_per_split(args)
+    if blend is None and per_split is not None:
+        blend = per_split[0]
+        if blend is None:
+            raise ConfigError("the run has per-split data paths but no train split blend")
+        split_mode = True
+    else:
+        split_mode = False
+    if blend is None:
+        raise ConfigError("no training data: pass --data-path/--train-data-path or a checkpoint")
+    prefixes, weights = blend
+    if any(p.startswith(("s3://", "msc://")) for p in prefixes):
+        raise ConfigError("object-storage datasets (s3://, msc://) are not supported")
+    return tuple(prefixes), None if weights is None else tuple(weights), split_mode
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything the lookup needs to know about one run."""
+
+    args: argparse.Namespace  # Megatron's namespace (for the tokenizer and cache rebuilds)
+    schedule: Schedule
+    topology: Topology
+    dataloader_type: str  # "single" or "cyclic"
+    data_sharding: bool
+    data_phase: int | None  # the phase whose data the args describe; None: as asked (flags)
+    notes: tuple[str, ...]  # things the engineer should know (deprecated flags etc.)
+    add_extra_token: bool = True
+
+    def train_target(self, phase: int) -> int:
+        """Train split size Megatron requested for ``phase`` (get_train_valid_test_num_samples)."""
+        args = self.args
+        if self.schedule.phase_transitions:
+            edges = [0, *(t * args.global_batch_size for t in self.schedule.phase_transitions),
+                     args.train_samples]
+            return edges[phase + 1] - edges[phase]
+        if args.train_samples:
+            return int(args.train_samples)
+        return int(args.train_iters) * int(args.global_batch_size)
+
+    def data_spec(self, phase: int) -> DataSpec:
+        """The train dataset of ``phase``, as the builder saw it."""
+        prefixes, weights, per_split = _blend(self.args)
+        return DataSpec(
+            prefixes=prefixes, weights=weights, per_split=per_split,
+            split=None if per_split else self.args.split, seed=int(self.args.seed),
+            sequence_length=int(self.args.seq_length), target_samples=self.train_target(phase),
+            surplus=float(self.args.mid_level_dataset_surplus),
+            cache_dir=self.args.data_cache_path, add_extra_token=self.add_extra_token,
+        )
+
+
+def _train_iters(args: argparse.Namespace, step_schedule: tuple[tuple[int, int], ...]) -> int:
+    """Megatron's update_train_iters for sample-based runs."""
+    if args.train_iters:
+        return int(args.train_iters)
+    if not args.train_samples:
+        raise ConfigError("pass --train-iters or --train-samples (or use a checkpoint)")
+    if not step_schedule:
+        return int(args.train_samples) // int(args.global_batch_size)
+    iterations = consumed = 0
+    while consumed < args.train_samples:
+        consumed += [s for t, s in step_schedule if t <= consumed][-1]
+        iterations += 1
+    return iterations
+
+
+def run_config(args: argparse.Namespace, *, data_parallel_size: int | None,
+               checkpoint: Checkpoint | None, data_from_checkpoint: bool = True,
+               add_extra_token: bool = True) -> RunConfig:
+    """Distil Megatron's namespace into a RunConfig, refusing what cannot be answered exactly.
+
+    ``data_from_checkpoint``: the data paths are the checkpoint's (not overridden by flags), so
+    they describe the phase the checkpoint was saved in.
+    """
+    used = [text for attr, text in UNSUPPORTED.items() if getattr(args, attr, None)]
+    if used:
+        raise ConfigError(f"unsupported for lookup: {'; '.join(used)}")
+    if getattr(args, "gtp_weight_remat_size", 1) not in (None, 1):
+        raise ConfigError("--tensor-parallel-num-weight-shards changes the data axis; unsupported")
+    dataloader = args.dataloader_type or "single"
+    if dataloader not in ("single", "cyclic"):
+        raise ConfigError(f"--dataloader-type {dataloader}: the sample order is the user's code")
+    if args.seq_length is None or args.micro_batch_size is None:
+        raise ConfigError("pass --seq-length and --micro-batch-size (or --from-checkpoint)")
+    dp = data_parallel_size or getattr(args, "data_parallel_size", None)
+    if not dp:
+        raise ConfigError("pass --data-parallel-size (world size / (TP x PP x CP))")
+    args = copy.copy(args)
+    args.data_parallel_size = dp
+    notes = []
+    if getattr(args, "rampup_batch_size", None):
+        notes.append(
+            f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))} is deprecated and "
+            "ignored by megatron-core 0.19.2: the run used a constant global batch "
+            "(--step-batch-size-schedule is the ramp-up that takes effect)"
+        )
+    step_schedule: tuple[tuple[int, int], ...] = ()
+    if args.step_batch_size_schedule:
+        step_schedule = parse_step_schedule(args.step_batch_size_schedule, args.seq_length)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    transitions = tuple(args.phase_transition_iterations or ())
+    if transitions and not args.train_samples:
+        raise ConfigError(
+            "--phase-transition-iterations without --train-samples: megatron-core 0.19.2 cannot "
+            "size the phases (it compares against train_samples=None), so no such run exists"
+        )
+    anchor = None if checkpoint is None else Anchor(checkpoint.iteration,
+                                                    int(args.consumed_train_samples))
+    schedule = Schedule(
+        micro_batch_size=int(args.micro_batch_size), data_parallel_size=int(dp),
+        global_batch_size=int(args.global_batch_size),
+        train_iters=_train_iters(args, step_schedule), step_schedule=step_schedule,
+        decrease_batch_size_if_needed=bool(args.decrease_batch_size_if_needed),
+        phase_transitions=transitions,
+        iterations_to_skip=frozenset(int(i) for i in (args.iterations_to_skip or ())),
+        anchor=anchor,
+    )
+    args.train_iters = schedule.train_iters  # as Megatron's update_train_iters leaves it
+    if anchor is not None and not schedule.history_known:
+        notes.append(
+            f"checkpoint iteration {anchor.iteration} has consumed_train_samples="
+            f"{anchor.consumed_samples}, which this batch schedule does not reproduce: only "
+            "iterations after it can be answered"
+        )
+    skipped = getattr(args, "skipped_train_samples", None)
+    if checkpoint is not None and skipped is not None and schedule.history_known:
+        done = [i for i in schedule.iterations_to_skip if i <= checkpoint.iteration]
+        listed = sum(schedule.batch(i).size for i in done)
+        if schedule.decrease_batch_size_if_needed and not step_schedule:
+            # Megatron also counts the rounded-off samples of every trained iteration.
+            rounded = schedule.global_batch_size - schedule.batch(1).size
+            listed += rounded * (checkpoint.iteration - len(done))
+        if skipped != listed:
+            notes.append(
+                f"the checkpoint counts {skipped} skipped samples but its --iterations-to-skip "
+                f"account for {listed}: earlier jobs skipped other iterations, so 'skipped' "
+                "flags before this job may be incomplete"
+            )
+    topology = Topology(
+        data_parallel=int(dp), tensor_parallel=int(args.tensor_model_parallel_size),
+        pipeline_parallel=int(args.pipeline_model_parallel_size),
+        context_parallel=int(args.context_parallel_size),
+        tp_pp_dp_mapping=bool(getattr(args, "use_tp_pp_dp_mapping", False)),
+    )
+    phase = None
+    if checkpoint is not None and data_from_checkpoint:
+        phase = schedule.phase_of(max(checkpoint.iteration, 1))
+    return RunConfig(args, schedule, topology, dataloader, bool(args.data_sharding), phase,
+                     tuple(notes), add_extra_token)
+
+
+def eval_sizes(args: argparse.Namespace) -> tuple[int | None, int]:
+    """Validation and test sizes as ``get_train_valid_test_num_samples`` (for rebuilds).
+
+    They only decide which valid/test caches a rebuild writes next to the train ones; the train
+    caches the lookup reads do not depend on them.
+    """
+    eval_batch = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
+    test = args.eval_iters * eval_batch
+    if args.full_validation:
+        return None, test
+    if not args.eval_interval:
+        return 0, test
+    points = args.train_iters // args.eval_interval + 1
+    if args.start_eval_at_iter is not None:
+        points = max(0, points - args.start_eval_at_iter // args.eval_interval)
+    return points * args.eval_iters * eval_batch, test
+
+
+def tokenizer_from_args(args: argparse.Namespace) -> Any:
+    """The run's tokenizer, built by Megatron from the same flags training used."""
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    if args.tokenizer_type is None:
+        raise ConfigError("no tokenizer in the run's args; pass --tokenizer-type/--tokenizer-model")
+    args = copy.copy(args)
+    args.rank = 0
+    return build_tokenizer(args)
+
+
+def pad_token_id(tokenizer: Any, allow_ambiguous: bool) -> int:
+    """The pad id GPTDataset uses (MegatronDataset.__init__): the tokenizer's, or -1 when it
+    is missing or collides with another special token."""
+    try:
+        pad = tokenizer.pad
+    except Exception:  # Megatron's own fallback is this broad: any failure means "no pad"
+        return -1
+    try:
+        specials = [v for k, v in tokenizer.special_tokens_dict.items() if k != "pad_token"]
+    except (AttributeError, IndexError, ValueError):
+        specials = []
+    if not specials:
+        for name in ("eos", "eod"):
+            try:
+                specials.append(getattr(tokenizer, name))
+            except (AttributeError, NotImplementedError):
+                pass
+    if pad in specials and not allow_ambiguous:
+        return -1
+    return pad
+

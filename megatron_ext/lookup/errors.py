@@ -1,0 +1,27 @@
+"""Refusals: the lookup answers exactly or says, in one message, why it will not.
+
+Every refusal names what is wrong and what would make an exact answer possible, because an
+on-call engineer acting on a wrong "rank 17 trained on document 83" would block the wrong data.
+"""
+
+from __future__ import annotations
+
+
+class Refused(Exception):
+    """The tool cannot give an exact answer; the message says why and what to do."""
+
+
+class PositionError(Refused):
+    """The requested iteration/rank/sample is outside what the run did or can be derived."""
+
+
+class ConfigError(Refused):
+    """The run's configuration is incomplete, contradictory or uses an unsupported mode."""
+
+
+class CacheMissing(Refused):
+    """The index caches the run used are not on disk (offer ``--rebuild-caches``)."""
+
+
+class DataChanged(Refused):
+    """The .bin/.idx or cache files on disk are not what the caches were built from."""

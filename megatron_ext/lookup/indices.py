@@ -1,0 +1,524 @@
+"""The run's index caches, read memory-mapped and checked against the data on disk.
+
+Megatron builds, per train split, ``GPTDataset`` caches (``document_index``, ``sample_index``,
+``shuffle_index``) and for blends ``BlendedDataset`` caches (``dataset_index``,
+``dataset_sample_index``), named ``{md5}-{class}-train-*`` where the md5 is over the
+``description.txt`` next to them (megatron-facts.md, "Data"). This module finds the caches that
+belong to a run by their descriptions, never rebuilds them, and resolves a global sample index
+to its dataset, documents, token spans and tokens exactly as ``GPTDataset.__getitem__`` does.
+
+Before answering it checks that the data is the data the caches were built from, because after
+a re-preprocessing the caches still "work" and silently point at other documents:
+
+- each description's md5 equals the hash in the file names, and a blend's member descriptions
+  are exactly the ones embedded in the blend's description;
+- O(1) per dataset: the ``.bin`` size matches the ``.idx``; the train split's document count and
+  token count (from the ``.idx`` pointers) give exactly the cached number of epochs,
+  document-index entries and samples;
+- per answered sample: the stream arithmetic of ``sample_index`` over a window that covers every
+  document the sample touches must agree with the document lengths in today's ``.idx`` (a
+  reordered or edited corpus moves document boundaries), and every document id must lie in the
+  split's range.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from megatron_ext.lookup.errors import CacheMissing, ConfigError, DataChanged, PositionError
+
+GPT, BLENDED = "GPTDataset", "BlendedDataset"
+GPT_FILES = ("document_index", "sample_index", "shuffle_index")
+BLENDED_FILES = ("dataset_index", "dataset_sample_index")
+# Samples walked on each side of an answered sample to pin its documents' boundaries.
+WINDOW_LIMIT = 1 << 16
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What identifies a run's train dataset: the inputs of Megatron's dataset builder."""
+
+    prefixes: tuple[str, ...]  # as passed to training (--data-path / --train-data-path)
+    weights: tuple[float, ...] | None  # None: blend by dataset size (or a single prefix)
+    per_split: bool  # --train-data-path / --per-split-data-args-path: no --split
+    split: str | None
+    seed: int
+    sequence_length: int
+    target_samples: int  # the train split size Megatron requested (for the phase)
+    surplus: float  # --mid-level-dataset-surplus
+    cache_dir: str | None  # --data-cache-path
+    add_extra_token: bool = True
+
+
+@dataclass(frozen=True)
+class Span:
+    """The tokens one document contributes to a sample."""
+
+    document: int  # sequence index in the prefix's .idx
+    offset: int  # first token within the document
+    count: int
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One global sample resolved to data."""
+
+    index: int  # global sample index into the train dataset (what the sampler hands out)
+    dataset: int  # position of its prefix in the blend
+    dataset_path: str  # the prefix as training recorded it
+    dataset_sample: int  # sample index within that GPTDataset
+    stream_sample: int  # shuffle_index[dataset_sample]: position in the document stream
+    spans: tuple[Span, ...]  # seq_length (+1 label token) tokens, in order
+    tokens: np.ndarray  # model input ids, as GPTDataset.__getitem__()["tokens"]
+
+
+def _remap(path: str, data_root: Sequence[tuple[str, str]]) -> str:
+    for old, new in data_root:
+        if path == old or path.startswith(old.rstrip("/") + "/"):
+            return new.rstrip("/") + path[len(old.rstrip("/")):]
+    return path
+
+
+def _canonical(value: Any) -> Any:
+    """Tuples to lists etc., as a JSON round trip leaves a description."""
+    return json.loads(json.dumps(value))
+
+
+def _split_matrix(spec: DataSpec) -> Any:
+    if spec.per_split:
+        return None
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    return _canonical(convert_split_vector_to_split_matrix(parse_and_normalize_split(spec.split)))
+
+
+def _normalize(weights: Sequence[float]) -> list[float]:
+    """Megatron's ``datasets.utils.normalize`` (float64 division), to compare exactly."""
+    w = np.array(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+@dataclass(frozen=True)
+class Description:
+    """A cache's ``description.txt``: Megatron names the cache files by the md5 of this text."""
+
+    path: Path
+    text: str
+    content: dict[str, Any]  # empty when the text is not JSON
+
+    @property
+    def digest(self) -> str:
+        return hashlib.md5(self.text.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+    @property
+    def intact(self) -> bool:
+        return self.path.name.startswith(self.digest + "-")
+
+    def trusted(self) -> Description:
+        """Itself, if its md5 is the hash in its name; the .npy files are named by that hash."""
+        if not self.intact:
+            raise DataChanged(
+                f"{self.path}: the md5 of its contents is {self.digest}, not the hash in its "
+                "name; the description was edited or copied over another, so the cache files "
+                "named after it are untrusted"
+            )
+        return self
+
+
+def _read_description(path: Path) -> Description:
+    text = path.read_text(encoding="utf-8")
+    try:
+        content = json.loads(text)
+    except json.JSONDecodeError:
+        content = {}
+    return Description(path, text, content if isinstance(content, dict) else {})
+
+
+def _mmap(path: str) -> np.ndarray:
+    """A cache array, memory-mapped (read-only; nothing is loaded until used).
+
+    Viewed as a plain ndarray: np.memmap's per-index subclass bookkeeping costs more than the
+    lookups themselves, and the view keeps the mapping alive.
+    """
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False).view(np.ndarray)
+    except ValueError as exc:
+        raise DataChanged(f"{path} is not a readable .npy array: {exc}") from exc
+
+
+def _differences(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    return [f"{k}={found.get(k)!r} (expected {v!r})" for k, v in expected.items()
+            if k != "datasets" and found.get(k) != v]
+
+
+class MidIndex:
+    """One GPTDataset's caches and its IndexedDataset (the .bin/.idx on disk)."""
+
+    def __init__(self, cache_dir: Path, trusted: Description, spec: DataSpec,
+                 data_root: Sequence[tuple[str, str]]) -> None:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        description = trusted.content
+        self.hash = trusted.digest
+        self.path: str = description["dataset_path"]
+        self.prefix = _remap(self.path, data_root)
+        self.seq_length = spec.sequence_length
+        self.extra = int(spec.add_extra_token)
+        base = cache_dir / f"{self.hash}-{GPT}-train-"
+        missing = [f"{base}{n}.npy" for n in GPT_FILES if not os.path.isfile(f"{base}{n}.npy")]
+        if missing:
+            raise CacheMissing(f"GPTDataset cache files missing: {', '.join(missing)}")
+        for suffix in (".idx", ".bin"):
+            if not os.path.isfile(self.prefix + suffix):
+                moved = "" if self.prefix != self.path else (
+                    "; if the data moved, map the old location with --data-root OLD=NEW")
+                raise DataChanged(f"dataset {self.path}: {self.prefix}{suffix} not found{moved}")
+        self.document_index = _mmap(f"{base}document_index.npy")
+        self.sample_index = _mmap(f"{base}sample_index.npy")
+        self.shuffle_index = _mmap(f"{base}shuffle_index.npy")
+        try:
+            self.data = IndexedDataset(self.prefix, multimodal=False, mmap=True)
+        except (AssertionError, ValueError) as exc:  # Megatron asserts on a bad header
+            raise DataChanged(
+                f"dataset {self.path}: {self.prefix}.idx is unreadable: {exc}") from exc
+        self.lengths: np.ndarray = self.data.sequence_lengths
+        count = len(self.lengths)
+        matrix = description["split_matrix"]
+        if matrix is None:
+            self.begin, self.end = 0, count
+        else:
+            self.begin = int(round(matrix[0][0] * float(count)))
+            self.end = int(round(matrix[0][1] * float(count)))
+        self._check_shapes(description["num_samples"])
+
+    def __len__(self) -> int:
+        return int(self.shuffle_index.shape[0])
+
+    def _check_shapes(self, num_samples: int | None) -> None:
+        """O(1): the .idx today must give the epochs, entries and samples the caches hold."""
+        itemsize = np.dtype(self.data.index.dtype).itemsize
+        pointers = self.data.index.sequence_pointers
+        count = len(self.lengths)
+        bin_bytes = int(pointers[-1]) + int(self.lengths[-1]) * itemsize if count else 0
+        on_disk = os.path.getsize(self.prefix + ".bin")
+        if on_disk != bin_bytes:
+            raise DataChanged(
+                f"dataset {self.path}: {self.prefix}.bin has {on_disk} bytes but its .idx "
+                f"describes {bin_bytes}; the .bin and .idx are not from the same preprocessing"
+            )
+        if self.end <= self.begin:
+            raise DataChanged(f"dataset {self.path}: the train split of {count} sequences is empty")
+        end_byte = int(pointers[self.end]) if self.end < count else bin_bytes
+        tokens = (end_byte - int(pointers[self.begin])) // itemsize
+        epochs = 1
+        if num_samples is not None:
+            wanted = num_samples * self.seq_length + self.extra
+            epochs = max(1, -(-wanted // tokens))
+        documents = self.end - self.begin
+        samples = (epochs * tokens - self.extra) // self.seq_length
+        held = (len(self.document_index), self.sample_index.shape[0] - 1, len(self.shuffle_index))
+        if held != (epochs * documents, samples, samples):
+            raise DataChanged(
+                f"dataset {self.path}: {self.prefix}.idx now has {count} sequences; its train "
+                f"split [{self.begin}, {self.end}) holds {tokens} tokens, which gives {epochs} "
+                f"epoch(s), {epochs * documents} document-index entries and {samples} samples, "
+                f"but the caches ({self.hash}) hold {held[0]} entries and {held[1]} samples. The "
+                "data was re-preprocessed, extended or replaced after the caches were built."
+            )
+
+    def _window(self, stream_sample: int) -> tuple[int, int]:
+        """Sample-index rows [a, b] whose arithmetic pins every document ``stream_sample`` reads.
+
+        Row a starts a document (offset 0) or lies in an earlier one; row b lies past the last
+        document the sample reads. Very long documents are checked up to WINDOW_LIMIT rows out.
+        """
+        rows = self.sample_index
+        first_pos, last_pos = int(rows[stream_sample][0]), int(rows[stream_sample + 1][0])
+        a, chunk = stream_sample, 64
+        while a > 0 and stream_sample - a < WINDOW_LIMIT:
+            block = np.asarray(rows[max(0, a - chunk):a + 1])[::-1]
+            stop = np.flatnonzero((block[:, 0] < first_pos) | (block[:, 1] == 0))
+            if stop.size:
+                a -= int(stop[0])
+                break
+            a -= len(block) - 1
+        b, last = stream_sample + 1, rows.shape[0] - 1
+        while b < last and b - stream_sample < WINDOW_LIMIT:
+            block = np.asarray(rows[b:min(last, b + chunk) + 1])
+            past = np.flatnonzero(block[:, 0] > last_pos)
+            if past.size:
+                b += int(past[0])
+                break
+            b += len(block) - 1
+        return a, b
+
+    def _verify(self, stream_sample: int) -> None:
+        """The cached stream arithmetic must hold with today's document lengths."""
+        a, b = self._window(stream_sample)
+        rows = np.asarray(self.sample_index[a:b + 1], dtype=np.int64)
+        first, final = int(rows[0, 0]), int(rows[-1, 0])
+        docs = np.asarray(self.document_index[first:final + 1], dtype=np.int64)
+        outside = docs[(docs < self.begin) | (docs >= self.end)]
+        if outside.size:
+            raise DataChanged(
+                f"dataset {self.path}: the caches use document {int(outside[0])}, outside the "
+                f"train split [{self.begin}, {self.end}) of today's {self.prefix}.idx"
+            )
+        lengths = self.lengths[docs].astype(np.int64)
+        starts = np.concatenate(([0], np.cumsum(lengths)))
+        stream = starts[rows[:, 0] - first] + rows[:, 1]
+        expected = stream[0] + (np.arange(len(rows)) * self.seq_length)
+        bad = np.flatnonzero((stream != expected) | (rows[:, 1] > lengths[rows[:, 0] - first]))
+        if bad.size:
+            k = int(bad[0])
+            upto = int(rows[k, 0]) - first + 1
+            raise DataChanged(
+                f"dataset {self.path}: sample_index rows {a}..{a + k} of cache {self.hash} span "
+                f"{k * self.seq_length} tokens over documents {docs[:upto].tolist()[:8]}, but "
+                f"their lengths in today's {self.prefix}.idx ({lengths[:upto].tolist()[:8]}) "
+                f"give {int(stream[k] - stream[0])}: the data was re-preprocessed, reordered or "
+                "edited after the caches were built, so they no longer point at what was trained"
+            )
+
+    def spans(self, dataset_sample: int) -> tuple[int, tuple[Span, ...]]:
+        """(stream sample, the spans it reads), as ``_query_document_sample_shuffle_indices``."""
+        if not 0 <= dataset_sample < len(self):
+            raise PositionError(f"dataset {self.path} has samples 0..{len(self) - 1}")
+        j = int(self.shuffle_index[dataset_sample])
+        self._verify(j)
+        (p0, o0), (p1, o1) = (tuple(map(int, self.sample_index[j])),
+                              tuple(map(int, self.sample_index[j + 1])))
+        out = []
+        for position in range(p0, p1 + 1):
+            document = int(self.document_index[position])
+            start = o0 if position == p0 else 0
+            stop = o1 + self.extra if position == p1 else int(self.lengths[document])
+            if stop > start:
+                out.append(Span(document, start, stop - start))
+        return j, tuple(out)
+
+    def read_document(self, document: int) -> np.ndarray:
+        """A whole document's tokens (int64), e.g. for a blocklist's content hash."""
+        return np.asarray(self.data.get(int(document)), dtype=np.int64)
+
+    def read(self, spans: Sequence[Span]) -> np.ndarray:
+        """The tokens of ``spans``, concatenated (int64)."""
+        parts = [self.data.get(s.document, offset=s.offset, length=s.count) for s in spans]
+        return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, dtype=np.int64)
+
+
+class TrainIndex:
+    """The run's train dataset: one GPTDataset, or a BlendedDataset over several."""
+
+    def __init__(self, mids: list[MidIndex], blend: tuple[np.ndarray, np.ndarray] | None,
+                 description_hash: str, kind: str) -> None:
+        self.mids, self.blend, self.hash, self.kind = mids, blend, description_hash, kind
+
+    def __len__(self) -> int:
+        return len(self.mids[0]) if self.blend is None else int(self.blend[0].shape[0])
+
+    def route(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(blend member, sample within it) of global sample indices."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (indices.min() < 0 or indices.max() >= len(self)):
+            raise PositionError(
+                f"global sample {int(indices.max())} is beyond the {len(self)} samples the caches "
+                "cover; the run never reached it (or the batch settings passed are wrong)"
+            )
+        if self.blend is None:
+            return np.zeros_like(indices), indices
+        return (np.asarray(self.blend[0][indices], dtype=np.int64),
+                np.asarray(self.blend[1][indices], dtype=np.int64))
+
+    def resolve(self, indices: Sequence[int], pad_id: int | None = None) -> list[Sample]:
+        """Global sample indices -> samples with documents, spans and model-input tokens.
+
+        ``pad_id``: the tokenizer's pad id as GPTDataset resolves it; its occurrences become 0
+        in the model input, as ``GPTDataset.__getitem__`` does. None when no tokenizer is known.
+        """
+        members, within = self.route(np.asarray(indices, dtype=np.int64))
+        out = []
+        for index, member, sample in zip(indices, members.tolist(), within.tolist()):
+            mid = self.mids[member]
+            stream, spans = mid.spans(sample)
+            raw = mid.read(spans)
+            tokens = raw[: mid.seq_length].copy()
+            if pad_id is not None:
+                tokens[tokens == pad_id] = 0
+            out.append(Sample(int(index), member, mid.path, sample, stream, spans, tokens))
+        return out
+
+
+def _expected_gpt(spec: DataSpec, prefix: str, num_samples: int | None,
+                  matrix: Any) -> dict[str, Any]:
+    return {"class": GPT, "dataset_path": prefix, "num_samples": num_samples,
+            "index_split": "train", "random_seed": spec.seed,
+            "sequence_length": spec.sequence_length,
+            "split": None if spec.per_split else spec.split, "split_matrix": matrix}
+
+
+def _gpt_cache_dir(spec: DataSpec, prefix: str, cache_dir: str | None,
+                   data_root: Sequence[tuple[str, str]]) -> Path:
+    """Where Megatron put a GPTDataset's caches: --data-cache-path, else next to the data."""
+    chosen = cache_dir or spec.cache_dir
+    if chosen:
+        return Path(chosen)
+    return Path(_remap(prefix, data_root)) / "cache" / f"{GPT}_indices"
+
+
+def _member_sizes(spec: DataSpec) -> tuple[list[int | None], list[float] | None, int | None]:
+    """Per-member num_samples, blend weights and blend size, as BlendedMegatronDatasetBuilder.
+
+    The builder normalises the weights to size the members, and BlendedDataset normalises them
+    once more before writing its description; the second pass can move the last bit.
+    """
+    if spec.weights is None:
+        return [None] * len(spec.prefixes), None, None
+    weights = _normalize(spec.weights)
+    target = [math.ceil(spec.target_samples * w) for w in weights]
+    buffered = [int(math.ceil(t * (1 + spec.surplus))) for t in target]
+    return list(buffered), _normalize(weights), sum(target)
+
+
+def _choose(found: list[Description], tokenizer: dict[str, Any] | None,
+            what: str) -> Description:
+    """One cache among those matching on every field; the tokenizer decides between them."""
+
+    def tok(description: Description) -> Any:
+        return description.content.get("datasets", [description.content])[0].get("tokenizer")
+
+    if tokenizer is not None:
+        same = [f for f in found if tok(f) == tokenizer]
+        if not same:
+            raise ConfigError(
+                f"the {what} caches that match this run ({', '.join(f.path.name for f in found)})"
+                f" were built with another tokenizer ({tok(found[0])}) than the one given"
+            )
+        found = same
+    if len({json.dumps(tok(f), sort_keys=True) for f in found}) > 1:
+        raise ConfigError(
+            f"several {what} caches match this run and differ only in the tokenizer "
+            f"({', '.join(f.path.name for f in found)}); pass the run's tokenizer flags (or "
+            "--from-checkpoint) so the right one is chosen"
+        )
+    return found[0].trusted()
+
+
+def _scan(directory: Path, kind: str) -> list[Description]:
+    if not directory.is_dir():
+        return []
+    return [_read_description(path)
+            for path in sorted(directory.glob(f"*-{kind}-train-description.txt"))]
+
+
+def _not_found(kind: str, directory: Path, candidates: list[Description],
+               expected: dict[str, Any]) -> CacheMissing:
+    near = [f"  {d.path.name}: "
+            + (", ".join(_differences(d.content, expected)) or "differs in a member dataset")
+            for d in candidates[:5]]
+    broken = [d.path.name for d in candidates if not d.intact]
+    return CacheMissing(
+        f"no {kind} train cache in {directory} matches this run "
+        f"({len(candidates)} other {kind} train caches there)"
+        + ("; nearest:\n" + "\n".join(near) if near else "")
+        + (f"\n{len(broken)} description(s) there do not hash to their names (edited?): "
+           f"{', '.join(broken[:5])}" if broken else "")
+        + "\nIf the caches were deleted, rebuild them with --rebuild-caches (megatron-core's "
+        "BlendedMegatronDatasetBuilder, same config); if they live elsewhere, pass --cache-dir."
+    )
+
+
+def open_train_index(spec: DataSpec, *, cache_dir: str | None = None,
+                     data_root: Sequence[tuple[str, str]] = (),
+                     tokenizer: dict[str, Any] | None = None) -> TrainIndex:
+    """Find, verify and memory-map the caches of the run's train dataset.
+
+    ``tokenizer`` (the tokenizer's ``unique_identifiers``) only disambiguates caches that differ
+    in nothing else; descriptions are matched on every other field.
+    """
+    matrix = _split_matrix(spec)
+    if len(spec.prefixes) == 1 and (spec.weights is None or spec.per_split):
+        directory = _gpt_cache_dir(spec, spec.prefixes[0], cache_dir, data_root)
+        expected = _expected_gpt(spec, spec.prefixes[0], spec.target_samples, matrix)
+        candidates = _scan(directory, GPT)
+        found = [c for c in candidates
+                 if {k: v for k, v in c.content.items() if k != "tokenizer"} == expected]
+        if not found:
+            raise _not_found(GPT, directory, candidates, expected)
+        mid = MidIndex(directory, _choose(found, tokenizer, GPT), spec, data_root)
+        return TrainIndex([mid], None, mid.hash, GPT)
+
+    chosen = cache_dir or spec.cache_dir
+    if not chosen:
+        raise CacheMissing(
+            "this run blends several datasets without --data-cache-path, so Megatron computed "
+            "the blend indices in memory and never stored them; pass --rebuild-caches "
+            "--cache-dir DIR to build them with megatron-core's builder (they are deterministic)"
+        )
+    directory = Path(chosen)
+    sizes, weights, size = _member_sizes(spec)
+    members = [_expected_gpt(spec, p, n, matrix) for p, n in zip(spec.prefixes, sizes)]
+    expected_top = {"class": BLENDED, "split": "train"}
+    if weights is not None:
+        expected_top |= {"weights": weights, "size": size}
+    candidates = _scan(directory, BLENDED)
+
+    def matches(description: dict[str, Any]) -> bool:
+        inner = description.get("datasets", [])
+        return (all(description.get(k) == v for k, v in expected_top.items())
+                and len(inner) == len(members)
+                and all({k: v for k, v in d.items() if k != "tokenizer"} == m
+                        for d, m in zip(inner, members)))
+
+    found = [c for c in candidates if matches(c.content)]
+    if not found:
+        raise _not_found(BLENDED, directory, candidates, expected_top)
+    blend = _choose(found, tokenizer, BLENDED)
+    path, description = blend.path, blend.content
+    mids = []
+    for member in description["datasets"]:
+        member_text = json.dumps(member, indent=4)
+        member_dir = _gpt_cache_dir(spec, member["dataset_path"], cache_dir, data_root)
+        digest = hashlib.md5(member_text.encode("utf-8"), usedforsecurity=False).hexdigest()
+        member_path = member_dir / f"{digest}-{GPT}-train-description.txt"
+        if not member_path.is_file():
+            raise CacheMissing(
+                f"the blend cache {path.name} names the GPTDataset cache {member_path}, which is "
+                "missing; rebuild with --rebuild-caches"
+            )
+        member_description = _read_description(member_path).trusted()
+        if member_description.text != member_text:
+            raise DataChanged(f"{member_path} differs from the blend description {path.name}")
+        mids.append(MidIndex(member_dir, member_description, spec, data_root))
+    base = str(path)[: -len("description.txt")]
+    missing = [f"{base}{n}.npy" for n in BLENDED_FILES if not os.path.isfile(f"{base}{n}.npy")]
+    if missing:
+        raise CacheMissing(f"BlendedDataset cache files missing: {', '.join(missing)}")
+    dataset_index = _mmap(f"{base}dataset_index.npy")
+    dataset_sample_index = _mmap(f"{base}dataset_sample_index.npy")
+    blend_size = description["size"]
+    if blend_size is None:
+        blend_size = int(sum(description["weights"]))
+    if weights is None:  # blended by member size: weights are the member lengths
+        sizes_now = [len(m) for m in mids]
+        size_now = min(spec.target_samples, sum(sizes_now))
+        if (description["size"], description["weights"]) != (size_now, _normalize(sizes_now)):
+            raise DataChanged(
+                f"blend cache {path.name} was built from member sizes {description['weights']} "
+                f"(size {description['size']}); today's member caches give {sizes_now}"
+            )
+    if dataset_index.shape[0] != blend_size or dataset_sample_index.shape[0] != blend_size:
+        raise DataChanged(f"blend cache {path.name} holds {dataset_index.shape[0]} entries, "
+                          f"its description says {blend_size}")
+    return TrainIndex(mids, (dataset_index, dataset_sample_index), blend.digest, BLENDED)

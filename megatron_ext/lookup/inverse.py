@@ -1,0 +1,148 @@
+"""Document -> every global sample that read it: the lookup chain walked backwards, vectorised.
+
+``document_index`` gives the stream positions of the document (one per epoch);
+``sample_index`` (binary search, no copy) the stream samples whose token range touches them;
+one pass over ``shuffle_index`` finds the dataset samples that are those stream samples, and,
+for blends, one pass over ``dataset_index``/``dataset_sample_index`` the global samples. The
+passes read the memory-mapped caches in chunks, so memory stays bounded at any index size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_ext.lookup.errors import PositionError
+from megatron_ext.lookup.indices import MidIndex, TrainIndex
+
+CHUNK = 1 << 22  # entries per pass step: large enough to amortise numpy calls, small in RAM
+FEW = 8  # up to this many targets, equality passes beat a lookup table
+
+
+@dataclass(frozen=True)
+class DocumentHits:
+    """Where one document was read: parallel arrays, one entry per read (a global sample reads
+    a document once, or twice when an epoch boundary puts it back to back with itself)."""
+
+    global_indices: np.ndarray
+    dataset_samples: np.ndarray
+    offsets: np.ndarray  # first token of the document inside the sample's read
+    counts: np.ndarray  # tokens of the document the sample reads
+    scanned: int  # cache entries scanned (for throughput figures)
+
+
+def _members(values: np.ndarray, targets: np.ndarray, low: int,
+             table: np.ndarray | None) -> np.ndarray:
+    """Boolean mask: which ``values`` are among the sorted ``targets``."""
+    if table is None:
+        mask = values == targets[0]
+        for target in targets[1:]:
+            mask |= values == target
+        return mask
+    shifted = values.astype(np.int64) - low
+    inside = (shifted >= 0) & (shifted < len(table))
+    mask = np.zeros(values.shape, dtype=bool)
+    mask[inside] = table[shifted[inside]]
+    return mask
+
+
+def _matcher(targets: np.ndarray) -> tuple[np.ndarray, int, np.ndarray | None]:
+    """Sorted unique targets, and for many targets a boolean table over their value range."""
+    targets = np.unique(np.asarray(targets, dtype=np.int64))
+    if len(targets) <= FEW:
+        return targets, 0, None
+    low = int(targets[0])
+    table = np.zeros(int(targets[-1]) - low + 1, dtype=bool)
+    table[targets - low] = True
+    return targets, low, table
+
+
+def _first_row_at_least(column: np.ndarray, value: int) -> int:
+    """Binary search on a non-decreasing memory-mapped column, without copying it."""
+    lo, hi = 0, len(column)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int(column[mid]) < value:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _stream_samples(mid: MidIndex, document: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Stream samples reading ``document``: (stream sample, offset, count), entries scanned."""
+    positions = []
+    entries = len(mid.document_index)
+    for start in range(0, entries, CHUNK):
+        chunk = np.asarray(mid.document_index[start:start + CHUNK])
+        positions.append(np.flatnonzero(chunk == document) + start)
+    found = np.concatenate(positions) if positions else np.empty(0, dtype=np.int64)
+    rows = mid.sample_index
+    column = rows[:, 0]
+    length = int(mid.lengths[document])
+    streams, offsets, counts = [], [], []
+    for position in found.tolist():
+        # Samples j with start row position <= p <= end row position.
+        first = max(0, _first_row_at_least(column, position) - 1)
+        last = _first_row_at_least(column, position + 1) - 1
+        for j in range(first, min(last, rows.shape[0] - 2) + 1):
+            (p0, o0), (p1, o1) = map(int, rows[j]), map(int, rows[j + 1])
+            begin = o0 if p0 == position else 0
+            stop = o1 + mid.extra if p1 == position else length
+            if p0 <= position <= p1 and stop > begin:
+                streams.append(j)
+                offsets.append(begin)
+                counts.append(stop - begin)
+    def as_array(values: list[int]) -> np.ndarray:
+        return np.asarray(values, dtype=np.int64)
+
+    return as_array(streams), as_array(offsets), as_array(counts), entries
+
+
+def _scan(arrays: tuple[np.ndarray, ...], targets: np.ndarray,
+          keep: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """One chunked pass: rows whose last array's value is in ``targets`` (and whose first
+    array equals ``keep`` when given). Returns (row numbers, matched values)."""
+    wanted, low, table = _matcher(targets)
+    rows, values = [], []
+    for start in range(0, len(arrays[-1]), CHUNK):
+        chunk = np.asarray(arrays[-1][start:start + CHUNK])
+        mask = _members(chunk, wanted, low, table)
+        if keep is not None:
+            mask &= np.asarray(arrays[0][start:start + CHUNK]) == keep
+        hits = np.flatnonzero(mask)
+        rows.append(hits + start)
+        values.append(chunk[hits].astype(np.int64))
+    empty = np.empty(0, dtype=np.int64)
+    return (np.concatenate(rows) if rows else empty), (np.concatenate(values) if values else empty)
+
+
+def find_document(index: TrainIndex, member: int, document: int) -> DocumentHits:
+    """Every global sample of the train dataset that reads ``document`` of blend ``member``."""
+    mid = index.mids[member]
+    if not mid.begin <= document < mid.end:
+        raise PositionError(
+            f"document {document} is not in the train split [{mid.begin}, {mid.end}) of "
+            f"{mid.path}; the run never trained on it"
+        )
+    streams, offsets, counts, scanned = _stream_samples(mid, document)
+    reads: dict[int, list[tuple[int, int]]] = {}
+    for stream, offset, count in zip(streams.tolist(), offsets.tolist(), counts.tolist()):
+        reads.setdefault(stream, []).append((offset, count))
+    # shuffle_index[i] is a stream sample that reads the document -> dataset sample i.
+    samples, sample_streams = (_scan((mid.shuffle_index,), streams) if streams.size
+                               else (streams, streams))
+    scanned += len(mid.shuffle_index)
+    via: dict[int, int] = dict(zip(samples.tolist(), sample_streams.tolist()))
+    if index.blend is None:
+        owners, owned = samples, samples
+    else:
+        # dataset_index[g] == member and dataset_sample_index[g] is such a sample -> global g.
+        owners, owned = (_scan(index.blend, samples, keep=member) if samples.size
+                         else (samples, samples))
+        scanned += len(index.blend[0])
+    rows = [(g, i, offset, count) for g, i in zip(owners.tolist(), owned.tolist())
+            for offset, count in reads[via[i]]]
+    columns = np.asarray(rows, dtype=np.int64).reshape(-1, 4).T
+    return DocumentHits(columns[0], columns[1], columns[2], columns[3], scanned)
