@@ -75,7 +75,7 @@ def main() -> int:
               f"(written in {time.perf_counter() - start:.1f} s)")
         command = [sys.executable, "-m", "megatron_ext.cli", "skiplist", "--ckpt-dir",
                    str(root / "ckpt"), "--signals-dir", str(root), "--train-iters",
-                   str(args.iterations + 1000)]
+                   str(args.iterations + 1000), "--no-lookup"]
         start = time.perf_counter()
         result = subprocess.run(command, capture_output=True, text=True)
         elapsed = time.perf_counter() - start

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron --result-rejected-tracker-filename to append confirmed "
                    "spikes to (confirm policy)")
     p.add_argument("--apply", action="store_true", help="carry the plan out (see above)")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="do not list the culprit batch's documents in the report")
     return p
+
+
+def _culprit_batch(plan: Plan, ckpt_dir: Path) -> str:
+    """What the culprit DP rank read at the onset (``megatron-ext lookup``), for the report.
+
+    Best effort: a failed lookup is reported in its place, it never blocks the rollback.
+    """
+    rank = plan.incident.get("culprit_dp_rank")
+    command = [sys.executable, "-m", "megatron_ext.cli", "lookup", "--from-checkpoint",
+               str(ckpt_dir), "--ckpt-step", str(plan.rollback_to), "--iteration",
+               str(plan.onset), "--text", *(["--dp-rank", str(rank)] if rank is not None else [])]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return "lookup timed out"
+    if result.returncode != 0:
+        return f"lookup failed ({result.returncode}): {result.stderr.strip().splitlines()[-1:]}"
+    return result.stdout
 
 
 def _train_iters(ckpt_dir: Path, iteration: int) -> int | None:
@@ -79,7 +100,7 @@ def _earlier_skips(ckpt_dir: Path) -> list[int]:
     return skips
 
 
-def _report(plan: Plan, number: int) -> str:
+def _report(plan: Plan, number: int, culprit: str) -> str:
     incident = plan.incident
     rows = "\n".join(
         f"| {w['iteration']} | {w['lm_loss']} | {w['grad_norm']} | {w['max_local_loss']} | "
@@ -95,7 +116,9 @@ def _report(plan: Plan, number: int) -> str:
         f"- restart with: `{' '.join(plan.restart_args)}`\n\n"
         "## Signals before the incident\n\n"
         "| iteration | lm loss | grad norm | max local loss | worst DP rank | update ratio |\n"
-        "|---|---|---|---|---|---|\n" + rows + "\n"
+        "|---|---|---|---|---|---|\n" + rows + "\n\n"
+        f"## What DP rank {incident.get('culprit_dp_rank')} read at iteration {plan.onset}\n\n"
+        f"```\n{culprit.rstrip()}\n```\n"
     )
 
 
@@ -139,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     incidents = args.ckpt_dir / INCIDENTS
     number = len(list(incidents.glob("incident-*.json"))) + 1 if incidents.exists() else 1
     stem = incidents / f"incident-{number:03d}"
-    write_atomically(stem.with_suffix(".json"), json.dumps(plan.as_json(), indent=2) + "\n")
-    write_atomically(stem.with_suffix(".md"), _report(plan, number))
+    culprit = "not looked up (--no-lookup)" if args.no_lookup else _culprit_batch(
+        plan, args.ckpt_dir)
+    report = {**plan.as_json(), "culprit_batch": culprit}
+    write_atomically(stem.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
+    write_atomically(stem.with_suffix(".md"), _report(plan, number, culprit))
     skipped = [i for a, b in plan.skip_ranges for i in range(a, b + 1)]
     write_atomically(args.ckpt_dir / SKIP_FILE, format_ranges(skipped))
     if args.apply:

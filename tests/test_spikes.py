@@ -222,6 +222,9 @@ def test_drill_plan_rolls_back_before_onset_and_covers_it(drill: dict) -> None:
     ckpt = drill["work"] / "ckpt"
     report = (ckpt / "megatron_ext_incidents" / "incident-001.md").read_text()
     assert "culprit DP rank (max local loss): 1" in report and "| 32 |" in report
+    # The documents DP rank 1 read at the onset, from megatron-ext lookup.
+    assert "## What DP rank 1 read at iteration 32" in report
+    assert "iteration 32: consumed_train_samples 248 -> 256" in report
     assert json.loads((ckpt / "megatron_ext_incidents" / "incident-001.json").read_text())[
         "skip_window"] == [26, 37]
     assert (ckpt / "rolled_back" / "incident-001" / "iter_0000030").is_dir()
