@@ -32,7 +32,13 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from megatron_ext.signals import SIGNALS_FILE, SignalRecord, latest_per_iteration, read_signals
-from megatron_ext.spikes import SpikeConfig, SpikeEvent, spike_candidates
+from megatron_ext.spikes import (
+    SpikeConfig,
+    SpikeEvent,
+    add_detector_args,
+    config_from_args,
+    spike_candidates,
+)
 
 # (record field, panel title, the note shown when no iteration recorded it)
 PANELS: tuple[tuple[str, str, str], ...] = (
@@ -71,30 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attempts", default="all", metavar="all|latest|N[,M]",
                         help="all: one line per attempt (default); latest: the latest attempt "
                         "per iteration; N[,M]: only these attempts")
-    defaults = SpikeConfig()
-    spike = parser.add_argument_group("spike detector (as the training-time tracker)")
-    spike.add_argument("--spike-window", type=int, default=defaults.window,
-                       help="healthy iterations in the rolling median/MAD (default %(default)s)")
-    spike.add_argument("--spike-warmup", type=int, default=defaults.warmup,
-                       help="iterations before the detector arms (default %(default)s)")
-    spike.add_argument("--spike-loss-rel", type=float, default=defaults.loss_rel,
-                       help="relative loss jump over the median (default %(default)s)")
-    spike.add_argument("--spike-mad-k", type=float, default=defaults.mad_k,
-                       help="robust sigmas (1.4826 x MAD) over the median (default %(default)s)")
-    spike.add_argument("--spike-grad-factor", type=float, default=defaults.grad_factor,
-                       help="grad norm / its median that corroborates a spike "
-                       "(default %(default)s)")
-    spike.add_argument("--spike-patience", type=int, default=defaults.patience,
-                       help="iterations a spike may take to recover, and an uncorroborated "
-                       "elevated loss may last, before a rollback (default %(default)s)")
+    add_detector_args(parser.add_argument_group("spike detector (as the training-time tracker)"))
     return parser
-
-
-def spike_config(options: argparse.Namespace) -> SpikeConfig:
-    """The detector thresholds the ``--spike-*`` flags describe (raises ValueError if invalid)."""
-    return SpikeConfig(window=options.spike_window, warmup=options.spike_warmup,
-                       loss_rel=options.spike_loss_rel, mad_k=options.spike_mad_k,
-                       grad_factor=options.spike_grad_factor, patience=options.spike_patience)
 
 
 def build_series(records: list[SignalRecord], attempts: str,
@@ -210,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     options = parser.parse_args(argv)
     try:
-        config = spike_config(options)
+        config = config_from_args(options)
     except ValueError as exc:
         parser.error(str(exc))
     path = Path(options.signals) if options.signals else Path(options.signals_dir) / SIGNALS_FILE

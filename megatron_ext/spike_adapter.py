@@ -28,12 +28,11 @@ from megatron_ext.drill import CorruptionSpec, garbage_batch, parse_spec
 from megatron_ext.jsonl import JsonlAppender
 from megatron_ext.signals import SIGNALS_FILE, latest_per_iteration, read_signals
 from megatron_ext.skip_ranges import PERSISTED_NAME, format_ranges, write_atomically
-from megatron_ext.spikes import SpikeConfig, SpikeDetector
+from megatron_ext.spikes import SpikeDetector, add_detector_args, config_from_args
 
 EXIT_CODE_SPIKE = 42
 LEDGER_NAME = "spikes.jsonl"
 _DECISIONS = {"healthy": 0, "watching": 1, "rollback": 2}
-_DEFAULTS = SpikeConfig()
 
 
 def add_args(group: argparse._ArgumentGroup) -> None:
@@ -41,18 +40,7 @@ def add_args(group: argparse._ArgumentGroup) -> None:
                        help="Run the streaming spike detector on the signals log; on an "
                        "unrecovered spike or divergence, stop saving checkpoints and exit with "
                        "--spike-exit-code. Needs --signals-dir.")
-    group.add_argument("--spike-window", type=int, default=_DEFAULTS.window,
-                       help="Healthy iterations in the rolling median/MAD baseline.")
-    group.add_argument("--spike-warmup", type=int, default=_DEFAULTS.warmup,
-                       help="Iterations observed before the detector arms.")
-    group.add_argument("--spike-loss-rel", type=float, default=_DEFAULTS.loss_rel,
-                       help="Loss must exceed the baseline median by this fraction ...")
-    group.add_argument("--spike-mad-k", type=float, default=_DEFAULTS.mad_k,
-                       help="... and by this many robust standard deviations (1.4826 MAD).")
-    group.add_argument("--spike-grad-factor", type=float, default=_DEFAULTS.grad_factor,
-                       help="Grad norm / its baseline median that corroborates a spike.")
-    group.add_argument("--spike-patience", type=int, default=_DEFAULTS.patience,
-                       help="Iterations a spike may take to recover before a rollback.")
+    add_detector_args(group)
     group.add_argument("--spike-ledger", type=str, default=None,
                        help=f"Spike ledger JSONL (default: SIGNALS_DIR/{LEDGER_NAME}).")
     group.add_argument("--spike-exit-code", type=int, default=EXIT_CODE_SPIKE,
@@ -64,12 +52,6 @@ def add_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--drill-corrupt-batch", type=str, default=None,
                        help="Drill only: feed deterministic garbage tokens to one DP rank at "
                        "START[-END] (1-indexed), reproducibly across replays.")
-
-
-def config_from_args(args: Any) -> SpikeConfig:
-    return SpikeConfig(window=args.spike_window, warmup=args.spike_warmup,
-                       loss_rel=args.spike_loss_rel, mad_k=args.spike_mad_k,
-                       grad_factor=args.spike_grad_factor, patience=args.spike_patience)
 
 
 class _Tracker:

@@ -20,6 +20,7 @@ length of the run.
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import math
 from collections import deque
@@ -53,6 +54,32 @@ class SpikeConfig:
             )
         if self.loss_rel <= 0 or self.mad_k <= 0 or self.grad_factor <= 1:
             raise ValueError("spike detector: loss_rel and mad_k must be > 0, grad_factor > 1")
+
+
+def add_detector_args(group: argparse._ArgumentGroup) -> None:
+    """The ``--spike-*`` threshold flags, shared by training and ``megatron-ext plot``."""
+    d = SpikeConfig()
+    group.add_argument("--spike-window", type=int, default=d.window,
+                       help="healthy iterations in the rolling median/MAD (default %(default)s)")
+    group.add_argument("--spike-warmup", type=int, default=d.warmup,
+                       help="iterations before the detector arms (default %(default)s)")
+    group.add_argument("--spike-loss-rel", type=float, default=d.loss_rel,
+                       help="relative loss jump over the median (default %(default)s)")
+    group.add_argument("--spike-mad-k", type=float, default=d.mad_k,
+                       help="robust sigmas (1.4826 x MAD) over the median (default %(default)s)")
+    group.add_argument("--spike-grad-factor", type=float, default=d.grad_factor,
+                       help="grad norm / its median that corroborates a spike "
+                       "(default %(default)s)")
+    group.add_argument("--spike-patience", type=int, default=d.patience,
+                       help="iterations a spike may take to recover, and an uncorroborated "
+                       "elevated loss may last, before a rollback (default %(default)s)")
+
+
+def config_from_args(options: Any) -> SpikeConfig:
+    """The thresholds the ``--spike-*`` flags describe (raises ValueError if invalid)."""
+    return SpikeConfig(window=options.spike_window, warmup=options.spike_warmup,
+                       loss_rel=options.spike_loss_rel, mad_k=options.spike_mad_k,
+                       grad_factor=options.spike_grad_factor, patience=options.spike_patience)
 
 
 @dataclass
