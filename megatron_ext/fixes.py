@@ -141,11 +141,63 @@ DISTOPT_STATE_COPY = register(
     )
 )
 
+def _ignore_stop_signals() -> None:
+    """Initializer of the checkpoint writer's results-queue Manager (runs in that process)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _results_queue_survives_stop_signals(original: Callable[..., None]) -> Callable[..., None]:
+    def prepare_write_data(self: Any, plan: Any, planner: Any) -> None:
+        """Create the results queue first (upstream reuses it), its Manager deaf to SIGTERM."""
+        import multiprocessing
+        from multiprocessing.managers import SyncManager
+
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        if filesystem_async._results_queue is None:
+            manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+            manager.start(initializer=_ignore_stop_signals)
+            filesystem_async._results_queue = manager.Queue()
+        return original(self, plan, planner)
+
+    return prepare_write_data
+
+
+CKPT_RESULTS_QUEUE = register(
+    Patch(
+        name="ckpt-results-queue-survives-sigterm",
+        target=(
+            "megatron.core.dist_checkpointing.strategies.filesystem_async:"
+            "FileSystemWriterAsync.prepare_write_data"
+        ),
+        kind="bugfix",
+        reason=(
+            "torch_dist saves hand their write results through a multiprocessing Manager "
+            "queue (filesystem_async.get_write_results_queue) whose server process is started "
+            "at the first save, in the rank's process group. Slurm signals every process of a "
+            "step and torchrun forwards SIGTERM with killpg, so a preemption or scancel "
+            "SIGTERM kills that Manager and the --exit-signal-handler save fails with "
+            "BrokenPipeError: the job falls back to its last periodic checkpoint. The queue is "
+            "created before upstream's first use, by a Manager that ignores SIGTERM/SIGINT."
+        ),
+        signature=(
+            "(self, plan: torch.distributed.checkpoint.planner.SavePlan, "
+            "planner: torch.distributed.checkpoint.planner.SavePlanner) -> None"
+        ),
+        wrap=_results_queue_survives_stop_signals,
+    )
+)
+
+
 BUGFIXES: tuple[Patch, ...] = (
     COMPILE_HELPERS,
     DISTOPT_FRESH_STATE,
     DISTOPT_UNSHARED_STEP,
     DISTOPT_STATE_COPY,
+    CKPT_RESULTS_QUEUE,
 )
 
 
