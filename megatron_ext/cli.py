@@ -6,8 +6,8 @@ Each subcommand's implementation owns its own parser; this module only dispatche
 
 from __future__ import annotations
 
+import importlib
 import sys
-from typing import Callable
 
 USAGE = """usage: megatron-ext <command> [args]
 
@@ -21,49 +21,15 @@ commands:
 """
 
 
-def _preprocess(argv: list[str]) -> int:
-    from megatron_ext.data.preprocess import main
-
-    return main(argv)
-
-
-def _demo(argv: list[str]) -> int:
-    from megatron_ext.demo import main
-
-    return main(argv)
-
-
-def _patches(argv: list[str]) -> int:
-    from megatron_ext.patch_report import main
-
-    return main(argv)
-
-
-def _lookup(argv: list[str]) -> int:
-    from megatron_ext.lookup.cli import main
-
-    return main(argv)
-
-
-def _plot(argv: list[str]) -> int:
-    from megatron_ext.plot import main
-
-    return main(argv)
-
-
-def _skiplist(argv: list[str]) -> int:
-    from megatron_ext.skiplist_cli import main
-
-    return main(argv)
-
-
-COMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "preprocess": _preprocess,
-    "demo": _demo,
-    "patches": _patches,
-    "skiplist": _skiplist,
-    "lookup": _lookup,
-    "plot": _plot,
+# Subcommand -> module with ``main(argv) -> int``, imported only when used (start-up stays fast
+# and a command's heavy dependencies load only for that command).
+COMMANDS: dict[str, str] = {
+    "preprocess": "megatron_ext.data.preprocess",
+    "demo": "megatron_ext.demo",
+    "patches": "megatron_ext.patch_report",
+    "skiplist": "megatron_ext.skiplist_cli",
+    "lookup": "megatron_ext.lookup.cli",
+    "plot": "megatron_ext.plot",
 }
 
 
@@ -73,11 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    command = COMMANDS.get(argv[0])
-    if command is None:
+    module = COMMANDS.get(argv[0])
+    if module is None:
         print(f"megatron-ext: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    return command(argv[1:])
+    return importlib.import_module(module).main(argv[1:])
 
 
 if __name__ == "__main__":
