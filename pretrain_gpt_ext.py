@@ -35,7 +35,12 @@ def _expand_skips(argv: list[str]) -> list[str]:
         rest, requested = expand_argv(argv)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
-    load = rest[rest.index("--load") + 1] if "--load" in rest[:-1] else None
+    load = None
+    for i, arg in enumerate(rest):
+        if arg == "--load" and i + 1 < len(rest):
+            load = rest[i + 1]
+        elif arg.startswith("--load="):
+            load = arg.split("=", 1)[1]
     return with_persisted(rest, requested, load)
 
 
