@@ -274,3 +274,14 @@ def test_transient_spike_causes_no_exit_and_no_skip(tmp_path_factory, data_args)
     assert kinds == ["spike", "recovered"]
     assert not (work / "ckpt" / "megatron_ext_skipped_iterations.txt").exists()
     assert checkpoint_args(work / "ckpt", TRAIN_ITERS).skipped_train_samples == 0
+
+
+def test_entry_point_merges_the_list_persisted_with_the_loaded_checkpoints(tmp_path: Path) -> None:
+    import pretrain_gpt_ext
+
+    (tmp_path / "megatron_ext_skipped_iterations.txt").write_text("5-6\n")
+    for load in (["--load", str(tmp_path)], [f"--load={tmp_path}"]):
+        argv = pretrain_gpt_ext._expand_skips([*load, "--iterations-to-skip", "9-10"])
+        assert argv == [*load, "--iterations-to-skip", "5", "6", "9", "10"]
+    with pytest.raises(SystemExit, match="bad range"):
+        pretrain_gpt_ext._expand_skips(["--iterations-to-skip", "10-9"])
