@@ -134,10 +134,12 @@ class _Telemetry:
             dist.all_reduce(slots, group=optimizer.get_grad_stats_parallel_group())
             self.pending = slots
         if self.args.signals_update_ratio:
-            self.snapshot = [p.detach().float().clone() for p in self._main_params()]
+            self.snapshot = [p.detach().float().clone() for p in self._counted_params()]
 
-    def _main_params(self) -> list[torch.Tensor]:
-        return [p for opt in self.optimizer.chained_optimizers for p in opt.get_parameters()]
+    def _counted_params(self) -> list[torch.Tensor]:
+        """This rank's optimizer (main) parameters that the global norms count once."""
+        return [p for opt in self.optimizer.chained_optimizers for p in opt.get_parameters()
+                if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
 
     def observe_loss(self, loss: torch.Tensor, num_tokens: torch.Tensor) -> None:
         """Accumulate this rank's token-summed training loss of the current iteration."""
@@ -145,14 +147,16 @@ class _Telemetry:
         self.loss_tokens = self.loss_tokens + num_tokens.detach().float()
 
     def _update_ratio(self) -> float | None:
+        """||Δθ|| / ||θ|| over the whole model: fused per-tensor norms, one all-reduce."""
         if self.snapshot is None:
             return None
-        params = self._main_params()
-        sums = torch.zeros(2, dtype=torch.float32, device=params[0].device if params else "cpu")
-        for p, before in zip(params, self.snapshot):
-            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-                sums[0] += (p.detach().float() - before).square().sum()
-                sums[1] += p.detach().float().square().sum()
+        params = [p.detach().float() for p in self._counted_params()]
+        device = params[0].device if params else torch.device("cpu")
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        if params:
+            deltas = torch._foreach_sub(params, self.snapshot)
+            for row, tensors in enumerate((deltas, params)):
+                sums[row] = torch.stack(torch._foreach_norm(tensors)).double().square().sum()
         dist.all_reduce(sums, group=self.optimizer.get_grad_stats_parallel_group())
         self.snapshot = None
         delta, norm = sums.tolist()
