@@ -21,6 +21,7 @@ from typing import Any
 
 from megatron_ext.jsonl import read_jsonl
 from megatron_ext.signals import SIGNALS_FILE, read_signals
+from megatron_ext.spikes import LEDGER_NAME
 from megatron_ext.skip_ranges import PERSISTED_NAME, format_ranges, read_file, write_atomically
 from megatron_ext.skiplist import (
     TRACKER_NAME,
@@ -31,7 +32,6 @@ from megatron_ext.skiplist import (
     make_plan,
 )
 
-LEDGER_NAME = "spikes.jsonl"
 INCIDENTS = "megatron_ext_incidents"
 SKIP_FILE = "megatron_ext_skip.txt"
 ONSET_LOOKBACK = 10_000  # iterations of signals read before the incident
@@ -93,11 +93,12 @@ def _train_iters(ckpt_dir: Path, iteration: int) -> int | None:
 
 
 def _earlier_skips(ckpt_dir: Path) -> list[int]:
-    skips: list[int] = []
-    for name in (PERSISTED_NAME, SKIP_FILE):
-        if (ckpt_dir / name).exists():
-            skips += read_file(ckpt_dir / name)
-    return skips
+    """Iterations already skipped: the applied list training keeps with the checkpoints.
+
+    Not ``SKIP_FILE``: that holds the last plan, which may never have been applied.
+    """
+    persisted = ckpt_dir / PERSISTED_NAME
+    return read_file(persisted) if persisted.exists() else []
 
 
 def _report(plan: Plan, number: int, culprit: str) -> str:

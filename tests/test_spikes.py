@@ -285,3 +285,27 @@ def test_entry_point_merges_the_list_persisted_with_the_loaded_checkpoints(tmp_p
         assert argv == [*load, "--iterations-to-skip", "5", "6", "9", "10"]
     with pytest.raises(SystemExit, match="bad range"):
         pretrain_gpt_ext._expand_skips(["--iterations-to-skip", "10-9"])
+
+
+def test_planner_merges_applied_skips_but_not_an_unapplied_earlier_plan(tmp_path: Path) -> None:
+    from megatron_ext.jsonl import JsonlAppender
+
+    signals, ckpt = tmp_path / "signals", tmp_path / "ckpt"
+    records = _records(200, STUCK)
+    writer, ledger = JsonlAppender(signals / "signals.jsonl"), JsonlAppender(signals / "spikes.jsonl")
+    for record in records:
+        writer.append(record.as_json())
+    for event in _events(records):
+        ledger.append(event.as_json())
+    for iteration in (100, 140):
+        (ckpt / f"iter_{iteration:07d}").mkdir(parents=True)
+        (ckpt / f"iter_{iteration:07d}" / "metadata.json").write_text("{}")
+    (ckpt / "megatron_ext_skipped_iterations.txt").write_text("20-21\n")  # applied earlier
+    common = ["--no-lookup", "--train-iters", "1000", "--skip-batches", "60"]
+    first = _skiplist(tmp_path, *common, "--rollback-iters", "40")  # planned, not applied
+    assert first.returncode == 0 and "skip iterations 101-160" in first.stdout, first.stderr
+    second = _skiplist(tmp_path, *common, "--rollback-iters", "10")
+    assert second.returncode == 0, second.stderr
+    assert "all skipped iterations: 20-21, 141-200." in second.stdout
+    plan = json.loads((ckpt / "megatron_ext_incidents" / "incident-002.json").read_text())
+    assert plan["skip_ranges"] == [[20, 21], [141, 200]]
