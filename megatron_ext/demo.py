@@ -19,6 +19,8 @@ import torch
 from megatron_ext.data import preprocess
 from megatron_ext.data.corpus import write_tiny_corpus
 from megatron_ext.data.tokenizer import megatron_tokenizer_args
+from megatron_ext.jsonl import read_jsonl
+from megatron_ext.spikes import LEDGER_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_RUNNER = REPO / "tests" / "cpu_harness" / "run.py"
@@ -139,8 +141,10 @@ def _train(command: list[str], workdir: Path, log_path: Path) -> int:
 
 
 def _rollback_requests(workdir: Path) -> int:
-    ledger = workdir / "signals" / "spikes.jsonl"
-    return ledger.read_text().count('"kind":"rollback"') if ledger.exists() else 0
+    ledger = workdir / "signals" / LEDGER_NAME
+    if not ledger.exists():
+        return 0
+    return sum(e.get("kind") == "rollback" for e in read_jsonl(ledger).records)
 
 
 def main(argv: list[str] | None = None) -> int:

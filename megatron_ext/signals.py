@@ -46,8 +46,13 @@ class SignalRecord:
     nan_iter: bool = False
 
     def as_json(self) -> dict[str, Any]:
-        """JSON-safe dict: non-finite floats become strings, so any JSON reader can load it."""
-        return {k: _json_float(v) for k, v in asdict(self).items()}
+        return json_safe(self)
+
+
+def json_safe(record: Any) -> dict[str, Any]:
+    """A dataclass as a JSON-safe dict: non-finite floats become strings, so any JSON reader
+    can load the log (``json.dumps`` would write bare ``NaN``)."""
+    return {k: _json_float(v) for k, v in asdict(record).items()}
 
 
 def _json_float(value: Any) -> Any:

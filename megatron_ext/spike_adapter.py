@@ -28,10 +28,14 @@ from megatron_ext.drill import CorruptionSpec, garbage_batch, parse_spec
 from megatron_ext.jsonl import JsonlAppender
 from megatron_ext.signals import SIGNALS_FILE, latest_per_iteration, read_signals
 from megatron_ext.skip_ranges import PERSISTED_NAME, format_ranges, write_atomically
-from megatron_ext.spikes import SpikeDetector, add_detector_args, config_from_args
+from megatron_ext.spikes import (
+    LEDGER_NAME,
+    SpikeDetector,
+    add_detector_args,
+    config_from_args,
+)
 
 EXIT_CODE_SPIKE = 42
-LEDGER_NAME = "spikes.jsonl"
 _DECISIONS = {"healthy": 0, "watching": 1, "rollback": 2}
 
 

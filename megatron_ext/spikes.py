@@ -27,10 +27,11 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from megatron_ext.signals import SignalRecord
+from megatron_ext.signals import SignalRecord, json_safe
 
 EventKind = Literal["spike", "recovered", "divergence", "rollback"]
 
+LEDGER_NAME = "spikes.jsonl"  # the spike ledger, in the signals dir unless --spike-ledger
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 
 
@@ -101,7 +102,7 @@ class SpikeEvent:
     window: list[dict[str, Any]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
-        return SignalRecord.as_json(self)  # type: ignore[arg-type]  # same float handling
+        return json_safe(self)
 
 
 class RollingWindow:
