@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from harness import CPU_FLAGS, RUNNER, TINY_MODEL, TINY_TRAINING, kill_tree  # noqa: E402
+from harness import launch  # noqa: E402
 
 from megatron_ext.bucket_norms import BucketView, squared_norms  # noqa: E402
 from megatron_ext.demo import prepare_tiny_dataset  # noqa: E402
@@ -77,31 +76,13 @@ What this CPU figure can and cannot say about the <=1% target on a real GPU step
 
 
 def _launch(workdir: Path, data_args: list[str], iters: int, extra: list[str]) -> str:
-    """One real launch of the entry point through the CPU harness; returns its log.
-
-    Same command and environment as ``tests/harness.launch``, which cannot be used as is: it
-    always adds ``--sample-log-dir`` (its tests read the sample log), so its "off" would not be
-    off.
-    """
-    workdir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, MEGATRON_EXT_HARNESS_COUNTS=str(workdir / "counts"),
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-           str(RUNNER), *TINY_MODEL, *TINY_TRAINING, *CPU_FLAGS, *data_args,
-           "--train-iters", str(iters), "--log-interval", "1", *extra]
-    log_path = workdir / "log.txt"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
-                                env=env, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            raise SystemExit(f"launch timed out; log: {log_path}") from None
-    text = log_path.read_text()
-    if returncode != 0:
-        raise SystemExit(f"launch failed (exit {returncode}); log: {log_path}\n{text[-3000:]}")
-    return text
+    """One real launch of the entry point through the CPU harness; returns its log."""
+    run = launch(workdir, [*data_args, "--train-iters", str(iters), *extra], timeout=900,
+                 sample_log=False)
+    if run.returncode != 0:
+        raise SystemExit(f"launch failed (exit {run.returncode}); log: {workdir / 'log.txt'}\n"
+                         f"{run.log[-3000:]}")
+    return run.log
 
 
 def step_times(log: str, warmup: int) -> list[float]:

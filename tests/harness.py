@@ -78,9 +78,11 @@ def launch(
     nproc: int = 1,
     kill_at_checkpoint: int | None = None,
     timeout: float = 600,
+    sample_log: bool = True,
 ) -> Run:
     """Run the entry point under torchrun; optionally SIGKILL the whole job right after the
-    checkpoint of iteration ``kill_at_checkpoint`` is committed (crash-after-save drill)."""
+    checkpoint of iteration ``kill_at_checkpoint`` is committed (crash-after-save drill).
+    ``sample_log=False`` leaves ``--sample-log-dir`` out (benchmarks' "off" arm)."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, MEGATRON_EXT_HARNESS_COUNTS=str(workdir / "counts"),
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -88,7 +90,7 @@ def launch(
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", str(RUNNER),
         *TINY_MODEL, *TINY_TRAINING, *CPU_FLAGS,
-        "--sample-log-dir", str(workdir / "samples"), *args,
+        *(["--sample-log-dir", str(workdir / "samples")] if sample_log else []), *args,
     ]
     log_path = workdir / "log.txt"
     with open(log_path, "w") as log:
