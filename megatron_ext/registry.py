@@ -80,6 +80,19 @@ BUGFIXES: tuple[Patch, ...] = (
         "scancel SIGTERM kills that Manager and the --exit-signal-handler save fails with "
         "BrokenPipeError. The queue is created first, by a Manager that ignores SIGTERM/SIGINT.",
     ),
+    Patch(
+        name="help-percent-in-docstrings",
+        kind="bugfix",
+        target="megatron.training.argument_utils:"
+        "ArgumentGroupFactory._build_argparse_kwargs_from_field",
+        signature="(self, attribute: dataclasses.Field) -> dict[str, typing.Any]",
+        wrap="megatron_ext.fixes:docstring_help_is_text",
+        reason="ArgumentGroupFactory turns config dataclass field docstrings into argparse "
+        "help, and argparse expands help as a %-format. TransformerConfig's docstring for "
+        "moe_paged_stash_buffer_size_factor_cuda ends in a bare '10%)', so `--help` of every "
+        "script on Megatron's parser dies with ValueError: unsupported format character. "
+        "Docstring help gets its '%' doubled; help written in field metadata is left alone.",
+    ),
 )
 
 HOOKS: tuple[Patch, ...] = (
@@ -229,6 +242,13 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         used_by="megatron_ext.weight_decay.adapter",
         reason="The weight-decay resume check reads the checkpoint's saved args before "
         "anything is built, the way --use-checkpoint-args does.",
+    ),
+    Assumption(
+        name="argument-factory-docstrings",
+        target="megatron.training.argument_utils:ArgumentGroupFactory",
+        assigned=("field_docstrings",),
+        used_by="megatron_ext.fixes",
+        reason="The --help fix tells docstring help from metadata help by this dict.",
     ),
     # Megatron pieces that tools re-read without importing megatron-core (5 s of imports
     # for an answer in milliseconds); tests/unit/test_lookup_formats.py and
