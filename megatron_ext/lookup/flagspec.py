@@ -18,6 +18,7 @@ Defaults that are Megatron objects (``AttnBackend.auto``) become inert stand-ins
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.metadata
 import json
 import sys
@@ -139,7 +140,11 @@ def parse(argv: list[str], namespace: argparse.Namespace) -> tuple[argparse.Name
     spec = _spec()
     if spec is not None:
         try:
-            parsed, unknown = light_parser(spec).parse_known_args(argv, namespace=namespace)
+            # On a copy: a NeedsMegatron midway leaves the namespace half-filled with
+            # defaults, which Megatron's parser would then take as given values.
+            parsed, unknown = light_parser(spec).parse_known_args(
+                argv, namespace=copy.deepcopy(namespace)
+            )
         except NeedsMegatron:
             pass
         else:
