@@ -46,7 +46,7 @@ def _expand_skips(argv: list[str]) -> list[str]:
 
 CPU_HINT = (
     "megatron-ext: no CUDA device: Megatron requires CUDA. To train on CPU (a small model on "
-    "your own data, through the CPU harness of this source checkout), run the same flags with "
+    "your own data, through the CPU harness of a source checkout), run the same flags with "
     "`megatron-ext train --cpu [--nproc-per-node N] -- <flags>`; `megatron-ext demo` shows it "
     "end to end."
 )
