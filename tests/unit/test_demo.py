@@ -1,6 +1,6 @@
-"""The demo's decisions without a launch: what its output filter shows, when a resume has
-nothing left to train, and which checkpoints it refuses to resume (the launches themselves:
-tests/e2e/test_newcomer.py)."""
+"""The demo's and ``train --cpu``'s decisions without a launch: what the demo's output filter
+shows, when a resume has nothing left to train, which checkpoints it refuses to resume, and
+the command ``train --cpu`` runs (the launches themselves: tests/e2e/test_newcomer.py)."""
 
 from __future__ import annotations
 
@@ -63,3 +63,28 @@ def test_resume_left_to_train_and_refusal_of_another_schedule(tmp_path: Path) ->
 def test_each_mode_has_its_own_workdir() -> None:
     assert demo.WORKDIRS[False] != demo.WORKDIRS[True]
     assert demo.build_parser().parse_args([]).workdir is None  # chosen by --drill
+
+
+def test_train_cpu_runs_the_harness_with_cpu_flags_first(monkeypatch, capsys) -> None:
+    from megatron_ext import train
+
+    launched: list[list[str]] = []
+    monkeypatch.setattr(train.subprocess, "call", lambda command: launched.append(command) or 0)
+    assert train.main(["--cpu", "--nproc-per-node", "2", "--", "--num-layers", "2"]) == 0
+    command = launched[0]
+    runner = command.index(str(train.CPU_RUNNER))
+    assert command[runner - 1] == "--nproc-per-node=2"
+    assert command[runner + 1 :] == [*train.CPU_FLAGS, "--num-layers", "2"]  # user's flags win
+
+    for argv, message in ((["--", "--num-layers", "2"], "only --cpu"), (["--cpu"], "after --")):
+        with pytest.raises(SystemExit):
+            train.main(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_train_cpu_outside_a_source_checkout_says_how_to_get_one(monkeypatch) -> None:
+    from megatron_ext import train
+
+    monkeypatch.setattr(train, "CPU_RUNNER", train.REPO / "no" / "run.py")
+    with pytest.raises(SystemExit, match="git clone the repository"):
+        train.main(["--cpu", "--", "--num-layers", "2"])
