@@ -44,9 +44,36 @@ def _expand_skips(argv: list[str]) -> list[str]:
     return with_persisted(rest, requested, load)
 
 
+CPU_HINT = (
+    "megatron-ext: no CUDA device: Megatron requires CUDA. To train on CPU (a small model on "
+    "your own data, through the CPU harness of a source checkout), run the same flags with "
+    "`megatron-ext train --cpu [--nproc-per-node N] -- <flags>`; `megatron-ext demo` shows it "
+    "end to end."
+)
+
+
+def _require_cuda() -> None:
+    """Refuse early, with the CPU command, instead of Megatron's bare "requires CUDA" assert.
+
+    The CPU harness (``tests/cpu_harness``) marks ``torch.cuda`` when its shims stand in.
+    """
+    import torch
+
+    if not (torch.cuda.is_available() or getattr(torch.cuda, "_megatron_ext_cpu_harness", False)):
+        raise SystemExit(CPU_HINT)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse Megatron + megatron-ext arguments, install patches and run ``pretrain``."""
-    argv = _default_transformer_impl(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    wants_help = "-h" in argv or "--help" in argv
+    if wants_help:  # help is not training: keep optional-dependency import warnings out of it
+        from megatron_ext.quiet import silence_import_noise
+
+        silence_import_noise()
+    else:
+        _require_cuda()
+        argv = _default_transformer_impl(argv)
     sys.argv = [sys.argv[0], *_expand_skips(argv)]
 
     from megatron.core.enums import ModelType
@@ -65,11 +92,13 @@ def main(argv: list[str] | None = None) -> None:
     for fix in registry.BUGFIXES:
         fix.apply()
 
-    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    # Parse before Megatron's in-process-restart wrapper: it parses sys.argv without the
+    # megatron-ext group, so `--help` would print (and exit) without the overlay's flags.
     args = parse_and_validate_args(
         extra_args_provider=loop.add_megatron_ext_args,
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     )
+    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     gpt_step.check_supported(args)
     loop.install(args)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))

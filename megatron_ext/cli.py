@@ -1,7 +1,9 @@
 """``megatron-ext``: one console script, one subcommand per tool.
 
 Each subcommand's implementation owns its own parser; this module only dispatches, so the
-``tools/`` wrappers and the subcommands share one code path.
+``tools/`` wrappers and the subcommands share one code path. It also keeps optional-dependency
+import warnings out of the commands' output (:mod:`megatron_ext.quiet`; training launched by a
+command runs in its own processes and keeps them).
 """
 
 from __future__ import annotations
@@ -9,11 +11,14 @@ from __future__ import annotations
 import importlib
 import sys
 
+from megatron_ext.quiet import silence_import_noise
+
 USAGE = """usage: megatron-ext <command> [args]
 
 commands:
   preprocess   JSONL -> Megatron .bin/.idx (trains an offline BPE tokenizer if asked)
   demo         tiny corpus + tiny GPT trained by the real Megatron loop (CPU or GPU)
+  train        train on your own data on CPU: --cpu runs pretrain_gpt_ext.py on the CPU harness
   skiplist     plan (and --apply) a rollback + skip after a spike exit (code 42)
   patches      list the runtime patches megatron-ext applies to Megatron, and verify them
   lookup       iteration + DP rank -> samples, documents, tokens; document -> iterations
@@ -27,6 +32,7 @@ commands:
 COMMANDS: dict[str, str] = {
     "preprocess": "megatron_ext.data.preprocess",
     "demo": "megatron_ext.demo",
+    "train": "megatron_ext.train",
     "patches": "megatron_ext.patch_report",
     "skiplist": "megatron_ext.spikes.cli",
     "lookup": "megatron_ext.lookup.cli",
@@ -45,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if module is None:
         print(f"megatron-ext: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2
+    silence_import_noise()
     return importlib.import_module(module).main(argv[1:])
 
 

@@ -3,12 +3,17 @@
 On a GPU machine it runs ``pretrain_gpt_ext.py`` directly. Without a GPU it runs the same
 entry point through the repository's CPU harness (``tests/cpu_harness/run.py``), which the
 installed package never imports: the demo only points ``torchrun`` at it, so the CPU demo
-needs a source checkout.
+needs a source checkout (as ``megatron-ext train --cpu`` does).
+
+Each mode has its own work directory (``runs/demo``, ``runs/demo-drill``). A plain demo resumes
+from its checkpoints and says when nothing is left to train; ``--fresh`` starts over. The drill
+always starts over: it is about the incident, not the model.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -16,16 +21,20 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.checkpoint_state import UnreadableState, read_saved_args
 from megatron_ext.data import preprocess
 from megatron_ext.data.corpus import write_tiny_corpus
 from megatron_ext.data.tokenizer import megatron_tokenizer_args
-from megatron_ext.files import SPIKE_LEDGER_FILE, incident_stem
+from megatron_ext.files import (
+    CHECKPOINT_TRACKER_FILE,
+    SPIKE_LEDGER_FILE,
+    checkpoint_dir,
+    incident_stem,
+)
 from megatron_ext.io import read_jsonl
+from megatron_ext.train import CPU_FLAGS, ENTRY_POINT, cpu_runner, torchrun
 
-REPO = Path(__file__).resolve().parents[1]
-CPU_RUNNER = REPO / "tests" / "cpu_harness" / "run.py"
-ENTRY_POINT = REPO / "pretrain_gpt_ext.py"
-
+WORKDIRS = {False: Path("runs/demo"), True: Path("runs/demo-drill")}  # by --drill
 # A tiny Llama-style GPT (RoPE, RMSNorm, SwiGLU, untied output layer).
 TINY_MODEL = [
     "--num-layers",
@@ -45,25 +54,6 @@ TINY_MODEL = [
     "--swiglu",
     "--disable-bias-linear",
     "--untie-embeddings-and-output-weights",
-]
-# Megatron's fused CUDA kernels are unavailable on CPU; dropout is off because CPU dropout
-# draws from the same generator the data loader seeds from, which breaks exact resume there.
-CPU_FLAGS = [
-    "--distributed-backend",
-    "gloo",
-    "--use-cpu-initialization",
-    "--transformer-impl",
-    "local",
-    "--no-gradient-accumulation-fusion",
-    "--no-persist-layer-norm",
-    "--no-masked-softmax-fusion",
-    "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion",
-    "--no-rope-fusion",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
 ]
 
 
@@ -104,66 +94,59 @@ def training_command(workdir: Path, nproc: int, iters: int, extra: list[str]) ->
     """The torchrun command the demo runs (GPU: entry point; CPU: through the harness)."""
     document, tokenizer_args = prepare_tiny_dataset(workdir)
     on_gpu = torch.cuda.is_available()
-    script = ENTRY_POINT if on_gpu else CPU_RUNNER
-    if not script.exists():
-        raise SystemExit(
-            f"megatron-ext demo: {script} not found; the demo runs from a source checkout "
-            "(git clone, then pip install -e .)"
-        )
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(script),
-        *TINY_MODEL,
-        *([] if on_gpu else CPU_FLAGS),
-        "--micro-batch-size",
-        "4",
-        "--global-batch-size",
-        str(8 * nproc),
-        "--train-iters",
-        str(iters),
-        "--lr",
-        "3e-3",
-        "--min-lr",
-        "3e-4",
-        "--lr-decay-style",
-        "cosine",
-        "--lr-warmup-iters",
-        "5",
-        "--weight-decay",
-        "0.1",
-        "--clip-grad",
-        "1.0",
-        "--seed",
-        "1234",
-        "--log-interval",
-        "5",
-        "--eval-interval",
-        str(iters),
-        "--eval-iters",
-        "2",
-        "--data-path",
-        str(document),
-        "--split",
-        "98,2,0",
-        *tokenizer_args,
-        "--data-cache-path",
-        str(workdir / "index-cache"),
-        "--save",
-        str(workdir / "checkpoints"),
-        "--load",
-        str(workdir / "checkpoints"),
-        "--save-interval",
-        str(max(1, iters // 2)),
-        "--tensorboard-dir",
-        str(workdir / "tensorboard"),
-        "--sample-log-dir",
-        str(workdir / "samples"),
-        *extra,
-    ]
+    script = ENTRY_POINT if on_gpu else cpu_runner("demo")
+    return torchrun(
+        script,
+        nproc,
+        [
+            *TINY_MODEL,
+            *([] if on_gpu else CPU_FLAGS),
+            "--micro-batch-size",
+            "4",
+            "--global-batch-size",
+            str(8 * nproc),
+            "--train-iters",
+            str(iters),
+            "--lr",
+            "3e-3",
+            "--min-lr",
+            "3e-4",
+            "--lr-decay-style",
+            "cosine",
+            "--lr-warmup-iters",
+            "5",
+            "--weight-decay",
+            "0.1",
+            "--clip-grad",
+            "1.0",
+            "--seed",
+            "1234",
+            "--log-interval",
+            "5",
+            "--eval-interval",
+            str(iters),
+            "--eval-iters",
+            "2",
+            "--data-path",
+            str(document),
+            "--split",
+            "98,2,0",
+            *tokenizer_args,
+            "--data-cache-path",
+            str(workdir / "index-cache"),
+            "--save",
+            str(workdir / "checkpoints"),
+            "--load",
+            str(workdir / "checkpoints"),
+            "--save-interval",
+            str(max(1, iters // 2)),
+            "--tensorboard-dir",
+            str(workdir / "tensorboard"),
+            "--sample-log-dir",
+            str(workdir / "samples"),
+            *extra,
+        ],
+    )
 
 
 # The incident drill: garbage tokens on DP rank 1 for iterations 40-45, caught by a detector
@@ -195,12 +178,17 @@ MAX_DRILL_ROLLBACKS = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-ext demo", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="megatron-ext demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--workdir",
         type=Path,
-        default=Path("runs/demo"),
-        help="where data, checkpoints and logs go (default: %(default)s)",
+        default=None,
+        help=f"where data, checkpoints and logs go (default: {WORKDIRS[False]}; "
+        f"{WORKDIRS[True]} with --drill)",
     )
     parser.add_argument(
         "--iters", type=int, default=None, help="training iterations (default 40; 60 with --drill)"
@@ -214,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fresh",
         action="store_true",
-        help="delete checkpoints and logs from an earlier demo first",
+        help="delete checkpoints and logs from an earlier demo first (the drill always does)",
     )
     parser.add_argument(
         "--drill",
@@ -228,6 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Megatron's argument dump at start-up ("  name ........ value"): values like
+# error_injection_rate would otherwise pass the filter below.
+_ARGUMENT_DUMP = re.compile(r"^\s*\S+ \.{2,} ")
+
+
+def _shown(line: str) -> bool:
+    """Iteration and validation lines, megatron-ext messages and errors; not Megatron's
+    argument dump or its per-checkpoint memory report."""
+    if _ARGUMENT_DUMP.match(line) or "memory (MB)" in line:
+        return False
+    return " iteration " in line or "megatron-ext" in line or "error" in line.lower()
+
+
 def _train(command: list[str], workdir: Path, log_path: Path) -> int:
     """Run one launch, echoing iteration lines and megatron-ext messages."""
     print("+ " + " ".join(command), flush=True)
@@ -238,7 +239,7 @@ def _train(command: list[str], workdir: Path, log_path: Path) -> int:
         assert process.stdout is not None
         for line in process.stdout:
             log.write(line)
-            if " iteration " in line or "megatron-ext" in line or "error" in line.lower():
+            if _shown(line):
                 print(line.rstrip(), flush=True)
         return process.wait()
 
@@ -250,10 +251,82 @@ def _rollback_requests(workdir: Path) -> int:
     return sum(e.get("kind") == "rollback" for e in read_jsonl(ledger).records)
 
 
+def _left_to_train(workdir: Path, iters: int, global_batch: int) -> int | None:
+    """Iterations a resume would train: None for a fresh start, 0 when the checkpoints are
+    complete. Exits with a hint when they belong to another schedule (Megatron refuses to
+    resume a changed --train-iters or global batch: the LR schedule would not match)."""
+    ckpt = workdir / "checkpoints"
+    tracker = ckpt / CHECKPOINT_TRACKER_FILE
+    if not tracker.is_file():
+        return None
+    done = int(tracker.read_text().strip())
+    try:
+        saved = read_saved_args(checkpoint_dir(ckpt, done))
+    except (UnreadableState, OSError):
+        return iters - done  # let Megatron read it and decide
+    if (saved.train_iters, saved.global_batch_size) != (iters, global_batch):
+        raise SystemExit(
+            f"megatron-ext demo: {ckpt} holds a run of {saved.train_iters} iterations at global "
+            f"batch {saved.global_batch_size}; this demo asks for {iters} at {global_batch}, "
+            "which Megatron refuses to resume (the LR schedule would change). Add --fresh to "
+            "start over, or --workdir DIR to train elsewhere."
+        )
+    return iters - done
+
+
+def _command_name() -> str:
+    """How the user invoked us (``.venv/bin/megatron-ext``), for copy-pasteable next steps."""
+    return sys.argv[0] if Path(sys.argv[0]).name == "megatron-ext" else "megatron-ext"
+
+
+def _summary(workdir: Path, shown: Path, log_path: Path, status: int, iters: int) -> str:
+    incidents = sorted(incident_stem(workdir / "checkpoints", 1).parent.glob("*.md"))
+    tool = _command_name()
+    return (
+        f"\ntraining log:   {log_path}\ncheckpoints:    {workdir / 'checkpoints'}\n"
+        f"tensorboard:    {workdir / 'tensorboard'}\nsample log:     {workdir / 'samples'}\n"
+        f"signals:        {workdir / 'signals'}\n"
+        + "".join(f"incident:       {p}\n" for p in incidents)
+        + f"exit status:    {status}\n"
+        + (
+            "\nnext steps:\n"
+            f"  {tool} plot --signals-dir {shown / 'signals'}\n"
+            f"  {tool} lookup --from-checkpoint {shown / 'checkpoints'} --iteration {iters} "
+            "--dp-rank 0\n"
+            "  (plot draws loss, grad norm, params norm and spike candidates to a PNG; lookup "
+            "says which documents and tokens DP rank 0 trained on at that iteration: add "
+            "--text to decode them)"
+            if status == 0
+            else ""
+        )
+    )
+
+
+def _drill_rollback(workdir: Path, number: int) -> bool:
+    """The drill's expected spike exit: plan and apply the rollback (skiplist --apply)."""
+    print(
+        "\ndemo: the torchrun ChildFailedError above is expected: the spike detector ended "
+        "training with exit code 42 to request a rollback"
+    )
+    print(f"demo: spike exit -> megatron-ext skiplist --apply (rollback {number})")
+    from megatron_ext.spikes.cli import main as skiplist
+
+    plan = [
+        "--ckpt-dir",
+        str(workdir / "checkpoints"),
+        "--signals-dir",
+        str(workdir / "signals"),
+        "--apply",
+        *DRILL_PLAN,
+    ]
+    return skiplist(plan) == 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Prepare data, train (drill: plan, apply and restart), print where everything went."""
     args = build_parser().parse_args(argv)
-    workdir = args.workdir.resolve()
+    shown = args.workdir or WORKDIRS[args.drill]
+    workdir = shown.resolve()
     if args.fresh or args.drill:
         for sub in ("checkpoints", "tensorboard", "samples", "signals", "train.log"):
             shutil.rmtree(workdir / sub, ignore_errors=True)
@@ -267,8 +340,16 @@ def main(argv: list[str] | None = None) -> int:
         str(workdir / "signals"),
         *extra,
     ]
-    command = training_command(workdir, nproc, iters, extra)
     log_path = workdir / "train.log"
+    left = _left_to_train(workdir, iters, 8 * nproc)
+    if left is not None and left <= 0:
+        print(
+            f"demo: {shown} already trained all {iters} iterations; nothing left to train. "
+            "--fresh starts over, --workdir DIR trains elsewhere."
+        )
+        print(_summary(workdir, shown, log_path, 0, iters))
+        return 0
+    command = training_command(workdir, nproc, iters, extra)
     status = _train(command, workdir, log_path)
     rollbacks = 0
     while args.drill and status != 0 and _rollback_requests(workdir) > rollbacks:
@@ -276,30 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         if rollbacks > MAX_DRILL_ROLLBACKS:
             print(f"demo: more than {MAX_DRILL_ROLLBACKS} rollbacks; stopping")
             break
-        print(f"\ndemo: spike exit -> megatron-ext skiplist --apply (rollback {rollbacks})")
-        from megatron_ext.spikes.cli import main as skiplist
-
-        if (
-            skiplist(
-                [
-                    "--ckpt-dir",
-                    str(workdir / "checkpoints"),
-                    "--signals-dir",
-                    str(workdir / "signals"),
-                    "--apply",
-                    *DRILL_PLAN,
-                ]
-            )
-            != 0
-        ):
+        if not _drill_rollback(workdir, rollbacks):
             break
         status = _train(command, workdir, log_path)
-    incidents = sorted(incident_stem(workdir / "checkpoints", 1).parent.glob("*.md"))
-    print(
-        f"\ntraining log:   {log_path}\ncheckpoints:    {workdir / 'checkpoints'}\n"
-        f"tensorboard:    {workdir / 'tensorboard'}\nsample log:     {workdir / 'samples'}\n"
-        f"signals:        {workdir / 'signals'}\n"
-        + "".join(f"incident:       {p}\n" for p in incidents)
-        + f"exit status:    {status}"
-    )
+    print(_summary(workdir, shown, log_path, status, iters))
     return status

@@ -20,6 +20,11 @@ from pathlib import Path
 # -- Megatron's own names (megatron-core 0.19.2, training/checkpointing.py) -----------------
 CHECKPOINT_TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_DIR = re.compile(r"^iter_(\d{7})$")
+# Inside iter_NNNNNNN (dist_checkpointing): torch_dist's marker, torch DCP's storage index (a
+# pickle) and the legacy common-state file; read by megatron_ext.checkpoint_state.
+CHECKPOINT_METADATA_FILE = "metadata.json"
+DCP_METADATA_FILE = ".metadata"
+CHECKPOINT_COMMON_FILE = "common.pt"
 
 
 def checkpoint_dir(root: str | Path, iteration: int) -> Path:

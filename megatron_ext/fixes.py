@@ -94,3 +94,15 @@ def results_queue_survives_stop_signals(original: Callable[..., None]) -> Callab
         return original(self, plan, planner)
 
     return prepare_write_data
+
+
+def docstring_help_is_text(original: Callable[..., dict]) -> Callable[..., dict]:
+    def _build_argparse_kwargs_from_field(self: Any, attribute: Any) -> dict:
+        """A field docstring used as help is prose: escape its ``%`` for argparse."""
+        kwargs = original(self, attribute)
+        text = kwargs.get("help")
+        if isinstance(text, str) and text == self.field_docstrings.get(attribute.name):
+            kwargs["help"] = text.replace("%", "%%")
+        return kwargs
+
+    return _build_argparse_kwargs_from_field

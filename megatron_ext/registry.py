@@ -80,6 +80,19 @@ BUGFIXES: tuple[Patch, ...] = (
         "scancel SIGTERM kills that Manager and the --exit-signal-handler save fails with "
         "BrokenPipeError. The queue is created first, by a Manager that ignores SIGTERM/SIGINT.",
     ),
+    Patch(
+        name="help-percent-in-docstrings",
+        kind="bugfix",
+        target="megatron.training.argument_utils:"
+        "ArgumentGroupFactory._build_argparse_kwargs_from_field",
+        signature="(self, attribute: dataclasses.Field) -> dict[str, typing.Any]",
+        wrap="megatron_ext.fixes:docstring_help_is_text",
+        reason="ArgumentGroupFactory turns config dataclass field docstrings into argparse "
+        "help, and argparse expands help as a %-format. TransformerConfig's docstring for "
+        "moe_paged_stash_buffer_size_factor_cuda ends in a bare '10%)', so `--help` of every "
+        "script on Megatron's parser dies with ValueError: unsupported format character. "
+        "Docstring help gets its '%' doubled; help written in field metadata is left alone.",
+    ),
 )
 
 HOOKS: tuple[Patch, ...] = (
@@ -229,6 +242,65 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         used_by="megatron_ext.weight_decay.adapter",
         reason="The weight-decay resume check reads the checkpoint's saved args before "
         "anything is built, the way --use-checkpoint-args does.",
+    ),
+    Assumption(
+        name="argument-factory-docstrings",
+        target="megatron.training.argument_utils:ArgumentGroupFactory",
+        assigned=("field_docstrings",),
+        used_by="megatron_ext.fixes",
+        reason="The --help fix tells docstring help from metadata help by this dict.",
+    ),
+    # Megatron pieces that tools re-read without importing megatron-core (5 s of imports
+    # for an answer in milliseconds); tests/unit/test_lookup_formats.py and
+    # test_checkpoint_state.py prove the same results on the same inputs.
+    Assumption(
+        name="checkpoint-common-state",
+        target="megatron.core.dist_checkpointing.serialization:load_common_state_dict",
+        signature="(checkpoint_dir: Union[str, pathlib.Path]) -> Dict[str, Any]",
+        used_by="megatron_ext.checkpoint_state",
+        reason="Read as it reads it: legacy common.pt, else the bytes of the "
+        "'common_state/shard_0_1' ShardedObject in the DCP files (torch.save of [state]); "
+        "any other layout is handed to this function.",
+    ),
+    Assumption(
+        name="lookup-megatron-flags",
+        target="megatron.training.arguments:add_megatron_arguments",
+        signature="(parser: argparse.ArgumentParser)",
+        used_by="megatron_ext.lookup.flagspec",
+        reason="The lookup parses a run's flags with this parser rebuilt from "
+        "megatron_flags.json, generated from it, for the megatron-core version it names.",
+    ),
+    Assumption(
+        name="lookup-indexed-dataset-format",
+        target="megatron.core.datasets.indexed_dataset:_IndexReader",
+        assigned=("sequence_lengths", "sequence_pointers", "document_indices"),
+        used_by="megatron_ext.lookup.formats",
+        reason="The lookup reads .idx/.bin as this reader does: header, version 1, dtype "
+        "code, counts, then these three arrays; tokens as IndexedDataset.get slices them.",
+    ),
+    Assumption(
+        name="lookup-blend-rules",
+        target="megatron.core.datasets.utils:get_blend_from_list",
+        signature="(blend: Optional[List[str]]) -> Optional[Tuple[List[str], "
+        "Optional[List[float]]]]",
+        used_by="megatron_ext.lookup.formats",
+        reason="--data-path weights/prefixes are split by this function's rules.",
+    ),
+    Assumption(
+        name="lookup-blend-per-split-rules",
+        target="megatron.training.utils:get_blend_and_blend_per_split",
+        signature="(args)",
+        used_by="megatron_ext.lookup.formats",
+        reason="Which data flag wins (--data-path, --data-args-path, per-split paths).",
+    ),
+    Assumption(
+        name="lookup-split-rules",
+        target="megatron.core.datasets.blended_megatron_dataset_config:"
+        "convert_split_vector_to_split_matrix",
+        signature="(vector_a: List[float], vector_b: Optional[List[float]] = None) -> "
+        "List[Optional[Tuple[float, float]]]",
+        used_by="megatron_ext.lookup.formats",
+        reason="--split -> the train split's [begin, end), after parse_and_normalize_split.",
     ),
 )
 

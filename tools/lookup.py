@@ -3,7 +3,7 @@
 
 import sys
 
-from megatron_ext.lookup.cli import main
+from megatron_ext.cli import main
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # through the dispatcher: its warning filters apply too
+    sys.exit(main(["lookup", *sys.argv[1:]]))

@@ -166,6 +166,12 @@ def _write_datasets(
     args: argparse.Namespace, tokenizer_dir: Path, tokenizer: LoadedTokenizer
 ) -> dict[str, tuple[_Stats, str]]:
     """Encode all inputs and write one dataset per key; return stats and prefix per key."""
+    print(
+        f"{PROG}: tokenizing {len(args.input)} file(s) with {args.workers} worker(s) -> "
+        + ", ".join(f"{args.output_prefix}_{key}_document.bin/.idx" for key in args.json_keys),
+        file=sys.stderr,
+        flush=True,
+    )
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
@@ -212,6 +218,24 @@ def _write_datasets(
     return {key: (stats[key], prefixes[key]) for key in prefixes}
 
 
+def _train_tokenizer(texts: Iterator[str], out: Path, args: argparse.Namespace) -> None:
+    """Train the BPE, saying so: it reads every input once and takes seconds to minutes."""
+    size = sum(path.stat().st_size for path in args.input) / 2**20
+    print(
+        f"{PROG}: training a byte-level BPE tokenizer (vocab <= {args.vocab_size}) on "
+        f"{len(args.input)} file(s), {size:.1f} MiB...",
+        file=sys.stderr,
+        flush=True,
+    )
+    start = time.perf_counter()
+    train_bpe_tokenizer(texts, out, vocab_size=args.vocab_size, show_progress=sys.stderr.isatty())
+    print(
+        f"{PROG}: tokenizer trained in {time.perf_counter() - start:.1f} s -> {out}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _prepare_tokenizer(args: argparse.Namespace) -> tuple[Path, LoadedTokenizer]:
     """The tokenizer dir to use and the tokenizer in it, training and saving one first if
     asked to (training reads all inputs, so bad lines are reported before anything is saved)."""
@@ -231,7 +255,7 @@ def _prepare_tokenizer(args: argparse.Namespace) -> tuple[Path, LoadedTokenizer]
                     f"{tokenizer_dir} already holds a tokenizer; reuse it with --tokenizer-dir "
                     f"{tokenizer_dir} or delete it to retrain"
                 )
-            train_bpe_tokenizer(texts(), tokenizer_dir, vocab_size=args.vocab_size)
+            _train_tokenizer(texts(), tokenizer_dir, args)
         return tokenizer_dir, load_tokenizer(tokenizer_dir)
     except (FileNotFoundError, ValueError) as e:  # bad --tokenizer-dir or --vocab-size
         raise PreprocessError(str(e)) from None

@@ -26,13 +26,15 @@ CONFIG_FILE = "tokenizer_config.json"
 MIN_VOCAB_SIZE = 257  # the 256 byte tokens + EOD; BPE needs room for at least one merge
 
 
-def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 2048) -> Path:
+def train_bpe_tokenizer(
+    texts: Iterable[str], out_dir: str | Path, vocab_size: int = 2048, show_progress: bool = False
+) -> Path:
     """Train a byte-level BPE on ``texts`` and save a Hugging Face tokenizer dir; return it.
 
     ``vocab_size`` is an upper bound: on a small corpus BPE runs out of merges earlier. The EOD
     token gets id 0. Megatron pads the embedding to a multiple of
     ``--make-vocab-size-divisible-by`` (default 128) times the TP size, so a multiple of 128
-    wastes no rows.
+    wastes no rows. ``show_progress``: the ``tokenizers`` progress bars (for a terminal).
     """
     if vocab_size <= MIN_VOCAB_SIZE:
         raise ValueError(f"vocab size must exceed {MIN_VOCAB_SIZE} (256 bytes + EOD): {vocab_size}")
@@ -46,7 +48,7 @@ def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: i
         vocab_size=vocab_size,
         special_tokens=[EOD_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
     tokenizer.train_from_iterator(texts, trainer)
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from megatron_ext.lookup.errors import CacheMissing, ConfigError, DataChanged
+from megatron_ext.lookup.formats import split_matrix
 from megatron_ext.lookup.indices import (
     BLENDED,
     BLENDED_FILES,
@@ -42,12 +43,7 @@ def _canonical(value: Any) -> Any:
 def _split_matrix(spec: DataSpec) -> Any:
     if spec.per_split:
         return None
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
-
-    return _canonical(convert_split_vector_to_split_matrix(parse_and_normalize_split(spec.split)))
+    return _canonical(split_matrix(spec.split))
 
 
 def _normalize(weights: Sequence[float]) -> list[float]:

@@ -16,8 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.files import CHECKPOINT_TRACKER_FILE
+from megatron_ext.checkpoint_state import UnreadableState, read_common_state
+from megatron_ext.files import (
+    CHECKPOINT_COMMON_FILE,
+    CHECKPOINT_METADATA_FILE,
+    CHECKPOINT_TRACKER_FILE,
+)
+from megatron_ext.lookup import flagspec
 from megatron_ext.lookup.errors import ConfigError
+from megatron_ext.lookup.formats import blend_and_blend_per_split
 from megatron_ext.lookup.indices import DataSpec
 from megatron_ext.lookup.position import Anchor, Schedule, parse_step_schedule
 from megatron_ext.lookup.topology import Topology
@@ -44,9 +51,11 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, step: int | None = None) -> Checkpoint:
-    """Read the saved args of a torch_dist checkpoint (a --save dir or one ``iter_*`` dir)."""
-    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+    """Read the saved args of a torch_dist checkpoint (a --save dir or one ``iter_*`` dir).
 
+    Read by :mod:`megatron_ext.checkpoint_state` (no Megatron import); a layout it does not
+    know is read by Megatron's ``load_common_state_dict``.
+    """
     root = Path(path)
     tracker = root / CHECKPOINT_TRACKER_FILE
     if step is not None:
@@ -55,12 +64,19 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> Checkpoint:
         directory = root / f"iter_{int(tracker.read_text().strip()):07d}"
     else:
         directory = root
-    if not (directory / "metadata.json").is_file() and not (directory / "common.pt").is_file():
+    if not any(
+        (directory / f).is_file() for f in (CHECKPOINT_METADATA_FILE, CHECKPOINT_COMMON_FILE)
+    ):
         raise ConfigError(
-            f"{directory} is not a torch_dist checkpoint (no metadata.json); pass the --save "
-            "directory or an iter_NNNNNNN directory, and --ckpt-step to choose one"
+            f"{directory} is not a torch_dist checkpoint (no {CHECKPOINT_METADATA_FILE}); pass "
+            "the --save directory or an iter_NNNNNNN directory, and --ckpt-step to choose one"
         )
-    state = load_common_state_dict(str(directory))
+    try:
+        state = read_common_state(directory)
+    except UnreadableState:
+        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+        state = load_common_state_dict(str(directory))
     if "args" not in state:
         raise ConfigError(f"{directory} holds no saved Megatron args")
     return Checkpoint(directory, int(state.get("iteration", 0)), state["args"])
@@ -71,14 +87,10 @@ def megatron_namespace(argv: list[str], base: argparse.Namespace | None) -> argp
 
     argparse only fills defaults for attributes the namespace lacks, so checkpoint values stay
     unless a flag overrides them, and flags absent from the checkpoint get Megatron's defaults.
+    The parser is Megatron's own, rebuilt from its generated spec (:mod:`.flagspec`).
     """
-    from megatron.training.arguments import add_megatron_arguments
-
-    parser = add_megatron_arguments(
-        argparse.ArgumentParser(prog="megatron flags", allow_abbrev=False)
-    )
     namespace = copy.deepcopy(base) if base is not None else argparse.Namespace()
-    parsed, unknown = parser.parse_known_args(argv, namespace=namespace)
+    parsed, unknown = flagspec.parse(argv, namespace)
     if unknown:
         raise ConfigError(f"unknown flags (neither lookup nor Megatron flags): {' '.join(unknown)}")
     if isinstance(parsed.phase_transition_iterations, str):  # as validate_args does
@@ -91,10 +103,8 @@ def megatron_namespace(argv: list[str], base: argparse.Namespace | None) -> argp
 
 
 def _blend(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...] | None, bool]:
-    """(prefixes, weights, per-split) of the train split, via Megatron's own blend parsing."""
-    from megatron.training.utils import get_blend_and_blend_per_split
-
-    blend, per_split = get_blend_and_blend_per_split(args)
+    """(prefixes, weights, per-split) of the train split, by Megatron's blend rules."""
+    blend, per_split = blend_and_blend_per_split(args)
     if blend is None and per_split is not None:
         blend = per_split[0]
         if blend is None:

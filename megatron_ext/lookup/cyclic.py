@@ -17,13 +17,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-import torch
 
 from megatron_ext.lookup.errors import ConfigError
 
 
 @lru_cache(maxsize=4)
 def _permutation(size: int, epoch: int) -> np.ndarray:
+    import torch  # only cyclic runs need it; the single-dataloader lookup starts without torch
+
     generator = torch.Generator()
     generator.manual_seed(epoch)
     return torch.randperm(size, generator=generator).numpy()

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from megatron_ext.lookup.errors import CacheMissing, DataChanged, PositionError
+from megatron_ext.lookup.formats import IndexedData
 
 GPT, BLENDED = "GPTDataset", "BlendedDataset"
 GPT_FILES = ("document_index", "sample_index", "shuffle_index")
@@ -146,8 +147,6 @@ class MidIndex:
         spec: DataSpec,
         data_root: Sequence[tuple[str, str]],
     ) -> None:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
         description = trusted.content
         self.hash = trusted.digest
         self.path: str = description["dataset_path"]
@@ -170,8 +169,8 @@ class MidIndex:
         self.sample_index = _mmap(f"{base}sample_index.npy")
         self.shuffle_index = _mmap(f"{base}shuffle_index.npy")
         try:
-            self.data = IndexedDataset(self.prefix, multimodal=False, mmap=True)
-        except (AssertionError, ValueError) as exc:  # Megatron asserts on a bad header
+            self.data = IndexedData(self.prefix)
+        except (OSError, ValueError) as exc:
             raise DataChanged(
                 f"dataset {self.path}: {self.prefix}.idx is unreadable: {exc}"
             ) from exc
@@ -190,8 +189,8 @@ class MidIndex:
 
     def _check_shapes(self, num_samples: int | None) -> None:
         """O(1): the .idx today must give the epochs, entries and samples the caches hold."""
-        itemsize = np.dtype(self.data.index.dtype).itemsize
-        pointers = self.data.index.sequence_pointers
+        itemsize = self.data.dtype.itemsize
+        pointers = self.data.sequence_pointers
         count = len(self.lengths)
         bin_bytes = int(pointers[-1]) + int(self.lengths[-1]) * itemsize if count else 0
         on_disk = os.path.getsize(self.prefix + ".bin")

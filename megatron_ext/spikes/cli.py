@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.checkpoint_state import UnreadableState, read_saved_args
 from megatron_ext.files import (
     CHECKPOINT_TRACKER_FILE,
     LAST_PLAN_SKIP_FILE,
@@ -35,6 +36,7 @@ from megatron_ext.spikes.planner import (
     PlanError,
     complete_checkpoints,
     make_plan,
+    rounded,
 )
 from megatron_ext.spikes.skip_ranges import format_ranges, read_file
 from megatron_ext.telemetry.signals import read_signals
@@ -57,14 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--rollback-iters",
         type=int,
         default=100,
-        help="load a checkpoint at least this many iterations before the onset",
+        help="load a checkpoint at least this many iterations before the onset "
+        "(default: %(default)s)",
     )
     n = p.add_mutually_exclusive_group()
     n.add_argument(
         "--skip-batches",
         type=int,
         default=300,
-        help="global batches to skip after the rollback target (PaLM: 200-500)",
+        help="global batches to skip after the rollback target (PaLM: 200-500) "
+        "(default: %(default)s)",
     )
     n.add_argument(
         "--skip-from-beta2",
@@ -76,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         choices=["skip", "confirm"],
         default="skip",
-        help="confirm: replay the same data first, skip only a reproduced spike",
+        help="confirm: replay the same data first, skip only a reproduced spike "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--train-iters", type=int, help="refuse windows past it (default: read from the checkpoint)"
@@ -128,13 +133,9 @@ def _culprit_batch(plan: Plan, ckpt_dir: Path) -> str:
 def _train_iters(ckpt_dir: Path, iteration: int) -> int | None:
     """``train_iters`` from a checkpoint's saved Megatron args (None if unreadable)."""
     try:
-        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
-
-        return int(
-            load_common_state_dict(str(checkpoint_dir(ckpt_dir, iteration)))["args"].train_iters
-        )
-    except Exception:  # a legacy or partial checkpoint: the window check is then skipped
-        return None
+        return int(read_saved_args(checkpoint_dir(ckpt_dir, iteration)).train_iters)
+    except (UnreadableState, OSError, TypeError, ValueError):
+        return None  # a partial or unknown checkpoint: the window check is then skipped
 
 
 def _earlier_skips(ckpt_dir: Path) -> list[int]:
@@ -149,8 +150,9 @@ def _earlier_skips(ckpt_dir: Path) -> list[int]:
 def _report(plan: Plan, number: int, culprit: str) -> str:
     incident = plan.incident
     rows = "\n".join(
-        f"| {w['iteration']} | {w['lm_loss']} | {w['grad_norm']} | {w['max_local_loss']} | "
-        f"{w['max_loss_dp_rank']} | {w['update_ratio']} |"
+        f"| {w['iteration']} | {rounded(w['lm_loss'])} | {rounded(w['grad_norm'])} | "
+        f"{rounded(w['max_local_loss'])} | {w['max_loss_dp_rank']} | "
+        f"{rounded(w['update_ratio'])} |"
         for w in incident.get("window", [])
     )
     return (

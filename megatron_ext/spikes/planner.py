@@ -26,6 +26,12 @@ ONSET_GRAD_FACTOR = 2.0
 TIME_CONSTANTS = 10
 
 
+def rounded(value: Any) -> Any:
+    """A float for people (4 significant digits, as Megatron's logs show losses); anything
+    else as is. The plan's JSON keeps the full values."""
+    return f"{value:.4g}" if isinstance(value, float) else value
+
+
 class PlanError(RuntimeError):
     """The plan is impossible or the inputs are inconsistent; the message says what to do."""
 
@@ -183,7 +189,8 @@ def make_plan(
     summary = (
         f"{incident['kind']} requested at iteration {incident['iteration']} (onset {onset}, "
         f"{incident.get('classification')}, culprit DP rank {incident.get('culprit_dp_rank')}, "
-        f"loss {incident.get('loss')} vs baseline {incident.get('loss_baseline')}). "
+        f"loss {rounded(incident.get('loss'))} vs baseline "
+        f"{rounded(incident.get('loss_baseline'))}). "
         f"Roll back to checkpoint {target}"
         + (
             f", skip iterations {window[0]}-{window[1]}"

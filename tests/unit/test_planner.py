@@ -40,6 +40,18 @@ def test_plan_rolls_back_k_before_onset_and_skips_a_window_reaching_past_it() ->
     assert plan.skip_window == [101, 160] and plan.skip_ranges == [[20, 21], [101, 160]]
     assert plan.restart_args == ["--load", "/ckpt", "--iterations-to-skip", "20-21", "101-160"]
     assert "Roll back to checkpoint 100, skip iterations 101-160" in plan.summary
+    loss, baseline = plan.incident["loss"], plan.incident["loss_baseline"]
+    assert f"loss {loss:.4g} vs baseline {baseline:.4g}" in plan.summary  # rounded for people
+    assert plan.as_json()["incident"]["loss"] == loss  # the JSON keeps full precision
+
+
+def test_skiplist_help_shows_the_defaults() -> None:
+    from megatron_ext.spikes.cli import build_parser
+
+    options = " ".join(build_parser().format_help().split("options:", 1)[1].split())
+    for flag, default in (("--rollback-iters", 100), ("--skip-batches", 300), ("--policy", "skip")):
+        described = options.split(f" {flag} ", 1)[1].split(" --", 1)[0]
+        assert f"(default: {default})" in described, (flag, described)
 
 
 def test_onset_moves_earlier_when_the_grad_norm_rose_first() -> None:

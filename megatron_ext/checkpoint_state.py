@@ -1,0 +1,183 @@
+"""A checkpoint's common state (Megatron's saved ``args``, ``iteration``, ...) without torch.
+
+Megatron's ``load_common_state_dict`` imports megatron-core and torch's distributed
+checkpointing (5 s of imports) to read a few kilobytes. Tools that only need the saved args
+(``megatron-ext lookup``, the demo's resume check, the skip planner's ``--train-iters``) read
+them here instead, in milliseconds:
+
+- a torch_dist checkpoint keeps the common state as one ``ShardedObject`` whose bytes sit in a
+  ``.distcp`` file at the offset recorded in the DCP ``.metadata`` pickle; a legacy checkpoint
+  keeps it in ``common.pt``. Either way the bytes are a ``torch.save`` zip archive;
+- its pickle is read with a restricted unpickler: plain Python, ``argparse.Namespace``,
+  ``OrderedDict``, paths and signals are rebuilt; torch, numpy and Megatron objects (tensors,
+  dtypes, Megatron enums) and byte buffers become inert :class:`Opaque` records of their name
+  and arguments, which these tools never read. Nothing else is allowed, so, like Megatron's own
+  ``weights_only`` load, reading a checkpoint runs no code from it.
+
+Anything this reader does not recognise raises :class:`UnreadableState`; callers then fall
+back to Megatron's loader (slow, always right).
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import codecs
+import collections
+import io
+import pathlib
+import pickle
+import signal
+import types
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.files import CHECKPOINT_COMMON_FILE, DCP_METADATA_FILE
+
+# ShardedObject("common_state", None, (1,), (0,)).unique_key in megatron-core 0.19.2
+# (dist_checkpointing/serialization.py: load_common_state_dict); registry: checkpoint-common-state.
+COMMON_STATE_KEY = "common_state/shard_0_1"
+
+_STAND_IN_ROOTS = ("torch", "numpy", "megatron")
+_STAND_IN_NAMES = {("io", "BytesIO"), ("_io", "BytesIO")}  # byte items in DCP write plans
+_BUILTINS = ("set", "frozenset", "complex", "bytearray", "slice", "range")
+_REAL: dict[tuple[str, str], Any] = {
+    ("argparse", "Namespace"): argparse.Namespace,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("signal", "Signals"): signal.Signals,
+    ("types", "SimpleNamespace"): types.SimpleNamespace,
+    ("_codecs", "encode"): codecs.encode,  # how protocol 2 pickles bytes
+    **{(module, "PosixPath"): pathlib.PosixPath for module in ("pathlib", "pathlib._local")},
+    **{("builtins", name): getattr(builtins, name) for name in _BUILTINS},
+}
+
+
+class UnreadableState(Exception):
+    """Not a layout this reader knows: use Megatron's ``load_common_state_dict`` instead."""
+
+
+class Opaque:
+    """A torch, numpy or Megatron object in the pickle, kept as its name and arguments."""
+
+    qualified_name = "?"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs, self.state = args, kwargs, None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def field(self, name: str) -> Any:
+        """A dataclass-like object's pickled attribute (its ``__dict__`` state)."""
+        state = self.state[0] if isinstance(self.state, tuple) else self.state
+        if not isinstance(state, dict):
+            raise UnreadableState(f"{self.qualified_name} has no field {name!r}")
+        return state.get(name)
+
+    def __repr__(self) -> str:
+        return f"<{self.qualified_name}{self.args!r}>"
+
+
+_OPAQUE: dict[str, type[Opaque]] = {}
+
+
+def stand_in(qualified_name: str) -> type[Opaque]:
+    """The :class:`Opaque` class standing in for ``qualified_name`` (one per name)."""
+    if qualified_name not in _OPAQUE:
+        _OPAQUE[qualified_name] = type(
+            qualified_name.rsplit(".", 1)[-1], (Opaque,), {"qualified_name": qualified_name}
+        )
+    return _OPAQUE[qualified_name]
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        real = _REAL.get((module, name))
+        if real is not None:
+            return real
+        if module.split(".")[0] in _STAND_IN_ROOTS or (module, name) in _STAND_IN_NAMES:
+            return stand_in(f"{module}.{name}")
+        raise UnreadableState(f"the pickle names {module}.{name}, which this reader does not allow")
+
+    def persistent_load(self, pid: Any) -> Opaque:
+        return stand_in("torch.storage")(pid)  # a tensor's storage: never materialised
+
+
+def _unpickle(data: bytes) -> Any:
+    try:
+        return _Unpickler(io.BytesIO(data)).load()
+    except UnreadableState:
+        raise
+    except Exception as exc:  # a truncated or foreign pickle can raise almost anything
+        raise UnreadableState(f"unreadable pickle: {exc!r}") from exc
+
+
+def _torch_archive(blob: bytes) -> Any:
+    """The object of a ``torch.save`` zip archive (its ``*/data.pkl``), tensors left opaque."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(blob))
+        pickles = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+        if len(pickles) != 1:
+            raise UnreadableState(f"not a torch.save archive (data.pkl entries: {pickles})")
+        return _unpickle(archive.read(pickles[0]))
+    except zipfile.BadZipFile as exc:
+        raise UnreadableState(f"not a torch.save zip archive: {exc}") from exc
+
+
+def _dcp_item(directory: Path, fqn: str) -> bytes:
+    """The raw bytes torch's FileSystemWriter stored for one byte item of a DCP checkpoint."""
+    try:
+        metadata = _unpickle((directory / DCP_METADATA_FILE).read_bytes())
+    except OSError as exc:
+        raise UnreadableState(f"no DCP metadata: {exc}") from exc
+    if not isinstance(metadata, Opaque) or not isinstance(metadata.field("storage_data"), dict):
+        raise UnreadableState(f"{directory / DCP_METADATA_FILE} has no storage_data")
+    found = [
+        info
+        for index, info in metadata.field("storage_data").items()
+        if isinstance(index, Opaque) and index.field("fqn") == fqn and isinstance(info, Opaque)
+    ]
+    if len(found) != 1:
+        raise UnreadableState(f"{fqn!r} is stored {len(found)} times in the DCP metadata")
+    info = found[0]
+    if info.field("transform_descriptors"):  # compressed or otherwise transformed on save
+        raise UnreadableState(
+            f"{fqn!r} was saved with transforms {info.field('transform_descriptors')}"
+        )
+    path, offset, length = (info.field(k) for k in ("relative_path", "offset", "length"))
+    if not (isinstance(path, str) and isinstance(offset, int) and isinstance(length, int)):
+        raise UnreadableState(f"{fqn!r} has no plain file location: {info.state!r}")
+    try:
+        with open(directory / path, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read(length)
+    except OSError as exc:
+        raise UnreadableState(f"cannot read {directory / path}: {exc}") from exc
+    if len(data) != length:
+        raise UnreadableState(f"{directory / path} is truncated ({len(data)} of {length} bytes)")
+    return data
+
+
+def read_common_state(directory: str | Path) -> dict[str, Any]:
+    """The common state dict of one checkpoint directory (``iter_NNNNNNN``)."""
+    directory = Path(directory)
+    legacy = directory / CHECKPOINT_COMMON_FILE
+    if legacy.is_file():
+        state = _torch_archive(legacy.read_bytes())
+    else:
+        loaded = _torch_archive(_dcp_item(directory, COMMON_STATE_KEY))
+        if not (isinstance(loaded, list) and len(loaded) == 1):
+            raise UnreadableState(f"common_state holds {type(loaded).__name__}, not [state]")
+        state = loaded[0]
+    if not isinstance(state, dict):
+        raise UnreadableState(f"the common state is a {type(state).__name__}, not a dict")
+    return state
+
+
+def read_saved_args(directory: str | Path) -> argparse.Namespace:
+    """Megatron's saved ``args`` of one checkpoint directory."""
+    args = read_common_state(directory).get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise UnreadableState(f"{directory} holds no saved Megatron args")
+    return args

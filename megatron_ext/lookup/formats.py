@@ -1,0 +1,143 @@
+"""Megatron's data formats and data-flag rules, read without importing megatron-core.
+
+Importing any ``megatron.core`` module runs its package ``__init__``, which loads torch's
+compiler stack and probes Transformer Engine: ~5 s before a lookup could answer in
+milliseconds. The lookup needs only four small pieces of Megatron, implemented here on numpy
+and checked against megatron-core 0.19.2 by ``tests/unit/test_lookup_formats.py`` (same
+results on the same inputs) and by the registry (``lookup-*`` assumptions: the targets still
+exist with these signatures):
+
+- :class:`IndexedData`: the ``.idx``/``.bin`` pair ``IndexedDatasetBuilder`` writes
+  (``indexed_dataset._IndexReader``: header, version 1, dtype code, counts, sequence lengths,
+  pointers, document indices) and ``IndexedDataset.get``;
+- :func:`blend_from_list`: ``datasets.utils.get_blend_from_list`` (``--data-path`` etc.);
+- :func:`blend_and_blend_per_split`: ``training.utils.get_blend_and_blend_per_split``;
+- :func:`split_matrix`: ``parse_and_normalize_split`` + ``convert_split_vector_to_split_matrix``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatron_ext.lookup.errors import ConfigError
+
+INDEX_HEADER = b"MMIDIDX\x00\x00"  # indexed_dataset._INDEX_HEADER
+INDEX_VERSION = 1
+# indexed_dataset.DType: the code stored in the .idx -> the token dtype of the .bin
+DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+Blend = tuple[list[str], list[float] | None]
+
+
+class IndexedData:
+    """One ``{prefix}.idx`` + ``{prefix}.bin``, memory-mapped (text datasets, not multimodal)."""
+
+    def __init__(self, prefix: str) -> None:
+        idx = prefix + ".idx"
+        with open(idx, "rb") as stream:
+            head = stream.read(9 + 8 + 1 + 8 + 8)
+        if len(head) < 34 or head[:9] != INDEX_HEADER:
+            raise ValueError(f"bad header, cannot read: {idx}")
+        version, code, sequences, documents = struct.unpack("<QBQQ", head[9:])
+        if version != INDEX_VERSION:
+            raise ValueError(f"bad version {version}, cannot read: {idx}")
+        if code not in DTYPES:
+            raise ValueError(f"unknown dtype code {code} in {idx}")
+        self.dtype = np.dtype(DTYPES[code])
+        buffer = np.memmap(idx, mode="r", order="C")
+        self.sequence_lengths = np.frombuffer(buffer, np.int32, sequences, 34)
+        offset = 34 + self.sequence_lengths.nbytes
+        self.sequence_pointers = np.frombuffer(buffer, np.int64, sequences, offset)
+        offset += self.sequence_pointers.nbytes
+        self.document_indices = np.frombuffer(buffer, np.int64, documents, offset)
+        self._bin = np.memmap(prefix + ".bin", mode="r", order="C")
+
+    def get(self, sequence: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``[offset, offset + length)`` of one sequence, as ``IndexedDataset.get``."""
+        if length is None:
+            length = int(self.sequence_lengths[sequence]) - offset
+        start = int(self.sequence_pointers[sequence]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin, self.dtype, length, start)
+
+
+def blend_from_list(blend: list[str] | None) -> Blend | None:
+    """``[w1, p1, w2, p2, ...]`` or ``[p1, p2, ...]`` -> (prefixes, weights or None)."""
+    if blend is None:
+        return None
+    if not blend:  # Megatron fails to unpack an empty list
+        raise ConfigError("an empty data path list (--data-path / --*-data-path with no value)")
+    if len(blend) % 2 == 1:
+        return [p.strip() for p in blend], None
+    weights: list[float | None] = []
+    for raw in blend[0::2]:
+        try:
+            weights.append(float(raw))
+        except ValueError:
+            weights.append(None)
+    # Megatron checks ``any(is_none)`` then ``all(is_none)`` on ONE map iterator: after the
+    # first None, only the weights behind it are checked. Mirrored exactly.
+    is_none = iter([w is None for w in weights])
+    if any(is_none):
+        if not all(is_none):
+            raise ConfigError(f"data paths {blend} mix weights and prefixes (Megatron asserts)")
+        return [p.strip() for p in blend], None
+    return [p.strip() for p in blend[1::2]], [float(w) for w in weights if w is not None]
+
+
+def _read_text(path: str) -> str:
+    return Path(path).read_text()
+
+
+def blend_and_blend_per_split(
+    args: argparse.Namespace,
+) -> tuple[Blend | None, list[Blend | None] | None]:
+    """The (blend, blend_per_split) Megatron derives from the data flags of ``args``."""
+    if args.data_path is not None or args.data_args_path is not None:
+        if args.data_args_path is not None:
+            if args.data_path is not None:
+                raise ConfigError(
+                    "--data-path and --data-args-path are exclusive (Megatron asserts)"
+                )
+            return blend_from_list(_read_text(args.data_args_path).split()), None
+        return blend_from_list(args.data_path), None
+    splits = (args.train_data_path, args.valid_data_path, args.test_data_path)
+    if any(s is not None for s in splits) or args.per_split_data_args_path is not None:
+        if args.per_split_data_args_path is not None:
+            per_split: dict[str, Any] = json.loads(_read_text(args.per_split_data_args_path))
+            splits = tuple(
+                v.split() if isinstance(v, str) else v
+                for v in (per_split[k] for k in ("train", "valid", "test"))
+            )
+        return None, [blend_from_list(s) for s in splits]
+    return None, None
+
+
+def _normalize(weights: list[float]) -> list[float]:
+    w = np.array(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+def split_matrix(split: str) -> list[tuple[float, float] | None]:
+    """``--split "98,2,0"`` -> per split (train, valid, test) its [begin, end) fraction."""
+    vector = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    vector += [0.0] * (3 - len(vector))
+    if len(vector) != 3 or any(v < 0.0 for v in vector):
+        raise ConfigError(f"--split {split!r} is not three non-negative numbers (Megatron asserts)")
+    ends = list(itertools.accumulate(_normalize(vector), initial=0))
+    return [(a, b) if b > a else None for a, b in itertools.pairwise(ends)]

@@ -1,0 +1,118 @@
+"""``megatron-ext train --cpu``: train on your own data on CPU, through the CPU harness.
+
+Megatron requires CUDA. The repository's CPU harness (``tests/cpu_harness/``: counted shims for
+the handful of CUDA calls megatron-core makes on the training path, gloo instead of NCCL) runs
+the real ``pretrain_gpt_ext.py`` and Megatron loop on CPU, which is how the test suite and the
+demo train. This command points ``torchrun`` at that harness with the flags CPU training needs
+(:data:`CPU_FLAGS`) followed by yours, so a tiny model on your own ``.bin/.idx`` data trains
+anywhere::
+
+    megatron-ext train --cpu --nproc-per-node 2 -- --data-path data/corpus_text_document \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model data/corpus_tokenizer ...
+
+The installed package never imports the harness (it is test code); like the demo, this command
+needs the source checkout the package was installed from (``pip install -e .``) and says so
+elsewhere. On GPUs there is nothing to wrap: ``torchrun pretrain_gpt_ext.py ...``,
+``launch/run_single_node.sh`` or ``launch/pretrain_gpt_ext.sbatch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_RUNNER = REPO / "tests" / "cpu_harness" / "run.py"
+ENTRY_POINT = REPO / "pretrain_gpt_ext.py"
+GPU_HINT = (
+    "on GPUs run `torchrun --nproc-per-node N pretrain_gpt_ext.py <flags>` or "
+    "launch/run_single_node.sh"
+)
+
+# Megatron's fused CUDA kernels are unavailable on CPU; dropout is off because CPU dropout
+# draws from the same generator the data loader seeds from, which breaks exact resume there.
+CPU_FLAGS = [
+    "--distributed-backend",
+    "gloo",
+    "--use-cpu-initialization",
+    "--transformer-impl",
+    "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+]
+
+
+def cpu_runner(command: str) -> Path:
+    """The harness's runner script, or a clear refusal outside a source checkout."""
+    if not CPU_RUNNER.is_file():
+        raise SystemExit(
+            f"megatron-ext {command}: CPU training runs through the CPU harness of a source "
+            f"checkout ({CPU_RUNNER.relative_to(REPO)}), which is not next to this installation "
+            f"({REPO}): git clone the repository and `pip install -e .` it; {GPU_HINT}"
+        )
+    return CPU_RUNNER
+
+
+def torchrun(script: Path, nproc: int, args: list[str]) -> list[str]:
+    """A single-node ``torchrun`` of ``script`` with ``nproc`` processes."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+        *args,
+    ]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-ext train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="train on CPU through the CPU harness (required: on GPUs use the entry point)",
+    )
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="processes (data/tensor parallel ranks, gloo) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "flags",
+        nargs=argparse.REMAINDER,
+        help="after --: Megatron and megatron-ext flags, as for pretrain_gpt_ext.py",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CPU training; its exit status is torchrun's."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    if not args.cpu:
+        parser.error(f"only --cpu is wrapped here; {GPU_HINT}")
+    if args.nproc_per_node < 1:
+        parser.error("--nproc-per-node must be >= 1")
+    if not flags:
+        parser.error("give the training flags after --: model size, data, batch, iterations")
+    command = torchrun(cpu_runner("train"), args.nproc_per_node, [*CPU_FLAGS, *flags])
+    print(f"megatron-ext train: on CPU (gloo): {shlex.join(command)}", file=sys.stderr, flush=True)
+    return subprocess.call(command)

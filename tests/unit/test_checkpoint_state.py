@@ -1,0 +1,120 @@
+"""Reading a checkpoint's common state without torch or Megatron: the same values Megatron's
+``load_common_state_dict`` reads, no code run from the file, and a clean hand-back to
+Megatron's loader for anything else (the real-checkpoint comparison: tests/e2e/test_newcomer.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+from megatron.core.transformer.enums import AttnBackend
+
+from megatron_ext.checkpoint_state import (
+    COMMON_STATE_KEY,
+    Opaque,
+    UnreadableState,
+    read_common_state,
+)
+from megatron_ext.files import CHECKPOINT_COMMON_FILE, CHECKPOINT_METADATA_FILE
+from megatron_ext.lookup.config import load_checkpoint
+
+
+def _state(**extra: object) -> dict:
+    args = argparse.Namespace(
+        train_iters=40,
+        data_path=["0.5", "/d/a", "0.5", "/d/b"],
+        seq_length=64,
+        lr=3e-3,
+        iterations_to_skip=[13, 14],
+        attention_backend=AttnBackend.auto,
+        params_dtype=torch.float32,
+        save=Path("/ckpt"),
+    )
+    return {
+        "args": args,
+        "iteration": 40,
+        "optimizer": {"state": {"step": torch.ones(3)}},
+        "checkpoint_version": 3.0,
+        **extra,
+    }
+
+
+def _save_torch_dist(directory: Path, state: dict) -> None:
+    """The common state as Megatron's torch_dist strategy stores it: ``torch.save([state])``
+    bytes as the DCP byte item ``common_state/shard_0_1``, written with Megatron's own save
+    planner (and read back by Megatron's loader below)."""
+    blob = io.BytesIO()
+    torch.save([state], blob)
+    dcp.save(
+        {COMMON_STATE_KEY: blob},
+        storage_writer=dcp.FileSystemWriter(str(directory)),
+        planner=MCoreSavePlanner(flatten_state_dict=False),
+        no_dist=True,
+    )
+    (directory / CHECKPOINT_METADATA_FILE).write_text('{"sharded_backend": "torch_dist"}')
+
+
+def _plain_equal(ours: argparse.Namespace, theirs: argparse.Namespace) -> None:
+    assert vars(ours).keys() == vars(theirs).keys()
+    for key, value in vars(theirs).items():
+        mine = vars(ours)[key]
+        if isinstance(mine, Opaque) or (isinstance(mine, type) and issubclass(mine, Opaque)):
+            assert type(value).__module__.split(".")[0] in ("torch", "megatron"), key
+        else:
+            assert (mine, type(mine)) == (value, type(value)), key
+
+
+def test_torch_dist_common_state_reads_as_megatron_reads_it(tmp_path: Path) -> None:
+    _save_torch_dist(tmp_path, _state())
+    ours, theirs = read_common_state(tmp_path), load_common_state_dict(str(tmp_path))
+    assert ours.keys() == theirs.keys()
+    assert (ours["iteration"], ours["checkpoint_version"]) == (40, 3.0)
+    _plain_equal(ours["args"], theirs["args"])
+    assert ours["args"].attention_backend.args == (AttnBackend.auto.value,)
+
+
+def test_legacy_common_pt_is_read_too(tmp_path: Path) -> None:
+    torch.save(_state(), tmp_path / CHECKPOINT_COMMON_FILE)
+    _plain_equal(read_common_state(tmp_path)["args"], _state()["args"])
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_no_code_from_the_file_runs(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    torch.save({"args": _Exploit()}, tmp_path / CHECKPOINT_COMMON_FILE)
+    with pytest.raises(UnreadableState, match=r"(posix|os)\.system"):
+        read_common_state(tmp_path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_the_lookup_falls_back_to_megatrons_loader(tmp_path: Path, monkeypatch) -> None:
+    from megatron_ext.lookup import config
+
+    _save_torch_dist(tmp_path, _state())
+
+    def unreadable(directory: Path) -> dict:
+        raise UnreadableState("a layout from a future torch")
+
+    monkeypatch.setattr(config, "read_common_state", unreadable)
+    checkpoint = load_checkpoint(tmp_path)
+    assert (checkpoint.iteration, checkpoint.args.attention_backend) == (40, AttnBackend.auto)
+
+
+def test_truncated_data_file_is_unreadable(tmp_path: Path) -> None:
+    _save_torch_dist(tmp_path, _state())
+    data = next(tmp_path.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(UnreadableState):
+        read_common_state(tmp_path)

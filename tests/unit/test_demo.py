@@ -1,0 +1,90 @@
+"""The demo's and ``train --cpu``'s decisions without a launch: what the demo's output filter
+shows, when a resume has nothing left to train, which checkpoints it refuses to resume, and
+the command ``train --cpu`` runs (the launches themselves: tests/e2e/test_newcomer.py)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+
+from megatron_ext import demo
+from megatron_ext.checkpoint_state import COMMON_STATE_KEY
+from megatron_ext.files import CHECKPOINT_METADATA_FILE, CHECKPOINT_TRACKER_FILE, checkpoint_dir
+
+
+def test_the_filter_drops_megatrons_argument_dump_and_memory_report() -> None:
+    shown = [
+        " [2026-12-01 01:45:44] iteration        1/      40 | consumed samples: 8 | lm loss: 6.8",
+        " validation loss at iteration 40 | lm loss value: 3.730514E+00 |",
+        "megatron-ext spike detector: spike at iteration 40 (onset 40, culprit DP rank 1)",
+        "RuntimeError: something real went wrong",
+    ]
+    hidden = [
+        "  error_injection_rate ............................ 0",
+        "  logits_load_ignore_errors ....................... False",
+        "[Rank 0] (before save_checkpoint for iteration 5) memory (MB) | allocated: 0.00",
+    ]
+    assert [line for line in shown + hidden if demo._shown(line)] == shown
+
+
+def _checkpoint(workdir: Path, iteration: int, train_iters: int, global_batch: int) -> None:
+    ckpt = workdir / "checkpoints"
+    args = argparse.Namespace(train_iters=train_iters, global_batch_size=global_batch)
+    blob = io.BytesIO()
+    torch.save([{"args": args, "iteration": iteration}], blob)
+    target = checkpoint_dir(ckpt, iteration)
+    dcp.save(
+        {COMMON_STATE_KEY: blob},
+        storage_writer=dcp.FileSystemWriter(str(target)),
+        planner=MCoreSavePlanner(flatten_state_dict=False),
+        no_dist=True,
+    )
+    (target / CHECKPOINT_METADATA_FILE).write_text("{}")
+    (ckpt / CHECKPOINT_TRACKER_FILE).write_text(f"{iteration}\n")
+
+
+def test_resume_left_to_train_and_refusal_of_another_schedule(tmp_path: Path) -> None:
+    assert demo._left_to_train(tmp_path, 40, 8) is None  # fresh
+    _checkpoint(tmp_path, 20, 40, 8)
+    assert demo._left_to_train(tmp_path, 40, 8) == 20
+    _checkpoint(tmp_path, 40, 40, 8)
+    assert demo._left_to_train(tmp_path, 40, 8) == 0
+    for iters, batch in ((60, 8), (40, 16)):  # the drill's schedule, another --nproc
+        with pytest.raises(SystemExit, match="--fresh"):
+            demo._left_to_train(tmp_path, iters, batch)
+
+
+def test_each_mode_has_its_own_workdir() -> None:
+    assert demo.WORKDIRS[False] != demo.WORKDIRS[True]
+    assert demo.build_parser().parse_args([]).workdir is None  # chosen by --drill
+
+
+def test_train_cpu_runs_the_harness_with_cpu_flags_first(monkeypatch, capsys) -> None:
+    from megatron_ext import train
+
+    launched: list[list[str]] = []
+    monkeypatch.setattr(train.subprocess, "call", lambda command: launched.append(command) or 0)
+    assert train.main(["--cpu", "--nproc-per-node", "2", "--", "--num-layers", "2"]) == 0
+    command = launched[0]
+    runner = command.index(str(train.CPU_RUNNER))
+    assert command[runner - 1] == "--nproc-per-node=2"
+    assert command[runner + 1 :] == [*train.CPU_FLAGS, "--num-layers", "2"]  # user's flags win
+
+    for argv, message in ((["--", "--num-layers", "2"], "only --cpu"), (["--cpu"], "after --")):
+        with pytest.raises(SystemExit):
+            train.main(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_train_cpu_outside_a_source_checkout_says_how_to_get_one(monkeypatch) -> None:
+    from megatron_ext import train
+
+    monkeypatch.setattr(train, "CPU_RUNNER", train.REPO / "no" / "run.py")
+    with pytest.raises(SystemExit, match="git clone the repository"):
+        train.main(["--cpu", "--", "--num-layers", "2"])
