@@ -43,6 +43,8 @@ PROMPTS = (".venv/bin/", "python ", "bash ", "launch/")
 SKIPPED = {
     ".venv/bin/python -m pytest": "this test runs inside it",
     "torchrun --nproc-per-node 8 pretrain_gpt_ext.py <": "8 GPUs and placeholder arguments",
+    "bash tools/gpu_smoke.sh [--wheels": "needs a GPU machine; its CPU rehearsal is "
+    "tests/e2e/test_gpu_smoke_rehearsal.py",
 }
 WARNINGS = ("UserWarning", "No CUDA runtime", "Traceback")
 ARGUMENT_DUMP = re.compile(r"^\s*\S+ \.{2,} ", re.M)
