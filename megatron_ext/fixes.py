@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from megatron_ext.stop_signals import ignore_stop_signals
+
 
 def skip_make_when_prebuilt(original: Callable[[], None]) -> Callable[[], None]:
     def compile_helpers() -> None:
@@ -71,14 +73,6 @@ def copy_state_safely(original: Callable[..., None]) -> Callable[..., None]:
     return _set_main_param_and_optimizer_states
 
 
-def _ignore_stop_signals() -> None:
-    """Initializer of the checkpoint writer's results-queue Manager (runs in that process)."""
-    import signal
-
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def results_queue_survives_stop_signals(original: Callable[..., None]) -> Callable[..., None]:
     def prepare_write_data(self: Any, plan: Any, planner: Any) -> None:
         """Create the results queue first (upstream reuses it), its Manager deaf to SIGTERM."""
@@ -89,7 +83,7 @@ def results_queue_survives_stop_signals(original: Callable[..., None]) -> Callab
 
         if filesystem_async._results_queue is None:
             manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-            manager.start(initializer=_ignore_stop_signals)
+            manager.start(initializer=ignore_stop_signals)
             filesystem_async._results_queue = manager.Queue()
         return original(self, plan, planner)
 
