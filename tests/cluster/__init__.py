@@ -1,0 +1,1 @@
+"""Test infrastructure that builds clusters (not tests): see ``netns_slurm``."""
