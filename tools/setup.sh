@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
-SYSTEM_PACKAGES=(shellcheck slurmctld slurmd slurm-client munge)
+SYSTEM_PACKAGES=(shellcheck slurmctld slurmd slurm-client munge iproute2)
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     missing=()
