@@ -29,7 +29,7 @@ def _default_transformer_impl(argv: list[str]) -> list[str]:
 def _expand_skips(argv: list[str]) -> list[str]:
     """Ranges and ``--iterations-to-skip-file`` → Megatron's flat ``--iterations-to-skip``,
     plus the list persisted with the checkpoints being loaded (absolute iterations)."""
-    from megatron_ext.skip_ranges import expand_argv, with_persisted
+    from megatron_ext.spikes.skip_ranges import expand_argv, with_persisted
 
     try:
         rest, requested = expand_argv(argv)
@@ -57,22 +57,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_ext import gpt_step, patches
-    from megatron_ext.arguments import add_megatron_ext_args, install_features
-    from megatron_ext.fixes import BUGFIXES
+    from megatron_ext import gpt_step, loop, patching, registry
 
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
-    patches.verify_all()
-    for fix in BUGFIXES:
-        patches.apply(fix.name)
+    patching.check_version()
+    registry.verify_all()
+    for fix in registry.BUGFIXES:
+        fix.apply()
 
     run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     args = parse_and_validate_args(
-        extra_args_provider=add_megatron_ext_args,
+        extra_args_provider=loop.add_megatron_ext_args,
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     )
     gpt_step.check_supported(args)
-    install_features(args)
+    loop.install(args)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     run(
         config,

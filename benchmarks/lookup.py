@@ -29,9 +29,10 @@ import gc
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,7 @@ def _write(prefix: Path, documents: int, rng: np.random.Generator) -> str:
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
     start = 0
     for length in lengths.tolist():
-        builder.add_document(tokens[start:start + length], [length])
+        builder.add_document(tokens[start : start + length], [length])
         start += length
     builder.finalize(f"{prefix}.idx")
     return str(prefix)
@@ -90,20 +91,35 @@ def _prepare(root: Path, documents: int):
         prefixes = [_write(root / f"part{i}", documents, rng) for i in range(len(WEIGHTS))]
     target = documents * len(WEIGHTS) * SAMPLES_PER_DOCUMENT // GLOBAL_BATCH * GLOBAL_BATCH
     config = GPTDatasetConfig(
-        random_seed=SEED, sequence_length=SEQ_LENGTH, blend=(prefixes, list(WEIGHTS)),
-        split="100,0,0", path_to_cache=str(root / "cache"),
-        tokenizer=MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"},
-                                                    vocab_size=50_304),
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        random_seed=SEED,
+        sequence_length=SEQ_LENGTH,
+        blend=(prefixes, list(WEIGHTS)),
+        split="100,0,0",
+        path_to_cache=str(root / "cache"),
+        tokenizer=MegatronTokenizer.from_pretrained(
+            metadata_path={"library": "null-text"}, vocab_size=50_304
+        ),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
     )
     BlendedMegatronDatasetBuilder(GPTDataset, [target, 0, 0], lambda: True, config).build()
-    return DataSpec(tuple(prefixes), WEIGHTS, False, "100,0,0", SEED, SEQ_LENGTH, target, 0.005,
-                    str(root / "cache")), target
+    return DataSpec(
+        tuple(prefixes),
+        WEIGHTS,
+        False,
+        "100,0,0",
+        SEED,
+        SEQ_LENGTH,
+        target,
+        0.005,
+        str(root / "cache"),
+    ), target
 
 
 def _round(size: Size, rng: np.random.Generator) -> None:
     """Open, one batch lookup and one inverse scan on ``size``, timed on both clocks."""
-    from megatron_ext.lookup.indices import open_train_index
+    from megatron_ext.lookup.caches import open_train_index
     from megatron_ext.lookup.inverse import find_document
     from megatron_ext.lookup.position import Schedule
 
@@ -116,11 +132,19 @@ def _round(size: Size, rng: np.random.Generator) -> None:
 
     gc.collect()  # the previous round's caches are unmapped outside the timed regions
     index = timed("open", lambda: open_train_index(size.spec))
-    schedule = Schedule(micro_batch_size=4, data_parallel_size=32,
-                        global_batch_size=GLOBAL_BATCH, train_iters=size.target // GLOBAL_BATCH)
+    schedule = Schedule(
+        micro_batch_size=4,
+        data_parallel_size=32,
+        global_batch_size=GLOBAL_BATCH,
+        train_iters=size.target // GLOBAL_BATCH,
+    )
     batch = schedule.batch(int(rng.integers(1, size.target // GLOBAL_BATCH + 1)))
-    ids = [i for m in range(batch.num_microbatches) for r in range(32)
-           for i in schedule.positions(batch, m, r).tolist()]
+    ids = [
+        i
+        for m in range(batch.num_microbatches)
+        for r in range(32)
+        for i in schedule.positions(batch, m, r).tolist()
+    ]
     assert len(timed("lookup", lambda: index.resolve(ids))) == GLOBAL_BATCH
     member, document = int(rng.integers(0, 3)), int(rng.integers(0, size.documents))
     timed("inverse", lambda: find_document(index, member, document))
@@ -128,10 +152,15 @@ def _round(size: Size, rng: np.random.Generator) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", type=Path, default=None,
-                        help="keep data and caches here between runs (default: a temp dir)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep data and caches here between runs (default: a temp dir)",
+    )
     parser.add_argument("--repeat", type=int, default=9)
     args = parser.parse_args()
     sizes = [Size(name, documents) for name, documents in SIZES.items()]
@@ -153,17 +182,18 @@ def main() -> None:
     print(row("global samples in the train blend", small.samples, large.samples, "{:,}"))
     print(row("documents (3 prefixes)", 3 * small.documents, 3 * large.documents, "{:,}"))
     print(row("cache .npy bytes", small.cache_bytes, large.cache_bytes, "{:,}"))
-    labels = {"open": "open + verify caches (s)",
-              "lookup": f"lookup {GLOBAL_BATCH:,}-sample batch (s)",
-              "inverse": "inverse scan, one document (s)"}
+    labels = {
+        "open": "open + verify caches (s)",
+        "lookup": f"lookup {GLOBAL_BATCH:,}-sample batch (s)",
+        "inverse": "inverse scan, one document (s)",
+    }
     for clock in ("wall", "cpu"):
         for reduce, how in ((statistics.median, "median"), (min, "best")):
             print(f"-- {clock} clock, {how} of {args.repeat}")
             for what, label in labels.items():
                 key = f"{what} {clock}"
                 print(row(label, reduce(small.times[key]), reduce(large.times[key]), "{:.4f}"))
-            scans = [size.samples / reduce(size.times[f"inverse {clock}"]) / 1e6
-                     for size in sizes]
+            scans = [size.samples / reduce(size.times[f"inverse {clock}"]) / 1e6 for size in sizes]
             print(row("inverse throughput (M samples/s)", *scans, "{:.1f}"))
 
 

@@ -32,24 +32,26 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
+from megatron_ext.demo import prepare_tiny_dataset  # noqa: E402
+from megatron_ext.io import token_sha1  # noqa: E402
+from megatron_ext.telemetry.bucket_norms import BucketView, squared_norms  # noqa: E402
+from megatron_ext.telemetry.signals import SignalRecord, SignalsWriter  # noqa: E402
+
 from harness import launch  # noqa: E402
 
-from megatron_ext.bucket_norms import BucketView, squared_norms  # noqa: E402
-from megatron_ext.demo import prepare_tiny_dataset  # noqa: E402
-from megatron_ext.sample_log_adapter import token_digest  # noqa: E402
-from megatron_ext.signals import SignalRecord, SignalsWriter  # noqa: E402
-
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
-PARAMETERS = re.compile(r"number of parameters on \([\w, ]+\) model parallel rank \([\d, ]+\): "
-                        r"(\d+)")
+PARAMETERS = re.compile(
+    r"number of parameters on \([\w, ]+\) model parallel rank \([\d, ]+\): "
+    r"(\d+)"
+)
 
 CAVEATS = """\
 What this CPU figure can and cannot say about the <=1% target on a real GPU step:
@@ -77,11 +79,13 @@ What this CPU figure can and cannot say about the <=1% target on a real GPU step
 
 def _launch(workdir: Path, data_args: list[str], iters: int, extra: list[str]) -> str:
     """One real launch of the entry point through the CPU harness; returns its log."""
-    run = launch(workdir, [*data_args, "--train-iters", str(iters), *extra], timeout=900,
-                 sample_log=False)
+    run = launch(
+        workdir, [*data_args, "--train-iters", str(iters), *extra], timeout=900, sample_log=False
+    )
     if run.returncode != 0:
-        raise SystemExit(f"launch failed (exit {run.returncode}); log: {workdir / 'log.txt'}\n"
-                         f"{run.log[-3000:]}")
+        raise SystemExit(
+            f"launch failed (exit {run.returncode}); log: {workdir / 'log.txt'}\n{run.log[-3000:]}"
+        )
     return run.log
 
 
@@ -119,19 +123,34 @@ def isolated_costs(parameters: int, directory: Path) -> dict[str, float]:
             sums[1] += p.detach().float().square().sum()
 
     def record() -> None:
-        writer.write(SignalRecord(
-            iteration=1, attempt=0, job_id="local", wall_time=time.time(), consumed_samples=8,
-            skipped_samples=0, lm_loss=3.0, max_local_loss=3.1, max_loss_dp_rank=0,
-            grad_norm=1.0, bucket_grad_norms={views[0].name: 1.0}, params_norm=50.0,
-            update_ratio=1e-3, lr=1e-3, loss_scale=1.0, num_zeros=0.0))
+        writer.write(
+            SignalRecord(
+                iteration=1,
+                attempt=0,
+                job_id="local",
+                wall_time=time.time(),
+                consumed_samples=8,
+                skipped_samples=0,
+                lm_loss=3.0,
+                max_local_loss=3.1,
+                max_loss_dp_rank=0,
+                grad_norm=1.0,
+                bucket_grad_norms={views[0].name: 1.0},
+                params_norm=50.0,
+                update_ratio=1e-3,
+                lr=1e-3,
+                loss_scale=1.0,
+                num_zeros=0.0,
+            )
+        )
 
     return {
         "bucket norms (squared_norms)": _median_ms(lambda: squared_norms(views)),
         "update-ratio snapshot (fp32 copy)": _median_ms(
-            lambda: [p.detach().float().clone() for p in params]),
+            lambda: [p.detach().float().clone() for p in params]
+        ),
         "update-ratio sums (per-parameter loop)": _median_ms(update_ratio_sums),
-        "sample log: SHA-1 of 8 samples": _median_ms(
-            lambda: [token_digest(row) for row in tokens]),
+        "sample log: SHA-1 of 8 samples": _median_ms(lambda: [token_sha1(row) for row in tokens]),
         "signals record build + append": _median_ms(record),
     }
 
@@ -141,16 +160,26 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="launches per arm (>= 2)")
     parser.add_argument("--iters", type=int, default=40, help="--train-iters per launch")
     parser.add_argument("--warmup", type=int, default=5, help="iterations dropped per launch")
-    parser.add_argument("--workdir", type=Path,
-                        help="keep data and launch logs here (default: a temporary directory)")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        help="keep data and launch logs here (default: a temporary directory)",
+    )
     args = parser.parse_args()
     if args.reps < 2 or args.iters <= args.warmup:
         parser.error("need --reps >= 2 and --iters > --warmup")
     root = args.workdir or Path(tempfile.mkdtemp(prefix="signals-bench-"))
     try:
         document, tokenizer_args = prepare_tiny_dataset(root)
-        data_args = ["--data-path", str(document), "--split", "100,0,0", *tokenizer_args,
-                     "--data-cache-path", str(root / "index-cache")]
+        data_args = [
+            "--data-path",
+            str(document),
+            "--split",
+            "100,0,0",
+            *tokenizer_args,
+            "--data-cache-path",
+            str(root / "index-cache"),
+        ]
         times: dict[str, list[float]] = {"off": [], "on": []}
         per_launch: dict[str, list[float]] = {"off": [], "on": []}
         parameters = 0
@@ -159,47 +188,69 @@ def main() -> None:
             for arm in ("off", "on"):
                 workdir = root / f"{arm}-{rep}"
                 shutil.rmtree(workdir, ignore_errors=True)
-                extra = [] if arm == "off" else [
-                    "--log-bucket-grad-norms", "--signals-dir", str(workdir / "signals"),
-                    "--signals-update-ratio", "--sample-log-dir", str(workdir / "samples")]
+                extra = (
+                    []
+                    if arm == "off"
+                    else [
+                        "--log-bucket-grad-norms",
+                        "--signals-dir",
+                        str(workdir / "signals"),
+                        "--signals-update-ratio",
+                        "--sample-log-dir",
+                        str(workdir / "samples"),
+                    ]
+                )
                 log = _launch(workdir, data_args, args.iters, extra)
                 steps = step_times(log, args.warmup)
                 if len(steps) != args.iters - args.warmup:
-                    raise SystemExit(f"{workdir}/log.txt: expected {args.iters - args.warmup} "
-                                     f"timed iterations, parsed {len(steps)}")
+                    raise SystemExit(
+                        f"{workdir}/log.txt: expected {args.iters - args.warmup} "
+                        f"timed iterations, parsed {len(steps)}"
+                    )
                 if arm == "on" and not (workdir / "signals" / "signals.jsonl").is_file():
                     raise SystemExit(f"{workdir}: the 'on' arm wrote no signals log")
                 times[arm] += steps
                 per_launch[arm].append(statistics.median(steps))
                 if found := PARAMETERS.search(log):
                     parameters = int(found.group(1))
-                print(f"  {arm:3} launch {rep + 1}: median {per_launch[arm][-1]:7.1f} ms/iter",
-                      flush=True)
+                print(
+                    f"  {arm:3} launch {rep + 1}: median {per_launch[arm][-1]:7.1f} ms/iter",
+                    flush=True,
+                )
         elapsed = time.monotonic() - started
 
         off, on = statistics.median(times["off"]), statistics.median(times["on"])
-        print(f"\n[CPU harness, tiny model ({parameters:,} parameters), 1 rank, "
-              f"{args.reps} interleaved launches per arm, {args.iters} iterations each, first "
-              f"{args.warmup} dropped; torch {torch.__version__}; load average "
-              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {elapsed:.0f} s]")
+        print(
+            f"\n[CPU harness, tiny model ({parameters:,} parameters), 1 rank, "
+            f"{args.reps} interleaved launches per arm, {args.iters} iterations each, first "
+            f"{args.warmup} dropped; torch {torch.__version__}; load average "
+            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {elapsed:.0f} s]"
+        )
         print(f"{'arm':5} {'median ms/iter':>15} {'per-launch medians':>30} {'iterations':>11}")
         for arm, value in (("off", off), ("on", on)):
             launches = ", ".join(f"{m:.1f}" for m in per_launch[arm])
             print(f"{arm:5} {value:15.1f} {launches:>30} {len(times[arm]):>11}")
-        print(f"ratio on/off: {on / off:.3f} ({(on / off - 1) * 100:+.1f}%, "
-              f"{on - off:+.1f} ms/iter)")
+        print(
+            f"ratio on/off: {on / off:.3f} ({(on / off - 1) * 100:+.1f}%, {on - off:+.1f} ms/iter)"
+        )
         paired = [b / a for a, b in zip(per_launch["off"], per_launch["on"])]
-        print("paired ratios (each on launch / the off launch just before it): "
-              + ", ".join(f"{r:.3f}" for r in paired))
+        print(
+            "paired ratios (each on launch / the off launch just before it): "
+            + ", ".join(f"{r:.3f}" for r in paired)
+        )
         # Launches of the same arm differ only by machine noise: a smaller on/off difference
         # is not resolved by this run.
         spread = max((max(m) - min(m)) / statistics.median(m) for m in per_launch.values())
-        print(f"noise: per-launch medians of one arm differ by up to {spread * 100:.1f}%; an "
-              "on/off difference below that is not resolved here")
+        print(
+            f"noise: per-launch medians of one arm differ by up to {spread * 100:.1f}%; an "
+            "on/off difference below that is not resolved here"
+        )
 
         if parameters:
-            print("\nIsolated per-step pieces on a buffer of the tiny model's size "
-                  "(median of 200, ms; % of the off-arm step):")
+            print(
+                "\nIsolated per-step pieces on a buffer of the tiny model's size "
+                "(median of 200, ms; % of the off-arm step):"
+            )
             for name, ms in isolated_costs(parameters, root / "isolated").items():
                 print(f"  {name:40} {ms:8.3f} ms  {ms / off * 100:6.2f}%")
         print("\n" + CAVEATS)

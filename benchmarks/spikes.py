@@ -1,4 +1,4 @@
-"""Spike tracker costs: detector time per step (flat in run length) and planner time on a
+"""Spike detector costs: detector time per step (flat in run length) and planner time on a
 synthetic 1,000,000-iteration signals log (target < 5 s).
 
     .venv/bin/python benchmarks/spikes.py [--iterations 1000000]
@@ -17,18 +17,30 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_ext.signals import SignalRecord
-from megatron_ext.spikes import SpikeConfig, SpikeDetector
+from megatron_ext.spikes.detector import SpikeConfig, SpikeDetector
+from megatron_ext.telemetry.signals import SignalRecord
 
 
 def _record(i: int, rng: random.Random, spike: bool = False) -> SignalRecord:
     loss = 2.0 + 3.0 / (1 + i / 1000) + rng.gauss(0, 0.02) + (2.5 if spike else 0.0)
     grad = 0.4 + rng.gauss(0, 0.03) + (4.0 if spike else 0.0)
-    return SignalRecord(iteration=i, attempt=1, job_id="bench", wall_time=float(i),
-                        consumed_samples=1024 * i, skipped_samples=0, lm_loss=loss,
-                        grad_norm=grad, max_local_loss=loss + 0.1, max_loss_dp_rank=i % 64,
-                        params_norm=300.0, update_ratio=1e-4, lr=3e-4, loss_scale=1.0,
-                        bucket_grad_norms={f"b{j}": grad / 4 for j in range(4)})
+    return SignalRecord(
+        iteration=i,
+        attempt=1,
+        job_id="bench",
+        wall_time=float(i),
+        consumed_samples=1024 * i,
+        skipped_samples=0,
+        lm_loss=loss,
+        grad_norm=grad,
+        max_local_loss=loss + 0.1,
+        max_loss_dp_rank=i % 64,
+        params_norm=300.0,
+        update_ratio=1e-4,
+        lr=3e-4,
+        loss_scale=1.0,
+        bucket_grad_norms={f"b{j}": grad / 4 for j in range(4)},
+    )
 
 
 def detector_cost(steps: int) -> float:
@@ -45,8 +57,10 @@ def write_log(directory: Path, iterations: int, spike_at: int) -> None:
     """A signals log plus a ledger with one unrecovered spike near its end, and checkpoints."""
     rng = random.Random(1)
     detector = SpikeDetector(SpikeConfig(patience=50))
-    with open(directory / "signals.jsonl", "w") as signals, \
-            open(directory / "spikes.jsonl", "w") as ledger:
+    with (
+        open(directory / "signals.jsonl", "w") as signals,
+        open(directory / "spikes.jsonl", "w") as ledger,
+    ):
         for i in range(1, iterations + 1):
             record = _record(i, rng, spike=i >= spike_at)
             record.attempt = 1
@@ -64,18 +78,32 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=1_000_000)
     args = parser.parse_args()
     short, long = detector_cost(10_000), detector_cost(200_000)
-    print(f"detector: {short * 1e6:.2f} us/step over 10k steps, {long * 1e6:.2f} us/step over "
-          f"200k steps (ratio {long / short:.2f}: flat = O(1) amortised per step)")
+    print(
+        f"detector: {short * 1e6:.2f} us/step over 10k steps, {long * 1e6:.2f} us/step over "
+        f"200k steps (ratio {long / short:.2f}: flat = O(1) amortised per step)"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         start = time.perf_counter()
         write_log(root, args.iterations, spike_at=args.iterations - 500)
         size = (root / "signals.jsonl").stat().st_size / 2**20
-        print(f"synthetic log: {args.iterations:,} iterations, {size:.0f} MiB "
-              f"(written in {time.perf_counter() - start:.1f} s)")
-        command = [sys.executable, "-m", "megatron_ext.cli", "skiplist", "--ckpt-dir",
-                   str(root / "ckpt"), "--signals-dir", str(root), "--train-iters",
-                   str(args.iterations + 1000), "--no-lookup"]
+        print(
+            f"synthetic log: {args.iterations:,} iterations, {size:.0f} MiB "
+            f"(written in {time.perf_counter() - start:.1f} s)"
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "megatron_ext.cli",
+            "skiplist",
+            "--ckpt-dir",
+            str(root / "ckpt"),
+            "--signals-dir",
+            str(root),
+            "--train-iters",
+            str(args.iterations + 1000),
+            "--no-lookup",
+        ]
         start = time.perf_counter()
         result = subprocess.run(command, capture_output=True, text=True)
         elapsed = time.perf_counter() - start

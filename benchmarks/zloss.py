@@ -31,8 +31,8 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -64,11 +64,14 @@ def _methods(group: dist.ProcessGroup) -> list[Method]:
     return [
         Method("megatron CE", lambda x, t: vocab_parallel_cross_entropy(x, t, tp_group=group)),
         Method("naive CE + z", naive),
-        Method("z-loss (keeps logits)",
-               lambda x, t: vocab_parallel_cross_entropy_with_z_loss(x, t, COEFF, group)[0]),
-        Method("z-loss (training path)",
-               lambda x, t: cross_entropy_and_z_loss(x, t, COEFF, group,
-                                                     overwrite_logits=True).loss),
+        Method(
+            "z-loss (keeps logits)",
+            lambda x, t: vocab_parallel_cross_entropy_with_z_loss(x, t, COEFF, group)[0],
+        ),
+        Method(
+            "z-loss (training path)",
+            lambda x, t: cross_entropy_and_z_loss(x, t, COEFF, group, overwrite_logits=True).loss,
+        ),
     ]
 
 
@@ -87,8 +90,13 @@ def _saved_bytes(method: Method, logits: torch.Tensor, target: torch.Tensor) -> 
     return sum(storages.values())
 
 
-def _time_once(method: Method, logits: torch.Tensor, target: torch.Tensor,
-               grad: torch.Tensor, clock: Callable[[], float]) -> tuple[float, torch.Tensor]:
+def _time_once(
+    method: Method,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad: torch.Tensor,
+    clock: Callable[[], float],
+) -> tuple[float, torch.Tensor]:
     x = logits.clone().requires_grad_()
     start = clock()
     loss = method.run(x, target)
@@ -96,8 +104,16 @@ def _time_once(method: Method, logits: torch.Tensor, target: torch.Tensor,
     return clock() - start, loss.detach()
 
 
-def bench(seq: int, batch: int, vocab: int, tp: int, dtype: torch.dtype, reps: int,
-          clock: str, group: dist.ProcessGroup) -> None:
+def bench(
+    seq: int,
+    batch: int,
+    vocab: int,
+    tp: int,
+    dtype: torch.dtype,
+    reps: int,
+    clock: str,
+    group: dist.ProcessGroup,
+) -> None:
     shard = vocab // tp
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(seq, batch, shard, generator=gen) * 2).to(dtype)
@@ -121,16 +137,22 @@ def bench(seq: int, batch: int, vocab: int, tp: int, dtype: torch.dtype, reps: i
     base_time = statistics.median(times["megatron CE"])
     base_best = min(times["megatron CE"])
     base_saved = saved["megatron CE"]
-    print(f"\n[s={seq}, b={batch}, vocab={vocab}, shard {shard} (TP={tp}), {dtype}, "
-          f"c={COEFF}, {clock} time, {torch.get_num_threads()} thread(s), {reps} reps]")
-    print(f"{'method':24} {'median ms':>10} {'x megatron':>10} {'best ms':>8} {'x megatron':>10} "
-          f"{'saved MiB':>10} {'saved - megatron':>17}")
+    print(
+        f"\n[s={seq}, b={batch}, vocab={vocab}, shard {shard} (TP={tp}), {dtype}, "
+        f"c={COEFF}, {clock} time, {torch.get_num_threads()} thread(s), {reps} reps]"
+    )
+    print(
+        f"{'method':24} {'median ms':>10} {'x megatron':>10} {'best ms':>8} {'x megatron':>10} "
+        f"{'saved MiB':>10} {'saved - megatron':>17}"
+    )
     for method in methods:
         median, best = statistics.median(times[method.name]), min(times[method.name])
         extra = saved[method.name] - base_saved
-        print(f"{method.name:24} {median * 1e3:10.1f} {median / base_time:10.2f} "
-              f"{best * 1e3:8.1f} {best / base_best:10.2f} "
-              f"{saved[method.name] / 2**20:10.1f} {extra / tokens:+13.1f} B/tok")
+        print(
+            f"{method.name:24} {median * 1e3:10.1f} {median / base_time:10.2f} "
+            f"{best * 1e3:8.1f} {best / base_best:10.2f} "
+            f"{saved[method.name] / 2**20:10.1f} {extra / tokens:+13.1f} B/tok"
+        )
 
 
 def main() -> None:
@@ -143,8 +165,9 @@ def main() -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as rendezvous:
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/store",
-                                rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{rendezvous}/store", rank=0, world_size=1
+        )
         try:
             for seq, batch, vocab, tp in SIZES:
                 bench(seq, batch, vocab, tp, dtype, args.reps, args.clock, dist.group.WORLD)

@@ -1,7 +1,8 @@
 """megatron-ext: an overlay on Megatron Core (pinned, see ``MEGATRON_CORE_VERSION``).
 
-Feature cores are plain modules without Megatron imports; their Megatron adapters sit next
-to them, and every runtime change to Megatron goes through :mod:`megatron_ext.patches`.
+One folder per feature, each with a core (no Megatron import) and an adapter (the feature's
+flags and hooks, :mod:`megatron_ext.features`); every touch of Megatron internals is declared
+in :mod:`megatron_ext.registry`.
 """
 
 __version__ = "0.1.0"

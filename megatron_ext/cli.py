@@ -18,6 +18,7 @@ commands:
   patches      list the runtime patches megatron-ext applies to Megatron, and verify them
   lookup       iteration + DP rank -> samples, documents, tokens; document -> iterations
   plot         signals log -> PNG: loss, grad norm, params norm, max logit, spike candidates
+  supervise    the launchers' attempt loop and exit-code policy (see launch/)
 """
 
 
@@ -27,9 +28,10 @@ COMMANDS: dict[str, str] = {
     "preprocess": "megatron_ext.data.preprocess",
     "demo": "megatron_ext.demo",
     "patches": "megatron_ext.patch_report",
-    "skiplist": "megatron_ext.skiplist_cli",
+    "skiplist": "megatron_ext.spikes.cli",
     "lookup": "megatron_ext.lookup.cli",
-    "plot": "megatron_ext.plot",
+    "plot": "megatron_ext.telemetry.plot",
+    "supervise": "megatron_ext.supervise.cli",
 }
 
 

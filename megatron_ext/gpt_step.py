@@ -9,9 +9,9 @@ cached-logit distillation are refused at start-up (use Megatron-LM's own script 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from megatron.core import mpu
@@ -28,13 +28,13 @@ from megatron.core.utils import (
 from megatron.training import get_args, get_timers, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from megatron_ext import sample_log_adapter, signals_adapter, spike_adapter, zloss_adapter
+from megatron_ext.features import ACTIVE, LossInputs, MicroBatch
+from megatron_ext.sample_log.adapter import SAMPLE_ID_KEY
 
 # Megatron-LM pretrain_gpt.py: a loss 10x the max of the first losses is "spiky".
 SPIKY_LOSS_FACTOR = 10
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-SAMPLE_ID_KEY = "sample_id"
 
 UNSUPPORTED_FLAGS = {
     "sft": "--sft",
@@ -81,20 +81,21 @@ class SampleIdDataset(torch.utils.data.Dataset):
         return getattr(self.dataset, name)
 
 
-def get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int | None = None,
-              training: bool = True):
-    """Read on TP rank 0, broadcast over TP, slice for CP; returns (batch dict, sample ids)."""
+def get_batch(
+    data_iterator: Iterator[dict[str, Any]] | None,
+    micro_batch: MicroBatch,
+    vp_stage: int | None = None,
+) -> dict[str, Any] | None:
+    """Read on TP rank 0 (features see the batch there), broadcast over TP, slice for CP."""
     args = get_args()
     if not is_first_or_last_pipeline_stage(vp_stage):
-        return None, None
+        return None
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch: dict[str, Any] = {}
-    sample_ids = None
     if tp_rank == 0:
         batch = next(data_iterator)  # type: ignore[arg-type]
-        sample_ids = batch.get(SAMPLE_ID_KEY)
-        if training:
-            spike_adapter.TRACKER.corrupt(batch)
+        micro_batch.reads_data = True
+        ACTIVE.on_batch(batch, micro_batch)
         for key in BATCH_KEYS:
             value = batch.get(key)
             batch[key] = value.cuda(non_blocking=True) if value is not None else None
@@ -114,38 +115,27 @@ def get_batch(data_iterator: Iterator[dict[str, Any]] | None, vp_stage: int | No
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
         is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
     )
-    batch = get_batch_on_this_cp_rank(
+    return get_batch_on_this_cp_rank(
         batch, is_hybrid_cp=False, cp_group=get_context_parallel_group()
     )
-    return batch, sample_ids
-
-
-@dataclass(frozen=True)
-class StepContext:
-    """What the loss function needs to know about its micro-batch beyond the loss itself.
-
-    ``sample_ids``/``tokens`` are set only on the rank that logs samples (TP rank 0 of the
-    last pipeline stage) and only when ``--sample-log-dir`` is set.
-    """
-
-    training: bool
-    sample_ids: torch.Tensor | None = None
-    tokens: torch.Tensor | None = None
 
 
 def loss_func(
     loss_mask: torch.Tensor,
-    context: StepContext,
+    micro_batch: MicroBatch,
     output_tensor: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-summed loss, token count and the ``lm loss`` report, as Megatron expects."""
+    """Token-summed loss, token count and the ``lm loss`` report, as Megatron expects.
+
+    Features add report entries (``on_loss``); z-loss replaces ``lm loss`` by the pure CE.
+    """
     args = get_args()
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
-    report.update(zloss_adapter.report_terms(mask, num_tokens))  # z-loss: pure-CE lm loss
+    report.update(ACTIVE.on_loss(LossInputs(micro_batch, output_tensor, mask, loss, num_tokens)))
 
     rerun_state_machine = get_rerun_state_machine()
     if args.check_for_nan_in_loss_and_grad:
@@ -169,10 +159,6 @@ def loss_func(
             tolerance=0.0,
             fatal=False,
         )
-    if context.training:
-        signals_adapter.observe_loss(args, loss, num_tokens)
-        if context.sample_ids is not None:
-            sample_log_adapter.record(args, context.sample_ids, context.tokens, loss, num_tokens)
     return loss, num_tokens, report
 
 
@@ -181,15 +167,15 @@ def forward_step(data_iterator: Any, model: Any):
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
-    batch, sample_ids = get_batch(data_iterator, vp_stage, training=model.training)
+    micro_batch = MicroBatch(
+        iteration=get_args().curr_iteration + 1,
+        training=model.training,
+        dp_rank=mpu.get_data_parallel_rank(),
+    )
+    batch = get_batch(data_iterator, micro_batch, vp_stage)
     timers("batch-generator").stop()
     if batch is None:
         batch = dict.fromkeys(BATCH_KEYS)
-    # Only the rank that reads data (TP rank 0) and computes the loss logs samples; the
-    # last pipeline stage computes the loss, so that is where the record is written.
-    context = StepContext(training=model.training)
-    if sample_ids is not None and mpu.is_pipeline_last_stage() and model.training:
-        context = StepContext(training=True, sample_ids=sample_ids, tokens=batch["tokens"])
     output_tensor = model(
         batch["tokens"],
         batch["position_ids"],
@@ -197,14 +183,12 @@ def forward_step(data_iterator: Any, model: Any):
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
     )
-    return output_tensor, partial(loss_func, batch["loss_mask"], context)
+    return output_tensor, partial(loss_func, batch["loss_mask"], micro_batch)
 
 
 def is_dataset_built_on_rank(vp_stage: int | None = None) -> bool:
     """Datasets are read on TP rank 0 of the first and last pipeline stages only."""
-    return (
-        mpu.get_tensor_model_parallel_rank() == 0 and is_first_or_last_pipeline_stage(vp_stage)
-    )
+    return mpu.get_tensor_model_parallel_rank() == 0 and is_first_or_last_pipeline_stage(vp_stage)
 
 
 def gpt_dataset_config_from_args(args: Any) -> GPTDatasetConfig:

@@ -1,44 +1,111 @@
-"""``megatron-ext patches``: what the overlay changes in Megatron, and whether it still fits.
+"""``megatron-ext patches``: every touch of Megatron internals, and whether it still fits.
 
-Lists every registered patch (name, kind, target, verified megatron-core version, reason) and
-verifies each target against the installed megatron-core; exits 1 if any target changed.
+Lists, from :mod:`megatron_ext.registry`: the upstream bug fixes, the hooks into Megatron's
+loop (and which feature uses each), the feature patches and the private names the overlay
+relies on (assumptions). Each entry is verified against the installed megatron-core; the
+exit status is 1 if any target changed, 0 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.metadata
 import textwrap
+from collections.abc import Callable
 
-from megatron_ext import MEGATRON_CORE_VERSION, patches
+from megatron_ext import MEGATRON_CORE_VERSION, registry
+from megatron_ext.features import HOOKS, Feature
+from megatron_ext.patching import Assumption, Entry, Patch, PatchTargetError, installed_version
+
+# Hooks the entry point calls itself (megatron_ext.gpt_step), with no patch of Megatron.
+ENTRY_POINT_HOOKS = {
+    "on_batch": "megatron_ext.gpt_step.get_batch (TP rank 0 of a data-reading stage)",
+    "on_loss": "megatron_ext.gpt_step.loss_func (last pipeline stage)",
+}
 
 
-def _load_registrations() -> None:
-    """Import the fixes and every feature adapter: importing one registers its patches."""
-    import megatron_ext.fixes  # noqa: F401
-    from megatron_ext.arguments import FEATURES
+def _status(entry: Entry) -> tuple[str, bool]:
+    try:
+        entry.verify()
+    except PatchTargetError as exc:
+        return f"TARGET CHANGED: {exc}", False
+    return "ok", True
 
-    for name in FEATURES:
-        importlib.import_module(name)
+
+def _why(text: str) -> str:
+    return textwrap.indent(textwrap.fill(text, 90), "    why:  ").replace(
+        "\n    why:  ", "\n          "
+    )
+
+
+def _section(
+    title: str, entries: tuple[Entry, ...], detail: Callable[[Entry], str], out: list[str]
+) -> int:
+    out.append(f"== {title}")
+    failed = 0
+    for entry in entries:
+        status, ok = _status(entry)
+        failed += not ok
+        out.append(f"  {entry.name}  [verified on {entry.verified_on}]  {status}")
+        out.append(f"    {detail(entry)}")
+        out.append(_why(entry.reason))
+    out.append("")
+    return failed
+
+
+def _patch_target(entry: Entry) -> str:
+    assert isinstance(entry, Patch)
+    return f"target: {entry.target}{entry.signature}\n    wrapper: {entry.wrap}"
+
+
+def _assumed(entry: Entry) -> str:
+    assert isinstance(entry, Assumption)
+    what = (
+        f" assigns {', '.join(entry.assigned)}"
+        if entry.assigned
+        else f"{entry.signature}"
+        if entry.signature
+        else " exists"
+    )
+    return f"relies on: {entry.target}{what}\n    used by: {entry.used_by}"
+
+
+def hook_users(features: list[Feature]) -> dict[str, list[str]]:
+    """Hook name -> the features overriding it."""
+    return {hook: [f.name for f in features if f.implements(hook)] for hook in HOOKS}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-ext patches", description=__doc__)
     parser.parse_args(argv)
-    _load_registrations()
-    installed = importlib.metadata.version("megatron-core")
-    print(f"megatron-core installed: {installed} (megatron-ext pins {MEGATRON_CORE_VERSION})\n")
-    failed = 0
-    for patch in patches.registry():
-        try:
-            patches.verify(patch)
-            status = "ok"
-        except patches.PatchTargetError as exc:
-            status, failed = f"TARGET CHANGED: {exc}", failed + 1
-        print(f"{patch.name}  [{patch.kind}, verified on {patch.verified_on}]  {status}")
-        print(f"  target: {patch.target}{patch.signature}")
-        print(textwrap.indent(textwrap.fill(patch.reason, 92), "  why:    ").replace(
-            "\n  why:    ", "\n          "))
-        print()
+    from megatron_ext.loop import all_features
+
+    users = hook_users(all_features())
+    out = [
+        f"megatron-core installed: {installed_version()} (megatron-ext verified on "
+        f"{MEGATRON_CORE_VERSION})",
+        "",
+    ]
+    failed = _section("upstream bug fixes (always applied)", registry.BUGFIXES, _patch_target, out)
+    failed += _section(
+        "loop hooks (applied when an installed feature uses the hook)",
+        registry.HOOKS,
+        lambda e: (
+            f"hook {e.hook}, used by: {', '.join(users[e.hook]) or 'none'}\n    " + _patch_target(e)
+        ),
+        out,
+    )
+    out.append("== entry-point hooks (megatron_ext.gpt_step; no patch of Megatron)")
+    for hook, where in ENTRY_POINT_HOOKS.items():
+        out.append(f"  {hook}: called from {where}; used by: {', '.join(users[hook])}")
+    out.append("")
+    failed += _section(
+        "feature patches (applied when the feature's flag is set)",
+        registry.FEATURE_PATCHES,
+        _patch_target,
+        out,
+    )
+    failed += _section(
+        "assumptions (private names read, not replaced)", registry.ASSUMPTIONS, _assumed, out
+    )
+    print("\n".join(out).rstrip())
     return 1 if failed else 0

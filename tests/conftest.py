@@ -1,4 +1,4 @@
-"""Shared fixtures: one tiny real corpus, tokenized once per test session."""
+"""Shared fixtures: one tiny real corpus, tokenized once per session; the e2e marker."""
 
 from __future__ import annotations
 
@@ -8,6 +8,15 @@ import pytest
 
 from megatron_ext.demo import prepare_tiny_dataset
 
+E2E = Path(__file__).resolve().parent / "e2e"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/e2e/ is a real launch: mark it ``e2e``."""
+    for item in items:
+        if E2E in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.e2e)
+
 
 @pytest.fixture(scope="session")
 def data_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
@@ -15,6 +24,11 @@ def data_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     root: Path = tmp_path_factory.mktemp("tiny-data")
     document, tokenizer_args = prepare_tiny_dataset(root)
     return [
-        "--data-path", str(document), "--split", "100,0,0", *tokenizer_args,
-        "--data-cache-path", str(root / "index-cache"),
+        "--data-path",
+        str(document),
+        "--split",
+        "100,0,0",
+        *tokenizer_args,
+        "--data-cache-path",
+        str(root / "index-cache"),
     ]

@@ -44,25 +44,55 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description="Convert JSONL documents to Megatron .bin/.idx indexed datasets."
     )
-    p.add_argument("--input", nargs="+", required=True, type=Path, metavar="FILE.jsonl",
-                   help="JSONL files, one JSON object per line; blank lines are ignored")
-    p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
-                   help="keys to extract; each becomes PREFIX_KEY_document.{bin,idx}")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        type=Path,
+        metavar="FILE.jsonl",
+        help="JSONL files, one JSON object per line; blank lines are ignored",
+    )
+    p.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        metavar="KEY",
+        help="keys to extract; each becomes PREFIX_KEY_document.{bin,idx}",
+    )
     p.add_argument("--output-prefix", required=True, help="output path prefix")
     tok = p.add_mutually_exclusive_group(required=True)
-    tok.add_argument("--tokenizer-dir", type=Path,
-                     help="existing Hugging Face tokenizer dir (tokenizer.json + config)")
-    tok.add_argument("--train-tokenizer", action="store_true",
-                     help="train a byte-level BPE on the input first")
-    p.add_argument("--vocab-size", type=int, default=2048,
-                   help="upper bound on the trained vocabulary (default: %(default)s)")
-    p.add_argument("--tokenizer-out", type=Path,
-                   help="where --train-tokenizer saves it (default: PREFIX_tokenizer)")
+    tok.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        help="existing Hugging Face tokenizer dir (tokenizer.json + config)",
+    )
+    tok.add_argument(
+        "--train-tokenizer", action="store_true", help="train a byte-level BPE on the input first"
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=2048,
+        help="upper bound on the trained vocabulary (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tokenizer-out",
+        type=Path,
+        help="where --train-tokenizer saves it (default: PREFIX_tokenizer)",
+    )
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
-    p.add_argument("--chunksize", type=int, default=64,
-                   help="lines sent to a worker at a time (default: %(default)s)")
-    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
-                   help="end every document with the EOD token (default: on)")
+    p.add_argument(
+        "--chunksize",
+        type=int,
+        default=64,
+        help="lines sent to a worker at a time (default: %(default)s)",
+    )
+    p.add_argument(
+        "--append-eod",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="end every document with the EOD token (default: on)",
+    )
     return p
 
 
@@ -149,8 +179,14 @@ def _write_datasets(
     try:
         with (
             _mapper(args.workers, args.chunksize, tokenizer_dir) as mapper,
-            tqdm(total=total_bytes, unit="B", unit_scale=True, file=sys.stderr,
-                 disable=None, desc="preprocess") as bar,
+            tqdm(
+                total=total_bytes,
+                unit="B",
+                unit_scale=True,
+                file=sys.stderr,
+                disable=None,
+                desc="preprocess",
+            ) as bar,
         ):
             for path in args.input:
                 encode = partial(_encode, path=path, keys=args.json_keys)

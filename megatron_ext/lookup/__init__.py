@@ -3,5 +3,6 @@
 ``position`` (batch arithmetic, no Megatron), ``cyclic`` (the cyclic sampler's order),
 ``topology`` (which ranks read), ``indices`` (memory-mapped caches, fingerprint checks,
 resolution), ``inverse`` (document -> samples), ``config`` (checkpoint args / Megatron flags),
-``rebuild`` (explicit cache rebuilds), ``render``/``crosscheck``/``cli`` (``megatron-ext lookup``).
+``adapter`` (explicit cache rebuilds through Megatron's builder),
+``render``/``crosscheck``/``cli`` (``megatron-ext lookup``).
 """

@@ -23,174 +23,130 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from megatron_ext.lookup.config import (
-    RunConfig,
-    load_checkpoint,
-    megatron_namespace,
-    pad_token_id,
-    run_config,
-    tokenizer_from_args,
-)
 from megatron_ext.lookup.crosscheck import check_against_log
 from megatron_ext.lookup.cyclic import CyclicOrder
-from megatron_ext.lookup.errors import CacheMissing, ConfigError, PositionError, Refused
-from megatron_ext.lookup.indices import TrainIndex, open_train_index
+from megatron_ext.lookup.errors import ConfigError, Refused
+from megatron_ext.lookup.indices import TrainIndex
 from megatron_ext.lookup.inverse import find_document
 from megatron_ext.lookup.position import Batch
 from megatron_ext.lookup.render import (
     document_record,
     hits_table,
     jsonl,
-    sample_record,
     samples_table,
     spans_of,
     write_atomic,
 )
+from megatron_ext.lookup.session import Session, batch_records
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The lookup's own flags; any other flag is handed to Megatron's parser."""
     parser = argparse.ArgumentParser(
-        prog="megatron-ext lookup", description=__doc__, allow_abbrev=False,
+        prog="megatron-ext lookup",
+        description=__doc__,
+        allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any other flag is a Megatron training flag and means what it meant to the run.",
     )
     what = parser.add_argument_group("what to look up (one of)")
     what.add_argument("--iteration", type=int, help="1-indexed iteration, as Megatron logs it")
-    what.add_argument("--consumed-samples", type=int,
-                      help="the batch Megatron reads next at this consumed_train_samples")
+    what.add_argument(
+        "--consumed-samples",
+        type=int,
+        help="the batch Megatron reads next at this consumed_train_samples",
+    )
     what.add_argument("--document", type=int, help="inverse: a document (sequence) id of --dataset")
-    what.add_argument("--dataset", help="inverse: data prefix as in --data-path, its file name, "
-                      "or its position in the blend")
+    what.add_argument(
+        "--dataset",
+        help="inverse: data prefix as in --data-path, its file name, or its position in the blend",
+    )
     what.add_argument("--dp-rank", type=int, help="only this data-parallel rank")
     what.add_argument("--microbatch", type=int, help="only this micro-batch of the iteration")
     run = parser.add_argument_group("the run")
-    run.add_argument("--from-checkpoint", metavar="DIR",
-                     help="a torch_dist --save directory or one iter_NNNNNNN directory")
+    run.add_argument(
+        "--from-checkpoint",
+        metavar="DIR",
+        help="a torch_dist --save directory or one iter_NNNNNNN directory",
+    )
     run.add_argument("--ckpt-step", type=int, help="which iteration's checkpoint to read")
-    run.add_argument("--data-parallel-size", type=int,
-                     help="DP size (default: the checkpoint's); world / (TP x PP x CP)")
-    run.add_argument("--phase", type=int,
-                     help="inverse with --phase-transition-iterations and no checkpoint: which "
-                     "phase's data the flags describe (0-based)")
-    run.add_argument("--no-add-extra-token-to-sequence", action="store_true",
-                     help="the datasets were built with add_extra_token_to_sequence=False "
-                     "(Megatron-LM training always uses True)")
+    run.add_argument(
+        "--data-parallel-size",
+        type=int,
+        help="DP size (default: the checkpoint's); world / (TP x PP x CP)",
+    )
+    run.add_argument(
+        "--phase",
+        type=int,
+        help="inverse with --phase-transition-iterations and no checkpoint: which "
+        "phase's data the flags describe (0-based)",
+    )
+    run.add_argument(
+        "--no-add-extra-token-to-sequence",
+        action="store_true",
+        help="the datasets were built with add_extra_token_to_sequence=False "
+        "(Megatron-LM training always uses True)",
+    )
     data = parser.add_argument_group("data and caches")
-    data.add_argument("--cache-dir", help="index cache directory (default: the run's "
-                      "--data-cache-path, else <prefix>/cache/GPTDataset_indices)")
-    data.add_argument("--data-root", action="append", default=[], metavar="OLD=NEW",
-                      help="the data moved: read prefixes under OLD from NEW (repeatable)")
-    data.add_argument("--rebuild-caches", action="store_true",
-                      help="build missing caches with megatron-core's builder (same config)")
+    data.add_argument(
+        "--cache-dir",
+        help="index cache directory (default: the run's "
+        "--data-cache-path, else <prefix>/cache/GPTDataset_indices)",
+    )
+    data.add_argument(
+        "--data-root",
+        action="append",
+        default=[],
+        metavar="OLD=NEW",
+        help="the data moved: read prefixes under OLD from NEW (repeatable)",
+    )
+    data.add_argument(
+        "--rebuild-caches",
+        action="store_true",
+        help="build missing caches with megatron-core's builder (same config)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON document on stdout")
     out.add_argument("--out", metavar="FILE.jsonl", help="write one JSON line per sample/hit")
-    out.add_argument("--emit-blocklist", metavar="FILE.jsonl",
-                     help="write the documents found, for a data filter (one JSON line each)")
-    out.add_argument("--text", action="store_true",
-                     help="decode tokens with the run's tokenizer (checkpoint or flags)")
-    out.add_argument("--sample-log", metavar="DIR",
-                     help="refuse unless the answer matches the run's --sample-log-dir records")
+    out.add_argument(
+        "--emit-blocklist",
+        metavar="FILE.jsonl",
+        help="write the documents found, for a data filter (one JSON line each)",
+    )
+    out.add_argument(
+        "--text",
+        action="store_true",
+        help="decode tokens with the run's tokenizer (checkpoint or flags)",
+    )
+    out.add_argument(
+        "--sample-log",
+        metavar="DIR",
+        help="refuse unless the answer matches the run's --sample-log-dir records",
+    )
     out.add_argument("--max-tokens", type=int, default=12, help="tokens per table row")
     return parser
 
 
 def _usage(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
-    chosen = [options.iteration is not None, options.consumed_samples is not None,
-              options.document is not None]
+    chosen = [
+        options.iteration is not None,
+        options.consumed_samples is not None,
+        options.document is not None,
+    ]
     if sum(chosen) != 1:
         parser.error("give exactly one of --iteration, --consumed-samples, --document")
     if options.document is not None and options.dataset is None:
         parser.error("--document needs --dataset")
-    if options.document is not None and (options.dp_rank is not None
-                                         or options.microbatch is not None):
+    if options.document is not None and (
+        options.dp_rank is not None or options.microbatch is not None
+    ):
         parser.error("--dp-rank/--microbatch select a forward lookup, not --document")
     if any("=" not in item for item in options.data_root):
         parser.error("--data-root takes OLD=NEW")
-
-
-class Session:
-    """One invocation: the run's config, its tokenizer when needed, and the opened caches."""
-
-    def __init__(self, options: argparse.Namespace, megatron_flags: list[str]) -> None:
-        self.options = options
-        checkpoint = None
-        if options.from_checkpoint:
-            checkpoint = load_checkpoint(options.from_checkpoint, options.ckpt_step)
-        elif options.ckpt_step is not None:
-            raise ConfigError("--ckpt-step needs --from-checkpoint")
-        self.source = f"checkpoint {checkpoint.directory}" if checkpoint else "flags"
-        args = megatron_namespace(megatron_flags, checkpoint.args if checkpoint else None)
-        data_flags = {"--data-path", "--train-data-path", "--data-args-path",
-                      "--per-split-data-args-path"}
-        self.config: RunConfig = run_config(
-            args, data_parallel_size=options.data_parallel_size, checkpoint=checkpoint,
-            data_from_checkpoint=not data_flags & set(megatron_flags),
-            add_extra_token=not options.no_add_extra_token_to_sequence)
-        self.tokenizer: Any = tokenizer_from_args(args) if options.text else None
-        self.remaps = [tuple(item.split("=", 1)) for item in options.data_root]
-
-    def decode(self) -> Callable[[list[int]], str] | None:
-        """The tokenizer's detokenize, when --text asked for one."""
-        return None if self.tokenizer is None else self.tokenizer.detokenize
-
-    def pad_id(self) -> int | None:
-        """GPTDataset's pad id, known only with the tokenizer (it maps pad tokens to 0)."""
-        if self.tokenizer is None:
-            return None
-        return pad_token_id(self.tokenizer, bool(self.config.args.allow_ambiguous_pad_tokens))
-
-    def phase(self, asked: int | None) -> int:
-        """The phase whose data the config describes; refuses a mismatch with ``asked``."""
-        own = self.config.data_phase
-        if own is None:
-            own = asked if asked is not None else self.options.phase
-        if own is None:
-            if self.config.schedule.phase_transitions:
-                raise ConfigError("with phase transitions and no checkpoint, pass --phase")
-            own = 0
-        if asked is not None and asked != own:
-            before, last = self.config.schedule.phase_bounds(asked)
-            raise PositionError(
-                f"the asked iteration is in phase {asked} (iterations {before + 1}..{last}), but "
-                f"the {self.source} describes phase {own}'s data; use a checkpoint from that "
-                "phase, or pass that phase's data flags"
-            )
-        return own
-
-    def index(self, phase: int) -> TrainIndex:
-        """Open (and with --rebuild-caches, first build) the run's train caches."""
-        tokenizer = None
-        if self.tokenizer is not None:
-            tokenizer = json.loads(json.dumps(self.tokenizer.unique_identifiers))
-        spec = self.config.data_spec(phase)
-
-        def open_index() -> TrainIndex:
-            return open_train_index(spec, cache_dir=self.options.cache_dir,
-                                    data_root=self.remaps, tokenizer=tokenizer)
-
-        try:
-            return open_index()
-        except CacheMissing:
-            if not self.options.rebuild_caches:
-                raise
-        from megatron_ext.lookup.rebuild import rebuild_caches
-
-        rebuild_caches(self.config, phase, self.options.cache_dir)
-        return open_index()
-
-    def sampler_indices(self, index: TrainIndex, positions: np.ndarray) -> np.ndarray:
-        """Stream positions -> global sample indices (identity for the single dataloader)."""
-        if self.config.dataloader_type == "single":
-            return positions
-        order = CyclicOrder(len(index), self.config.schedule.micro_batch_size,
-                            self.config.schedule.data_parallel_size, self.config.data_sharding)
-        return order.dataset_indices(positions)
 
 
 def _batch_lines(session: Session, batch: Batch, index: TrainIndex) -> list[str]:
@@ -203,57 +159,48 @@ def _batch_lines(session: Session, batch: Batch, index: TrainIndex) -> list[str]
         f"micro-batches x DP {schedule.data_parallel_size} x mbs {schedule.micro_batch_size}",
     ]
     if batch.skipped:
-        lines.append("SKIPPED (--iterations-to-skip): the batch was read and discarded, "
-                     "not trained on")
-    lines.append(f"data: {index.kind} {index.hash[:12]} over {len(index.mids)} dataset(s), "
-                 f"{session.config.dataloader_type} dataloader; caches match today's .bin/.idx")
+        lines.append(
+            "SKIPPED (--iterations-to-skip): the batch was read and discarded, not trained on"
+        )
+    lines.append(
+        f"data: {index.kind} {index.hash[:12]} over {len(index.mids)} dataset(s), "
+        f"{session.config.dataloader_type} dataloader; caches match today's .bin/.idx"
+    )
     lines.append(f"run: {session.source}; {session.config.topology.describe()}")
     return lines + [f"note: {note}" for note in session.config.notes]
 
 
 def _blocklist(session: Session, index: TrainIndex, documents: set[tuple[int, str, int]]) -> None:
     decode = session.decode()
-    records = [document_record(path, doc, index.mids[member].read_document(doc), decode)
-               for member, path, doc in sorted(documents)]
+    records = [
+        document_record(path, doc, index.mids[member].read_document(doc), decode)
+        for member, path, doc in sorted(documents)
+    ]
     write_atomic(session.options.emit_blocklist, jsonl(records))
-    print(f"wrote {len(records)} document(s) to {session.options.emit_blocklist}",
-          file=sys.stderr)
+    print(f"wrote {len(records)} document(s) to {session.options.emit_blocklist}", file=sys.stderr)
 
 
-def _emit(session: Session, lines: list[str], records: list[dict[str, Any]], kind: str,
-          table: str, extra: dict[str, Any]) -> None:
+def _emit(
+    session: Session,
+    lines: list[str],
+    records: list[dict[str, Any]],
+    kind: str,
+    table: str,
+    extra: dict[str, Any],
+) -> None:
     options = session.options
     if options.out:
         write_atomic(options.out, jsonl(records))
         print(f"wrote {len(records)} {kind} to {options.out}", file=sys.stderr)
     if options.json:
-        print(json.dumps({**extra, "notes": list(session.config.notes), "lines": lines,
-                          kind: records}, indent=1))
+        print(
+            json.dumps(
+                {**extra, "notes": list(session.config.notes), "lines": lines, kind: records},
+                indent=1,
+            )
+        )
     else:
         print("\n".join(lines) if options.out else table)
-
-
-def batch_records(session: Session, batch: Batch, microbatch: int | None = None,
-                  dp_rank: int | None = None) -> tuple[TrainIndex, list[dict[str, Any]]]:
-    """The samples of one iteration (optionally one micro-batch / DP rank), as records."""
-    schedule = session.config.schedule
-    index = session.index(session.phase(batch.phase))
-    microbatches = [microbatch] if microbatch is not None else range(batch.num_microbatches)
-    ranks = [dp_rank] if dp_rank is not None else range(schedule.data_parallel_size)
-    slots = [(m, r, schedule.positions(batch, m, r)) for m in microbatches for r in ranks]
-    positions = np.concatenate([p for _, _, p in slots])
-    samples = index.resolve(session.sampler_indices(index, positions).tolist(), session.pad_id())
-    decode = session.decode()
-    records, cursor = [], iter(samples)
-    for m, r, slot_positions in slots:
-        readers = session.config.topology.readers(r)
-        for _ in slot_positions:
-            sample = next(cursor)
-            records.append(sample_record(
-                sample, iteration=batch.iteration, dp_rank=r, microbatch=m,
-                skipped=batch.skipped, readers=readers,
-                text=None if decode is None else decode(sample.tokens.tolist())))
-    return index, records
 
 
 def forward(session: Session) -> int:
@@ -269,13 +216,20 @@ def forward(session: Session) -> int:
         lines.append(check_against_log(options.sample_log, records))
     if options.emit_blocklist:
         _blocklist(session, index, spans_of(records))
-    extra = {"batch": {"iteration": batch.iteration, "phase": batch.phase,
-                       "consumed_before": batch.consumed_before, "size": batch.size,
-                       "num_microbatches": batch.num_microbatches, "skipped": batch.skipped},
-             "data": {"kind": index.kind, "cache": index.hash,
-                      "datasets": [m.path for m in index.mids]}}
-    _emit(session, lines, records, "samples", samples_table(lines, records, options.max_tokens),
-          extra)
+    extra = {
+        "batch": {
+            "iteration": batch.iteration,
+            "phase": batch.phase,
+            "consumed_before": batch.consumed_before,
+            "size": batch.size,
+            "num_microbatches": batch.num_microbatches,
+            "skipped": batch.skipped,
+        },
+        "data": {"kind": index.kind, "cache": index.hash, "datasets": [m.path for m in index.mids]},
+    }
+    _emit(
+        session, lines, records, "samples", samples_table(lines, records, options.max_tokens), extra
+    )
     return 0
 
 
@@ -283,14 +237,17 @@ def _member(index: TrainIndex, dataset: str) -> int:
     """Which blend member ``--dataset`` names: a recorded or on-disk prefix, a name, a number."""
     paths = [m.path for m in index.mids]
     named = [i for i, m in enumerate(index.mids) if dataset in (m.path, m.prefix)] or [
-        i for i, p in enumerate(paths) if Path(p).name == dataset]
+        i for i, p in enumerate(paths) if Path(p).name == dataset
+    ]
     if len(named) == 1:
         return named[0]
     if dataset.isdigit() and int(dataset) < len(paths):
         return int(dataset)
     if named:
-        raise ConfigError(f"--dataset {dataset!r} is in the blend {len(named)} times "
-                          f"(positions {named}); pass its position")
+        raise ConfigError(
+            f"--dataset {dataset!r} is in the blend {len(named)} times "
+            f"(positions {named}); pass its position"
+        )
     raise ConfigError(f"--dataset {dataset!r} is not one of the run's datasets: {paths}")
 
 
@@ -304,44 +261,68 @@ def inverse(session: Session) -> int:
     before, last = schedule.phase_bounds(phase)
     if last is None:
         raise ConfigError("the run's last iteration is unknown; pass --train-iters")
-    stream_end = (last - before) * schedule.global_batch_size if schedule.phase_transitions \
+    stream_end = (
+        (last - before) * schedule.global_batch_size
+        if schedule.phase_transitions
         else schedule.consumed_before(last + 1)
+    )
     if session.config.dataloader_type == "single":
         positions, origin = hits.global_indices, np.arange(len(hits.global_indices))
     else:
-        order = CyclicOrder(len(index), schedule.micro_batch_size,
-                            schedule.data_parallel_size, session.config.data_sharding)
+        order = CyclicOrder(
+            len(index),
+            schedule.micro_batch_size,
+            schedule.data_parallel_size,
+            session.config.data_sharding,
+        )
         epochs = max(1, -(-stream_end // order.active))
         positions, origin = order.positions_of(hits.global_indices, epochs)
     iterations, microbatches, ranks = schedule.locate(positions, phase)
     reached = (positions < stream_end) & (iterations <= last)
     records = sorted(
-        ({"iteration": int(iterations[k]), "dp_rank": int(ranks[k]),
-          "microbatch": int(microbatches[k]), "sample_index": int(hits.global_indices[o]),
-          "dataset_sample": int(hits.dataset_samples[o]), "offset": int(hits.offsets[o]),
-          "count": int(hits.counts[o]),
-          "skipped": int(iterations[k]) in schedule.iterations_to_skip}
-         for k, o in enumerate(origin.tolist()) if reached[k]),
-        key=lambda h: (h["iteration"], h["microbatch"], h["dp_rank"], h["offset"]))
+        (
+            {
+                "iteration": int(iterations[k]),
+                "dp_rank": int(ranks[k]),
+                "microbatch": int(microbatches[k]),
+                "sample_index": int(hits.global_indices[o]),
+                "dataset_sample": int(hits.dataset_samples[o]),
+                "offset": int(hits.offsets[o]),
+                "count": int(hits.counts[o]),
+                "skipped": int(iterations[k]) in schedule.iterations_to_skip,
+            }
+            for k, o in enumerate(origin.tolist())
+            if reached[k]
+        ),
+        key=lambda h: (h["iteration"], h["microbatch"], h["dp_rank"], h["offset"]),
+    )
     mid = index.mids[member]
     trained = {h["iteration"] for h in records if not h["skipped"]}
     lines = [
         f"document {options.document} of {mid.path} ({int(mid.lengths[options.document])} tokens):"
         f" read by {len(records)} sample(s) in {len({h['iteration'] for h in records})} "
         f"iteration(s) up to iteration {last}, trained in {len(trained)}"
-        + (f" (phase {phase}: iterations {before + 1}..{last})"
-           if schedule.phase_transitions else ""),
+        + (
+            f" (phase {phase}: iterations {before + 1}..{last})"
+            if schedule.phase_transitions
+            else ""
+        ),
         f"data: {index.kind} {index.hash[:12]}; scanned {hits.scanned} cache entries; "
         f"run: {session.source}",
         *[f"note: {note}" for note in session.config.notes],
     ]
     if int((~reached).sum()):
-        lines.append(f"{int((~reached).sum())} more sample(s) in the caches hold it but lie "
-                     f"past iteration {last}")
+        lines.append(
+            f"{int((~reached).sum())} more sample(s) in the caches hold it but lie "
+            f"past iteration {last}"
+        )
     if options.emit_blocklist:
         _blocklist(session, index, {(member, mid.path, options.document)})
-    extra = {"document": options.document, "dataset_path": mid.path,
-             "data": {"kind": index.kind, "cache": index.hash}}
+    extra = {
+        "document": options.document,
+        "dataset_path": mid.path,
+        "data": {"kind": index.kind, "cache": index.hash},
+    }
     _emit(session, lines, records, "hits", hits_table(lines, records), extra)
     return 0
 

@@ -10,11 +10,13 @@ exactly what it meant to the training job. What the lookup needs is then distill
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.files import CHECKPOINT_TRACKER_FILE
 from megatron_ext.lookup.errors import ConfigError
 from megatron_ext.lookup.indices import DataSpec
 from megatron_ext.lookup.position import Anchor, Schedule, parse_step_schedule
@@ -46,7 +48,7 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> Checkpoint:
     from megatron.core.dist_checkpointing.serialization import load_common_state_dict
 
     root = Path(path)
-    tracker = root / "latest_checkpointed_iteration.txt"
+    tracker = root / CHECKPOINT_TRACKER_FILE
     if step is not None:
         directory = root / f"iter_{step:07d}"
     elif tracker.is_file():
@@ -72,15 +74,17 @@ def megatron_namespace(argv: list[str], base: argparse.Namespace | None) -> argp
     """
     from megatron.training.arguments import add_megatron_arguments
 
-    parser = add_megatron_arguments(argparse.ArgumentParser(prog="megatron flags",
-                                                            allow_abbrev=False))
+    parser = add_megatron_arguments(
+        argparse.ArgumentParser(prog="megatron flags", allow_abbrev=False)
+    )
     namespace = copy.deepcopy(base) if base is not None else argparse.Namespace()
     parsed, unknown = parser.parse_known_args(argv, namespace=namespace)
     if unknown:
         raise ConfigError(f"unknown flags (neither lookup nor Megatron flags): {' '.join(unknown)}")
     if isinstance(parsed.phase_transition_iterations, str):  # as validate_args does
         parsed.phase_transition_iterations = sorted(
-            int(x.strip()) for x in parsed.phase_transition_iterations.split(","))
+            int(x.strip()) for x in parsed.phase_transition_iterations.split(",")
+        )
     if parsed.data_path is not None and parsed.split is None:
         parsed.split = LEGACY_SPLIT
     return parsed
@@ -123,8 +127,11 @@ class RunConfig:
         """Train split size Megatron requested for ``phase`` (get_train_valid_test_num_samples)."""
         args = self.args
         if self.schedule.phase_transitions:
-            edges = [0, *(t * args.global_batch_size for t in self.schedule.phase_transitions),
-                     args.train_samples]
+            edges = [
+                0,
+                *(t * args.global_batch_size for t in self.schedule.phase_transitions),
+                args.train_samples,
+            ]
             return edges[phase + 1] - edges[phase]
         if args.train_samples:
             return int(args.train_samples)
@@ -134,11 +141,16 @@ class RunConfig:
         """The train dataset of ``phase``, as the builder saw it."""
         prefixes, weights, per_split = _blend(self.args)
         return DataSpec(
-            prefixes=prefixes, weights=weights, per_split=per_split,
-            split=None if per_split else self.args.split, seed=int(self.args.seed),
-            sequence_length=int(self.args.seq_length), target_samples=self.train_target(phase),
+            prefixes=prefixes,
+            weights=weights,
+            per_split=per_split,
+            split=None if per_split else self.args.split,
+            seed=int(self.args.seed),
+            sequence_length=int(self.args.seq_length),
+            target_samples=self.train_target(phase),
             surplus=float(self.args.mid_level_dataset_surplus),
-            cache_dir=self.args.data_cache_path, add_extra_token=self.add_extra_token,
+            cache_dir=self.args.data_cache_path,
+            add_extra_token=self.add_extra_token,
         )
 
 
@@ -157,9 +169,14 @@ def _train_iters(args: argparse.Namespace, step_schedule: tuple[tuple[int, int],
     return iterations
 
 
-def run_config(args: argparse.Namespace, *, data_parallel_size: int | None,
-               checkpoint: Checkpoint | None, data_from_checkpoint: bool = True,
-               add_extra_token: bool = True) -> RunConfig:
+def run_config(
+    args: argparse.Namespace,
+    *,
+    data_parallel_size: int | None,
+    checkpoint: Checkpoint | None,
+    data_from_checkpoint: bool = True,
+    add_extra_token: bool = True,
+) -> RunConfig:
     """Distil Megatron's namespace into a RunConfig, refusing what cannot be answered exactly.
 
     ``data_from_checkpoint``: the data paths are the checkpoint's (not overridden by flags), so
@@ -198,12 +215,17 @@ def run_config(args: argparse.Namespace, *, data_parallel_size: int | None,
             "--phase-transition-iterations without --train-samples: megatron-core 0.19.2 cannot "
             "size the phases (it compares against train_samples=None), so no such run exists"
         )
-    anchor = None if checkpoint is None else Anchor(checkpoint.iteration,
-                                                    int(args.consumed_train_samples))
+    anchor = (
+        None
+        if checkpoint is None
+        else Anchor(checkpoint.iteration, int(args.consumed_train_samples))
+    )
     schedule = Schedule(
-        micro_batch_size=int(args.micro_batch_size), data_parallel_size=int(dp),
+        micro_batch_size=int(args.micro_batch_size),
+        data_parallel_size=int(dp),
         global_batch_size=int(args.global_batch_size),
-        train_iters=_train_iters(args, step_schedule), step_schedule=step_schedule,
+        train_iters=_train_iters(args, step_schedule),
+        step_schedule=step_schedule,
         decrease_batch_size_if_needed=bool(args.decrease_batch_size_if_needed),
         phase_transitions=transitions,
         iterations_to_skip=frozenset(int(i) for i in (args.iterations_to_skip or ())),
@@ -231,7 +253,8 @@ def run_config(args: argparse.Namespace, *, data_parallel_size: int | None,
                 "flags before this job may be incomplete"
             )
     topology = Topology(
-        data_parallel=int(dp), tensor_parallel=int(args.tensor_model_parallel_size),
+        data_parallel=int(dp),
+        tensor_parallel=int(args.tensor_model_parallel_size),
         pipeline_parallel=int(args.pipeline_model_parallel_size),
         context_parallel=int(args.context_parallel_size),
         tp_pp_dp_mapping=bool(getattr(args, "use_tp_pp_dp_mapping", False)),
@@ -239,8 +262,16 @@ def run_config(args: argparse.Namespace, *, data_parallel_size: int | None,
     phase = None
     if checkpoint is not None and data_from_checkpoint:
         phase = schedule.phase_of(max(checkpoint.iteration, 1))
-    return RunConfig(args, schedule, topology, dataloader, bool(args.data_sharding), phase,
-                     tuple(notes), add_extra_token)
+    return RunConfig(
+        args,
+        schedule,
+        topology,
+        dataloader,
+        bool(args.data_sharding),
+        phase,
+        tuple(notes),
+        add_extra_token,
+    )
 
 
 def eval_sizes(args: argparse.Namespace) -> tuple[int | None, int]:
@@ -285,11 +316,8 @@ def pad_token_id(tokenizer: Any, allow_ambiguous: bool) -> int:
         specials = []
     if not specials:
         for name in ("eos", "eod"):
-            try:
+            with contextlib.suppress(AttributeError, NotImplementedError):
                 specials.append(getattr(tokenizer, name))
-            except (AttributeError, NotImplementedError):
-                pass
     if pad in specials and not allow_ambiguous:
         return -1
     return pad
-

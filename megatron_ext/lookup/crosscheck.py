@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.files import sample_log_file
 from megatron_ext.lookup.errors import DataChanged
 from megatron_ext.sample_log import read_records
 
@@ -23,7 +24,7 @@ def check_against_log(directory: str | Path, records: list[dict[str, Any]]) -> s
         slots.setdefault(key, []).append(record)
     logged = {}
     for rank in sorted({k[1] for k in slots}):
-        path = Path(directory) / f"samples-dp{rank}.jsonl"
+        path = sample_log_file(directory, rank)
         if path.is_file():
             for entry in read_records(path):
                 key = (entry.iteration, entry.dp_rank, entry.microbatch)
@@ -47,4 +48,5 @@ def check_against_log(directory: str | Path, records: list[dict[str, Any]]) -> s
             )
         matched += 1
     return f"sample log: {matched} micro-batches match the training record" + (
-        f", {absent} not in the log" if absent else "")
+        f", {absent} not in the log" if absent else ""
+    )

@@ -39,8 +39,13 @@ def _inverse(size: int, epoch: int) -> np.ndarray:
 class CyclicOrder:
     """Stream position <-> dataset index for ``MegatronPretrainingRandomSampler``."""
 
-    def __init__(self, total_samples: int, micro_batch_size: int, data_parallel_size: int,
-                 data_sharding: bool) -> None:
+    def __init__(
+        self,
+        total_samples: int,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        data_sharding: bool,
+    ) -> None:
         self.mbs, self.dp, self.sharding = micro_batch_size, data_parallel_size, data_sharding
         unit = micro_batch_size * data_parallel_size
         self.active = total_samples - total_samples % unit

@@ -3,9 +3,10 @@
 Megatron builds, per train split, ``GPTDataset`` caches (``document_index``, ``sample_index``,
 ``shuffle_index``) and for blends ``BlendedDataset`` caches (``dataset_index``,
 ``dataset_sample_index``), named ``{md5}-{class}-train-*`` where the md5 is over the
-``description.txt`` next to them (megatron-facts.md, "Data"). This module finds the caches that
-belong to a run by their descriptions, never rebuilds them, and resolves a global sample index
-to its dataset, documents, token spans and tokens exactly as ``GPTDataset.__getitem__`` does.
+``description.txt`` next to them (docs/megatron-facts.md, "Data"). This module reads the
+caches :mod:`megatron_ext.lookup.caches` found, never rebuilds them, and resolves a global
+sample index to its dataset, documents, token spans and tokens exactly as
+``GPTDataset.__getitem__`` does.
 
 Before answering it checks that the data is the data the caches were built from, because after
 a re-preprocessing the caches still "work" and silently point at other documents:
@@ -25,15 +26,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from megatron_ext.lookup.errors import CacheMissing, ConfigError, DataChanged, PositionError
+from megatron_ext.lookup.errors import CacheMissing, DataChanged, PositionError
 
 GPT, BLENDED = "GPTDataset", "BlendedDataset"
 GPT_FILES = ("document_index", "sample_index", "shuffle_index")
@@ -83,30 +84,8 @@ class Sample:
 def _remap(path: str, data_root: Sequence[tuple[str, str]]) -> str:
     for old, new in data_root:
         if path == old or path.startswith(old.rstrip("/") + "/"):
-            return new.rstrip("/") + path[len(old.rstrip("/")):]
+            return new.rstrip("/") + path[len(old.rstrip("/")) :]
     return path
-
-
-def _canonical(value: Any) -> Any:
-    """Tuples to lists etc., as a JSON round trip leaves a description."""
-    return json.loads(json.dumps(value))
-
-
-def _split_matrix(spec: DataSpec) -> Any:
-    if spec.per_split:
-        return None
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
-
-    return _canonical(convert_split_vector_to_split_matrix(parse_and_normalize_split(spec.split)))
-
-
-def _normalize(weights: Sequence[float]) -> list[float]:
-    """Megatron's ``datasets.utils.normalize`` (float64 division), to compare exactly."""
-    w = np.array(weights, dtype=np.float64)
-    return (w / np.sum(w)).tolist()
 
 
 @dataclass(frozen=True)
@@ -157,16 +136,16 @@ def _mmap(path: str) -> np.ndarray:
         raise DataChanged(f"{path} is not a readable .npy array: {exc}") from exc
 
 
-def _differences(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
-    return [f"{k}={found.get(k)!r} (expected {v!r})" for k, v in expected.items()
-            if k != "datasets" and found.get(k) != v]
-
-
 class MidIndex:
     """One GPTDataset's caches and its IndexedDataset (the .bin/.idx on disk)."""
 
-    def __init__(self, cache_dir: Path, trusted: Description, spec: DataSpec,
-                 data_root: Sequence[tuple[str, str]]) -> None:
+    def __init__(
+        self,
+        cache_dir: Path,
+        trusted: Description,
+        spec: DataSpec,
+        data_root: Sequence[tuple[str, str]],
+    ) -> None:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         description = trusted.content
@@ -181,8 +160,11 @@ class MidIndex:
             raise CacheMissing(f"GPTDataset cache files missing: {', '.join(missing)}")
         for suffix in (".idx", ".bin"):
             if not os.path.isfile(self.prefix + suffix):
-                moved = "" if self.prefix != self.path else (
-                    "; if the data moved, map the old location with --data-root OLD=NEW")
+                moved = (
+                    ""
+                    if self.prefix != self.path
+                    else ("; if the data moved, map the old location with --data-root OLD=NEW")
+                )
                 raise DataChanged(f"dataset {self.path}: {self.prefix}{suffix} not found{moved}")
         self.document_index = _mmap(f"{base}document_index.npy")
         self.sample_index = _mmap(f"{base}sample_index.npy")
@@ -191,15 +173,16 @@ class MidIndex:
             self.data = IndexedDataset(self.prefix, multimodal=False, mmap=True)
         except (AssertionError, ValueError) as exc:  # Megatron asserts on a bad header
             raise DataChanged(
-                f"dataset {self.path}: {self.prefix}.idx is unreadable: {exc}") from exc
+                f"dataset {self.path}: {self.prefix}.idx is unreadable: {exc}"
+            ) from exc
         self.lengths: np.ndarray = self.data.sequence_lengths
         count = len(self.lengths)
         matrix = description["split_matrix"]
         if matrix is None:
             self.begin, self.end = 0, count
         else:
-            self.begin = int(round(matrix[0][0] * float(count)))
-            self.end = int(round(matrix[0][1] * float(count)))
+            self.begin = round(matrix[0][0] * float(count))
+            self.end = round(matrix[0][1] * float(count))
         self._check_shapes(description["num_samples"])
 
     def __len__(self) -> int:
@@ -247,7 +230,7 @@ class MidIndex:
         first_pos, last_pos = int(rows[stream_sample][0]), int(rows[stream_sample + 1][0])
         a, chunk = stream_sample, 64
         while a > 0 and stream_sample - a < WINDOW_LIMIT:
-            block = np.asarray(rows[max(0, a - chunk):a + 1])[::-1]
+            block = np.asarray(rows[max(0, a - chunk) : a + 1])[::-1]
             stop = np.flatnonzero((block[:, 0] < first_pos) | (block[:, 1] == 0))
             if stop.size:
                 a -= int(stop[0])
@@ -255,7 +238,7 @@ class MidIndex:
             a -= len(block) - 1
         b, last = stream_sample + 1, rows.shape[0] - 1
         while b < last and b - stream_sample < WINDOW_LIMIT:
-            block = np.asarray(rows[b:min(last, b + chunk) + 1])
+            block = np.asarray(rows[b : min(last, b + chunk) + 1])
             past = np.flatnonzero(block[:, 0] > last_pos)
             if past.size:
                 b += int(past[0])
@@ -266,9 +249,9 @@ class MidIndex:
     def _verify(self, stream_sample: int) -> None:
         """The cached stream arithmetic must hold with today's document lengths."""
         a, b = self._window(stream_sample)
-        rows = np.asarray(self.sample_index[a:b + 1], dtype=np.int64)
+        rows = np.asarray(self.sample_index[a : b + 1], dtype=np.int64)
         first, final = int(rows[0, 0]), int(rows[-1, 0])
-        docs = np.asarray(self.document_index[first:final + 1], dtype=np.int64)
+        docs = np.asarray(self.document_index[first : final + 1], dtype=np.int64)
         outside = docs[(docs < self.begin) | (docs >= self.end)]
         if outside.size:
             raise DataChanged(
@@ -297,8 +280,10 @@ class MidIndex:
             raise PositionError(f"dataset {self.path} has samples 0..{len(self) - 1}")
         j = int(self.shuffle_index[dataset_sample])
         self._verify(j)
-        (p0, o0), (p1, o1) = (tuple(map(int, self.sample_index[j])),
-                              tuple(map(int, self.sample_index[j + 1])))
+        (p0, o0), (p1, o1) = (
+            tuple(map(int, self.sample_index[j])),
+            tuple(map(int, self.sample_index[j + 1])),
+        )
         out = []
         for position in range(p0, p1 + 1):
             document = int(self.document_index[position])
@@ -321,8 +306,13 @@ class MidIndex:
 class TrainIndex:
     """The run's train dataset: one GPTDataset, or a BlendedDataset over several."""
 
-    def __init__(self, mids: list[MidIndex], blend: tuple[np.ndarray, np.ndarray] | None,
-                 description_hash: str, kind: str) -> None:
+    def __init__(
+        self,
+        mids: list[MidIndex],
+        blend: tuple[np.ndarray, np.ndarray] | None,
+        description_hash: str,
+        kind: str,
+    ) -> None:
         self.mids, self.blend, self.hash, self.kind = mids, blend, description_hash, kind
 
     def __len__(self) -> int:
@@ -338,8 +328,10 @@ class TrainIndex:
             )
         if self.blend is None:
             return np.zeros_like(indices), indices
-        return (np.asarray(self.blend[0][indices], dtype=np.int64),
-                np.asarray(self.blend[1][indices], dtype=np.int64))
+        return (
+            np.asarray(self.blend[0][indices], dtype=np.int64),
+            np.asarray(self.blend[1][indices], dtype=np.int64),
+        )
 
     def resolve(self, indices: Sequence[int], pad_id: int | None = None) -> list[Sample]:
         """Global sample indices -> samples with documents, spans and model-input tokens.
@@ -358,167 +350,3 @@ class TrainIndex:
                 tokens[tokens == pad_id] = 0
             out.append(Sample(int(index), member, mid.path, sample, stream, spans, tokens))
         return out
-
-
-def _expected_gpt(spec: DataSpec, prefix: str, num_samples: int | None,
-                  matrix: Any) -> dict[str, Any]:
-    return {"class": GPT, "dataset_path": prefix, "num_samples": num_samples,
-            "index_split": "train", "random_seed": spec.seed,
-            "sequence_length": spec.sequence_length,
-            "split": None if spec.per_split else spec.split, "split_matrix": matrix}
-
-
-def _gpt_cache_dir(spec: DataSpec, prefix: str, cache_dir: str | None,
-                   data_root: Sequence[tuple[str, str]]) -> Path:
-    """Where Megatron put a GPTDataset's caches: --data-cache-path, else next to the data."""
-    chosen = cache_dir or spec.cache_dir
-    if chosen:
-        return Path(chosen)
-    return Path(_remap(prefix, data_root)) / "cache" / f"{GPT}_indices"
-
-
-def _member_sizes(spec: DataSpec) -> tuple[list[int | None], list[float] | None, int | None]:
-    """Per-member num_samples, blend weights and blend size, as BlendedMegatronDatasetBuilder.
-
-    The builder normalises the weights to size the members, and BlendedDataset normalises them
-    once more before writing its description; the second pass can move the last bit.
-    """
-    if spec.weights is None:
-        return [None] * len(spec.prefixes), None, None
-    weights = _normalize(spec.weights)
-    target = [math.ceil(spec.target_samples * w) for w in weights]
-    buffered = [int(math.ceil(t * (1 + spec.surplus))) for t in target]
-    return list(buffered), _normalize(weights), sum(target)
-
-
-def _choose(found: list[Description], tokenizer: dict[str, Any] | None,
-            what: str) -> Description:
-    """One cache among those matching on every field; the tokenizer decides between them."""
-
-    def tok(description: Description) -> Any:
-        return description.content.get("datasets", [description.content])[0].get("tokenizer")
-
-    if tokenizer is not None:
-        same = [f for f in found if tok(f) == tokenizer]
-        if not same:
-            raise ConfigError(
-                f"the {what} caches that match this run ({', '.join(f.path.name for f in found)})"
-                f" were built with another tokenizer ({tok(found[0])}) than the one given"
-            )
-        found = same
-    if len({json.dumps(tok(f), sort_keys=True) for f in found}) > 1:
-        raise ConfigError(
-            f"several {what} caches match this run and differ only in the tokenizer "
-            f"({', '.join(f.path.name for f in found)}); pass the run's tokenizer flags (or "
-            "--from-checkpoint) so the right one is chosen"
-        )
-    return found[0].trusted()
-
-
-def _scan(directory: Path, kind: str) -> list[Description]:
-    if not directory.is_dir():
-        return []
-    return [_read_description(path)
-            for path in sorted(directory.glob(f"*-{kind}-train-description.txt"))]
-
-
-def _not_found(kind: str, directory: Path, candidates: list[Description],
-               expected: dict[str, Any]) -> CacheMissing:
-    near = [f"  {d.path.name}: "
-            + (", ".join(_differences(d.content, expected)) or "differs in a member dataset")
-            for d in candidates[:5]]
-    broken = [d.path.name for d in candidates if not d.intact]
-    return CacheMissing(
-        f"no {kind} train cache in {directory} matches this run "
-        f"({len(candidates)} other {kind} train caches there)"
-        + ("; nearest:\n" + "\n".join(near) if near else "")
-        + (f"\n{len(broken)} description(s) there do not hash to their names (edited?): "
-           f"{', '.join(broken[:5])}" if broken else "")
-        + "\nIf the caches were deleted, rebuild them with --rebuild-caches (megatron-core's "
-        "BlendedMegatronDatasetBuilder, same config); if they live elsewhere, pass --cache-dir."
-    )
-
-
-def open_train_index(spec: DataSpec, *, cache_dir: str | None = None,
-                     data_root: Sequence[tuple[str, str]] = (),
-                     tokenizer: dict[str, Any] | None = None) -> TrainIndex:
-    """Find, verify and memory-map the caches of the run's train dataset.
-
-    ``tokenizer`` (the tokenizer's ``unique_identifiers``) only disambiguates caches that differ
-    in nothing else; descriptions are matched on every other field.
-    """
-    matrix = _split_matrix(spec)
-    if len(spec.prefixes) == 1 and (spec.weights is None or spec.per_split):
-        directory = _gpt_cache_dir(spec, spec.prefixes[0], cache_dir, data_root)
-        expected = _expected_gpt(spec, spec.prefixes[0], spec.target_samples, matrix)
-        candidates = _scan(directory, GPT)
-        found = [c for c in candidates
-                 if {k: v for k, v in c.content.items() if k != "tokenizer"} == expected]
-        if not found:
-            raise _not_found(GPT, directory, candidates, expected)
-        mid = MidIndex(directory, _choose(found, tokenizer, GPT), spec, data_root)
-        return TrainIndex([mid], None, mid.hash, GPT)
-
-    chosen = cache_dir or spec.cache_dir
-    if not chosen:
-        raise CacheMissing(
-            "this run blends several datasets without --data-cache-path, so Megatron computed "
-            "the blend indices in memory and never stored them; pass --rebuild-caches "
-            "--cache-dir DIR to build them with megatron-core's builder (they are deterministic)"
-        )
-    directory = Path(chosen)
-    sizes, weights, size = _member_sizes(spec)
-    members = [_expected_gpt(spec, p, n, matrix) for p, n in zip(spec.prefixes, sizes)]
-    expected_top = {"class": BLENDED, "split": "train"}
-    if weights is not None:
-        expected_top |= {"weights": weights, "size": size}
-    candidates = _scan(directory, BLENDED)
-
-    def matches(description: dict[str, Any]) -> bool:
-        inner = description.get("datasets", [])
-        return (all(description.get(k) == v for k, v in expected_top.items())
-                and len(inner) == len(members)
-                and all({k: v for k, v in d.items() if k != "tokenizer"} == m
-                        for d, m in zip(inner, members)))
-
-    found = [c for c in candidates if matches(c.content)]
-    if not found:
-        raise _not_found(BLENDED, directory, candidates, expected_top)
-    blend = _choose(found, tokenizer, BLENDED)
-    path, description = blend.path, blend.content
-    mids = []
-    for member in description["datasets"]:
-        member_text = json.dumps(member, indent=4)
-        member_dir = _gpt_cache_dir(spec, member["dataset_path"], cache_dir, data_root)
-        digest = hashlib.md5(member_text.encode("utf-8"), usedforsecurity=False).hexdigest()
-        member_path = member_dir / f"{digest}-{GPT}-train-description.txt"
-        if not member_path.is_file():
-            raise CacheMissing(
-                f"the blend cache {path.name} names the GPTDataset cache {member_path}, which is "
-                "missing; rebuild with --rebuild-caches"
-            )
-        member_description = _read_description(member_path).trusted()
-        if member_description.text != member_text:
-            raise DataChanged(f"{member_path} differs from the blend description {path.name}")
-        mids.append(MidIndex(member_dir, member_description, spec, data_root))
-    base = str(path)[: -len("description.txt")]
-    missing = [f"{base}{n}.npy" for n in BLENDED_FILES if not os.path.isfile(f"{base}{n}.npy")]
-    if missing:
-        raise CacheMissing(f"BlendedDataset cache files missing: {', '.join(missing)}")
-    dataset_index = _mmap(f"{base}dataset_index.npy")
-    dataset_sample_index = _mmap(f"{base}dataset_sample_index.npy")
-    blend_size = description["size"]
-    if blend_size is None:
-        blend_size = int(sum(description["weights"]))
-    if weights is None:  # blended by member size: weights are the member lengths
-        sizes_now = [len(m) for m in mids]
-        size_now = min(spec.target_samples, sum(sizes_now))
-        if (description["size"], description["weights"]) != (size_now, _normalize(sizes_now)):
-            raise DataChanged(
-                f"blend cache {path.name} was built from member sizes {description['weights']} "
-                f"(size {description['size']}); today's member caches give {sizes_now}"
-            )
-    if dataset_index.shape[0] != blend_size or dataset_sample_index.shape[0] != blend_size:
-        raise DataChanged(f"blend cache {path.name} holds {dataset_index.shape[0]} entries, "
-                          f"its description says {blend_size}")
-    return TrainIndex(mids, (dataset_index, dataset_sample_index), blend.digest, BLENDED)

@@ -32,8 +32,9 @@ class DocumentHits:
     scanned: int  # cache entries scanned (for throughput figures)
 
 
-def _members(values: np.ndarray, targets: np.ndarray, low: int,
-             table: np.ndarray | None) -> np.ndarray:
+def _members(
+    values: np.ndarray, targets: np.ndarray, low: int, table: np.ndarray | None
+) -> np.ndarray:
     """Boolean mask: which ``values`` are among the sorted ``targets``."""
     if table is None:
         mask = values == targets[0]
@@ -75,7 +76,7 @@ def _stream_samples(mid: MidIndex, document: int) -> tuple[np.ndarray, np.ndarra
     positions = []
     entries = len(mid.document_index)
     for start in range(0, entries, CHUNK):
-        chunk = np.asarray(mid.document_index[start:start + CHUNK])
+        chunk = np.asarray(mid.document_index[start : start + CHUNK])
         positions.append(np.flatnonzero(chunk == document) + start)
     found = np.concatenate(positions) if positions else np.empty(0, dtype=np.int64)
     rows = mid.sample_index
@@ -94,23 +95,25 @@ def _stream_samples(mid: MidIndex, document: int) -> tuple[np.ndarray, np.ndarra
                 streams.append(j)
                 offsets.append(begin)
                 counts.append(stop - begin)
+
     def as_array(values: list[int]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)
 
     return as_array(streams), as_array(offsets), as_array(counts), entries
 
 
-def _scan(arrays: tuple[np.ndarray, ...], targets: np.ndarray,
-          keep: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _scan(
+    arrays: tuple[np.ndarray, ...], targets: np.ndarray, keep: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """One chunked pass: rows whose last array's value is in ``targets`` (and whose first
     array equals ``keep`` when given). Returns (row numbers, matched values)."""
     wanted, low, table = _matcher(targets)
     rows, values = [], []
     for start in range(0, len(arrays[-1]), CHUNK):
-        chunk = np.asarray(arrays[-1][start:start + CHUNK])
+        chunk = np.asarray(arrays[-1][start : start + CHUNK])
         mask = _members(chunk, wanted, low, table)
         if keep is not None:
-            mask &= np.asarray(arrays[0][start:start + CHUNK]) == keep
+            mask &= np.asarray(arrays[0][start : start + CHUNK]) == keep
         hits = np.flatnonzero(mask)
         rows.append(hits + start)
         values.append(chunk[hits].astype(np.int64))
@@ -131,18 +134,23 @@ def find_document(index: TrainIndex, member: int, document: int) -> DocumentHits
     for stream, offset, count in zip(streams.tolist(), offsets.tolist(), counts.tolist()):
         reads.setdefault(stream, []).append((offset, count))
     # shuffle_index[i] is a stream sample that reads the document -> dataset sample i.
-    samples, sample_streams = (_scan((mid.shuffle_index,), streams) if streams.size
-                               else (streams, streams))
+    samples, sample_streams = (
+        _scan((mid.shuffle_index,), streams) if streams.size else (streams, streams)
+    )
     scanned += len(mid.shuffle_index)
     via: dict[int, int] = dict(zip(samples.tolist(), sample_streams.tolist()))
     if index.blend is None:
         owners, owned = samples, samples
     else:
         # dataset_index[g] == member and dataset_sample_index[g] is such a sample -> global g.
-        owners, owned = (_scan(index.blend, samples, keep=member) if samples.size
-                         else (samples, samples))
+        owners, owned = (
+            _scan(index.blend, samples, keep=member) if samples.size else (samples, samples)
+        )
         scanned += len(index.blend[0])
-    rows = [(g, i, offset, count) for g, i in zip(owners.tolist(), owned.tolist())
-            for offset, count in reads[via[i]]]
+    rows = [
+        (g, i, offset, count)
+        for g, i in zip(owners.tolist(), owned.tolist())
+        for offset, count in reads[via[i]]
+    ]
     columns = np.asarray(rows, dtype=np.int64).reshape(-1, 4).T
     return DocumentHits(columns[0], columns[1], columns[2], columns[3], scanned)

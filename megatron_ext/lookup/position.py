@@ -27,6 +27,7 @@ megatron-core 0.19.2 does (``training/training.py`` ``train()``,
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,7 +58,7 @@ def parse_step_schedule(text: str, seq_length: int | None) -> tuple[tuple[int, i
     pairs.sort()
     if not pairs or pairs[0][0] != 0:
         raise ConfigError("the step batch size schedule must start at threshold 0")
-    if any(a[0] >= b[0] for a, b in zip(pairs, pairs[1:])) or any(s <= 0 for _, s in pairs):
+    if any(a[0] >= b[0] for a, b in itertools.pairwise(pairs)) or any(s <= 0 for _, s in pairs):
         raise ConfigError("step batch size schedule thresholds must increase; sizes be > 0")
     return tuple(pairs)
 
@@ -216,8 +217,15 @@ class Schedule:
         start = consumed
         if self.phase_transitions:
             start = (iteration - 1 - self.phase_bounds(phase)[0]) * self.global_batch_size
-        return Batch(iteration, phase, consumed, start, size,
-                     size // self.samples_per_microbatch_step, iteration in self.iterations_to_skip)
+        return Batch(
+            iteration,
+            phase,
+            consumed,
+            start,
+            size,
+            size // self.samples_per_microbatch_step,
+            iteration in self.iterations_to_skip,
+        )
 
     def batch_at_consumed(self, consumed: int) -> Batch:
         """The iteration Megatron runs next when ``consumed_train_samples == consumed``."""
@@ -243,8 +251,11 @@ class Schedule:
             )
         if not 0 <= dp_rank < self.data_parallel_size:
             raise PositionError(f"DP ranks are 0..{self.data_parallel_size - 1}: {dp_rank}")
-        first = (batch.stream_start + microbatch * self.samples_per_microbatch_step
-                 + dp_rank * self.micro_batch_size)
+        first = (
+            batch.stream_start
+            + microbatch * self.samples_per_microbatch_step
+            + dp_rank * self.micro_batch_size
+        )
         return np.arange(first, first + self.micro_batch_size, dtype=np.int64)
 
     def _locate(self, positions: np.ndarray, phase: int) -> tuple[np.ndarray, np.ndarray]:

@@ -7,34 +7,44 @@ a dashboard) never sees half a file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 
+from megatron_ext.io import atomic_write, token_sha1
 from megatron_ext.lookup.indices import Sample
 
 
-def token_sha1(tokens: np.ndarray) -> str:
-    """SHA-1 of token ids as little-endian int64, as the training sample log records it."""
-    return hashlib.sha1(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()
-
-
-def sample_record(sample: Sample, *, iteration: int, dp_rank: int, microbatch: int,
-                  skipped: bool, readers: list[int], text: str | None) -> dict[str, Any]:
+def sample_record(
+    sample: Sample,
+    *,
+    iteration: int,
+    dp_rank: int,
+    microbatch: int,
+    skipped: bool,
+    readers: list[int],
+    text: str | None,
+) -> dict[str, Any]:
     """One sample as the tool reports it (``--json`` / ``--out``)."""
     record: dict[str, Any] = {
-        "iteration": iteration, "dp_rank": dp_rank, "microbatch": microbatch,
-        "skipped": skipped, "sample_index": sample.index, "dataset": sample.dataset,
-        "dataset_path": sample.dataset_path, "dataset_sample": sample.dataset_sample,
+        "iteration": iteration,
+        "dp_rank": dp_rank,
+        "microbatch": microbatch,
+        "skipped": skipped,
+        "sample_index": sample.index,
+        "dataset": sample.dataset,
+        "dataset_path": sample.dataset_path,
+        "dataset_sample": sample.dataset_sample,
         "stream_sample": sample.stream_sample,
-        "documents": [{"document": s.document, "offset": s.offset, "count": s.count}
-                      for s in sample.spans],
-        "tokens": sample.tokens.tolist(), "token_sha1": token_sha1(sample.tokens),
+        "documents": [
+            {"document": s.document, "offset": s.offset, "count": s.count} for s in sample.spans
+        ],
+        "tokens": sample.tokens.tolist(),
+        "token_sha1": token_sha1(sample.tokens),
         "readers": readers,
     }
     if text is not None:
@@ -53,18 +63,35 @@ def _tokens(tokens: list[int], limit: int) -> str:
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1]
-            for row in [header, *rows]]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1]
+        for row in [header, *rows]
+    ]
 
 
 def samples_table(lines: list[str], records: list[dict[str, Any]], max_tokens: int) -> str:
     """Readable table: context lines, then one row per sample (and its text, if decoded)."""
-    header = ["sample", "dp", "mb", "ranks", "dataset#sample", "documents (id@offset+count)",
-              "tokens"]
-    rows = [[str(r["sample_index"]), str(r["dp_rank"]), str(r["microbatch"]),
-             ",".join(map(str, r["readers"])),
-             f"{Path(r['dataset_path']).name}#{r['dataset_sample']}",
-             _spans(r["documents"]), _tokens(r["tokens"], max_tokens)] for r in records]
+    header = [
+        "sample",
+        "dp",
+        "mb",
+        "ranks",
+        "dataset#sample",
+        "documents (id@offset+count)",
+        "tokens",
+    ]
+    rows = [
+        [
+            str(r["sample_index"]),
+            str(r["dp_rank"]),
+            str(r["microbatch"]),
+            ",".join(map(str, r["readers"])),
+            f"{Path(r['dataset_path']).name}#{r['dataset_sample']}",
+            _spans(r["documents"]),
+            _tokens(r["tokens"], max_tokens),
+        ]
+        for r in records
+    ]
     table = _table(header, rows)
     out = [*lines, table[0]]
     for line, record in zip(table[1:], records):
@@ -76,18 +103,32 @@ def samples_table(lines: list[str], records: list[dict[str, Any]], max_tokens: i
 
 def hits_table(lines: list[str], hits: list[dict[str, Any]]) -> str:
     """Readable table of the inverse lookup's hits."""
-    rows = [[str(h["iteration"]), str(h["dp_rank"]), str(h["microbatch"]),
-             str(h["sample_index"]), str(h["dataset_sample"]),
-             f"{h['offset']}+{h['count']}", "skipped" if h["skipped"] else ""] for h in hits]
+    rows = [
+        [
+            str(h["iteration"]),
+            str(h["dp_rank"]),
+            str(h["microbatch"]),
+            str(h["sample_index"]),
+            str(h["dataset_sample"]),
+            f"{h['offset']}+{h['count']}",
+            "skipped" if h["skipped"] else "",
+        ]
+        for h in hits
+    ]
     header = ["iteration", "dp", "mb", "sample", "dataset_sample", "tokens", ""]
     return "\n".join([*lines, *(_table(header, rows) if rows else [])])
 
 
-def document_record(path: str, document: int, tokens: np.ndarray,
-                    decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
+def document_record(
+    path: str, document: int, tokens: np.ndarray, decode: Callable[[list[int]], str] | None
+) -> dict[str, Any]:
     """A blocklist entry: where the document is and a content hash that survives reordering."""
-    record: dict[str, Any] = {"dataset_path": path, "document": document,
-                              "num_tokens": int(len(tokens)), "token_sha1": token_sha1(tokens)}
+    record: dict[str, Any] = {
+        "dataset_path": path,
+        "document": document,
+        "num_tokens": len(tokens),
+        "token_sha1": token_sha1(tokens),
+    }
     if decode is not None:
         record["text"] = decode(tokens.tolist())
     return record
@@ -95,26 +136,16 @@ def document_record(path: str, document: int, tokens: np.ndarray,
 
 def spans_of(records: list[dict[str, Any]]) -> set[tuple[int, str, int]]:
     """(blend member, dataset path, document) of every document the records read."""
-    return {(r["dataset"], r["dataset_path"], d["document"]) for r in records
-            for d in r["documents"]}
+    return {
+        (r["dataset"], r["dataset_path"], d["document"]) for r in records for d in r["documents"]
+    }
 
 
 def write_atomic(path: str | os.PathLike[str], lines: Iterable[str]) -> None:
-    """Write text lines to ``path`` via a temporary file and a rename (all or nothing)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            for line in lines:
-                out.write(line + "\n")
-        os.replace(temporary, target)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    """Write text lines to ``path`` atomically (all or nothing, see :mod:`megatron_ext.io`)."""
+    atomic_write(path, "".join(line + "\n" for line in lines))
 
 
 def jsonl(records: Iterable[dict[str, Any]]) -> Iterable[str]:
     """JSON Lines, compact."""
     return (json.dumps(r, separators=(",", ":"), ensure_ascii=False) for r in records)
-

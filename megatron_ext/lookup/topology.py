@@ -27,8 +27,12 @@ class Topology:
     def rank(self, *, tp: int, cp: int, dp: int, pp: int) -> int:
         """Global rank of one coordinate, in Megatron's default rank order."""
         order = ("tp", "cp", "pp", "dp") if self.tp_pp_dp_mapping else ("tp", "cp", "dp", "pp")
-        sizes = {"tp": self.tensor_parallel, "cp": self.context_parallel,
-                 "dp": self.data_parallel, "pp": self.pipeline_parallel}
+        sizes = {
+            "tp": self.tensor_parallel,
+            "cp": self.context_parallel,
+            "dp": self.data_parallel,
+            "pp": self.pipeline_parallel,
+        }
         coords = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
         rank, stride = 0, 1
         for name in order:
@@ -41,8 +45,11 @@ class Topology:
         if not 0 <= dp_rank < self.data_parallel:
             raise PositionError(f"DP ranks are 0..{self.data_parallel - 1}: {dp_rank}")
         stages = sorted({0, self.pipeline_parallel - 1})
-        return sorted(self.rank(tp=0, cp=cp, dp=dp_rank, pp=pp)
-                      for pp in stages for cp in range(self.context_parallel))
+        return sorted(
+            self.rank(tp=0, cp=cp, dp=dp_rank, pp=pp)
+            for pp in stages
+            for cp in range(self.context_parallel)
+        )
 
     def describe(self) -> str:
         """One line for humans: what TP/PP/CP mean for the samples shown."""

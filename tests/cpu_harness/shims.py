@@ -22,8 +22,9 @@ import importlib.metadata
 import json
 import os
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -35,10 +36,30 @@ COUNTS: collections.Counter[str] = collections.Counter()
 # torch.cuda attributes that are not device calls (types, submodules, constants) or that
 # are safe on a CUDA-less host; everything else callable becomes a tripwire.
 _LEAVE_ALONE = {
-    "is_available", "is_initialized", "is_bf16_supported", "device", "_lazy_init",
-    "_is_compiled", "_initialized", "nvtx", "amp", "graphs", "memory", "random",
-    "streams", "comm", "sparse", "jiterator", "profiler", "nccl", "tunable", "gds",
-    "_utils", "_sleep", "get_rng_state_all", "set_rng_state_all",
+    "is_available",
+    "is_initialized",
+    "is_bf16_supported",
+    "device",
+    "_lazy_init",
+    "_is_compiled",
+    "_initialized",
+    "nvtx",
+    "amp",
+    "graphs",
+    "memory",
+    "random",
+    "streams",
+    "comm",
+    "sparse",
+    "jiterator",
+    "profiler",
+    "nccl",
+    "tunable",
+    "gds",
+    "_utils",
+    "_sleep",
+    "get_rng_state_all",
+    "set_rng_state_all",
 }
 
 
@@ -82,11 +103,11 @@ class _FakeStream:
     def wait_event(self, *args: Any) -> None:
         _count("Stream.wait_event")
 
-    def record_event(self, *args: Any) -> "_FakeEvent":
+    def record_event(self, *args: Any) -> _FakeEvent:
         _count("Stream.record_event")
         return _FakeEvent()
 
-    def __enter__(self) -> "_FakeStream":
+    def __enter__(self) -> _FakeStream:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -114,7 +135,7 @@ class _FakeEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, other: "_FakeEvent") -> float:
+    def elapsed_time(self, other: _FakeEvent) -> float:
         return (other._t - self._t) * 1000.0
 
 
@@ -139,7 +160,7 @@ class _CudaToCpuMode(TorchFunctionMode):
     clipping code, so ``Tensor.type()`` with no argument reports the CUDA name of a CPU tensor.
     """
 
-    def __torch_function__(self, func, types_, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             _count("device=cuda")
@@ -183,7 +204,7 @@ def install() -> None:
         if name.startswith("_") or name in _LEAVE_ALONE:
             continue
         obj = getattr(cuda, name)
-        if isinstance(obj, types.FunctionType) or isinstance(obj, types.BuiltinFunctionType):
+        if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType)):
             setattr(cuda, name, _tripwire(name, obj))
 
     shims: dict[str, Callable[..., Any]] = {

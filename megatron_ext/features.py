@@ -1,0 +1,174 @@
+"""The feature protocol: one object per feature, with its flags, checks, state and hooks.
+
+A feature (z-loss, weight decay, telemetry, spike detector, sample log, drill) is a
+:class:`Feature` subclass. Its life in a run:
+
+1. ``add_args(group)``: its flags, in the one ``megatron-ext`` argument group;
+2. ``enabled(args)``: whether its flags ask for it (a disabled feature never runs: with no
+   megatron-ext flag set, a run is plain Megatron apart from the upstream fixes);
+3. ``validate(args)``: checks before distributed init; raises :class:`FeatureError` with a
+   message that says what to do;
+4. ``install(args)``: applies its feature patches and opens its state (still before init);
+5. hooks, called by :mod:`megatron_ext.loop` and :mod:`megatron_ext.gpt_step` on the
+   features that override them, in :data:`FEATURE_CLASSES` order:
+
+   ========================  ==============================================================
+   ``on_setup``              model chunks and optimizer exist (lay out buckets, open files)
+   ``on_batch``              TP rank 0 of a data-reading stage got a micro-batch from the
+                             iterator (read ids, drill corruption); may change the batch
+   ``on_loss``               the last stage computed a micro-batch's loss; returns extra
+                             ``report`` entries (Megatron averages and logs them)
+   ``before_grad_norm``      grads are reduced, not yet clipped (bucket norms, snapshots)
+   ``after_step``            an iteration was logged; features read and fill the
+                             :class:`StepRecord` (the only channel between features)
+   ``on_checkpoint``         Megatron is about to save; returning False vetoes the save
+   ========================  ==============================================================
+
+Features never import each other: whatever one produces for another goes on the
+:class:`StepRecord` (per iteration) or the :class:`MicroBatch` (per micro-batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+HOOKS = ("on_setup", "on_batch", "on_loss", "before_grad_norm", "after_step", "on_checkpoint")
+
+
+class FeatureError(SystemExit):
+    """A feature's flags cannot work as given; the message says what to do.
+
+    A ``SystemExit`` so that start-up stops with the message and no traceback.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"megatron-ext: {message}")
+
+
+@dataclass
+class MicroBatch:
+    """One training or evaluation micro-batch as the features see it.
+
+    Created by the forward step, passed to ``on_batch`` (TP rank 0 of a reading stage) and
+    then to ``on_loss`` (last stage). ``extras`` carries what a feature noted at read time
+    for its own use at loss time (e.g. sample ids and token digests).
+    """
+
+    iteration: int  # 1-indexed, as Megatron logs it
+    training: bool
+    dp_rank: int
+    reads_data: bool = False  # this rank read the batch (TP rank 0 of the first/last stage)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LossInputs:
+    """What ``on_loss`` gets: this rank's micro-batch loss, before any averaging."""
+
+    micro_batch: MicroBatch
+    per_token: Any  # [b, s] per-token training loss (Megatron's output tensor)
+    mask: Any  # flattened float loss mask
+    loss: Any  # token-summed loss (0-d tensor)
+    num_tokens: Any  # int tensor
+
+
+@dataclass
+class StepRecord:
+    """One iteration as Megatron's ``training_log`` saw it, shared by all features.
+
+    The loop fills Megatron's values; features add theirs (``signals`` by telemetry, read by
+    the spike detector). Values are on every rank, but only the last rank has ``signals``.
+    """
+
+    iteration: int
+    losses: dict[str, Any]  # Megatron's reduced loss_dict (tensors: read them where needed)
+    learning_rate: float | None
+    loss_scale: float
+    skipped_iter: bool
+    grad_norm: float | None
+    params_norm: float | None
+    num_zeros: float | None
+    max_attention_logit: float | None
+    signals: Any = None  # megatron_ext.telemetry.signals.SignalRecord on the writing rank
+
+
+class Feature:
+    """Base class; subclasses override what they need (every hook is optional)."""
+
+    name: ClassVar[str] = "feature"
+
+    def add_args(self, group: argparse._ArgumentGroup) -> None:
+        """Add this feature's flags."""
+
+    def enabled(self, args: Any) -> bool:
+        """Whether the flags ask for this feature."""
+        return False
+
+    def validate(self, args: Any) -> None:
+        """Raise :class:`FeatureError` for flags that cannot work (before distributed init)."""
+
+    def install(self, args: Any) -> None:
+        """Apply this feature's patches and set up its state."""
+
+    # Hooks: the base versions are never called (see :meth:`implements`).
+    def on_setup(self, model: list[Any], optimizer: Any) -> None: ...
+    def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None: ...
+    def on_loss(self, inputs: LossInputs) -> dict[str, Any]: ...
+    def before_grad_norm(self, optimizer: Any) -> None: ...
+    def after_step(self, record: StepRecord) -> None: ...
+    def on_checkpoint(self, iteration: int) -> bool: ...
+
+    def implements(self, hook: str) -> bool:
+        """Whether this feature overrides ``hook``."""
+        return getattr(type(self), hook) is not getattr(Feature, hook)
+
+
+class FeatureSet:
+    """The features installed in this process and the hook dispatch over them."""
+
+    def __init__(self) -> None:
+        self.features: list[Feature] = []
+
+    def install(self, features: list[Feature], args: Any) -> None:
+        """Validate every enabled feature first, then install them (nothing is half-done)."""
+        enabled = [f for f in features if f.enabled(args)]
+        for feature in enabled:
+            feature.validate(args)
+        for feature in enabled:
+            feature.install(args)
+        self.features = enabled
+
+    def using(self, hook: str) -> list[Feature]:
+        return [f for f in self.features if f.implements(hook)]
+
+    def on_setup(self, model: list[Any], optimizer: Any) -> None:
+        for feature in self.using("on_setup"):
+            feature.on_setup(model, optimizer)
+
+    def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None:
+        for feature in self.using("on_batch"):
+            feature.on_batch(batch, micro_batch)
+
+    def on_loss(self, inputs: LossInputs) -> dict[str, Any]:
+        report: dict[str, Any] = {}
+        for feature in self.using("on_loss"):
+            report.update(feature.on_loss(inputs) or {})
+        return report
+
+    def before_grad_norm(self, optimizer: Any) -> None:
+        for feature in self.using("before_grad_norm"):
+            feature.before_grad_norm(optimizer)
+
+    def after_step(self, record: StepRecord) -> None:
+        for feature in self.using("after_step"):
+            feature.after_step(record)
+
+    def on_checkpoint(self, iteration: int) -> bool:
+        # Every feature hears about the save, even after one vetoed it.
+        return all([feature.on_checkpoint(iteration) for feature in self.using("on_checkpoint")])
+
+
+ACTIVE = FeatureSet()
+"""The features of this process (one training run per process, as Megatron's globals)."""

@@ -1,0 +1,61 @@
+"""Every file name megatron-ext reads or writes, and the Megatron names it must match.
+
+One place, so that a reader (planner, lookup, launcher) and the writer (training) can never
+disagree about a name, and a new engineer can see every on-disk artefact at a glance.
+
+Three things are called "tracker" in Megatron's world; the names here keep them apart:
+
+- ``CHECKPOINT_TRACKER_FILE``: Megatron's ``latest_checkpointed_iteration.txt``, naming the
+  newest complete checkpoint in ``--save``/``--load``;
+- ``RESULT_REJECTED_TRACKER_FILE``: the default name the launchers give Megatron's
+  ``--result-rejected-tracker-filename`` (lines appended by its rerun state machine);
+- the spike *detector* (``megatron_ext.spikes``) and its *ledger* (``SPIKE_LEDGER_FILE``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+# -- Megatron's own names (megatron-core 0.19.2, training/checkpointing.py) -----------------
+CHECKPOINT_TRACKER_FILE = "latest_checkpointed_iteration.txt"
+CHECKPOINT_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+def checkpoint_dir(root: str | Path, iteration: int) -> Path:
+    """``ROOT/iter_NNNNNNN``, as Megatron names a checkpoint."""
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+# -- in --signals-dir ------------------------------------------------------------------------
+SIGNALS_FILE = "signals.jsonl"  # one record per iteration, every attempt appended
+SPIKE_LEDGER_FILE = "spikes.jsonl"  # spike detector events (unless --spike-ledger)
+SIGNALS_PLOT_FILE = "signals.png"  # default output of `megatron-ext plot`
+
+# -- in --sample-log-dir -----------------------------------------------------------------------
+
+
+def sample_log_file(directory: str | Path, dp_rank: int) -> Path:
+    """Per-DP-rank sample log."""
+    return Path(directory) / f"samples-dp{dp_rank}.jsonl"
+
+
+SAMPLE_LOG_GLOB = "samples-dp*.jsonl"
+
+# -- in the checkpoint directory (--save / --load) ----------------------------------------------
+SKIPPED_ITERATIONS_FILE = "megatron_ext_skipped_iterations.txt"  # applied skips, absolute
+LAST_PLAN_SKIP_FILE = "megatron_ext_skip.txt"  # the last plan's skips (maybe never applied)
+INCIDENTS_DIR = "megatron_ext_incidents"  # incident-NNN.{json,md}
+ROLLED_BACK_DIR = "rolled_back"  # rolled_back/incident-NNN/iter_NNNNNNN (nothing deleted)
+RESULT_REJECTED_TRACKER_FILE = "result_rejected_tracker.txt"
+LAUNCH_STATE_DIR = "launch_state"  # per-rank exit codes of each attempt (shared filesystem)
+
+
+def incident_stem(ckpt_dir: str | Path, number: int) -> Path:
+    """``CKPT/megatron_ext_incidents/incident-NNN`` (add ``.json`` / ``.md``)."""
+    return Path(ckpt_dir) / INCIDENTS_DIR / f"incident-{number:03d}"
+
+
+def rolled_back_dir(ckpt_dir: str | Path, number: int) -> Path:
+    """Where ``skiplist --apply`` moves the checkpoints newer than the rollback target."""
+    return Path(ckpt_dir) / ROLLED_BACK_DIR / f"incident-{number:03d}"

@@ -1,0 +1,148 @@
+"""One lookup: the run's configuration, its tokenizer when asked for, the opened caches, and
+the samples of a batch resolved to documents and tokens."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from megatron_ext.lookup.caches import open_train_index
+from megatron_ext.lookup.config import (
+    RunConfig,
+    load_checkpoint,
+    megatron_namespace,
+    pad_token_id,
+    run_config,
+    tokenizer_from_args,
+)
+from megatron_ext.lookup.cyclic import CyclicOrder
+from megatron_ext.lookup.errors import CacheMissing, ConfigError, PositionError
+from megatron_ext.lookup.indices import TrainIndex
+from megatron_ext.lookup.position import Batch
+from megatron_ext.lookup.render import sample_record
+
+
+class Session:
+    """One invocation: the run's config, its tokenizer when needed, and the opened caches."""
+
+    def __init__(self, options: argparse.Namespace, megatron_flags: list[str]) -> None:
+        self.options = options
+        checkpoint = None
+        if options.from_checkpoint:
+            checkpoint = load_checkpoint(options.from_checkpoint, options.ckpt_step)
+        elif options.ckpt_step is not None:
+            raise ConfigError("--ckpt-step needs --from-checkpoint")
+        self.source = f"checkpoint {checkpoint.directory}" if checkpoint else "flags"
+        args = megatron_namespace(megatron_flags, checkpoint.args if checkpoint else None)
+        data_flags = {
+            "--data-path",
+            "--train-data-path",
+            "--data-args-path",
+            "--per-split-data-args-path",
+        }
+        self.config: RunConfig = run_config(
+            args,
+            data_parallel_size=options.data_parallel_size,
+            checkpoint=checkpoint,
+            data_from_checkpoint=not data_flags & set(megatron_flags),
+            add_extra_token=not options.no_add_extra_token_to_sequence,
+        )
+        self.tokenizer: Any = tokenizer_from_args(args) if options.text else None
+        self.remaps = [tuple(item.split("=", 1)) for item in options.data_root]
+
+    def decode(self) -> Callable[[list[int]], str] | None:
+        """The tokenizer's detokenize, when --text asked for one."""
+        return None if self.tokenizer is None else self.tokenizer.detokenize
+
+    def pad_id(self) -> int | None:
+        """GPTDataset's pad id, known only with the tokenizer (it maps pad tokens to 0)."""
+        if self.tokenizer is None:
+            return None
+        return pad_token_id(self.tokenizer, bool(self.config.args.allow_ambiguous_pad_tokens))
+
+    def phase(self, asked: int | None) -> int:
+        """The phase whose data the config describes; refuses a mismatch with ``asked``."""
+        own = self.config.data_phase
+        if own is None:
+            own = asked if asked is not None else self.options.phase
+        if own is None:
+            if self.config.schedule.phase_transitions:
+                raise ConfigError("with phase transitions and no checkpoint, pass --phase")
+            own = 0
+        if asked is not None and asked != own:
+            before, last = self.config.schedule.phase_bounds(asked)
+            raise PositionError(
+                f"the asked iteration is in phase {asked} (iterations {before + 1}..{last}), but "
+                f"the {self.source} describes phase {own}'s data; use a checkpoint from that "
+                "phase, or pass that phase's data flags"
+            )
+        return own
+
+    def index(self, phase: int) -> TrainIndex:
+        """Open (and with --rebuild-caches, first build) the run's train caches."""
+        tokenizer = None
+        if self.tokenizer is not None:
+            tokenizer = json.loads(json.dumps(self.tokenizer.unique_identifiers))
+        spec = self.config.data_spec(phase)
+
+        def open_index() -> TrainIndex:
+            return open_train_index(
+                spec, cache_dir=self.options.cache_dir, data_root=self.remaps, tokenizer=tokenizer
+            )
+
+        try:
+            return open_index()
+        except CacheMissing:
+            if not self.options.rebuild_caches:
+                raise
+        from megatron_ext.lookup.adapter import rebuild_caches
+
+        rebuild_caches(self.config, phase, self.options.cache_dir)
+        return open_index()
+
+    def sampler_indices(self, index: TrainIndex, positions: np.ndarray) -> np.ndarray:
+        """Stream positions -> global sample indices (identity for the single dataloader)."""
+        if self.config.dataloader_type == "single":
+            return positions
+        order = CyclicOrder(
+            len(index),
+            self.config.schedule.micro_batch_size,
+            self.config.schedule.data_parallel_size,
+            self.config.data_sharding,
+        )
+        return order.dataset_indices(positions)
+
+
+def batch_records(
+    session: Session, batch: Batch, microbatch: int | None = None, dp_rank: int | None = None
+) -> tuple[TrainIndex, list[dict[str, Any]]]:
+    """The samples of one iteration (optionally one micro-batch / DP rank), as records."""
+    schedule = session.config.schedule
+    index = session.index(session.phase(batch.phase))
+    microbatches = [microbatch] if microbatch is not None else range(batch.num_microbatches)
+    ranks = [dp_rank] if dp_rank is not None else range(schedule.data_parallel_size)
+    slots = [(m, r, schedule.positions(batch, m, r)) for m in microbatches for r in ranks]
+    positions = np.concatenate([p for _, _, p in slots])
+    samples = index.resolve(session.sampler_indices(index, positions).tolist(), session.pad_id())
+    decode = session.decode()
+    records, cursor = [], iter(samples)
+    for m, r, slot_positions in slots:
+        readers = session.config.topology.readers(r)
+        for _ in slot_positions:
+            sample = next(cursor)
+            records.append(
+                sample_record(
+                    sample,
+                    iteration=batch.iteration,
+                    dp_rank=r,
+                    microbatch=m,
+                    skipped=batch.skipped,
+                    readers=readers,
+                    text=None if decode is None else decode(sample.tokens.tolist()),
+                )
+            )
+    return index, records

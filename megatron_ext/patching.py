@@ -1,0 +1,225 @@
+"""The mechanism behind the registry of every touch of Megatron internals.
+
+Two kinds of entries, both declared in :mod:`megatron_ext.registry`:
+
+- a :class:`Patch` replaces a Megatron attribute (``module:attr`` or ``module:Class.attr``)
+  with a wrapper. It names why, the megatron-core version it was verified on and the
+  target's exact signature; :func:`verify` fails loudly when the target moved or its
+  signature changed, :func:`apply` is idempotent.
+- an :class:`Assumption` is a private Megatron name the overlay reads without replacing it
+  (a bucket's ``grad_data``, a module-level queue). Its check looks at the installed code
+  (attribute names that the class's ``__init__`` assigns, a module attribute, a private
+  function's signature), so a refactor upstream stops the run at start-up instead of
+  silently mis-measuring.
+
+:func:`check_version` warns when the installed megatron-core is not the one the entries were
+verified on; the entries' own checks then decide whether the run may start.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from megatron_ext import MEGATRON_CORE_VERSION
+
+_MARK = "__megatron_ext_patch__"
+
+Kind = Literal["bugfix", "feature", "hook"]
+
+
+class PatchTargetError(RuntimeError):
+    """A registered target is missing or changed shape: the overlay must not start."""
+
+
+def resolve(target: str) -> tuple[Any, str]:
+    """``"pkg.module:Class.attr"`` -> (the object holding the attribute, its name)."""
+    module_name, _, qual = target.partition(":")
+    owner: Any = importlib.import_module(module_name)
+    *path, attr = qual.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, attr
+
+
+def _resolve_callable(spec: str) -> Callable[..., Any]:
+    owner, attr = resolve(spec)
+    return getattr(owner, attr)
+
+
+def _signature_of(fn: Any) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "<no signature>"
+
+
+def _original(value: Any) -> Any:
+    return getattr(value, _MARK, (None, value))[1]
+
+
+def _target_error(name: str, target: str, verified_on: str, what: str) -> PatchTargetError:
+    return PatchTargetError(
+        f"megatron-ext {name!r}: {target} {what} (verified on megatron-core {verified_on}, "
+        f"installed {installed_version()}). Re-verify it against the installed megatron-core "
+        "before running; `megatron-ext patches` lists every entry."
+    )
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One runtime replacement of a Megatron attribute.
+
+    ``wrap`` is ``"module:function"``: called with the original, it returns the replacement
+    (resolved only when applied, so listing the registry imports no feature code).
+    ``also_bound_in`` lists modules that did ``from target_module import name`` and hold
+    their own reference that must be rebound too. ``hook`` names the feature hook a
+    ``kind="hook"`` patch dispatches to.
+    """
+
+    name: str
+    target: str
+    reason: str
+    signature: str
+    wrap: str
+    kind: Kind = "feature"
+    verified_on: str = MEGATRON_CORE_VERSION
+    also_bound_in: tuple[str, ...] = field(default=())
+    hook: str | None = None
+
+    def verify(self) -> None:
+        """Raise :class:`PatchTargetError` unless the target exists with the signature."""
+        try:
+            owner, attr = resolve(self.target)
+            current = getattr(owner, attr)
+        except (ImportError, AttributeError) as exc:
+            raise _target_error(
+                self.name, self.target, self.verified_on, f"not found ({exc})"
+            ) from exc
+        found = _signature_of(_original(current))
+        if found != self.signature:
+            raise _target_error(
+                self.name,
+                self.target,
+                self.verified_on,
+                f"changed signature: expected {self.signature}, found {found}",
+            )
+        for module_name in self.also_bound_in:
+            module = importlib.import_module(module_name)
+            if _original(getattr(module, attr, None)) is not _original(current):
+                raise _target_error(
+                    self.name,
+                    f"{module_name}.{attr}",
+                    self.verified_on,
+                    f"no longer refers to {self.target}",
+                )
+
+    def is_applied(self) -> bool:
+        owner, attr = resolve(self.target)
+        return getattr(getattr(owner, attr), _MARK, (None, None))[0] == self.name
+
+    def apply(self) -> None:
+        """Install once; a second call is a no-op."""
+        self.verify()
+        if self.is_applied():
+            return
+        owner, attr = resolve(self.target)
+        original = getattr(owner, attr)
+        replacement = _resolve_callable(self.wrap)(original)
+        try:
+            setattr(replacement, _MARK, (self.name, original))
+        except AttributeError as exc:  # e.g. a bound builtin
+            raise PatchTargetError(
+                f"patch {self.name!r}: replacement cannot carry its marker"
+            ) from exc
+        setattr(owner, attr, replacement)
+        for module_name in self.also_bound_in:
+            setattr(importlib.import_module(module_name), attr, replacement)
+
+    def remove(self) -> None:
+        """Restore the original (tests use this to prove a patch is what made a difference)."""
+        if not self.is_applied():
+            return
+        owner, attr = resolve(self.target)
+        original = _original(getattr(owner, attr))
+        setattr(owner, attr, original)
+        for module_name in self.also_bound_in:
+            setattr(importlib.import_module(module_name), attr, original)
+
+
+@dataclass(frozen=True)
+class Assumption:
+    """A private Megatron name the overlay relies on without replacing it.
+
+    ``target`` is a class, module attribute or function (``module:qualname``). The check:
+
+    - ``assigned``: attribute names the class's ``__init__`` must assign (``self.x = ...``,
+      read from its bytecode, so nothing is constructed);
+    - ``signature``: for a function, its exact signature;
+    - neither: the target must exist.
+    """
+
+    name: str
+    target: str
+    reason: str
+    used_by: str  # the megatron-ext module that relies on it
+    assigned: tuple[str, ...] = field(default=())
+    signature: str | None = None
+    verified_on: str = MEGATRON_CORE_VERSION
+
+    def verify(self) -> None:
+        try:
+            owner, attr = resolve(self.target)
+            value = getattr(owner, attr)
+        except (ImportError, AttributeError) as exc:
+            raise _target_error(
+                self.name, self.target, self.verified_on, f"not found ({exc})"
+            ) from exc
+        if self.assigned:
+            init = getattr(value, "__init__", None)
+            names = set(getattr(getattr(init, "__code__", None), "co_names", ()))
+            missing = [a for a in self.assigned if a not in names]
+            if missing:
+                raise _target_error(
+                    self.name,
+                    self.target,
+                    self.verified_on,
+                    f"no longer assigns {missing} in __init__",
+                )
+        if self.signature is not None:
+            found = _signature_of(value)
+            if found != self.signature:
+                raise _target_error(
+                    self.name,
+                    self.target,
+                    self.verified_on,
+                    f"changed signature: expected {self.signature}, found {found}",
+                )
+
+
+Entry = Patch | Assumption
+
+
+def installed_version() -> str:
+    """The installed megatron-core's distribution version (``package_info`` adds a hash)."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def check_version(warn: Callable[[str], None] = print) -> bool:
+    """Warn (once, through ``warn``) when megatron-core is not the verified version."""
+    found = installed_version()
+    if found == MEGATRON_CORE_VERSION:
+        return True
+    warn(
+        f"megatron-ext WARNING: megatron-core {found} is installed, but every patch and "
+        f"assumption was verified on {MEGATRON_CORE_VERSION}; their start-up checks decide "
+        "whether this run may start. Run `megatron-ext patches` to see each one."
+    )
+    return False

@@ -1,0 +1,255 @@
+"""Every touch of Megatron internals, in one table: what, where, why, verified on which version.
+
+- **bugfix** patches fix upstream megatron-core bugs and apply whenever the entry point runs;
+- **hook** patches are the four places where :mod:`megatron_ext.loop` calls the installed
+  features' hooks (applied only when an installed feature uses the hook);
+- **feature** patches change Megatron's behaviour for one feature's flag;
+- **assumptions** are private names read without being replaced.
+
+Wrappers live next to the feature or fix they belong to and are named here as
+``module:function``; they are imported only when applied. ``megatron-ext patches`` prints
+this table and verifies every entry; the entry point verifies all of them at start-up and
+refuses to run if any target changed.
+"""
+
+from __future__ import annotations
+
+from megatron_ext.patching import Assumption, Entry, Patch
+
+_TRAINING = "megatron.training.training"
+_DISTOPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
+_BUFFER = "megatron.core.distributed.param_and_grad_buffer"
+
+BUGFIXES: tuple[Patch, ...] = (
+    Patch(
+        name="prebuilt-dataset-helpers",
+        kind="bugfix",
+        target="megatron.core.datasets.utils:compile_helpers",
+        signature="()",
+        wrap="megatron_ext.fixes:skip_make_when_prebuilt",
+        reason="initialize_megatron runs `make` in the installed package, but the pip wheel "
+        "ships a prebuilt helpers_cpp and no Makefile, so every wheel user's start-up exits(1). "
+        "Skip the build when the prebuilt extension imports.",
+    ),
+    Patch(
+        name="distopt-fresh-state-dict",
+        kind="bugfix",
+        target=f"{_DISTOPT}.state_dict",
+        signature="(self)",
+        wrap="megatron_ext.fixes:state_dict_tolerates_fresh_state",
+        reason="Without Apex/TE, DistributedOptimizer.state_dict asserts exactly one distinct "
+        "Adam step, but loading a checkpoint calls it on a fresh optimizer with no state yet, "
+        "so every distributed-optimizer resume crashes. A fresh optimizer reports step 0; the "
+        "checkpoint's real step is loaded right after.",
+    ),
+    Patch(
+        name="distopt-unshared-adam-step",
+        kind="bugfix",
+        target=f"{_DISTOPT}.load_state_dict",
+        signature="(self, state_dict)",
+        wrap="megatron_ext.fixes:load_state_dict_unshares_step",
+        reason="Without Apex/TE, DistributedOptimizer.load_state_dict assigns ONE step tensor "
+        "to every parameter; torch Adam increments it in place once per parameter, so after a "
+        "resume the bias correction runs N_params steps per iteration (silent drift). Each "
+        "parameter gets its own copy.",
+    ),
+    Patch(
+        name="distopt-state-copy",
+        kind="bugfix",
+        target=f"{_DISTOPT}._set_main_param_and_optimizer_states",
+        signature="(self, model_param, tensors)",
+        wrap="megatron_ext.fixes:copy_state_safely",
+        reason="Two resume bugs without Apex/TE. (1) load_parameter_state_from_dp_reshardable "
+        "copies checkpoint values into views of leaf parameters that require grad outside "
+        "no_grad, so fp32 resumes raise; the copy runs under torch.no_grad(). (2) The per-param "
+        "Adam `step` in the loaded param state is the non-persistent load template (0), and "
+        "copying it resets the step restored from param_groups to 0 (bias correction restarts "
+        "silently); `step` is left to param_groups, as the save path intends.",
+    ),
+    Patch(
+        name="ckpt-results-queue-survives-sigterm",
+        kind="bugfix",
+        target="megatron.core.dist_checkpointing.strategies.filesystem_async:"
+        "FileSystemWriterAsync.prepare_write_data",
+        signature="(self, plan: torch.distributed.checkpoint.planner.SavePlan, "
+        "planner: torch.distributed.checkpoint.planner.SavePlanner) -> None",
+        wrap="megatron_ext.fixes:results_queue_survives_stop_signals",
+        reason="torch_dist saves hand their write results through a multiprocessing Manager "
+        "queue started at the first save, in the rank's process group. Slurm signals every "
+        "process of a step and torchrun forwards SIGTERM with killpg, so a preemption or "
+        "scancel SIGTERM kills that Manager and the --exit-signal-handler save fails with "
+        "BrokenPipeError. The queue is created first, by a Manager that ignores SIGTERM/SIGINT.",
+    ),
+)
+
+HOOKS: tuple[Patch, ...] = (
+    Patch(
+        name="hook-on-setup",
+        kind="hook",
+        hook="on_setup",
+        target=f"{_TRAINING}:setup_model_and_optimizer",
+        signature="(model_type, model_provider_func=None, checkpointing_context=None, *, "
+        "cfg_container: megatron.training.config.container.PretrainConfigContainer | None = "
+        "None, pg_collection: megatron.core.process_groups_config.ProcessGroupCollection | "
+        "megatron.core.process_groups_config.MultiModuleProcessGroupCollection | None = None)",
+        wrap="megatron_ext.loop:wrap_setup",
+        reason="The DDP model chunks and the optimizer exist here and nowhere else in the "
+        "public loop: features lay out bucket views and open their logs.",
+    ),
+    Patch(
+        name="hook-before-grad-norm",
+        kind="hook",
+        hook="before_grad_norm",
+        target="megatron.core.optimizer.optimizer:ChainedOptimizer.get_grad_norm",
+        signature="(self)",
+        wrap="megatron_ext.loop:wrap_get_grad_norm",
+        reason="The one point where gradients are reduced but not yet clipped: bucket norms "
+        "and the update-ratio snapshot are taken here (one all-reduce, no host sync).",
+    ),
+    Patch(
+        name="hook-after-step",
+        kind="hook",
+        hook="after_step",
+        target=f"{_TRAINING}:training_log",
+        signature="(loss_dict, total_loss_dict, learning_rate: float | None, iteration, "
+        "loss_scale, report_memory_flag, skipped_iter, grad_norm, params_norm, "
+        "num_zeros_in_grad, max_attention_logit, pg_collection=None, is_first_iteration=False, "
+        "seqlen_squared_sum_in_batch: float | None = None, "
+        "total_real_tokens_in_batch: float | None = None)",
+        wrap="megatron_ext.loop:wrap_training_log",
+        reason="Called on every rank every iteration with Megatron's reduced losses, lr, loss "
+        "scale, grad norm, params norm and zeros: the StepRecord the features share.",
+    ),
+    Patch(
+        name="hook-on-checkpoint",
+        kind="hook",
+        hook="on_checkpoint",
+        target=f"{_TRAINING}:save_checkpoint_and_time",
+        signature="(iteration, model, optimizer, opt_param_scheduler, "
+        "num_floating_point_operations_so_far, checkpointing_context, "
+        "non_persistent_ckpt=False, train_data_iterator=None)",
+        wrap="megatron_ext.loop:wrap_save_checkpoint",
+        reason="Every checkpoint save goes through here: a feature may veto one (the spike "
+        "detector keeps the last healthy checkpoint the rollback target).",
+    ),
+)
+
+FEATURE_PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="zloss-output-layer",
+        target="megatron.core.models.common.language_module.language_module:"
+        "LanguageModule.compute_language_model_loss",
+        signature="(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor",
+        wrap="megatron_ext.zloss.adapter:with_z_loss",
+        reason="--z-loss-coeff: megatron-core has no output-layer z-loss. The language-model "
+        "loss (main head and MTP heads) becomes CE + c·log²Z, computed in one pass over the "
+        "vocab-parallel logits with the cross entropy's own all-reduces.",
+    ),
+    Patch(
+        name="weight-decay-overrides",
+        target=f"{_TRAINING}:get_megatron_optimizer_config",
+        signature="(args: Any) -> megatron.core.optimizer.optimizer_config.OptimizerConfig",
+        wrap="megatron_ext.weight_decay.adapter:with_overrides",
+        reason="--embedding-weight-decay-mult / --output-layer-weight-decay-mult / "
+        "--weight-decay-override: add wd_mult ParamGroupOverrides to the config_overrides "
+        "Megatron builds here (its 1-D/bias defaults kept).",
+    ),
+    Patch(
+        name="weight-decay-map",
+        target=f"{_TRAINING}:get_megatron_optimizer",
+        signature="(config: megatron.core.optimizer.optimizer_config.OptimizerConfig, "
+        "model_chunks: List[megatron.core.transformer.module.MegatronModule], "
+        "config_overrides: Optional[Dict[megatron.core.optimizer.optimizer_config."
+        "ParamKey, megatron.core.optimizer_param_scheduler.ParamGroupOverride]] = None, "
+        "use_gloo_process_groups: bool = True, pg_collection: Optional[megatron.core."
+        "process_groups_config.ProcessGroupCollection] = None, "
+        "dump_param_to_param_group_map: Optional[str] = None) -> "
+        "megatron.core.optimizer.optimizer.MegatronOptimizer",
+        wrap="megatron_ext.weight_decay.adapter:with_param_map",
+        reason="With a weight-decay flag set: print every parameter's wd_mult and the rule "
+        "that decided it once the param groups exist, and fail on a GLOB matching nothing.",
+    ),
+)
+
+ASSUMPTIONS: tuple[Assumption, ...] = (
+    Assumption(
+        name="ddp-bucket-groups",
+        target="megatron.core.distributed.distributed_data_parallel:DistributedDataParallel",
+        assigned=("bucket_groups", "expert_parallel_bucket_groups"),
+        used_by="megatron_ext.telemetry.adapter",
+        reason="Bucket grad norms walk each DDP chunk's dense and expert bucket groups.",
+    ),
+    Assumption(
+        name="ddp-bucket-group-layout",
+        target=f"{_BUFFER}:_ParamAndGradBucketGroup",
+        assigned=(
+            "buckets",
+            "ddp_config",
+            "intra_distributed_optimizer_instance_size",
+            "intra_distributed_optimizer_instance_rank",
+        ),
+        used_by="megatron_ext.telemetry.adapter",
+        reason="A bucket group says whether its grads are sharded (distributed optimizer) "
+        "and which shard this rank owns.",
+    ),
+    Assumption(
+        name="ddp-bucket-layout",
+        target=f"{_BUFFER}:_ParamAndGradBucket",
+        assigned=("grad_data", "params_list", "param_to_index"),
+        used_by="megatron_ext.telemetry.adapter",
+        reason="A bucket's contiguous grad_data and each param's [start, end) in it are what "
+        "the bucket norms read (views, no copy).",
+    ),
+    Assumption(
+        name="language-module-tp-group",
+        target="megatron.core.models.common.language_module.language_module:LanguageModule",
+        assigned=("tp_group",),
+        used_by="megatron_ext.zloss.adapter",
+        reason="The z-loss reduces over the output layer's tensor-parallel group, as "
+        "Megatron's own compute_language_model_loss does.",
+    ),
+    Assumption(
+        name="ckpt-results-queue",
+        target="megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
+        used_by="megatron_ext.fixes",
+        reason="The SIGTERM fix creates this module-level queue before upstream's first use.",
+    ),
+    Assumption(
+        name="distopt-apex-or-te-flag",
+        target="megatron.core.optimizer.distrib_optimizer:HAVE_APEX_OR_TE",
+        used_by="megatron_ext.fixes",
+        reason="The distributed-optimizer fixes apply only on the torch.optim fallback.",
+    ),
+    Assumption(
+        name="load-base-checkpoint",
+        target="megatron.training.checkpointing:_load_base_checkpoint",
+        signature="(load_dir, args, rank0=False, sharded_state_dict=None, "
+        "checkpointing_context=None, dp_cp_group=None, expt_dp_group=None, "
+        "gpt_compat_layer_maps=None)",
+        used_by="megatron_ext.weight_decay.adapter",
+        reason="The weight-decay resume check reads the checkpoint's saved args before "
+        "anything is built, the way --use-checkpoint-args does.",
+    ),
+)
+
+PATCHES: tuple[Patch, ...] = (*BUGFIXES, *HOOKS, *FEATURE_PATCHES)
+ENTRIES: tuple[Entry, ...] = (*PATCHES, *ASSUMPTIONS)
+
+
+def patch(name: str) -> Patch:
+    """The registered patch called ``name``."""
+    for entry in PATCHES:
+        if entry.name == name:
+            return entry
+    raise KeyError(f"no megatron-ext patch named {name!r}")
+
+
+def verify_all() -> None:
+    """Verify every entry (start-up, before any patch is applied)."""
+    for entry in ENTRIES:
+        entry.verify()
+
+
+def applied() -> list[Patch]:
+    """Patches installed in this process."""
+    return [p for p in PATCHES if p.is_applied()]

@@ -1,0 +1,105 @@
+"""The sample-log feature in Megatron: ``--sample-log-dir``.
+
+Hooks, on the rank that reads the data and computes the loss (TP rank 0 of the last stage):
+
+- ``on_batch``: the micro-batch's global sample ids and token SHA-1s, taken from the batch as
+  the data iterator produced it (host memory, before it moves to the GPU; drill corruption
+  included, since that is what was trained on);
+- ``on_loss``: the micro-batch's token-summed loss and each sample's token-averaged loss, kept
+  as device tensors;
+- ``after_step``: one host transfer for the whole iteration, then one record per micro-batch.
+  No host sync per micro-batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from megatron.core import mpu
+
+from megatron_ext.features import Feature, LossInputs, MicroBatch, StepRecord
+from megatron_ext.io import token_sha1
+from megatron_ext.sample_log.core import SampleLog, SampleRecord
+
+SAMPLE_ID_KEY = "sample_id"  # added to every train sample by gpt_step.SampleIdDataset
+_NOTE = "sample_log"  # key of this feature's note in MicroBatch.extras
+
+
+class SampleLogFeature(Feature):
+    """Writes ``samples-dp{rank}.jsonl``: one line per trained micro-batch."""
+
+    name = "sample_log"
+
+    def __init__(self) -> None:
+        self.args: Any = None
+        self.log: SampleLog | None = None
+        # (micro-batch, sample ids, token digests, loss, tokens, per-sample losses) this step
+        self.pending: list[
+            tuple[MicroBatch, list[int], list[str], torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = []
+
+    def add_args(self, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--sample-log-dir",
+            type=str,
+            default=None,
+            help="Append, per DP rank, one JSON line per trained micro-batch: its global "
+            "sample ids, a SHA-1 of each sample's tokens, the local token-summed loss and each "
+            "sample's token-averaged loss (samples-dp{rank}.jsonl). Proves resume/skip "
+            "exactness; answers who trained on what.",
+        )
+
+    def enabled(self, args: Any) -> bool:
+        return bool(args.sample_log_dir)
+
+    def install(self, args: Any) -> None:
+        self.args = args
+
+    def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None:
+        if not (micro_batch.training and mpu.is_pipeline_last_stage()):
+            return
+        ids = batch[SAMPLE_ID_KEY].view(-1).tolist()  # host tensors: no device sync
+        digests = [token_sha1(row) for row in batch["tokens"]]
+        micro_batch.extras[_NOTE] = (ids, digests)
+
+    def on_loss(self, inputs: LossInputs) -> dict[str, Any]:
+        note = inputs.micro_batch.extras.get(_NOTE)
+        if note is None:
+            return {}
+        ids, digests = note
+        mask = inputs.mask.view(len(ids), -1)
+        per_token = inputs.per_token.detach().float().reshape(mask.shape)
+        per_sample = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        # Copies: Megatron's schedule divides the returned loss in place right after this.
+        loss, tokens = inputs.loss.detach().clone(), inputs.num_tokens.detach().clone()
+        self.pending.append((inputs.micro_batch, ids, digests, loss, tokens, per_sample))
+        return {}
+
+    def after_step(self, record: StepRecord) -> None:
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        if self.log is None:
+            self.log = SampleLog(self.args.sample_log_dir, pending[0][0].dp_rank)
+        # One device->host transfer per iteration for every scalar of every micro-batch.
+        scalars = torch.stack(
+            [
+                torch.cat([loss.view(1), tokens.float().view(1), per_sample])
+                for _, _, _, loss, tokens, per_sample in pending
+            ]
+        ).tolist()
+        for index, ((micro_batch, ids, digests, *_), values) in enumerate(zip(pending, scalars)):
+            self.log.write(
+                SampleRecord(
+                    iteration=micro_batch.iteration,
+                    dp_rank=micro_batch.dp_rank,
+                    microbatch=index,
+                    sample_ids=ids,
+                    token_sha1=digests,
+                    loss_sum=values[0],
+                    num_tokens=int(values[1]),
+                    sample_losses=values[2:],
+                )
+            )

@@ -1,0 +1,227 @@
+"""The spike features in Megatron: the online detector, the skip lists and the drill.
+
+- :class:`SpikeFeature` (``--spike-detect``, thresholds, ``--spike-ledger``,
+  ``--spike-exit-code``): after each step the detector runs on the last rank over the signals
+  record; its decision (healthy / spike in progress / rollback) is broadcast to every rank
+  (one int). While a spike is in progress no checkpoint is written (``on_checkpoint``
+  vetoes the save), so the last healthy checkpoint stays the rollback target. On a rollback
+  decision every rank exits with ``--spike-exit-code`` (default 42), which the launchers'
+  supervisor turns into: plan (``megatron-ext skiplist``) -> apply -> restart.
+- :class:`SkipListFeature` (``--iterations-to-skip-file``, ranges in
+  ``--iterations-to-skip``): the ranges are expanded by ``pretrain_gpt_ext.py`` before
+  Megatron parses them; the applied list is persisted next to the checkpoints.
+- :class:`DrillFeature` (``--drill-corrupt-batch``): deterministic garbage on one DP rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.features import Feature, FeatureError, MicroBatch, StepRecord
+from megatron_ext.files import SIGNALS_FILE, SKIPPED_ITERATIONS_FILE, SPIKE_LEDGER_FILE
+from megatron_ext.io import JsonlAppender, atomic_write
+from megatron_ext.spikes.detector import SpikeDetector, add_detector_args, config_from_args
+from megatron_ext.spikes.drill import CorruptionSpec, garbage_batch, parse_spec
+from megatron_ext.spikes.skip_ranges import format_ranges
+from megatron_ext.telemetry.signals import latest_per_iteration, read_signals
+
+EXIT_CODE_SPIKE = 42
+_DECISIONS = {"healthy": 0, "watching": 1, "rollback": 2}
+
+
+def _is_writer() -> bool:
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+class SpikeFeature(Feature):
+    """Detector (last rank), ledger, checkpoint veto and the decision every rank acts on."""
+
+    name = "spikes"
+
+    def __init__(self) -> None:
+        self.args: Any = None
+        self.detector: SpikeDetector | None = None
+        self.ledger: JsonlAppender | None = None
+        self.decision = "healthy"
+        self.primed = False
+
+    def add_args(self, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--spike-detect",
+            action="store_true",
+            help="Run the streaming spike detector on the signals log; on an "
+            "unrecovered spike or divergence, stop saving checkpoints and exit "
+            "with --spike-exit-code. Needs --signals-dir.",
+        )
+        add_detector_args(group)
+        group.add_argument(
+            "--spike-ledger",
+            type=str,
+            default=None,
+            help=f"Spike ledger JSONL (default: SIGNALS_DIR/{SPIKE_LEDGER_FILE}).",
+        )
+        group.add_argument(
+            "--spike-exit-code",
+            type=int,
+            default=EXIT_CODE_SPIKE,
+            help=f"Exit code that asks the launcher for a rollback (default {EXIT_CODE_SPIKE}).",
+        )
+
+    def enabled(self, args: Any) -> bool:
+        return bool(args.spike_detect)
+
+    def validate(self, args: Any) -> None:
+        if not args.signals_dir:
+            raise FeatureError(
+                "--spike-detect needs --signals-dir (the detector reads the signals)"
+            )
+        try:
+            config_from_args(args)
+        except ValueError as exc:
+            raise FeatureError(str(exc)) from None
+
+    def install(self, args: Any) -> None:
+        self.args = args
+        if args.rank == args.world_size - 1:
+            self.detector = SpikeDetector(config_from_args(args))
+            self.ledger = JsonlAppender(
+                args.spike_ledger or Path(args.signals_dir) / SPIKE_LEDGER_FILE
+            )
+
+    def _prime(self, first_iteration: int) -> None:
+        """After a restart, rebuild the baseline from the history this run continues from
+        (latest attempt per iteration, before the first iteration of this run), so a replayed
+        spike right after a rollback is caught without a new warm-up."""
+        self.primed = True
+        assert self.detector is not None
+        path = Path(self.args.signals_dir) / SIGNALS_FILE
+        history = [
+            r for r in latest_per_iteration(read_signals(path)) if r.iteration < first_iteration
+        ]
+        config = self.detector.config
+        for record in history[-(config.warmup + config.window) :]:
+            self.detector.observe(record)
+        self.detector.seen = max(self.detector.seen, len(history))
+        if self.detector.state != "healthy":  # history ended mid-incident: start clean
+            self.detector = SpikeDetector(config)
+
+    def after_step(self, record: StepRecord) -> None:
+        """Runs on every rank after each logged iteration."""
+        code = 0
+        if self.detector is not None:
+            if not self.primed:
+                self._prime(record.iteration)
+            signals = record.signals
+            if signals is not None and signals.iteration == record.iteration:
+                for event in self.detector.observe(signals):
+                    assert self.ledger is not None
+                    self.ledger.append(event.as_json())
+                    print(
+                        f"megatron-ext spike detector: {event.kind} at iteration "
+                        f"{event.iteration} (onset {event.onset}, culprit DP rank "
+                        f"{event.culprit_dp_rank}): {event.classification}",
+                        flush=True,
+                    )
+            code = _DECISIONS[self.detector.state]
+        decision = torch.tensor(
+            [code], dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu"
+        )
+        dist.broadcast(decision, src=dist.get_world_size() - 1)
+        self.decision = {v: k for k, v in _DECISIONS.items()}[int(decision.item())]
+        if self.decision == "rollback":
+            if _is_writer():
+                print(
+                    f"megatron-ext: rollback requested at iteration {record.iteration}; "
+                    f"exiting with code {self.args.spike_exit_code} without saving a "
+                    "checkpoint",
+                    flush=True,
+                )
+            sys.exit(self.args.spike_exit_code)
+
+    def on_checkpoint(self, iteration: int) -> bool:
+        if self.decision == "healthy":
+            return True
+        if dist.get_rank() == 0:
+            print(
+                f"megatron-ext: spike in progress, not saving iteration {iteration}: the "
+                "last healthy checkpoint stays the rollback target",
+                flush=True,
+            )
+        return False
+
+
+class SkipListFeature(Feature):
+    """Skip lists from files and ranges; the applied list is kept with the checkpoints."""
+
+    name = "skip_list"
+
+    def add_args(self, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--iterations-to-skip-file",
+            type=str,
+            default=None,
+            help="File of iterations/ranges (A-B) to skip, one per line; merged "
+            "into --iterations-to-skip (which also takes A-B ranges here). The "
+            f"applied list is kept in SAVE/{SKIPPED_ITERATIONS_FILE} for later "
+            "restarts.",
+        )
+
+    def enabled(self, args: Any) -> bool:
+        return bool(args.save and args.iterations_to_skip)
+
+    def install(self, args: Any) -> None:
+        """Rank 0 keeps the applied skip list next to the checkpoints (absolute iterations)."""
+        if args.rank == 0:
+            atomic_write(
+                Path(args.save) / SKIPPED_ITERATIONS_FILE,
+                format_ranges(list(args.iterations_to_skip)),
+            )
+
+
+class DrillFeature(Feature):
+    """``--drill-corrupt-batch``: garbage tokens on one DP rank, reproducibly across replays."""
+
+    name = "drill"
+
+    def __init__(self) -> None:
+        self.args: Any = None
+        self.spec: CorruptionSpec | None = None
+
+    def add_args(self, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--drill-corrupt-batch",
+            type=str,
+            default=None,
+            help="Drill only: feed deterministic garbage tokens to one DP rank "
+            "at START[-END] (1-indexed), reproducibly across replays.",
+        )
+
+    def enabled(self, args: Any) -> bool:
+        return bool(args.drill_corrupt_batch)
+
+    def validate(self, args: Any) -> None:
+        try:
+            parse_spec(args.drill_corrupt_batch)
+        except ValueError as exc:
+            raise FeatureError(str(exc)) from None
+
+    def install(self, args: Any) -> None:
+        self.args = args
+        self.spec = parse_spec(args.drill_corrupt_batch)
+
+    def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None:
+        assert self.spec is not None
+        if micro_batch.training and self.spec.hits(micro_batch.iteration, micro_batch.dp_rank):
+            # padded_vocab_size is set by Megatron's initialisation, after install.
+            batch["tokens"], batch["labels"] = garbage_batch(
+                batch["tokens"],
+                micro_batch.iteration,
+                micro_batch.dp_rank,
+                self.args.padded_vocab_size,
+            )

@@ -1,0 +1,49 @@
+"""Incident drill: deterministic garbage tokens on one DP rank at chosen iterations.
+
+Why: the spike pipeline must be proven end to end on a reproducible bad batch. The garbage is
+a pure function of (iteration, DP rank), injected where TP rank 0 reads the batch, so a replay
+from a checkpoint reproduces it exactly and ``--iterations-to-skip`` removes it (skipped
+iterations never reach the batch code). Flag: ``--drill-corrupt-batch START[-END]:DP_RANK``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_SPEC = re.compile(r"^(\d+)(?:-(\d+))?:(\d+)$")
+
+
+@dataclass(frozen=True)
+class CorruptionSpec:
+    first: int
+    last: int
+    dp_rank: int
+
+    def hits(self, iteration: int, dp_rank: int) -> bool:
+        return self.first <= iteration <= self.last and dp_rank == self.dp_rank
+
+
+def parse_spec(text: str) -> CorruptionSpec:
+    """``"40:1"`` or ``"40-45:1"`` (1-indexed iterations, inclusive) on DP rank 1."""
+    match = _SPEC.match(text.strip())
+    if not match:
+        raise ValueError(
+            f"--drill-corrupt-batch {text!r}: expected START[-END]:DP_RANK, e.g. 40-45:1"
+        )
+    first, last, rank = int(match[1]), int(match[2] or match[1]), int(match[3])
+    if first < 1 or last < first:
+        raise ValueError(f"--drill-corrupt-batch {text!r}: need 1 <= START <= END")
+    return CorruptionSpec(first, last, rank)
+
+
+def garbage_batch(
+    tokens: torch.Tensor, iteration: int, dp_rank: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform random tokens and their next-token labels, seeded by (iteration, rank)."""
+    generator = torch.Generator().manual_seed(1_000_003 * iteration + dp_rank)
+    batch, length = tokens.shape
+    sequence = torch.randint(0, vocab_size, (batch, length + 1), generator=generator)
+    return sequence[:, :-1].to(tokens.dtype), sequence[:, 1:].to(tokens.dtype)

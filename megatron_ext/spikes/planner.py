@@ -1,0 +1,213 @@
+"""Offline rollback + skip planner (the PaLM recipe) — no Megatron imports.
+
+Given the spike ledger, the signals log (all attempts), the checkpoint directory and earlier
+skip lists, a :class:`Plan` says: load checkpoint ``T_c`` (the newest complete one at least
+``rollback_iters`` before the incident's onset), skip the next ``n`` batches
+(``T_c+1 … T_c+n``, which must reach past the incident), merged with every earlier skip, and
+restart. Under the ``confirm`` policy the first rollback replays the same data; only an
+incident that reproduces at the same onset in two attempts is treated as data-caused, skipped,
+and written to Megatron's result-rejected tracker so plain Megatron skips it too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from megatron_ext.files import CHECKPOINT_DIR
+from megatron_ext.spikes.skip_ranges import to_ranges
+from megatron_ext.telemetry.signals import SignalRecord
+
+# Walk the onset back while the grad norm was already this far above its baseline.
+ONSET_GRAD_FACTOR = 2.0
+# PaLM's 200-500 skipped batches are 10-25 time constants of Adam's v at beta2 = 0.95.
+TIME_CONSTANTS = 10
+
+
+class PlanError(RuntimeError):
+    """The plan is impossible or the inputs are inconsistent; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    rollback_iters: int = 100
+    skip_batches: int | None = 300
+    beta2: float | None = None  # when set: n = ceil(TIME_CONSTANTS / (1 - beta2))
+    policy: Literal["skip", "confirm"] = "skip"
+
+    def batches(self) -> int:
+        if self.beta2 is not None:
+            if not 0 < self.beta2 < 1:
+                raise PlanError(f"--skip-from-beta2 {self.beta2}: need 0 < beta2 < 1")
+            return math.ceil(TIME_CONSTANTS / (1.0 - self.beta2))
+        if not self.skip_batches or self.skip_batches < 1:
+            raise PlanError("--skip-batches must be >= 1")
+        return self.skip_batches
+
+
+@dataclass
+class Plan:
+    """What to do about one incident; written as JSON, read by people and the launcher."""
+
+    incident: dict[str, Any]
+    action: Literal["rollback-and-skip", "rollback-and-replay"]
+    onset: int
+    rollback_to: int
+    skip_window: list[int] | None  # [first, last], inclusive, or None (replay)
+    skip_ranges: list[list[int]]  # everything to skip from now on, merged
+    moved_checkpoints: list[int]
+    restart_args: list[str]
+    summary: str
+    tracker_lines: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def complete_checkpoints(ckpt_dir: Path) -> list[int]:
+    """Iterations with a complete checkpoint directory (torch_dist metadata or legacy files)."""
+    found = []
+    for child in ckpt_dir.iterdir() if ckpt_dir.is_dir() else []:
+        match = CHECKPOINT_DIR.match(child.name)
+        if (
+            match
+            and child.is_dir()
+            and (
+                (child / "metadata.json").exists()
+                or (child / "common.pt").exists()
+                or any(child.glob("mp_rank_*"))
+            )
+        ):
+            found.append(int(match[1]))
+    return sorted(found)
+
+
+def latest_incident(ledger: list[dict[str, Any]]) -> dict[str, Any]:
+    """The newest rollback request in the ledger."""
+    rollbacks = [e for e in ledger if e.get("kind") == "rollback"]
+    if not rollbacks:
+        raise PlanError(
+            "the spike ledger holds no rollback request: nothing to plan "
+            "(transient spikes that recovered need no rollback)"
+        )
+    return rollbacks[-1]
+
+
+def find_onset(incident: dict[str, Any], signals: list[SignalRecord]) -> int:
+    """The incident's onset, moved earlier while the grad norm was already elevated."""
+    onset = int(incident["onset"])
+    baseline = incident.get("grad_baseline")
+    if not baseline:
+        return onset
+    attempt = incident.get("attempt")
+    grads = {r.iteration: r.grad_norm for r in signals if r.attempt == attempt}
+    while (g := grads.get(onset - 1)) is not None and g >= ONSET_GRAD_FACTOR * baseline:
+        onset -= 1
+    return onset
+
+
+def reproduced(incident: dict[str, Any], ledger: list[dict[str, Any]]) -> bool:
+    """Whether an earlier attempt had an incident with the same onset (bad-data fingerprint)."""
+    attempts = {
+        e.get("attempt")
+        for e in ledger
+        if e.get("kind") in ("spike", "divergence") and e.get("onset") == incident["onset"]
+    }
+    return len(attempts) >= 2
+
+
+def tracker_lines(incident: dict[str, Any], ledger: list[dict[str, Any]]) -> list[str]:
+    """Lines Megatron's get_skipped_iterations_from_tracker_file counts: the same
+    (rank, iteration) reported once per attempt, each attempt by a single rank."""
+    rank = incident.get("culprit_dp_rank") or 0
+    attempts = sorted(
+        {
+            e.get("attempt")
+            for e in ledger
+            if e.get("onset") == incident["onset"] and e.get("kind") in ("spike", "divergence")
+        }
+    )
+    return [
+        f"ts=megatron-ext node=megatron-ext device=megatron-ext jobID=attempt-{a} rank={rank} "
+        f"iteration={incident['onset']} status=RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE "
+        f"result={incident.get('loss')} message='megatron-ext: loss spike reproduced at the "
+        f"same iteration after a rollback'\n"
+        for a in attempts
+    ]
+
+
+def make_plan(
+    ledger: list[dict[str, Any]],
+    signals: list[SignalRecord],
+    checkpoints: list[int],
+    earlier_skips: list[int],
+    config: PlanConfig,
+    train_iters: int | None,
+    ckpt_dir: str,
+) -> Plan:
+    """Decide the rollback target and skip window for the newest incident."""
+    incident = latest_incident(ledger)
+    onset = find_onset(incident, signals)
+    limit = onset - config.rollback_iters
+    candidates = [c for c in checkpoints if c <= limit]
+    if not candidates:
+        raise PlanError(
+            f"no complete checkpoint at or before iteration {limit} (onset {onset} - "
+            f"rollback {config.rollback_iters}); available: {checkpoints or 'none'}. Lower "
+            "--rollback-iters or restore an older checkpoint."
+        )
+    target = candidates[-1]
+    moved = [c for c in checkpoints if c > target]
+    replay = config.policy == "confirm" and not reproduced(incident, ledger)
+    skips = set(earlier_skips)
+    window = None
+    if not replay:
+        n = config.batches()
+        window = [target + 1, target + n]
+        if window[1] < int(incident["iteration"]):
+            raise PlanError(
+                f"skip window {window[0]}-{window[1]} does not reach the incident at iteration "
+                f"{incident['iteration']}: use --skip-batches >= {incident['iteration'] - target}"
+            )
+        if train_iters is not None and window[1] > train_iters:
+            raise PlanError(
+                f"skip window {window[0]}-{window[1]} runs past --train-iters "
+                f"{train_iters}: use fewer --skip-batches"
+            )
+        skips |= set(range(window[0], window[1] + 1))
+    ranges = [list(r) for r in to_ranges(sorted(skips))]
+    action = "rollback-and-replay" if replay else "rollback-and-skip"
+    skip_text = ", ".join(f"{a}-{b}" for a, b in ranges) or "none"
+    summary = (
+        f"{incident['kind']} requested at iteration {incident['iteration']} (onset {onset}, "
+        f"{incident.get('classification')}, culprit DP rank {incident.get('culprit_dp_rank')}, "
+        f"loss {incident.get('loss')} vs baseline {incident.get('loss_baseline')}). "
+        f"Roll back to checkpoint {target}"
+        + (
+            f", skip iterations {window[0]}-{window[1]}"
+            if window
+            else ", replay the same data to confirm (confirm policy, first occurrence)"
+        )
+        + f"; all skipped iterations: {skip_text}."
+    )
+    return Plan(
+        incident=incident,
+        action=action,
+        onset=onset,
+        rollback_to=target,
+        skip_window=window,
+        skip_ranges=ranges,
+        moved_checkpoints=moved,
+        restart_args=[
+            "--load",
+            ckpt_dir,
+            "--iterations-to-skip",
+            *(f"{a}-{b}" if a != b else str(a) for a, b in ranges),
+        ],
+        summary=summary,
+        tracker_lines=[]
+        if replay or config.policy != "confirm"
+        else tracker_lines(incident, ledger),
+    )

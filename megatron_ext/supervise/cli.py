@@ -1,0 +1,93 @@
+"""``megatron-ext supervise``: the command both launch scripts exec.
+
+    megatron-ext supervise --scheduler local|slurm [--dry-run] [--help] [TRAINING ARGS...]
+
+Configuration comes from the environment (the knobs in :mod:`.knobs`, listed by ``--help``
+with their defaults, and the exit-code table); arguments other than ``--dry-run``/``--help``
+(and everything after ``--``) are appended to the training arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from megatron_ext.supervise import commands, knobs
+from megatron_ext.supervise.knobs import KnobError
+from megatron_ext.supervise.runner import NAMES, Supervisor, log
+
+EXIT_CODES = """Exit codes of the training and what the supervisor does (supervise/policy.py):
+   0  finished                                 -> exit 0
+  16  EXIT_CODE_RESUME_TO_DISAMBIGUATE         -> restart from the last checkpoint
+      (RESTART_MODE: requeue or relaunch in place), at most MAX_RESTARTS; then exit 16
+  17  EXIT_CODE_FAILED_ON_RESULT_VALIDATION    -> stop, print the tracker file and the
+      nodes it names; exit 17 (never retried blindly)
+  42  megatron-ext rollback request (--spike-exit-code; the spike ledger must confirm it)
+      -> run MEGATRON_EXT_ON_SPIKE (default: megatron-ext skiplist --apply) and relaunch, at
+      most MAX_ROLLBACKS; no hook, hook failure or budget spent -> exit 42
+  other  a crash                               -> stop with that code
+The supervisor also exits 2 on a configuration error and 128+N after stopping on signal N
+(SIGUSR1 with RESTART_MODE=requeue: requeue and exit 0 while the restart budget lasts)."""
+
+
+def build_parser(scheduler: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog=f"megatron-ext supervise --scheduler {scheduler}",
+        add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+        epilog="Knobs (environment variables) [default]:\n"
+        + knobs.describe(scheduler)
+        + "\n\n"
+        + EXIT_CODES,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    scheduler = "local"
+    if argv[:1] == ["--scheduler"] and len(argv) > 1:
+        scheduler, argv = argv[1], argv[2:]
+    if scheduler not in NAMES:
+        print(
+            f"megatron-ext supervise: --scheduler must be local or slurm, got {scheduler!r}",
+            file=sys.stderr,
+        )
+        return 2
+    dry_run, cli_args = False, []
+    for index, arg in enumerate(argv):
+        if arg == "--":
+            cli_args += argv[index + 1 :]
+            break
+        if arg == "--dry-run":
+            dry_run = True
+        elif arg in ("-h", "--help"):
+            build_parser(scheduler).print_help()
+            return 0
+        else:
+            cli_args.append(arg)
+    env = dict(os.environ)
+    root = Path(env.get("MEGATRON_EXT_ROOT") or Path(__file__).resolve().parents[2])
+    try:
+        config = knobs.load(env, scheduler, root, Path.cwd())
+        dry_run = dry_run or knobs.dry_run_requested(config.values)
+        supervisor = Supervisor(config, cli_args, env)
+        if dry_run:
+            print(f"+ {commands.quote(supervisor.command(1))}", flush=True)
+            return 0
+        if not Path(config["TRAIN_SCRIPT"]).is_file():
+            raise KnobError(
+                f"TRAIN_SCRIPT {config['TRAIN_SCRIPT']} does not exist; set "
+                "TRAIN_SCRIPT or MEGATRON_EXT_ROOT"
+            )
+        supervisor.main()
+    except KnobError as exc:
+        log(NAMES[scheduler], f"ERROR: {exc}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""The command one attempt runs: training arguments, the per-rank wrapper, torchrun / srun.
+
+Also the facts the supervisor reads from the training arguments (signals dir, ledger, spike
+exit code, tracker file), parsed with argparse as Megatron would, and Slurm host-list
+expansion for the rendezvous host when ``scontrol`` cannot do it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_ext.files import SPIKE_LEDGER_FILE
+from megatron_ext.supervise.knobs import TRAINING_ENV, Config, KnobError
+from megatron_ext.supervise.policy import DEFAULT_SPIKE_EXIT_CODE
+
+# Under torchrun every worker runs in this wrapper: it records the worker's own exit code
+# (torchrun turns any failure into 1) in $MEGATRON_EXT_EXIT_CODE_DIR/rank-$RANK.rc, and its
+# TERM trap keeps the wrapper alive while the worker saves on SIGTERM.
+RANK_WRAPPER = (
+    'trap : TERM INT HUP; "$@"; rc=$?; d=${MEGATRON_EXT_EXIT_CODE_DIR:-}; '
+    'if [ -n "$d" ]; then printf "%s\\n" "$rc" >"$d/rank-${RANK:-0}.rc" || :; fi; '
+    'exit "$rc"'
+)
+
+
+@dataclass(frozen=True)
+class TrainingFacts:
+    """What the supervisor needs to know about the training arguments."""
+
+    signals_dir: str | None
+    ledger: Path | None
+    spike_exit_code: int
+    tracker_file: str | None  # a user's --result-rejected-tracker-filename
+
+
+def _facts_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--signals-dir")
+    parser.add_argument("--spike-ledger")
+    parser.add_argument("--spike-exit-code", type=int, default=DEFAULT_SPIKE_EXIT_CODE)
+    parser.add_argument("--result-rejected-tracker-filename")
+    parser.add_argument("--save")
+    parser.add_argument("--load")
+    return parser
+
+
+def training_facts(user_args: list[str]) -> TrainingFacts:
+    """Parse the user's training flags the way Megatron's parser will."""
+    known, _ = _facts_parser().parse_known_args(user_args)
+    if known.save is not None or known.load is not None:
+        flag = "--save" if known.save is not None else "--load"
+        raise KnobError(
+            f"do not pass {flag} yourself: the launcher always passes --save $CKPT_DIR --load "
+            "$CKPT_DIR (auto-resume); set CKPT_DIR instead (to start from another checkpoint "
+            "use --pretrained-checkpoint)"
+        )
+    ledger = known.spike_ledger or (
+        str(Path(known.signals_dir) / SPIKE_LEDGER_FILE) if known.signals_dir else None
+    )
+    return TrainingFacts(
+        known.signals_dir,
+        Path(ledger) if ledger else None,
+        known.spike_exit_code,
+        known.result_rejected_tracker_filename,
+    )
+
+
+def user_args(config: Config, cli_args: list[str]) -> list[str]:
+    return [
+        *config.words("MODEL_ARGS"),
+        *config.words("DATA_ARGS"),
+        *config.words("EXTRA_ARGS"),
+        *cli_args,
+    ]
+
+
+def train_args(config: Config, cli_args: list[str]) -> list[str]:
+    """Megatron arguments after the script: the user's, plus --save/--load $CKPT_DIR (auto
+    resume), --exit-signal-handler and the tracker file (a user's own flag comes later and
+    wins, as argparse takes the last)."""
+    ckpt = str(config.ckpt_dir)
+    return [
+        *config.words("MODEL_ARGS"),
+        *config.words("DATA_ARGS"),
+        "--save",
+        ckpt,
+        "--load",
+        ckpt,
+        "--exit-signal-handler",
+        "--result-rejected-tracker-filename",
+        config["TRACKER_FILE"],
+        *config.words("EXTRA_ARGS"),
+        *cli_args,
+    ]
+
+
+def training_env(config: Config, rc_dir: Path | None) -> list[str]:
+    """``env NAME=VALUE ...``: visible in --dry-run, and what the workers get."""
+    env = ["env", *(f"{name}={config[name]}" for name in TRAINING_ENV), "PYTHONUNBUFFERED=1"]
+    if rc_dir is not None:
+        env += [
+            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={config['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']}",
+            f"MEGATRON_EXT_EXIT_CODE_DIR={rc_dir}",
+        ]
+    return env + config.words("EXTRA_ENV")
+
+
+def worker_command(config: Config, args: list[str]) -> list[str]:
+    """What torchrun (or srun, with LAUNCHER=python) starts per worker."""
+    script = [*config.python(), config["TRAIN_SCRIPT"], *args]
+    if config["LAUNCHER"] == "torchrun":
+        return ["--no-python", "bash", "-c", RANK_WRAPPER, "megatron-ext-rank", *script]
+    return script
+
+
+def local_command(config: Config, env: list[str], worker: list[str]) -> list[str]:
+    if config["LAUNCHER"] != "torchrun":
+        return [*env, *worker]
+    return [
+        *env,
+        *config.words("TORCHRUN"),
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        config["GPUS_PER_NODE"],
+        "--max-restarts",
+        "0",
+        *worker,
+    ]
+
+
+def slurm_command(
+    config: Config, env: list[str], worker: list[str], slurm: dict[str, str], attempt: int
+) -> list[str]:
+    nnodes = slurm.get("SLURM_NNODES") or slurm.get("SLURM_JOB_NUM_NODES") or ""
+    if not nnodes.isdigit() or int(nnodes) == 0:
+        raise KnobError(f"SLURM_NNODES must be a positive integer, got {nnodes!r}")
+    command = [
+        "srun",
+        f"--nodes={nnodes}",
+        f"--ntasks={nnodes}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        *config.words("SRUN_ARGS"),
+        *env,
+    ]
+    if config["LAUNCHER"] != "torchrun":
+        return [*command, *worker]
+    master = config["MASTER_ADDR"] or first_host(slurm["SLURM_JOB_NODELIST"])
+    rdzv_id = f"{slurm.get('SLURM_JOB_ID', '0')}-{slurm.get('SLURM_RESTART_COUNT', '0')}-{attempt}"
+    return [
+        *command,
+        *config.words("TORCHRUN"),
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        config["GPUS_PER_NODE"],
+        "--rdzv-id",
+        rdzv_id,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{master}:{config['MASTER_PORT']}",
+        "--max-restarts",
+        "0",
+        *worker,
+    ]
+
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """Slurm host-list syntax, as ``scontrol show hostnames`` expands it:
+    ``gpu[001-003,010],cpu1`` -> gpu001 gpu002 gpu003 gpu010 cpu1; ``r[1-2]-n[7-8]`` -> 4 hosts.
+    """
+    hosts: list[str] = []
+    for entry in _split_top_level(nodelist):
+        expanded = [""]
+        for literal, bracket in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", entry):
+            expanded = [h + literal for h in expanded]
+            if bracket:
+                expanded = [h + n for h in expanded for n in _bracket(bracket, nodelist)]
+        hosts += [h for h in expanded if h]
+    if not hosts:
+        raise KnobError(f"empty host list from SLURM_JOB_NODELIST={nodelist!r}")
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return [p for p in (*parts, current) if p]
+
+
+def _bracket(inner: str, nodelist: str) -> list[str]:
+    names = []
+    for item in inner.split(","):
+        match = _RANGE.match(item.strip())
+        if not match:
+            raise KnobError(f"cannot expand {item!r} in SLURM_JOB_NODELIST={nodelist!r}")
+        start, end = match[1], match[2] or match[1]
+        width = len(start)
+        names += [str(n).zfill(width) for n in range(int(start), int(end) + 1)]
+    return names
+
+
+def first_host(nodelist: str) -> str:
+    """The rendezvous host: ``scontrol show hostnames`` when it works, else our expansion
+    (e.g. --dry-run on a machine with Slurm's tools but no Slurm configuration)."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
+        )
+        if out.returncode == 0 and out.stdout.split():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return expand_hostlist(nodelist)[0]
+
+
+def quote(words: list[str]) -> str:
+    """One shell command line that bash and shlex.split parse back into ``words``."""
+    return shlex.join(words)

@@ -1,0 +1,228 @@
+"""The launchers' knobs: every environment variable, its default and meaning, declared once.
+
+Both launchers (``launch/run_single_node.sh``, ``launch/pretrain_gpt_ext.sbatch``) hand their
+environment to ``megatron-ext supervise``; this table is what it reads, what ``--help``
+prints, and the only place a default lives. Scheduler-specific defaults are spelled
+``local``/``slurm`` in :class:`Knob`.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_ext.files import LAUNCH_STATE_DIR, RESULT_REJECTED_TRACKER_FILE
+
+
+class KnobError(ValueError):
+    """A knob has a value the launcher cannot use; exit 2 with this message."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    help: str
+    local: str = ""
+    slurm: str | None = None  # None: same as local
+    kind: str = "text"  # text | uint | choice | words | path | bool
+
+    def default(self, scheduler: str) -> str:
+        return self.slurm if scheduler == "slurm" and self.slurm is not None else self.local
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob(
+        "CKPT_DIR",
+        "checkpoint directory, --save and --load (shared filesystem under Slurm)",
+        "$PWD/checkpoints",
+        kind="path",
+    ),
+    Knob("MODEL_ARGS", "Megatron model flags (shell words; quote paths with spaces)", kind="words"),
+    Knob("DATA_ARGS", "Megatron data flags (shell words)", kind="words"),
+    Knob(
+        "EXTRA_ARGS", "more training flags (shell words); script arguments come last", kind="words"
+    ),
+    Knob(
+        "PYTHON",
+        "Python interpreter of the training workers (a path, may contain spaces)",
+        "python",
+    ),
+    Knob(
+        "LAUNCHER",
+        "torchrun | python (one process per node, for CPU tests and debugging)",
+        "torchrun",
+        kind="choice",
+    ),
+    Knob("TORCHRUN", "torchrun command (shell words)", "torchrun", kind="words"),
+    Knob("TRAIN_SCRIPT", "training script", "$MEGATRON_EXT_ROOT/pretrain_gpt_ext.py", kind="path"),
+    Knob(
+        "GPUS_PER_NODE", "processes (GPUs) per node", "8", "$SLURM_GPUS_ON_NODE or 8", kind="uint"
+    ),
+    Knob(
+        "MASTER_ADDR", "rendezvous host (Slurm: first host of SLURM_JOB_NODELIST)", "", "first host"
+    ),
+    Knob("MASTER_PORT", "rendezvous port (Slurm)", "29500", kind="uint"),
+    Knob("SRUN_ARGS", "extra srun options (shell words)", "", "--cpu-bind=none", kind="words"),
+    Knob(
+        "MAX_RESTARTS",
+        "restart budget for exit 16 and preemption, counting "
+        "SLURM_RESTART_COUNT and relaunches in this allocation",
+        "10",
+        "100",
+        kind="uint",
+    ),
+    Knob(
+        "RESTART_MODE",
+        "inplace (relaunch here) | requeue (scontrol requeue) for exit 16",
+        "inplace",
+        "requeue",
+        kind="choice",
+    ),
+    Knob("MAX_ROLLBACKS", "spike rollbacks per allocation", "5", kind="uint"),
+    Knob(
+        "MEGATRON_EXT_ON_SPIKE",
+        "command run (bash -c) on a rollback request instead of "
+        "`megatron-ext skiplist --apply`; exit 0 = relaunch. It sees MEGATRON_EXT_CKPT_DIR, "
+        "MEGATRON_EXT_SIGNALS_DIR, MEGATRON_EXT_TRACKER_FILE, MEGATRON_EXT_ROLLBACK, "
+        "MEGATRON_EXT_MAX_ROLLBACKS, MEGATRON_EXT_TRAIN_EXIT_CODE",
+    ),
+    Knob(
+        "SKIPLIST_ARGS",
+        "extra `megatron-ext skiplist` flags for the default spike hook (shell words)",
+        kind="words",
+    ),
+    Knob(
+        "TRACKER_FILE",
+        "Megatron's result-rejected tracker file",
+        f"$CKPT_DIR/{RESULT_REJECTED_TRACKER_FILE}",
+        kind="path",
+    ),
+    Knob(
+        "LAUNCH_STATE_DIR",
+        "per-rank exit codes of each attempt (shared filesystem)",
+        f"$CKPT_DIR/{LAUNCH_STATE_DIR}",
+        kind="path",
+    ),
+    Knob("CUDA_DEVICE_MAX_CONNECTIONS", "Megatron TP/SP communication ordering", "1"),
+    Knob("NCCL_IB_TIMEOUT", "InfiniBand verbs timeout (4.096 us * 2^N)", "22"),
+    Knob("TORCH_NCCL_ASYNC_ERROR_HANDLING", "abort on NCCL errors and timeouts", "1"),
+    Knob("OMP_NUM_THREADS", "CPU threads per worker", "8"),
+    Knob(
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+        "seconds torchrun gives workers to save after SIGTERM before SIGKILL",
+        "270",
+        kind="uint",
+    ),
+    Knob(
+        "EXTRA_ENV", "more NAME=VALUE pairs for the training processes (shell words)", kind="words"
+    ),
+    Knob(
+        "DRY_RUN",
+        "1 = --dry-run: print the command of the first attempt and exit",
+        "0",
+        kind="bool",
+    ),
+)
+
+# Exported to the training processes, in this order (visible in --dry-run).
+TRAINING_ENV = (
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "NCCL_IB_TIMEOUT",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS",
+)
+CHOICES = {"LAUNCHER": ("torchrun", "python"), "RESTART_MODE": ("requeue", "inplace")}
+
+
+@dataclass(frozen=True)
+class Config:
+    """The launcher's configuration, validated."""
+
+    scheduler: str  # local | slurm
+    root: Path  # repository root (pretrain_gpt_ext.py)
+    values: dict[str, str]
+
+    def __getitem__(self, name: str) -> str:
+        return self.values[name]
+
+    def number(self, name: str) -> int:
+        return int(self.values[name])
+
+    def words(self, name: str) -> list[str]:
+        return shlex.split(self.values[name])
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return Path(self.values["CKPT_DIR"])
+
+    def python(self) -> list[str]:
+        """The worker interpreter: one path when it names a program, else shell words."""
+        value = self.values["PYTHON"]
+        if Path(value).exists() or shutil.which(value):
+            return [value]
+        return shlex.split(value)
+
+
+def _absolute(value: str, cwd: Path) -> str:
+    return value if os.path.isabs(value) else str(cwd / value)
+
+
+def load(env: Mapping[str, str], scheduler: str, root: Path, cwd: Path) -> Config:
+    """Read every knob from ``env`` (defaults above), validate, resolve relative paths."""
+    # As bash's ${X:=default}: unset or empty takes the default.
+    values = {knob.name: env.get(knob.name) or knob.default(scheduler) for knob in KNOBS}
+    values["CKPT_DIR"] = _absolute(values["CKPT_DIR"].replace("$PWD", str(cwd)), cwd)
+    ckpt = values["CKPT_DIR"]
+    values["TRAIN_SCRIPT"] = values["TRAIN_SCRIPT"].replace("$MEGATRON_EXT_ROOT", str(root))
+    for name in ("TRACKER_FILE", "LAUNCH_STATE_DIR"):
+        values[name] = _absolute(values[name].replace("$CKPT_DIR", ckpt), cwd)
+    if scheduler == "slurm":
+        if values["GPUS_PER_NODE"] == "$SLURM_GPUS_ON_NODE or 8":
+            values["GPUS_PER_NODE"] = env.get("SLURM_GPUS_ON_NODE") or "8"
+        if values["MASTER_ADDR"] == "first host":
+            values["MASTER_ADDR"] = ""
+    _validate(values)
+    return Config(scheduler, root, values)
+
+
+def _validate(values: dict[str, str]) -> None:
+    for name, allowed in CHOICES.items():
+        if values[name] not in allowed:
+            raise KnobError(
+                f"{name} must be {' or '.join(repr(a) for a in allowed)}, got {values[name]!r}"
+            )
+    for knob in KNOBS:
+        if knob.kind == "uint" and not values[knob.name].isdigit():
+            raise KnobError(
+                f"{knob.name} must be a non-negative integer, got {values[knob.name]!r}"
+            )
+        if knob.kind == "words":
+            try:
+                shlex.split(values[knob.name])
+            except ValueError as exc:
+                raise KnobError(f"{knob.name}: {exc} in {values[knob.name]!r}") from None
+    if values["DRY_RUN"].lower() not in ("", "0", "1", "true", "false", "yes", "no"):
+        raise KnobError(f"DRY_RUN must be 0 or 1, got {values['DRY_RUN']!r}")
+    if int(values["GPUS_PER_NODE"]) < 1:
+        raise KnobError("GPUS_PER_NODE must be at least 1")
+    for pair in shlex.split(values["EXTRA_ENV"]):
+        name, sep, _ = pair.partition("=")
+        if not sep or not name.isidentifier():
+            raise KnobError(f"EXTRA_ENV entries must be NAME=VALUE, got {pair!r}")
+
+
+def dry_run_requested(values: Mapping[str, str]) -> bool:
+    return values.get("DRY_RUN", "0").lower() in ("1", "true", "yes")
+
+
+def describe(scheduler: str) -> str:
+    """The knob table for ``--help``."""
+    lines = []
+    for knob in KNOBS:
+        default = knob.default(scheduler)
+        lines.append(f"  {knob.name:<32} {knob.help}" + (f" [{default}]" if default else ""))
+    return "\n".join(lines)

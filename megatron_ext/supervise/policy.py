@@ -1,0 +1,146 @@
+"""What the launcher does after a training attempt ends: the exit-code policy, as data.
+
+Pure functions (no I/O): from the launcher's exit status, what each rank reported, the spike
+ledger and the budgets, :func:`decide` returns one :class:`Decision`. The runner carries it
+out; tests exercise every row without starting anything.
+
+==========  ===========================================  =====================================
+code        meaning                                      action
+==========  ===========================================  =====================================
+0           training finished                            exit 0
+16          EXIT_CODE_RESUME_TO_DISAMBIGUATE (Megatron)  restart from the last checkpoint:
+                                                         requeue or relaunch (MAX_RESTARTS)
+17          EXIT_CODE_FAILED_ON_RESULT_VALIDATION        stop with 17, report the tracker file
+spike code  megatron-ext rollback request (default 42,   run the spike hook (plan + apply),
+            --spike-exit-code), confirmed by the ledger  relaunch (MAX_ROLLBACKS)
+other       a crash, or a spike code the ledger does     stop with that code
+            not confirm
+==========  ===========================================  =====================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+EXIT_RESUME_TO_DISAMBIGUATE = 16
+EXIT_FAILED_ON_RESULT_VALIDATION = 17
+DEFAULT_SPIKE_EXIT_CODE = 42
+
+Action = Literal["finish", "restart", "rollback", "stop"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one attempt ended."""
+
+    launcher_rc: int
+    rank_codes: tuple[int, ...]  # what each worker reported (torchrun itself says 1)
+    spike_code: int
+    # Whether the spike ledger gained a rollback request during the attempt; None when the
+    # run keeps no ledger (no --signals-dir: a custom MEGATRON_EXT_ON_SPIKE hook decides).
+    ledger_confirms: bool | None = None
+
+    def effective(self) -> int:
+        """The code that matters: 17, then the spike code, then 16, then the first other
+        non-zero code a worker exited with (not a signal death), else the launcher's."""
+        if self.launcher_rc == 0:
+            return 0
+        for wanted in (
+            EXIT_FAILED_ON_RESULT_VALIDATION,
+            self.spike_code,
+            EXIT_RESUME_TO_DISAMBIGUATE,
+        ):
+            if wanted in self.rank_codes:
+                return wanted
+        for code in self.rank_codes:
+            if 0 < code < 128:
+                return code
+        return self.launcher_rc
+
+
+@dataclass(frozen=True)
+class Budget:
+    restarts_done: int  # SLURM_RESTART_COUNT + relaunches in this allocation
+    max_restarts: int
+    rollbacks_done: int
+    max_rollbacks: int
+    requeue: bool  # RESTART_MODE=requeue (else relaunch in place)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    exit_code: int  # the launcher's exit status when it stops (0 after a requeue)
+    reason: str
+    requeue: bool = False  # for "restart": scontrol requeue instead of relaunching here
+
+
+def decide(outcome: Outcome, budget: Budget) -> Decision:
+    """The row of the table above that applies to ``outcome``."""
+    code = outcome.effective()
+    if code == 0:
+        return Decision("finish", 0, "training finished successfully")
+    if code == EXIT_RESUME_TO_DISAMBIGUATE:
+        if budget.restarts_done >= budget.max_restarts:
+            return Decision(
+                "stop",
+                code,
+                f"restart budget exhausted ({budget.restarts_done} "
+                f"restarts so far, MAX_RESTARTS={budget.max_restarts}); giving up",
+            )
+        return Decision(
+            "restart",
+            code,
+            f"restart {budget.restarts_done + 1}/{budget.max_restarts}",
+            requeue=budget.requeue,
+        )
+    if code == EXIT_FAILED_ON_RESULT_VALIDATION:
+        return Decision(
+            "stop",
+            code,
+            "a result validation failed in Megatron's rerun state "
+            "machine and the failure was reproducible or hardware-suspect",
+        )
+    if code == outcome.spike_code:
+        if outcome.ledger_confirms is False:
+            return Decision(
+                "stop",
+                code,
+                f"training exited {code} (the spike exit code) but "
+                "the spike ledger holds no new rollback request, so this is not a "
+                "rollback request; treating it as a failure",
+            )
+        if budget.rollbacks_done >= budget.max_rollbacks:
+            return Decision(
+                "stop",
+                code,
+                f"rollback budget exhausted ({budget.rollbacks_done} "
+                f"rollbacks, MAX_ROLLBACKS={budget.max_rollbacks})",
+            )
+        return Decision(
+            "rollback", code, f"rollback {budget.rollbacks_done + 1}/{budget.max_rollbacks}"
+        )
+    return Decision("stop", code, f"training failed with exit code {code}; stopping")
+
+
+def after_stop_signal(signal_name: str, code: int, budget: Budget, signal_number: int) -> Decision:
+    """The launcher was signalled (preemption warning, scancel, Ctrl-C) and the training
+    saved and exited with ``code``. SIGUSR1 under requeue mode asks for a requeue."""
+    if code == EXIT_FAILED_ON_RESULT_VALIDATION:
+        return decide(Outcome(code, (), DEFAULT_SPIKE_EXIT_CODE), budget)
+    if signal_name == "USR1" and budget.requeue:
+        if budget.restarts_done >= budget.max_restarts:
+            return Decision(
+                "stop",
+                128 + signal_number,
+                f"not requeueing: "
+                f"{budget.restarts_done} restarts so far, MAX_RESTARTS="
+                f"{budget.max_restarts}; resubmit by hand to resume",
+            )
+        return Decision("restart", 0, "time limit / preemption warning SIGUSR1", requeue=True)
+    return Decision(
+        "stop",
+        128 + signal_number,
+        f"stopped after SIG{signal_name}; rerun the same command to resume",
+    )

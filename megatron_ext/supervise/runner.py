@@ -1,0 +1,349 @@
+"""The supervisor: run training attempts and act on how each one ended.
+
+The launchers are scheduler glue around ``megatron-ext supervise`` (:mod:`.cli`): they find the
+repository and exec it with ``--scheduler local`` or ``--scheduler slurm``. Per attempt it
+builds the command
+(:mod:`.commands`), runs it with the stop signals forwarded (SIGUSR1/TERM/INT/HUP: the
+training saves and exits), collects what each rank reported, and carries out the
+:mod:`.policy` decision: finish, restart (relaunch here or ``scontrol requeue``), roll back
+(the spike hook, then relaunch) or stop. Its log lines go to stderr as
+``[megatron-ext <scheduler>] ...``; ``--dry-run`` prints the first attempt's command.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+from megatron_ext.io import read_jsonl
+from megatron_ext.supervise import commands, policy
+from megatron_ext.supervise.commands import TrainingFacts
+from megatron_ext.supervise.knobs import Config, KnobError
+from megatron_ext.supervise.policy import Budget, Decision, Outcome
+
+STOP_SIGNALS = ("USR1", "TERM", "INT", "HUP")
+NAMES = {"local": "single-node", "slurm": "sbatch"}
+
+
+def log(config_or_name: Config | str, message: str) -> None:
+    name = config_or_name if isinstance(config_or_name, str) else NAMES[config_or_name.scheduler]
+    print(f"[megatron-ext {name}] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class State:
+    """What the supervisor remembers across attempts of one allocation."""
+
+    attempt: int = 0
+    inplace_restarts: int = 0
+    rollbacks: int = 0
+    stop_signal: str | None = None
+    child: subprocess.Popen | None = None
+    forwarded: bool = False
+    slurm: dict[str, str] = field(default_factory=dict)
+
+
+class Supervisor:
+    def __init__(self, config: Config, cli_args: list[str], env: dict[str, str]) -> None:
+        self.config = config
+        self.cli_args = cli_args
+        self.env = env
+        self.facts: TrainingFacts = commands.training_facts(commands.user_args(config, cli_args))
+        self.tracker_file = self.facts.tracker_file or config["TRACKER_FILE"]
+        self.state = State(slurm={k: v for k, v in env.items() if k.startswith("SLURM_")})
+        if config.scheduler == "slurm" and not self.state.slurm.get("SLURM_JOB_NODELIST"):
+            raise KnobError(
+                "SLURM_JOB_NODELIST is not set: submit with sbatch (or fake the "
+                "SLURM_* variables for --dry-run)"
+            )
+
+    # -- commands -------------------------------------------------------------------------
+    def rc_dir(self, attempt: int) -> Path | None:
+        if self.config["LAUNCHER"] != "torchrun":
+            return None
+        slurm = self.state.slurm
+        tag = (
+            f"{slurm.get('SLURM_JOB_ID', f'pid{os.getpid()}')}."
+            f"r{slurm.get('SLURM_RESTART_COUNT', '0')}.a{attempt}"
+        )
+        return Path(self.config["LAUNCH_STATE_DIR"]) / "exit_codes" / tag
+
+    def command(self, attempt: int) -> list[str]:
+        config = self.config
+        env = commands.training_env(config, self.rc_dir(attempt))
+        worker = commands.worker_command(config, commands.train_args(config, self.cli_args))
+        if config.scheduler == "slurm":
+            return commands.slurm_command(config, env, worker, self.state.slurm, attempt)
+        return commands.local_command(config, env, worker)
+
+    # -- running one attempt ---------------------------------------------------------------
+    def _on_signal(self, number: int, _frame: object) -> None:
+        name = signal.Signals(number).name.removeprefix("SIG")
+        if self.state.stop_signal is None:
+            self.state.stop_signal = name
+            log(
+                self.config,
+                f"received SIG{name}: asking the training to save a checkpoint and exit",
+            )
+        else:
+            log(
+                self.config,
+                f"received SIG{name} (already stopping after "
+                f"SIG{self.state.stop_signal}); still waiting",
+            )
+        self._forward()
+
+    def _forward(self) -> None:
+        """Ask the running training to save and exit (once per attempt)."""
+        child = self.state.child
+        if child is None or self.state.forwarded:
+            return
+        self.state.forwarded = True
+        if self.config.scheduler == "local":
+            child.send_signal(signal.SIGTERM)
+            return
+        # SIGTERM to srun makes it SIGKILL its tasks mid-save; scancel signals every process
+        # of the job's steps instead (torchrun forwards it and waits for the save).
+        job = self.state.slurm.get("SLURM_JOB_ID")
+        if job and shutil.which("scancel"):
+            log(self.config, f"+ {commands.quote(['scancel', '--signal=TERM', job])}")
+            subprocess.run(["scancel", "--signal=TERM", job], check=False)
+        else:
+            log(
+                self.config,
+                "ERROR: scancel or SLURM_JOB_ID missing: cannot ask the training to save",
+            )
+
+    def run_attempt(self, attempt: int) -> Outcome:
+        rc_dir = self.rc_dir(attempt)
+        if rc_dir is not None:
+            shutil.rmtree(rc_dir, ignore_errors=True)
+            rc_dir.mkdir(parents=True)
+        before = self._rollback_requests()
+        command = self.command(attempt)
+        log(
+            self.config,
+            f"attempt {attempt}: launching training (checkpoints: {self.config.ckpt_dir})",
+        )
+        print(f"+ {commands.quote(command)}", file=sys.stderr, flush=True)
+        self.state.forwarded = False
+        self.state.child = subprocess.Popen(command)
+        if self.state.stop_signal is not None:  # a signal raced with the start
+            self._forward()
+        launcher_rc = self.state.child.wait()
+        self.state.child = None
+        if launcher_rc < 0:  # killed by a signal: report it the way a shell would
+            launcher_rc = 128 - launcher_rc
+        codes = self._rank_codes(rc_dir)
+        after = self._rollback_requests()
+        outcome = Outcome(
+            launcher_rc,
+            codes,
+            self.facts.spike_exit_code,
+            None if after is None else after > (before or 0),
+        )
+        if outcome.effective() != launcher_rc:
+            log(
+                self.config,
+                f"launcher exited {launcher_rc}; training workers reported exit "
+                f"code {outcome.effective()}",
+            )
+        return outcome
+
+    @staticmethod
+    def _rank_codes(rc_dir: Path | None) -> tuple[int, ...]:
+        if rc_dir is None or not rc_dir.is_dir():
+            return ()
+        codes = []
+        for path in sorted(rc_dir.glob("rank-*.rc")):
+            text = path.read_text().strip()
+            if text.isdigit():
+                codes.append(int(text))
+        shutil.rmtree(rc_dir, ignore_errors=True)
+        return tuple(codes)
+
+    def _rollback_requests(self) -> int | None:
+        """Rollback requests in the spike ledger so far; None when the run keeps none."""
+        ledger = self.facts.ledger
+        if ledger is None:
+            return None
+        if not ledger.is_file():
+            return 0
+        return sum(e.get("kind") == "rollback" for e in read_jsonl(ledger, warn=False).records)
+
+    # -- acting on the outcome ------------------------------------------------------------
+    def budget(self) -> Budget:
+        config = self.config
+        restarts = int(self.state.slurm.get("SLURM_RESTART_COUNT") or 0)
+        return Budget(
+            restarts + self.state.inplace_restarts,
+            config.number("MAX_RESTARTS"),
+            self.state.rollbacks,
+            config.number("MAX_ROLLBACKS"),
+            config["RESTART_MODE"] == "requeue",
+        )
+
+    def main(self) -> NoReturn:
+        config = self.config
+        for path in (
+            config.ckpt_dir,
+            Path(config["LAUNCH_STATE_DIR"]),
+            Path(self.tracker_file).parent,
+        ):
+            path.mkdir(parents=True, exist_ok=True)
+        for name in STOP_SIGNALS:
+            signal.signal(getattr(signal, f"SIG{name}"), self._on_signal)
+        while True:
+            self.state.attempt += 1
+            outcome = self.run_attempt(self.state.attempt)
+            code = outcome.effective()
+            if self.state.stop_signal is not None:
+                name = self.state.stop_signal
+                log(config, f"training stopped after SIG{name} (effective exit code {code})")
+                decision = policy.after_stop_signal(
+                    name, code, self.budget(), int(getattr(signal, f"SIG{name}"))
+                )
+            else:
+                decision = policy.decide(outcome, self.budget())
+            self.act(decision, code)
+
+    def act(self, decision: Decision, code: int) -> None:
+        """Carry out one decision; returns only to relaunch."""
+        config = self.config
+        if decision.action == "finish":
+            log(config, decision.reason)
+            sys.exit(0)
+        if code == policy.EXIT_RESUME_TO_DISAMBIGUATE:
+            log(
+                config,
+                "training exited 16 (EXIT_CODE_RESUME_TO_DISAMBIGUATE): Megatron's "
+                "rerun state machine needs a restart from the last checkpoint to disambiguate "
+                "a result",
+            )
+        if decision.action == "restart":
+            if decision.requeue:
+                self.requeue(decision)
+            self.state.inplace_restarts += 1
+            log(config, f"relaunching in place from the last checkpoint ({decision.reason})")
+            return
+        if decision.action == "rollback":
+            self.rollback(decision)
+            return
+        if code == policy.EXIT_FAILED_ON_RESULT_VALIDATION:
+            self.report_validation_failure()
+        signalled = self.state.stop_signal is not None and decision.exit_code > 128
+        log(config, decision.reason if signalled else f"ERROR: {decision.reason}")
+        if code == policy.EXIT_RESUME_TO_DISAMBIGUATE or signalled:
+            log(
+                config,
+                f"resume from {config.ckpt_dir} by running or submitting the same command again",
+            )
+        sys.exit(decision.exit_code)
+
+    def requeue(self, decision: Decision) -> NoReturn:
+        job = self.state.slurm.get("SLURM_JOB_ID")
+        if not job:
+            log(
+                self.config,
+                f"cannot requeue ({decision.reason}): not inside a Slurm job (SLURM_JOB_ID unset)",
+            )
+        else:
+            log(
+                self.config,
+                f"requeueing Slurm job {job} ({decision.reason}); it will resume "
+                f"from {self.config.ckpt_dir}",
+            )
+            log(self.config, f"+ {commands.quote(['scontrol', 'requeue', job])}")
+            if subprocess.run(["scontrol", "requeue", job], check=False).returncode == 0:
+                sys.exit(0)
+            log(self.config, f"scontrol requeue {job} failed")
+        code = decision.exit_code or 128 + signal.SIGUSR1
+        log(
+            self.config,
+            f"ERROR: giving up with exit {code}: resubmit the job to resume from "
+            f"{self.config.ckpt_dir}",
+        )
+        sys.exit(code)
+
+    def rollback(self, decision: Decision) -> None:
+        config, code = self.config, decision.exit_code
+        log(
+            config,
+            f"training exited {code}: megatron-ext detected a loss spike and requests a rollback",
+        )
+        hook = config["MEGATRON_EXT_ON_SPIKE"]
+        if not hook and not self.facts.signals_dir:
+            log(
+                config,
+                f"ERROR: MEGATRON_EXT_ON_SPIKE is not set and the run has no "
+                f"--signals-dir, so there is no rollback hook to run; stopping with exit {code}. "
+                "Train with --signals-dir DIR --spike-detect (default hook: megatron-ext "
+                "skiplist --apply) or set MEGATRON_EXT_ON_SPIKE to your own command.",
+            )
+            sys.exit(code)
+        self.state.rollbacks += 1
+        env = {
+            **os.environ,
+            "MEGATRON_EXT_CKPT_DIR": str(config.ckpt_dir),
+            "MEGATRON_EXT_SIGNALS_DIR": self.facts.signals_dir or "",
+            "MEGATRON_EXT_TRACKER_FILE": self.tracker_file,
+            "MEGATRON_EXT_ROLLBACK": str(self.state.rollbacks),
+            "MEGATRON_EXT_MAX_ROLLBACKS": config["MAX_ROLLBACKS"],
+            "MEGATRON_EXT_TRAIN_EXIT_CODE": str(code),
+        }
+        if hook:
+            command = ["bash", "-c", hook]
+        else:
+            command = [
+                sys.executable,
+                "-m",
+                "megatron_ext.cli",
+                "skiplist",
+                "--apply",
+                "--ckpt-dir",
+                str(config.ckpt_dir),
+                "--signals-dir",
+                self.facts.signals_dir or "",
+                "--tracker-file",
+                self.tracker_file,
+                *(["--ledger", str(self.facts.ledger)] if self.facts.ledger else []),
+                *config.words("SKIPLIST_ARGS"),
+            ]
+        log(config, f"running spike hook ({decision.reason}): {commands.quote(command)}")
+        hook_rc = subprocess.run(command, env=env, stdin=subprocess.DEVNULL).returncode
+        if hook_rc != 0:
+            log(config, f"ERROR: spike hook failed with exit {hook_rc}; stopping with exit {code}")
+            sys.exit(code)
+        log(config, "spike hook done; relaunching from the last checkpoint")
+
+    def report_validation_failure(self) -> None:
+        config, tracker = self.config, Path(self.tracker_file)
+        log(
+            config,
+            "ERROR: training exited 17 (EXIT_CODE_FAILED_ON_RESULT_VALIDATION): a "
+            "result validation failed in Megatron's rerun state machine and the failure was "
+            "reproducible or hardware-suspect. Not retrying on the same nodes.",
+        )
+        log(config, f"result-rejected tracker file: {tracker}")
+        if tracker.is_file() and tracker.stat().st_size:
+            lines = tracker.read_text(errors="replace").splitlines()
+            log(config, "last tracker entries:")
+            print("\n".join(lines[-10:]), file=sys.stderr, flush=True)
+            nodes = sorted({w[5:] for line in lines for w in line.split() if w.startswith("node=")})
+            if nodes:
+                log(config, f"nodes named in the tracker file: {','.join(nodes)}")
+        else:
+            log(config, "(the tracker file is missing or empty; see the training log above)")
+        if self.state.slurm.get("SLURM_JOB_NODELIST"):
+            log(config, f"this job ran on: {self.state.slurm['SLURM_JOB_NODELIST']}")
+        log(
+            config,
+            f"inspect the log and tracker file; to continue from {config.ckpt_dir}, "
+            "resubmit excluding the suspect node (sbatch --exclude=NODE ...)",
+        )

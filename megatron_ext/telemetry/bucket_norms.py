@@ -1,0 +1,76 @@
+"""Per-bucket gradient norms over contiguous gradient buffers (no Megatron imports).
+
+Why per bucket: a global grad norm says *that* something blew up; the bucket (a contiguous
+run of layers) says *where*. A bucket's norm is computed over the views of its contiguous
+``grad_data`` that the global norm counts on this rank (its parameters, or the parts of them
+inside this rank's distributed-optimizer shard, minus tensor-parallel duplicates and shared
+embedding copies), so Σ bucket_norm² equals Megatron's grad-norm². All segments of all buckets
+go through one fused ``torch._foreach_norm`` (per-segment fp32 norms, like Megatron's own
+norm), summed per bucket in fp64: no copy of the gradients is made.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class BucketView:
+    """The gradient views of one bucket that this rank's share of the global norm counts."""
+
+    name: str
+    segments: tuple[torch.Tensor, ...]
+
+
+def bucket_name(index: int, param_names: list[str]) -> str:
+    """A stable, readable label: bucket index, layer span and first/last parameter.
+
+    Example: ``b0:layers0-1[decoder.layers.1.mlp.linear_fc2.weight..output_layer.weight]``.
+    Names come from the model's parameter names, so they are identical on every DP rank and
+    across restarts with the same model config.
+    """
+    short = [n.removeprefix("module.").removeprefix("module.") for n in param_names]
+    layers = sorted({int(m.group(1)) for n in short if (m := _LAYER.search(n))})
+    span = f"layers{layers[0]}-{layers[-1]}" if layers else "no-layers"
+    return f"b{index}:{span}[{short[0]}..{short[-1]}]"
+
+
+def clip_range(start: int, end: int, lo: int, hi: int) -> tuple[int, int] | None:
+    """Intersect ``[start, end)`` with the shard ``[lo, hi)``; ``None`` when disjoint."""
+    a, b = max(start, lo), min(end, hi)
+    return (a, b) if a < b else None
+
+
+class BucketNormer:
+    """Computes every bucket's squared norm with one fused ``_foreach_norm`` per step.
+
+    The segment list and the segment → bucket index are built once (a host-to-device copy
+    per step would synchronise the GPU).
+    """
+
+    def __init__(self, views: list[BucketView]) -> None:
+        self.count = len(views)
+        self.segments = [s for v in views for s in v.segments]
+        device = self.segments[0].device if self.segments else torch.device("cpu")
+        self.owner = torch.tensor(
+            [i for i, v in enumerate(views) for _ in v.segments], dtype=torch.long, device=device
+        )
+
+    def __call__(self) -> torch.Tensor:
+        """Squared L2 norm of each bucket (fp64 sums of per-segment fp32 norms)."""
+        device = self.owner.device
+        totals = torch.zeros(self.count, dtype=torch.float64, device=device)
+        if not self.segments:
+            return totals
+        per_segment = torch.stack(torch._foreach_norm(self.segments)).double().square()
+        return totals.index_add_(0, self.owner, per_segment)
+
+
+def squared_norms(views: list[BucketView]) -> torch.Tensor:
+    """One-shot convenience form of :class:`BucketNormer`."""
+    return BucketNormer(views)()

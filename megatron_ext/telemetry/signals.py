@@ -1,0 +1,96 @@
+"""The per-step signals log: one JSON line per iteration, append-only, attempt-aware.
+
+Why: a loss spike is diagnosed from signals recorded *before* it: loss, the rank with the
+worst local loss, grad and per-bucket grad norms, params norm, update ratio, lr,
+loss scale, zeros in the grads, max attention logit. The log is written every step by one
+rank. A restart (requeue, rollback) appends under a new ``attempt`` number instead of
+rewriting history; readers take the latest attempt per iteration. No Megatron imports here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.files import SIGNALS_FILE
+from megatron_ext.io import JsonlAppender, from_json, json_safe, read_jsonl
+
+
+@dataclass
+class SignalRecord:
+    """What one training iteration looked like (``None``: not measured in this run)."""
+
+    iteration: int  # 1-indexed, as Megatron logs it
+    attempt: int  # 1 for the first launch writing this log, +1 per restart
+    job_id: str
+    wall_time: float  # seconds since the epoch when the iteration was logged
+    consumed_samples: int
+    skipped_samples: int
+    lm_loss: float | None
+    z_loss: float | None = None
+    max_local_loss: float | None = None  # the worst DP rank's token-averaged loss
+    max_loss_dp_rank: int | None = None
+    grad_norm: float | None = None  # pre-clip, as Megatron computes it
+    bucket_grad_norms: dict[str, float] = field(default_factory=dict)
+    params_norm: float | None = None
+    update_ratio: float | None = None  # ||Δθ|| / ||θ||
+    lr: float | None = None
+    loss_scale: float | None = None
+    num_zeros: float | None = None
+    max_attention_logit: float | None = None
+    skipped_iter: bool = False  # the optimizer skipped the update (inf/NaN grads)
+    nan_iter: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        return json_safe(self)
+
+
+_FIELDS = {f.name for f in fields(SignalRecord)}
+
+
+def read_signals(
+    path: str | os.PathLike[str], iterations: tuple[int, int] | None = None
+) -> list[SignalRecord]:
+    """Every record of every attempt, in file order (torn lines skipped and reported).
+
+    ``iterations=(first, last)`` keeps only that range; lines outside it are recognised by
+    their leading ``{"iteration":N`` key without being parsed, so a planner can look at the
+    stretch before an incident in a million-line log quickly.
+    """
+    records = []
+    for number, raw in enumerate(read_jsonl(path, iterations=iterations).records, start=1):
+        unknown = set(raw) - _FIELDS
+        try:
+            if unknown:
+                raise TypeError(f"unknown fields {sorted(unknown)}")
+            records.append(SignalRecord(**from_json(raw)))
+        except TypeError as exc:
+            raise ValueError(f"{path}: record {number} is not a signals record: {exc}") from exc
+    return records
+
+
+def latest_per_iteration(records: list[SignalRecord]) -> list[SignalRecord]:
+    """One record per iteration: the one from the latest attempt (a rollback's replay wins)."""
+    best: dict[int, SignalRecord] = {}
+    for record in records:
+        current = best.get(record.iteration)
+        if current is None or record.attempt >= current.attempt:
+            best[record.iteration] = record
+    return [best[i] for i in sorted(best)]
+
+
+class SignalsWriter:
+    """Appends :class:`SignalRecord` lines to ``DIR/signals.jsonl`` under a fresh attempt."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        path = Path(directory) / SIGNALS_FILE
+        previous = read_signals(path) if path.exists() else []
+        self.attempt = max((r.attempt for r in previous), default=0) + 1
+        self._out = JsonlAppender(path)
+        self.path = path
+
+    def write(self, record: SignalRecord) -> None:
+        record.attempt = self.attempt
+        self._out.append(record.as_json())

@@ -1,0 +1,291 @@
+"""The weight-decay feature in Megatron: the multipliers of :mod:`megatron_ext.weight_decay.core`.
+
+Two registered patches, applied only when a flag is set (otherwise Megatron runs untouched):
+
+* ``weight-decay-overrides`` wraps ``get_megatron_optimizer_config`` and adds one
+  ``ParamKey`` → ``ParamGroupOverride(wd_mult=M)`` per multiplier to the overrides Megatron
+  built; each key matches exactly the parameters the policy gives ``M`` and that no Megatron
+  override already gives a ``wd_mult`` (so Megatron's 1-D/bias rule keeps winning and
+  Megatron's own conflict check never fires). ``pretrain_cfg_container_from_args`` calls the
+  function too (importing it at call time) and only keeps the optimizer config.
+* ``weight-decay-map`` wraps the ``get_megatron_optimizer`` that ``setup_model_and_optimizer``
+  calls, to print on rank 0, once the parameter groups exist, one line per parameter of every
+  pipeline stage: its multiplier and the rule that decided it; and to reject GLOBs that match
+  nothing.
+
+The resume check (:func:`megatron_ext.weight_decay.core.check_resume`) runs in ``validate``
+for every run that loads a checkpoint with its optimizer, flags or not, so dropping the flags
+on a resume is caught too. It reads the checkpoint's saved arguments the way Megatron's
+``--use-checkpoint-args`` does, before anything is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from megatron_ext.features import Feature
+from megatron_ext.registry import patch
+from megatron_ext.weight_decay.core import (
+    EMBEDDING_FLAG,
+    OUTPUT_LAYER_FLAG,
+    OVERRIDE_FLAG,
+    GlobUsage,
+    WeightDecayConfigError,
+    WeightDecayPolicy,
+    check_mult,
+    check_resume,
+    parse_override,
+    policy_from_values,
+    strip_wrappers,
+)
+
+_KEY_PREFIX = "megatron-ext:wd_mult="
+
+
+def _mult_arg(text: str) -> float:
+    try:
+        return check_mult(float(text), "weight-decay multiplier")
+    except (ValueError, WeightDecayConfigError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _override_arg(text: str) -> str:
+    """Validate at parse time but keep the string: args are pickled into checkpoints."""
+    try:
+        parse_override(text)
+    except WeightDecayConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+class WeightDecayFeature(Feature):
+    """Per-parameter weight-decay multipliers, and the resume check that guards them."""
+
+    name = "weight_decay"
+
+    def add_args(self, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            EMBEDDING_FLAG,
+            type=_mult_arg,
+            default=None,
+            metavar="MULT",
+            help="Weight-decay multiplier for the input embedding (OLMo 2: 0). With tied "
+            "embeddings it also covers the output layer. 1-D params and biases stay at 0.",
+        )
+        group.add_argument(
+            OUTPUT_LAYER_FLAG,
+            type=_mult_arg,
+            default=None,
+            metavar="MULT",
+            help="Weight-decay multiplier for the untied output layer (ignored, with a warning, "
+            "when embeddings are tied).",
+        )
+        group.add_argument(
+            OVERRIDE_FLAG,
+            type=_override_arg,
+            action="append",
+            default=None,
+            metavar="GLOB=MULT",
+            help="Weight-decay multiplier for parameters whose name matches GLOB (fnmatch, names "
+            "without 'module.' prefixes, as printed at start-up). Repeatable; the last matching "
+            "one wins and beats the embedding/output-layer flags; Megatron's 1-D/bias exemption "
+            "always wins. Resuming with different multipliers is refused.",
+        )
+
+    def enabled(self, args: Any) -> bool:
+        """Always: a resume that drops the flags must be caught too (see the module doc)."""
+        return True
+
+    def validate(self, args: Any) -> None:
+        """Refuse a resume under other multipliers (:class:`WeightDecayResumeError`)."""
+        check_resume_compatible(args, policy_from_args(args))
+
+    def install(self, args: Any) -> None:
+        """Warn about ineffective settings and apply the patches when a flag is set."""
+        policy = policy_from_args(args)
+        if not policy.active:
+            return
+        for warning in policy.warnings():
+            _print_once(f"megatron-ext: WARNING: {warning}")
+        patch("weight-decay-overrides").apply()
+        patch("weight-decay-map").apply()
+
+
+def policy_from_args(args: Any) -> WeightDecayPolicy:
+    """The policy a Megatron args namespace describes (a checkpoint's saved args included;
+    those predating megatron-ext have no flags)."""
+    return policy_from_values(
+        getattr(args, "embedding_weight_decay_mult", None),
+        getattr(args, "output_layer_weight_decay_mult", None),
+        getattr(args, "weight_decay_override", None),
+        tied=not getattr(args, "untie_embeddings_and_output_weights", False),
+    )
+
+
+def _print_once(message: str) -> None:
+    """Rank-0 print that works before and after torch.distributed is initialised."""
+    rank = (
+        torch.distributed.get_rank()
+        if torch.distributed.is_initialized()
+        else int(os.environ.get("RANK", "0"))
+    )
+    if rank == 0:
+        print(message, flush=True)
+
+
+def check_resume_compatible(args: Any, policy: WeightDecayPolicy) -> None:
+    """Compare with the flags saved in the checkpoint this run will load its optimizer from."""
+    if args.load is None or args.no_load_optim or args.finetune:
+        return
+    from megatron.training.checkpointing import (
+        _load_base_checkpoint,
+        get_checkpoint_tracker_filename,
+    )
+
+    # Without a tracker file there is nothing to resume (and Megatron's own message follows).
+    if not os.path.isfile(get_checkpoint_tracker_filename(args.load)):
+        return
+    state_dict, checkpoint, _, _ = _load_base_checkpoint(args.load, args, rank0=True)
+    if state_dict and "args" in state_dict:
+        check_resume(policy_from_args(state_dict["args"]), policy, checkpoint)
+
+
+def _decides(
+    policy: WeightDecayPolicy,
+    megatron_wd_keys: list[Any],
+    mult: float,
+    param: torch.nn.Parameter,
+    name: str,
+) -> bool:
+    """Whether ``mult`` is this parameter's multiplier; never where a Megatron key already
+    sets ``wd_mult`` (Megatron's rule wins, and two values would be a merge conflict)."""
+    if any(key.matches(param, name) for key in megatron_wd_keys):
+        return False
+    return policy.resolve(name).mult == mult
+
+
+def extend_overrides(config_overrides: dict, policy: WeightDecayPolicy) -> dict:
+    """Megatron's overrides plus one ``wd_mult`` key per multiplier other than 1.0 (1.0 is
+    Megatron's default; an explicit 1.0 group would duplicate its group identifier)."""
+    from megatron.core.optimizer import ParamKey, ParamWithNamePredicate
+
+    megatron_wd_keys = [key for key, value in config_overrides.items() if "wd_mult" in value]
+    extended = dict(config_overrides)
+    for mult in sorted(policy.multipliers() - {1.0}):
+        predicate = ParamWithNamePredicate(
+            name=f"{_KEY_PREFIX}{mult!r}", fn=partial(_decides, policy, megatron_wd_keys, mult)
+        )
+        extended[ParamKey(with_name_predicate=predicate)] = {"wd_mult": mult}
+    return extended
+
+
+def with_overrides(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def get_megatron_optimizer_config(args: Any) -> Any:
+        """Megatron's optimizer config and overrides, plus the megatron-ext multipliers."""
+        config, config_overrides = original(args)
+        return config, extend_overrides(config_overrides, policy_from_args(args))
+
+    return get_megatron_optimizer_config
+
+
+def _param_entries(
+    model_chunks: list[Any], config_overrides: dict, policy: WeightDecayPolicy, usage: GlobUsage
+) -> list[tuple[int, str, float, str, str]]:
+    """(chunk, name, wd_mult, decided by, other overrides) for this rank's parameters,
+    evaluated with the same keys and merge Megatron's ``_get_param_groups`` uses."""
+    from megatron.core.optimizer_param_scheduler import combine_param_group_overrides
+
+    entries = []
+    for chunk_index, chunk in enumerate(model_chunks):
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad:
+                continue
+            matching = [
+                (key, value) for key, value in config_overrides.items() if key.matches(param, name)
+            ]
+            combined = combine_param_group_overrides([value for _, value in matching])
+            by_megatron = any("wd_mult" in value and not _is_ours(key) for key, value in matching)
+            usage.count(policy, name, decided_by_flags=not by_megatron)
+            source = (
+                "Megatron: no decay for 1-D params and biases"
+                if by_megatron
+                else policy.resolve(name).source
+            )
+            others = ", ".join(f"{k}={v}" for k, v in sorted(combined.items()) if k != "wd_mult")
+            entries.append(
+                (chunk_index, strip_wrappers(name), combined.get("wd_mult", 1.0), source, others)
+            )
+    return entries
+
+
+def _is_ours(key: Any) -> bool:
+    """Whether a ParamKey is one :func:`extend_overrides` added."""
+    predicate = key.with_name_predicate
+    return getattr(predicate, "name", "").startswith(_KEY_PREFIX)
+
+
+def report_param_groups(
+    model_chunks: list[Any], config_overrides: dict, weight_decay: float, policy: WeightDecayPolicy
+) -> None:
+    """Print every stage's parameter → multiplier map on rank 0; raise on unmatched GLOBs.
+
+    One all_gather_object over the world, to which one rank per pipeline stage (TP and DP
+    rank 0) contributes its map and GLOB counts; every rank then reaches the same verdict.
+    """
+    from megatron.core import parallel_state as mpu
+
+    payload = None
+    if (
+        mpu.get_tensor_model_parallel_rank() == 0
+        and mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+    ):
+        usage = GlobUsage.empty(policy)
+        entries = _param_entries(model_chunks, config_overrides, policy, usage)
+        payload = (mpu.get_pipeline_model_parallel_rank(), usage, entries)
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, payload)
+
+    total = GlobUsage.empty(policy)
+    lines = [
+        f"megatron-ext weight decay per parameter = --weight-decay {weight_decay:g} "
+        f"x wd_mult; flags: {policy.describe()}"
+    ]
+    for stage, usage, entries in filter(None, gathered):
+        total.add(usage)
+        chunks = len({chunk for chunk, *_ in entries})
+        for chunk, name, mult, source, others in entries:
+            where = f"pp{stage}" + (f".vp{chunk}" if chunks > 1 else "")
+            extra = f" [{others}]" if others else ""
+            lines.append(f"  {where} {name} wd_mult={mult:g}{extra} <- {source}")
+    errors, warnings = total.problems(policy)
+    lines += [f"megatron-ext: WARNING: {warning}" for warning in warnings]
+    _print_once("\n".join(lines))
+    if errors:
+        raise WeightDecayConfigError("megatron-ext: " + "; ".join(errors))
+
+
+def with_param_map(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def get_megatron_optimizer(*args: Any, **kwargs: Any) -> Any:
+        """Megatron's optimizer, then the start-up map of the multipliers it was built with."""
+        from megatron.training import get_args
+
+        optimizer = original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs).arguments
+        report_param_groups(
+            bound["model_chunks"],
+            bound.get("config_overrides") or {},
+            bound["config"].weight_decay,
+            policy_from_args(get_args()),
+        )
+        return optimizer
+
+    return get_megatron_optimizer

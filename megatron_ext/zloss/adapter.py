@@ -1,0 +1,129 @@
+"""The z-loss feature (:mod:`megatron_ext.zloss.core`) in Megatron: ``--z-loss-coeff``.
+
+With a coefficient ``c > 0`` the ``zloss-output-layer`` patch replaces
+``LanguageModule.compute_language_model_loss`` (what ``GPTModel`` calls for the main head and
+for every MTP head) by the one-pass ``CE + c·log²Z``. With ``c = 0`` (the default) nothing is
+patched and the run is plain Megatron.
+
+MTP heads: Megatron computes their losses through the same method, so each MTP head's loss is
+also ``CE + c·log²Z`` per token (they share the output layer, and their normalisers drift the
+same way), scaled by ``--mtp-loss-scaling-factor`` like their CE. Megatron's ``mtp_k loss``
+logs therefore include the head's ``c·log²Z``; ``lm loss`` and ``z loss`` are the main head's.
+
+Logging: the patched method returns the training loss, but ``lm loss`` must stay pure cross
+entropy (comparable with runs without z-loss) and ``z loss`` must be logged. Every call keeps
+its detached per-token CE and log²Z next to the loss tensor it returned; the loss function
+(``on_loss``) picks the terms of the tensor it was handed, which is the main head's, and fails
+loudly if it was handed a tensor this method did not return.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_ext.features import Feature, FeatureError, LossInputs
+from megatron_ext.registry import patch
+from megatron_ext.zloss.core import cross_entropy_and_z_loss
+
+
+class ZLossFeature(Feature):
+    """``--z-loss-coeff``: the loss patch and the ``lm loss`` / ``z loss`` report entries."""
+
+    name = "zloss"
+
+    def __init__(self) -> None:
+        self.coeff = 0.0
+        # (training loss returned, per-token CE, per-token log²Z) of the calls since the last
+        # loss function; MTP heads' calls come first, the main head's last.
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add_args(self, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--z-loss-coeff",
+            type=float,
+            default=0.0,
+            help="Output-layer z-loss coefficient c: adds c·log²Z per token (Z: the softmax "
+            "normaliser of the output logits) in one pass with the cross entropy (PaLM 1e-4, "
+            "OLMo 2/3 1e-5). Applies to MTP heads too. 'lm loss' stays pure cross entropy; "
+            "'z loss' logs the mean log²Z. 0 (default) is off.",
+        )
+
+    def enabled(self, args: Any) -> bool:
+        return args.z_loss_coeff != 0
+
+    def validate(self, args: Any) -> None:
+        coeff = args.z_loss_coeff
+        if not math.isfinite(coeff) or coeff < 0:
+            raise FeatureError(f"--z-loss-coeff must be a finite number >= 0, got {coeff}.")
+        if args.cross_entropy_loss_fusion:
+            raise FeatureError(
+                "--z-loss-coeff cannot be combined with --cross-entropy-loss-fusion: the "
+                "z-loss replaces Megatron's cross entropy with its own one-pass CE + z kernel, "
+                "so the fused cross entropy would be silently ignored. Drop "
+                "--cross-entropy-loss-fusion."
+            )
+
+    def install(self, args: Any) -> None:
+        self.coeff = float(args.z_loss_coeff)
+        global _FEATURE
+        _FEATURE = self
+        patch("zloss-output-layer").apply()
+
+    def on_loss(self, inputs: LossInputs) -> dict[str, torch.Tensor]:
+        """``lm loss`` (pure CE) and ``z loss`` (mean log²Z) report entries.
+
+        Same ``[masked sum, token count]`` form as the loss function's own ``lm loss``, so
+        Megatron averages them over micro-batches and data-parallel ranks exactly as the CE.
+        """
+        pending, self.pending = self.pending, []
+        terms = [(ce, z) for loss, ce, z in pending if loss is inputs.per_token]
+        if not terms:
+            raise RuntimeError(
+                "z-loss: the loss function got a tensor that compute_language_model_loss did "
+                f"not return ({len(pending)} calls since the last micro-batch); Megatron's loss "
+                "path changed, re-verify megatron_ext.zloss.adapter."
+            )
+        cross_entropy, z_loss = terms[-1]
+        return {
+            name: torch.cat(
+                [torch.sum(term.reshape(-1) * inputs.mask).view(1), inputs.num_tokens.view(1)]
+            )
+            for name, term in (("lm loss", cross_entropy), ("z loss", z_loss))
+        }
+
+
+_FEATURE: ZLossFeature | None = None  # the installed instance, for the patched method
+
+
+def with_z_loss(_megatron_loss: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Wrapper of the ``zloss-output-layer`` patch."""
+
+    def compute_language_model_loss(
+        self: Any, labels: torch.Tensor, logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Per-token ``CE + c·log²Z`` as ``[b, s]``, remembering its CE and log²Z.
+
+        Like Megatron's cross entropy this uses the logits as its working buffer: nothing
+        reads them after the loss.
+        """
+        feature = _FEATURE
+        assert feature is not None, "zloss-output-layer applied without the z-loss feature"
+        terms = cross_entropy_and_z_loss(
+            logits,
+            labels.transpose(0, 1).contiguous(),
+            feature.coeff,
+            self.tp_group,
+            overwrite_logits=True,
+        )
+        loss = terms.loss.transpose(0, 1).contiguous()
+        feature.pending.append(
+            (loss, terms.cross_entropy.transpose(0, 1), terms.z_loss.transpose(0, 1))
+        )
+        return loss
+
+    return compute_language_model_loss

@@ -1,0 +1,122 @@
+"""Lookup batch arithmetic against Megatron's own micro-batch calculators, samplers and rank
+generator: iteration / micro-batch / DP rank <-> sample positions, skips, phases, anchors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from megatron.core.num_microbatches_calculator import (
+    ConstantNumMicroBatchesCalculator,
+    StepBatchsizeNumMicroBatchesCalculator,
+    _build_num_microbatches_calculator,
+)
+from megatron.core.parallel_state import RankGenerator
+from megatron.training.datasets.data_samplers import (
+    MegatronPretrainingRandomSampler,
+)
+
+from megatron_ext.lookup.cyclic import CyclicOrder
+from megatron_ext.lookup.errors import ConfigError, PositionError
+from megatron_ext.lookup.position import Anchor, Schedule, parse_step_schedule
+from megatron_ext.lookup.topology import Topology
+
+
+def test_positions_equal_megatron_calculators_and_locate_inverts_them() -> None:
+    """Constant, rounded-down and step-schedule batches walk like Megatron's training loop."""
+    cases = [
+        (dict(global_batch_size=12), ConstantNumMicroBatchesCalculator(12, 2, 3, False, 0)),
+        (
+            dict(global_batch_size=14, decrease_batch_size_if_needed=True),
+            ConstantNumMicroBatchesCalculator(14, 2, 3, True, 0),
+        ),
+        (
+            dict(global_batch_size=6, step_schedule=parse_step_schedule("0:6 1K:12 3K:24", 16)),
+            StepBatchsizeNumMicroBatchesCalculator(2, 3, False, 0, "0:6 1K:12 3K:24", 16),
+        ),
+    ]
+    for fields, calculator in cases:
+        schedule = Schedule(micro_batch_size=2, data_parallel_size=3, train_iters=40, **fields)
+        consumed = 0
+        for iteration in range(1, 41):
+            calculator.update(consumed, consistency_check=True)
+            batch = schedule.batch(iteration)
+            assert (batch.consumed_before, batch.size, batch.num_microbatches) == (
+                consumed,
+                calculator.get_current_running_global_batch_size(),
+                calculator.get(),
+            )
+            for m in range(batch.num_microbatches):
+                for r in range(3):
+                    positions = schedule.positions(batch, m, r)
+                    its, mbs, ranks = schedule.locate(positions, 0)
+                    assert set(its) == {iteration} and set(mbs) == {m} and set(ranks) == {r}
+            consumed += batch.size
+        assert schedule.batch_at_consumed(schedule.batch(7).consumed_before).iteration == 7
+
+
+def test_rampup_batch_size_is_ignored_by_megatron_core_0_19_2() -> None:
+    """Why the tool treats --rampup-batch-size as a no-op (and says so)."""
+    calculator = _build_num_microbatches_calculator(0, 64, 2, 4, False, None, 128)
+    assert isinstance(calculator, ConstantNumMicroBatchesCalculator)
+    from megatron.core import num_microbatches_calculator as nmc
+
+    nmc.init_num_microbatches_calculator(0, [16, 8, 1000], 64, 2, 4)
+    try:
+        nmc.update_num_microbatches(0)
+        assert nmc.get_current_global_batch_size() == 64  # no ramp-up
+    finally:
+        nmc.destroy_num_microbatches_calculator()
+
+
+def test_skips_phases_and_anchors() -> None:
+    schedule = Schedule(
+        2, 2, 8, train_iters=30, iterations_to_skip=frozenset({13, 14}), anchor=Anchor(10, 80)
+    )
+    assert [schedule.batch(k).skipped for k in (12, 13, 14, 15)] == [False, True, True, False]
+    assert schedule.batch(15).consumed_before == 14 * 8  # skipped batches are still consumed
+    phased = Schedule(2, 2, 8, train_iters=30, phase_transitions=(10, 25))
+    assert [(phased.batch(k).phase, phased.batch(k).stream_start) for k in (10, 11, 26)] == [
+        (0, 72),
+        (1, 0),
+        (2, 0),
+    ]
+    assert phased.locate(np.array([0, 15]), 1)[0].tolist() == [11, 12]
+    with pytest.raises(ConfigError, match="phase"):
+        Schedule(2, 2, 6, phase_transitions=(5,), step_schedule=((0, 4), (40, 8)))
+    resized = Schedule(2, 2, 8, train_iters=30, anchor=Anchor(10, 120))  # GBS changed at resume
+    assert not resized.history_known and resized.batch(11).consumed_before == 120
+    with pytest.raises(PositionError, match="precedes checkpoint iteration 10"):
+        resized.batch(3)
+    with pytest.raises(PositionError, match="beyond --train-iters"):
+        schedule.batch(31)
+
+
+def test_cyclic_order_equals_megatrons_random_sampler() -> None:
+    for total, mbs, dp, sharding in ((103, 2, 3, True), (96, 3, 2, False), (50, 1, 4, True)):
+        order = CyclicOrder(total, mbs, dp, sharding)
+        for rank in range(dp):
+            sampler = MegatronPretrainingRandomSampler(None, total, 0, mbs, rank, dp, sharding)
+            drawn = [batch for _ in range(3) for batch in sampler]  # cyclic_iter: 3 epochs
+            positions = [
+                np.arange(n * mbs * dp + rank * mbs, n * mbs * dp + (rank + 1) * mbs)
+                for n in range(len(drawn))
+            ]
+            assert [order.dataset_indices(p).tolist() for p in positions] == drawn
+            found, origin = order.positions_of(np.array(drawn[5]), epochs=3)
+            for i, position in enumerate(positions[5].tolist()):
+                assert position in found[origin == i].tolist()
+    with pytest.raises(ConfigError, match="disagree"):
+        CyclicOrder(10, 1, 4, False)
+
+
+def test_reader_ranks_follow_megatrons_rank_generator() -> None:
+    for tp, cp, dp, pp, order in ((2, 2, 3, 2, "tp-cp-ep-dp-pp"), (2, 1, 2, 3, "tp-cp-ep-pp-dp")):
+        generator = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
+        topology = Topology(dp, tp, pp, cp, tp_pp_dp_mapping=order.endswith("dp"))
+        for group in generator.get_ranks("dp"):
+            for dp_rank, rank in enumerate(group):
+                tp_rank = next(g.index(rank) for g in generator.get_ranks("tp") if rank in g)
+                pp_rank = next(g.index(rank) for g in generator.get_ranks("pp") if rank in g)
+                cp_rank = next(g.index(rank) for g in generator.get_ranks("cp") if rank in g)
+                assert topology.rank(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank) == rank
+        assert len(topology.readers(1)) == cp * len({0, pp - 1})

@@ -1,0 +1,177 @@
+"""``megatron-ext plot`` on a synthetic signals log (no launches: the log format is the contract).
+
+The log has two attempts: attempt 1 trains iterations 1-60 with a transient spike at 40, a NaN
+loss at 50 and a torn last line (killed writer); attempt 2 is a rollback replay from 35 that
+spikes at 38, only 3 iterations after its restart.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from megatron_ext import cli
+from megatron_ext.spikes.detector import SpikeConfig
+from megatron_ext.telemetry.plot import PANELS, build_series, main, render
+from megatron_ext.telemetry.signals import SignalRecord, SignalsWriter, read_signals
+
+CONFIG = SpikeConfig(window=10, warmup=10, patience=5)
+DETECTOR_FLAGS = ["--spike-window", "10", "--spike-warmup", "10", "--spike-patience", "5"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _record(iteration: int, loss: float, grad: float) -> SignalRecord:
+    return SignalRecord(
+        iteration=iteration,
+        attempt=0,
+        job_id="j",
+        wall_time=float(iteration),
+        consumed_samples=8 * iteration,
+        skipped_samples=0,
+        lm_loss=loss,
+        grad_norm=grad,
+        params_norm=100.0 + 0.01 * iteration,
+        max_loss_dp_rank=iteration % 4,
+    )
+
+
+def _healthy_loss(iteration: int) -> float:
+    return 4.0 - 0.01 * iteration + 0.02 * math.sin(iteration)  # slow decline, a little noise
+
+
+def _write_log(directory: Path) -> Path:
+    first = SignalsWriter(directory)
+    for i in range(1, 61):
+        loss, grad = _healthy_loss(i), 1.0 + 0.05 * math.cos(i)
+        if i == 40:
+            loss, grad = 9.0, 20.0  # corroborated spike, back to normal at 41
+        if i == 50:
+            loss = math.nan
+        first.write(_record(i, loss, grad))
+    with open(first.path, "a") as f:
+        f.write('{"iteration": 61, "attem')  # kill -9 mid-line
+    second = SignalsWriter(directory)  # rollback to the checkpoint of iteration 34
+    for i in range(35, 61):
+        loss, grad = (8.0, 15.0) if i == 38 else (_healthy_loss(i), 1.0)
+        second.write(_record(i, loss, grad))
+    return first.path
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> Path:
+    return _write_log(tmp_path / "signals")
+
+
+def _read(path: Path) -> list[SignalRecord]:
+    with pytest.warns(UserWarning, match="torn"):
+        return read_signals(path)
+
+
+def _marks(series) -> list[tuple[str, int]]:
+    return [(e.kind, e.iteration) for e in series.candidates]
+
+
+def test_each_attempt_is_a_line_with_its_own_candidates(log: Path) -> None:
+    first, second = build_series(_read(log), "all", CONFIG)
+    assert (first.label, second.label) == ("attempt 1", "attempt 2")
+    assert [r.iteration for r in first.records] == list(range(1, 61))
+    assert [r.iteration for r in second.records] == list(range(35, 61))
+    assert _marks(first) == [("spike", 40), ("divergence", 50)]
+    # Armed by attempt 1's iterations 1-34, as the tracker was when the replay started.
+    assert _marks(second) == [("spike", 38)]
+    assert second.candidates[0].window[0]["iteration"] < 35
+
+
+def test_latest_view_marks_only_what_the_run_finally_trained(log: Path) -> None:
+    (latest,) = build_series(_read(log), "latest", CONFIG)
+    assert [(r.iteration, r.attempt) for r in latest.records] == (
+        [(i, 1) for i in range(1, 35)] + [(i, 2) for i in range(35, 61)]
+    )
+    assert _marks(latest) == [("spike", 38)]
+
+
+def test_attempt_selection(log: Path) -> None:
+    records = _read(log)
+    (only,) = build_series(records, "2", CONFIG)
+    assert only.label == "attempt 2" and _marks(only) == [("spike", 38)]
+    assert [s.label for s in build_series(records, "2,1", CONFIG)] == ["attempt 1", "attempt 2"]
+    with pytest.raises(ValueError, match=r"no attempt \[3\].*present: \[1, 2\]"):
+        build_series(records, "1,3", CONFIG)
+    with pytest.raises(ValueError, match="all, latest or N"):
+        build_series(records, "first", CONFIG)
+
+
+def test_unrecorded_panel_says_how_to_record_it(log: Path) -> None:
+    figure = render(build_series(_read(log), "all", CONFIG), "t")
+    notes = {
+        title: [t.get_text() for t in axis.texts]
+        for (_, title, _), axis in zip(PANELS, figure.axes)
+    }
+    assert notes["max attention logit"] == ["not recorded (enable --log-max-attention-logit)"]
+    assert notes["LM loss"] == notes["grad norm (pre-clip)"] == notes["params norm"] == []
+    assert figure.axes[1].get_yscale() == "log"
+    records = _read(log)
+    for record in records[:5]:
+        record.max_attention_logit = 30.0
+    figure = render(build_series(records, "all", CONFIG), "t")
+    assert not figure.axes[3].texts
+
+
+def test_cli_writes_a_png_atomically(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.warns(UserWarning, match="torn"):
+        assert main(["--signals-dir", str(log.parent), *DETECTOR_FLAGS]) == 0
+    out = log.parent / "signals.png"
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    height, width, _ = matplotlib.image.imread(out).shape
+    assert (width, height) == (1200, 1100)
+    assert sorted(p.name for p in log.parent.iterdir()) == ["signals.jsonl", "signals.png"]
+    printed = capsys.readouterr().out
+    assert "3 spike/divergence candidate(s)" in printed
+    assert "iteration       40 attempt 1: spike" in printed
+
+
+def test_cli_signals_file_default_and_explicit_out(log: Path, tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="torn"):
+        assert main(["--signals", str(log), "--attempts", "latest"]) == 0
+    assert log.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+    with pytest.warns(UserWarning, match="torn"):
+        assert main(["--signals", str(log), "--out", str(tmp_path / "a" / "b.png")]) == 0
+    assert (tmp_path / "a" / "b.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cli_refusals(tmp_path: Path, log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--signals-dir", str(tmp_path / "nowhere")]) == 1
+    assert "not found (was the run started with --signals-dir?)" in capsys.readouterr().err
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main(["--signals", str(tmp_path / "empty.jsonl")]) == 1
+    assert "holds no signals records" in capsys.readouterr().err
+    (tmp_path / "foreign.jsonl").write_text('{"step": 1}\n')
+    assert main(["--signals", str(tmp_path / "foreign.jsonl")]) == 1
+    assert "not a signals record" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match="torn"):
+        assert main(["--signals", str(log), "--attempts", "7"]) == 1
+    assert "no attempt [7]" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--signals-dir", "a", "--signals", "b"],
+        ["--signals-dir", "a", "--spike-window", "2"],
+    ],
+)
+def test_cli_usage_errors(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+
+
+def test_dispatched_by_the_console_script(log: Path) -> None:
+    assert "plot" in cli.COMMANDS and "\n  plot " in cli.USAGE
+    with pytest.warns(UserWarning, match="torn"):
+        assert cli.main(["plot", "--signals-dir", str(log.parent), *DETECTOR_FLAGS]) == 0

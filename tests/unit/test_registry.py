@@ -1,0 +1,150 @@
+"""The registry of every touch of Megatron: verified targets and assumptions, loud failure
+when one changes, idempotent patches, the version warning and ``megatron-ext patches``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ext import patching, registry
+from megatron_ext.patching import Assumption, Patch, PatchTargetError
+
+
+def _patch(target: str, signature: str, wrap: str = "tests_wrap:passthrough") -> Patch:
+    return Patch(name="scratch", target=target, reason="test", signature=signature, wrap=wrap)
+
+
+def test_every_entry_matches_the_pinned_megatron_core() -> None:
+    registry.verify_all()
+    names = [e.name for e in registry.ENTRIES]
+    assert len(names) == len(set(names)), "entry names must be unique"
+    for entry in registry.ENTRIES:
+        assert entry.reason and entry.verified_on == "0.19.2", entry.name
+    for fix in registry.BUGFIXES:
+        assert fix.kind == "bugfix"
+    assert {h.hook for h in registry.HOOKS} == {
+        "on_setup",
+        "before_grad_norm",
+        "after_step",
+        "on_checkpoint",
+    }
+
+
+def test_missing_target_fails_loudly() -> None:
+    ghost = _patch("megatron.core.datasets.utils:no_such_function", "()")
+    with pytest.raises(PatchTargetError, match=r"scratch.*no_such_function.*not found.*Re-verify"):
+        ghost.verify()
+    with pytest.raises(PatchTargetError, match="not found"):
+        _patch("megatron.core.no_such_module:f", "()").apply()
+
+
+def test_changed_signature_fails_loudly() -> None:
+    drifted = _patch("megatron.core.datasets.utils:compile_helpers", "(verbose)")
+    with pytest.raises(
+        PatchTargetError, match=r"changed signature: expected \(verbose\), found \(\)"
+    ):
+        drifted.apply()
+
+
+def test_apply_is_idempotent_keeps_the_original_and_can_be_removed(monkeypatch) -> None:
+    from megatron.core.datasets import utils
+
+    module = type(sys)("tests_wrap")
+    module.passthrough = lambda f: lambda weights: f(weights)
+    monkeypatch.setitem(sys.modules, "tests_wrap", module)
+    before = utils.normalize
+    double = _patch(
+        "megatron.core.datasets.utils:normalize", "(weights: List[float]) -> List[float]"
+    )
+    try:
+        double.apply()
+        first = utils.normalize
+        double.apply()
+        assert utils.normalize is first is not before and double.is_applied()
+        assert utils.normalize([1.0, 3.0]) == [0.25, 0.75]
+        double.verify()  # verification looks through the installed wrapper
+        double.remove()
+        assert utils.normalize is before and not double.is_applied()
+    finally:
+        utils.normalize = before
+
+
+@pytest.mark.parametrize(
+    "assumption, message",
+    [
+        (
+            Assumption(
+                "a",
+                "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucket",
+                "r",
+                "u",
+                assigned=("grad_data", "renamed_upstream"),
+            ),
+            r"no longer assigns \['renamed_upstream'\]",
+        ),
+        (
+            Assumption(
+                "b", "megatron.core.dist_checkpointing.strategies.filesystem_async:_gone", "r", "u"
+            ),
+            "not found",
+        ),
+        (
+            Assumption(
+                "c",
+                "megatron.training.checkpointing:_load_base_checkpoint",
+                "r",
+                "u",
+                signature="(load_dir, args)",
+            ),
+            "changed signature",
+        ),
+    ],
+)
+def test_changed_assumptions_fail_loudly(assumption: Assumption, message: str) -> None:
+    with pytest.raises(PatchTargetError, match=message):
+        assumption.verify()
+
+
+def test_version_mismatch_warns(monkeypatch) -> None:
+    said: list[str] = []
+    assert patching.check_version(said.append)
+    assert said == []
+    monkeypatch.setattr(patching, "installed_version", lambda: "0.20.0")
+    assert not patching.check_version(said.append)
+    assert "megatron-core 0.20.0 is installed" in said[0] and "verified on 0.19.2" in said[0]
+
+
+def test_prebuilt_helpers_fix_skips_make() -> None:
+    """Without the fix, compile_helpers runs `make` in the wheel, which has no Makefile."""
+    code = (
+        "import megatron.core.datasets.utils as u, subprocess\n"
+        "from megatron_ext.registry import patch\n"
+        "calls = []\n"
+        "subprocess.run = lambda cmd, **k: (calls.append(cmd)\n"
+        "                                   or subprocess.CompletedProcess(cmd, 2))\n"
+        "try:\n    u.compile_helpers()\nexcept SystemExit:\n    calls.append('exit')\n"
+        "assert calls and calls[-1] == 'exit', calls\n"
+        "calls.clear(); patch('prebuilt-dataset-helpers').apply(); u.compile_helpers()\n"
+        "assert calls == [], calls\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_patches_command_lists_every_touch_and_the_hooks_users() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.cli", "patches"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "megatron-core installed: 0.19.2" in out
+    for entry in registry.ENTRIES:
+        assert f"  {entry.name}  [verified on 0.19.2]  ok" in out, entry.name
+    assert "hook after_step, used by: telemetry, sample_log, spikes" in out
+    assert "on_batch: called from megatron_ext.gpt_step.get_batch" in out
+    assert (
+        "relies on: megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucket "
+        "assigns grad_data, params_list, param_to_index" in out
+    )

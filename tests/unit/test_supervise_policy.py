@@ -1,0 +1,89 @@
+"""The supervisor's policy as data: the effective exit code, every row of the exit-code table,
+--spike-exit-code honoured, the spike ledger consulted, and training-argument facts."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from megatron_ext.supervise.commands import quote
+from megatron_ext.supervise.policy import Budget, Outcome, after_stop_signal, decide
+
+
+@pytest.mark.parametrize(
+    ("launcher_rc", "rank_codes", "expected"),
+    [
+        (0, [0, 0], 0),
+        (1, [16, 16], 16),
+        (1, [16, 143], 16),  # the slower rank was SIGTERMed by torchrun
+        (1, [1, 17, 143], 17),  # 17 beats everything
+        (1, [42, 16], 42),
+        (1, [0, 3, 143], 3),
+        (1, [143, 143], 1),  # only signal deaths: keep the launcher's code
+        (1, [], 1),  # no worker files (e.g. rendezvous failure)
+        (137, [0, 0], 137),
+    ],
+)
+def test_effective_rc(launcher_rc: int, rank_codes: list[int], expected: int):
+    assert Outcome(launcher_rc, tuple(rank_codes), 42).effective() == expected
+
+
+def test_quote_round_trips():
+    words = ["plain", "a b", "it's", "", "$HOME", 'x="y"', "--opt=1,2", "*"]
+    assert shlex.split(quote(words)) == words
+
+
+def _budget(**overrides: object) -> Budget:
+    return Budget(
+        **{
+            "restarts_done": 0,
+            "max_restarts": 3,
+            "rollbacks_done": 0,
+            "max_rollbacks": 2,
+            "requeue": False,
+            **overrides,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "outcome, budget, action, exit_code, reason",
+    [
+        (Outcome(0, (0, 0), 42), _budget(), "finish", 0, "finished"),
+        (Outcome(1, (16, 16), 42), _budget(), "restart", 16, "restart 1/3"),
+        (Outcome(1, (16,), 42), _budget(restarts_done=3), "stop", 16, "MAX_RESTARTS=3"),
+        (Outcome(1, (17, 143), 42), _budget(), "stop", 17, "reproducible or hardware-suspect"),
+        (Outcome(1, (42, 42), 42, ledger_confirms=True), _budget(), "rollback", 42, "rollback 1/2"),
+        (Outcome(1, (42,), 42), _budget(), "rollback", 42, "rollback 1/2"),  # no ledger kept
+        (Outcome(1, (42,), 42, ledger_confirms=False), _budget(), "stop", 42, "no new rollback"),
+        (Outcome(1, (42,), 42, True), _budget(rollbacks_done=2), "stop", 42, "MAX_ROLLBACKS=2"),
+        (Outcome(1, (3, 143), 42), _budget(), "stop", 3, "training failed with exit code 3"),
+        # --spike-exit-code 55: 55 is the rollback request, 42 is an ordinary failure.
+        (Outcome(1, (55, 55), 55, True), _budget(), "rollback", 55, "rollback 1/2"),
+        (Outcome(1, (42, 42), 55), _budget(), "stop", 42, "training failed with exit code 42"),
+    ],
+)
+def test_every_row_of_the_exit_code_table(outcome, budget, action, exit_code, reason) -> None:
+    decision = decide(outcome, budget)
+    assert (decision.action, decision.exit_code) == (action, exit_code)
+    assert reason in decision.reason
+    assert decision.requeue is False
+
+
+def test_restart_requeues_only_in_requeue_mode() -> None:
+    assert decide(Outcome(1, (16,), 42), _budget(requeue=True)).requeue
+
+
+@pytest.mark.parametrize(
+    "name, number, requeue, restarts, action, code",
+    [
+        ("USR1", 10, True, 0, "restart", 0),  # preemption warning: save, requeue
+        ("USR1", 10, True, 3, "stop", 138),  # budget spent: no requeue
+        ("USR1", 10, False, 0, "stop", 138),  # single node: stop, rerun to resume
+        ("TERM", 15, True, 0, "stop", 143),  # scancel: save and stop, never requeue
+    ],
+)
+def test_after_a_stop_signal(name, number, requeue, restarts, action, code) -> None:
+    decision = after_stop_signal(name, 0, _budget(requeue=requeue, restarts_done=restarts), number)
+    assert (decision.action, decision.exit_code) == (action, code)
