@@ -2,7 +2,7 @@
 
 Why a module of its own: the network is what makes a node a node (its own address, hostname
 resolution, loopback), and later drills (cutting a node off, killing one) act on it without
-caring about Slurm. :mod:`cluster.netns_slurm` puts the Slurm daemons on top.
+caring about Slurm. :mod:`netns_slurm` puts the Slurm daemons on top.
 
 Containment rules of this workplace, enforced here: addresses only on interfaces made here
 (``<subnet>.0/24``), no default route in the namespaces, no forwarding or NAT, IPv6 off on every
@@ -13,6 +13,7 @@ made, so :func:`remove_network` deletes exactly that, also after a crash, and is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -51,8 +52,10 @@ def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run a set-up command; failures name the command and its stderr (the reason to report)."""
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     if check and result.returncode != 0:
-        raise ClusterError(f"`{shlex.join(cmd)}` failed ({result.returncode}): "
-                           f"{(result.stderr or result.stdout).strip()}")
+        raise ClusterError(
+            f"`{shlex.join(cmd)}` failed ({result.returncode}): "
+            f"{(result.stderr or result.stdout).strip()}"
+        )
     return result
 
 
@@ -65,10 +68,9 @@ def alive(pid: int) -> bool:
 
 
 def _reap(pid: int) -> None:
-    try:
+    # Not our child (the CLI started it): PID 1 keeps the zombie.
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:  # not our child (the CLI started it): PID 1 keeps the zombie
-        pass
 
 
 def kill(pid: int, expect: str | None, grace: float) -> None:
@@ -99,8 +101,12 @@ class State:
 
     def __init__(self, path: Path, data: dict[str, Any] | None = None) -> None:
         self.path = path
-        self.data: dict[str, Any] = data or {"namespaces": [], "links": [], "etc_netns": [],
-                                             "pids": {}}
+        self.data: dict[str, Any] = data or {
+            "namespaces": [],
+            "links": [],
+            "etc_netns": [],
+            "pids": {},
+        }
 
     @classmethod
     def load(cls, root: Path) -> State | None:
@@ -126,8 +132,10 @@ def check_free(prefix: str, subnet: str, count: int) -> None:
     existing = set(sh("ip", "netns", "list").stdout.split())
     taken = [f"{prefix}-n{i}" for i in range(1, count + 1) if f"{prefix}-n{i}" in existing]
     if taken:
-        raise ClusterUnavailable(f"namespaces {taken} exist already: another cluster with "
-                                 f"prefix {prefix!r}? stop it or use another prefix")
+        raise ClusterUnavailable(
+            f"namespaces {taken} exist already: another cluster with "
+            f"prefix {prefix!r}? stop it or use another prefix"
+        )
     if f" {subnet}." in sh("ip", "-4", "-o", "addr").stdout:
         raise ClusterUnavailable(f"{subnet}.0/24 is already used by an interface here")
 
@@ -141,12 +149,19 @@ def make_network(state: State, prefix: str, subnet: str, count: int) -> list[Nod
     _no_ipv6(bridge)
     sh("ip", "addr", "add", f"{subnet}.1/24", "dev", bridge)
     sh("ip", "link", "set", bridge, "up")
-    nodes = [Node(f"n{i}", f"{prefix}-n{i}", f"{subnet}.{10 + i}", f"{prefix}-n{i}h")
-             for i in range(1, count + 1)]
+    nodes = [
+        Node(f"n{i}", f"{prefix}-n{i}", f"{subnet}.{10 + i}", f"{prefix}-n{i}h")
+        for i in range(1, count + 1)
+    ]
     # A node's own name must resolve to its bridge address, never to 127.x (as Debian's
     # "127.0.1.1 hostname" line would): gloo and torchrun resolve the hostname to pick theirs.
-    hosts = "".join(["127.0.0.1 localhost\n", f"{subnet}.1 {prefix}-ctl\n",
-                     *(f"{n.address} {n.name}\n" for n in nodes)])
+    hosts = "".join(
+        [
+            "127.0.0.1 localhost\n",
+            f"{subnet}.1 {prefix}-ctl\n",
+            *(f"{n.address} {n.name}\n" for n in nodes),
+        ]
+    )
     if not ETC_NETNS.is_dir():
         ETC_NETNS.mkdir(parents=True)
         state.add("etc_netns", str(ETC_NETNS))  # removed last, when empty
@@ -167,8 +182,15 @@ def make_network(state: State, prefix: str, subnet: str, count: int) -> list[Nod
         sh("ip", "link", "set", node.host_link, "master", bridge, "up")
         sh("ip", "link", "set", peer, "netns", ns)
         sh("ip", "-n", ns, "link", "set", peer, "name", IFACE)
-        sh("ip", "netns", "exec", ns, "sh", "-c",
-           "for f in /proc/sys/net/ipv6/conf/*/disable_ipv6; do echo 1 >$f; done 2>/dev/null; :")
+        sh(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "sh",
+            "-c",
+            "for f in /proc/sys/net/ipv6/conf/*/disable_ipv6; do echo 1 >$f; done 2>/dev/null; :",
+        )
         sh("ip", "-n", ns, "addr", "add", f"{node.address}/24", "dev", IFACE)
         sh("ip", "-n", ns, "link", "set", IFACE, "up")
         sh("ip", "-n", ns, "link", "set", "lo", "up")

@@ -1,9 +1,9 @@
 """A multi-node Slurm cluster on one machine: every node is a network namespace.
 
-Why: the single-node cluster (``launch/slurm_local_cluster.sh``) runs every task on
+Why: the single-node cluster (``tests/support/slurm_local_cluster.sh``) runs every task on
 ``localhost``, so it cannot catch what only breaks across nodes: resolving MASTER_ADDR, which
 host serves the c10d rendezvous, which address gloo binds, srun talking to a remote slurmd.
-Here node ``nK`` is the namespace ``<prefix>-nK`` (see :mod:`cluster.netns`) with its own
+Here node ``nK`` is the namespace ``<prefix>-nK`` (see :mod:`netns`) with its own
 address on a private bridge, its own hostname (a UTS namespace: ``hostname`` says ``nK``, as on
 a real node) and its own /etc/hosts and resolv.conf (bind-mounted from /etc/netns/<ns>/, as
 ``ip netns exec`` does), running its own slurmd (``-N nK``); job steps inherit all of that.
@@ -18,16 +18,16 @@ Defaults (prefix ``mx``, subnet ``10.123.0``)::
 
 Everything the cluster writes lives under one directory (``slurm.conf``, state/, spool/<node>,
 run/, log/, munge/, ``cluster.json``) plus /etc/netns/<ns>/. :func:`stop` is idempotent and
-removes exactly what :func:`start` recorded. Settings as in launch/slurm_local_cluster.sh
+removes exactly what :func:`start` recorded. Settings as in tests/support/slurm_local_cluster.sh
 (cred_expire=5, sched_interval=2, config_overrides, no cgroups, SlurmUser=root). Clients
 (sbatch, scontrol) run in the root namespace with ``SLURM_CONF`` (:attr:`NetnsSlurm.env`).
 
 CLI (root)::
 
-    python tests/cluster/netns_slurm.py start DIR [--nodes 2]   # prints export SLURM_CONF=...
-    python tests/cluster/netns_slurm.py exec DIR n2 -- hostname -I  # as a task on n2 would
-    python tests/cluster/netns_slurm.py status DIR
-    python tests/cluster/netns_slurm.py stop DIR
+    python tests/support/netns_slurm.py start DIR [--nodes 2]   # prints export SLURM_CONF=...
+    python tests/support/netns_slurm.py exec DIR n2 -- hostname -I  # as a task on n2 would
+    python tests/support/netns_slurm.py status DIR
+    python tests/support/netns_slurm.py stop DIR
 """
 
 from __future__ import annotations
@@ -42,14 +42,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
-if not __package__:  # run as a script: make `cluster` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cluster.netns import (  # noqa: E402
+from netns import (
     ClusterError,
     ClusterUnavailable,
     Node,
@@ -65,8 +62,20 @@ __all__ = ["ClusterError", "ClusterUnavailable", "NetnsSlurm", "Node", "start", 
 
 SBIN_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 SLURMD_PORT = 6818  # Slurm's default: each slurmd has a network namespace of its own
-NEEDED = ("ip", "unshare", "nsenter", "mount", "hostname", "munged", "slurmctld", "slurmd",
-          "sinfo", "scontrol", "squeue", "scancel")
+NEEDED = (
+    "ip",
+    "unshare",
+    "nsenter",
+    "mount",
+    "hostname",
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "sinfo",
+    "scontrol",
+    "squeue",
+    "scancel",
+)
 # What `ip netns exec NS` does (bind-mount /etc/netns/NS/* over /etc/*) minus its remount of
 # /sys: a fresh sysfs has no /sys/fs/cgroup, and slurmd 22.05 then dies with "Unable to
 # initialize cgroup plugin" even with proctrack/linuxproc. Run in private mount + UTS
@@ -104,14 +113,18 @@ class NetnsSlurm:
     def env(self) -> dict[str, str]:
         return client_env(self.conf)
 
-    def run(self, *cmd: str, check: bool = True, timeout: float = 60,
-            ) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        *cmd: str,
+        check: bool = True,
+        timeout: float = 60,
+    ) -> subprocess.CompletedProcess:
         """A client command (sbatch, scontrol, ...) in the root namespace."""
-        result = subprocess.run(cmd, env=self.env, capture_output=True, text=True,
-                                timeout=timeout)
+        result = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and result.returncode != 0:
-            raise RuntimeError(f"{shlex.join(cmd)} failed ({result.returncode}): "
-                               f"{result.stderr.strip()}")
+            raise RuntimeError(
+                f"{shlex.join(cmd)} failed ({result.returncode}): {result.stderr.strip()}"
+            )
         return result
 
     def on_node(self, name: str) -> list[str]:
@@ -138,19 +151,24 @@ def _preflight() -> None:
     path = f"{os.environ.get('PATH', '')}:{SBIN_PATH}"
     missing = [exe for exe in NEEDED if shutil.which(exe, path=path) is None]
     if missing:
-        raise ClusterUnavailable(f"missing commands: {' '.join(missing)} (apt-get install -y "
-                                 "iproute2 util-linux mount slurmctld slurmd slurm-client munge)")
+        raise ClusterUnavailable(
+            f"missing commands: {' '.join(missing)} (apt-get install -y "
+            "iproute2 util-linux mount slurmctld slurmd slurm-client munge)"
+        )
 
 
 def _write_conf(root: Path, nodes: Sequence[Node], ctl_addr: str, ctld_port: int) -> Path:
     cpus = max(2, os.cpu_count() or 2)
     match = re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text())
     mem = int(match[1]) // 1024 if match else 4096
-    node_lines = "".join(f"NodeName={n.name} NodeAddr={n.address} NodeHostname={n.name} "
-                         f"CPUs={cpus} RealMemory={mem} State=UNKNOWN\n" for n in nodes)
+    node_lines = "".join(
+        f"NodeName={n.name} NodeAddr={n.address} NodeHostname={n.name} "
+        f"CPUs={cpus} RealMemory={mem} State=UNKNOWN\n"
+        for n in nodes
+    )
     conf = root / "slurm.conf"
     conf.write_text(f"""\
-# Written by tests/cluster/netns_slurm.py: {len(nodes)} namespace nodes, cluster dir {root}
+# Written by tests/support/netns_slurm.py: {len(nodes)} namespace nodes, cluster dir {root}
 ClusterName=mxnetns
 SlurmctldHost=localhost({ctl_addr})
 SlurmctldPort={ctld_port}
@@ -185,7 +203,7 @@ ReturnToService=2
 MinJobAge=5
 KillWait=10
 JobRequeue=1
-{node_lines}PartitionName=netns Nodes={','.join(n.name for n in nodes)} Default=YES \
+{node_lines}PartitionName=netns Nodes={",".join(n.name for n in nodes)} Default=YES \
 MaxTime=INFINITE State=UP
 """)
     return conf
@@ -194,9 +212,14 @@ MaxTime=INFINITE State=UP
 def _spawn(state: State, root: Path, name: str, cmd: Sequence[str]) -> None:
     """Start a daemon in its own session, output to log/<name>.out; record its PID."""
     with open(root / "log" / f"{name}.out", "ab") as out:
-        proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env=client_env(root / "slurm.conf"))
+        proc = subprocess.Popen(
+            list(cmd),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=client_env(root / "slurm.conf"),
+        )
     state.data["pids"][name] = proc.pid
     state.save()
 
@@ -227,8 +250,13 @@ def _wait(state: State, what: str, ready: Callable[[], bool], timeout: float) ->
         time.sleep(0.2)
 
 
-def start(root: Path | str | None = None, nodes: int = 2, prefix: str = "mx",
-          subnet: str = "10.123.0", timeout: float = 60) -> NetnsSlurm:
+def start(
+    root: Path | str | None = None,
+    nodes: int = 2,
+    prefix: str = "mx",
+    subnet: str = "10.123.0",
+    timeout: float = 60,
+) -> NetnsSlurm:
     """Build the namespaces, start munged, slurmctld and one slurmd per node, and wait until
     every node is idle. Raises :class:`ClusterUnavailable` when this machine cannot do it and
     :class:`ClusterError` (with the daemons' logs) when a daemon fails; whatever was made by
@@ -259,27 +287,59 @@ def start(root: Path | str | None = None, nodes: int = 2, prefix: str = "mx",
         except (ClusterError, OSError) as exc:
             raise ClusterUnavailable(f"cannot build the namespace network here: {exc}") from None
         ctld_port = _free_port()
-        state.data["cluster"] = {"nodes": [asdict(n) for n in node_list],
-                                 "controller_addr": ctl, "ctld_port": ctld_port}
+        state.data["cluster"] = {
+            "nodes": [asdict(n) for n in node_list],
+            "controller_addr": ctl,
+            "ctld_port": ctld_port,
+        }
         state.save()
         conf = _write_conf(root, node_list, ctl, ctld_port)
         m = root / "munge"
         system_key = Path("/etc/munge/munge.key")
-        (m / "munge.key").write_bytes(system_key.read_bytes() if os.access(system_key, os.R_OK)
-                                      else os.urandom(1024))
+        (m / "munge.key").write_bytes(
+            system_key.read_bytes() if os.access(system_key, os.R_OK) else os.urandom(1024)
+        )
         (m / "munge.key").chmod(0o600)
-        _spawn(state, root, "munged", [
-            "munged", "-F", "--force", f"--socket={m}/munge.socket", f"--key-file={m}/munge.key",
-            f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log",
-            f"--seed-file={m}/munged.seed"])
+        _spawn(
+            state,
+            root,
+            "munged",
+            [
+                "munged",
+                "-F",
+                "--force",
+                f"--socket={m}/munge.socket",
+                f"--key-file={m}/munge.key",
+                f"--pid-file={m}/munged.pid",
+                f"--log-file={m}/munged.log",
+                f"--seed-file={m}/munged.seed",
+            ],
+        )
         _wait(state, "the munge socket", (m / "munge.socket").is_socket, 10)
         _spawn(state, root, "slurmctld", ["slurmctld", "-D", "-i", "-f", str(conf)])
         for node in node_list:
             # unshare, nsenter and sh all exec in place: the PID recorded is slurmd's own.
-            _spawn(state, root, f"slurmd-{node.name}", [
-                "unshare", "--mount", "--uts", "--",
-                "nsenter", f"--net=/run/netns/{node.namespace}", "--",
-                "sh", "-c", NODE_SHELL, "sh", node.namespace, node.name, str(conf)])
+            _spawn(
+                state,
+                root,
+                f"slurmd-{node.name}",
+                [
+                    "unshare",
+                    "--mount",
+                    "--uts",
+                    "--",
+                    "nsenter",
+                    f"--net=/run/netns/{node.namespace}",
+                    "--",
+                    "sh",
+                    "-c",
+                    NODE_SHELL,
+                    "sh",
+                    node.namespace,
+                    node.name,
+                    str(conf),
+                ],
+            )
         cluster = NetnsSlurm(root, node_list, ctl, ctld_port)
         resumed: set[str] = set()
 
@@ -288,8 +348,9 @@ def start(root: Path | str | None = None, nodes: int = 2, prefix: str = "mx",
             for name, st in states.items():
                 if st.startswith(("drain", "down")) and name not in resumed:
                     resumed.add(name)  # a stale reason; config_overrides should prevent it
-                    cluster.run("scontrol", "update", f"nodename={name}", "state=resume",
-                                check=False)
+                    cluster.run(
+                        "scontrol", "update", f"nodename={name}", "state=resume", check=False
+                    )
             return len(states) == nodes and all(st == "idle" for st in states.values())
 
         _wait(state, "every node to be idle", all_idle, timeout)
@@ -305,7 +366,7 @@ def start(root: Path | str | None = None, nodes: int = 2, prefix: str = "mx",
 
 def stop(root: Path | str, timeout: float = 30) -> None:
     """Cancel jobs, stop the daemons by PID (slurmds, slurmctld, munged), then remove the
-    network (:func:`cluster.netns.remove_network`). Idempotent; raises if anything is left."""
+    network (:func:`netns.remove_network`). Idempotent; raises if anything is left."""
     root = Path(root)
     state = State.load(root)
     if state is None:
@@ -315,8 +376,9 @@ def stop(root: Path | str, timeout: float = 30) -> None:
     pids: dict[str, int] = state.data["pids"]
 
     def queued() -> list[str]:
-        return subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True,
-                              text=True, timeout=30).stdout.split()
+        return subprocess.run(
+            ["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True, timeout=30
+        ).stdout.split()
 
     if alive(pids.get("slurmctld", -1)) and queued():
         subprocess.run(["scancel", *queued()], env=env, capture_output=True, timeout=30)
@@ -335,8 +397,9 @@ def _load(root: Path) -> NetnsSlurm:
     if state is None or "cluster" not in state.data or not state.leftovers():
         raise ClusterError(f"no running cluster in {root}")
     info = state.data["cluster"]
-    return NetnsSlurm(root, [Node(**n) for n in info["nodes"]], info["controller_addr"],
-                      info["ctld_port"])
+    return NetnsSlurm(
+        root, [Node(**n) for n in info["nodes"]], info["controller_addr"], info["ctld_port"]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -359,8 +422,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.cmd == "start":
             cluster = start(root, args.nodes, args.prefix, args.subnet)
-            print(f"# {len(cluster.nodes)} nodes idle after {cluster.startup_s:.1f} s: "
-                  + " ".join(f"{n.name}={n.address}" for n in cluster.nodes), file=sys.stderr)
+            print(
+                f"# {len(cluster.nodes)} nodes idle after {cluster.startup_s:.1f} s: "
+                + " ".join(f"{n.name}={n.address}" for n in cluster.nodes),
+                file=sys.stderr,
+            )
             print(f"export SLURM_CONF={shlex.quote(str(cluster.conf))}")
         elif args.cmd == "stop":
             stop(root)

@@ -1,13 +1,13 @@
 """Two Slurm nodes on one machine (network namespaces), and the real launch script across them.
 
-The cluster is ``tests/cluster/netns_slurm.py``: nodes ``n1`` and ``n2`` are network namespaces
+The cluster is ``tests/support/netns_slurm.py``: nodes ``n1`` and ``n2`` are network namespaces
 with their own addresses on a private bridge, hostnames and /etc/hosts, each with its own
 slurmd; slurmctld and munged run in the root namespace. Everything is asserted from what Slurm
 and the jobs report: ``sbatch --wait``'s exit code, ``scontrol show job`` and the job output.
 
 * where tasks run: ``srun`` puts one task on each node, and each sees its own name and address
   and resolves the first host of the allocation (MASTER_ADDR) to n1's address;
-* gloo across nodes (``tests/cluster/gloo_probe.py``): pairs connect n1's address to n2's,
+* gloo across nodes (``tests/support/gloo_probe.py``): pairs connect n1's address to n2's,
   both by default (each node's hostname resolves to its own address, as on a real cluster)
   and with ``GLOO_SOCKET_IFNAME`` on nodes whose hostname resolves to nothing (gloo would
   otherwise fall back to loopback and fail), the variable reaching the tasks through sbatch
@@ -37,11 +37,11 @@ from pathlib import Path
 
 import pytest
 
-from cluster.netns import ETC_NETNS, IFACE, sh
-from cluster.netns_slurm import ClusterUnavailable, NetnsSlurm
-from cluster.netns_slurm import start as start_netns_cluster
-from cluster.netns_slurm import stop as stop_netns_cluster
-from slurm_cluster import (
+from netns import ETC_NETNS, IFACE, sh
+from netns_slurm import ClusterUnavailable, NetnsSlurm
+from netns_slurm import start as start_netns_cluster
+from netns_slurm import stop as stop_netns_cluster
+from slurm import (
     REPO,
     JobResult,
     SlurmCluster,
@@ -56,10 +56,10 @@ pytestmark = pytest.mark.timeout(900)
 
 # Not the CLI's defaults (mx, 10.123.0), so a cluster started by hand does not clash.
 PREFIX, SUBNET = "mxt", "10.123.1"
-TWO_NODES = ["--nodes=2"]  # after slurm_cluster's --nodes=1: the last one wins
+TWO_NODES = ["--nodes=2"]  # after slurm.py's --nodes=1: the last one wins
 TRAIN_ITERS = 12
 SAVE_INTERVAL = 6  # a distributed checkpoint mid-run and one at the end, written from both nodes
-GLOO_PROBE = REPO / "tests" / "cluster" / "gloo_probe.py"
+GLOO_PROBE = REPO / "tests" / "support" / "gloo_probe.py"
 
 WHERE_SCRIPT = r"""#!/bin/bash
 master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
@@ -127,15 +127,19 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory):
         cannot("the namespace cluster needs root (network namespaces, SlurmUser=root)")
     installed = SlurmCluster.install()
     if installed.returncode != 0:
-        cannot(f"Slurm is not installed and could not be installed: "
-               f"{installed.stderr.strip()[-800:]}")
+        cannot(
+            f"Slurm is not installed and could not be installed: {installed.stderr.strip()[-800:]}"
+        )
     try:
-        netns = start_netns_cluster(tmp_path_factory.mktemp("netns-slurm"), nodes=2,
-                                    prefix=PREFIX, subnet=SUBNET)
+        netns = start_netns_cluster(
+            tmp_path_factory.mktemp("netns-slurm"), nodes=2, prefix=PREFIX, subnet=SUBNET
+        )
     except ClusterUnavailable as exc:
         cannot(f"cannot build a two-node cluster from network namespaces here: {exc}")
-    print(f"\n[timing] two-node cluster up (namespaces + daemons, nodes idle): "
-          f"{netns.startup_s:.1f} s")
+    print(
+        f"\n[timing] two-node cluster up (namespaces + daemons, nodes idle): "
+        f"{netns.startup_s:.1f} s"
+    )
     cluster = TwoNodeSlurm(netns)
     try:
         yield cluster
@@ -151,8 +155,11 @@ def _assert(job: JobResult, ok: bool, what: str) -> None:
 
 def _completed(job: JobResult) -> None:
     _assert(job, job.returncode == 0, "sbatch --wait must return the job's exit code 0")
-    _assert(job, (job.state, job.exit_code, job.restarts) == ("COMPLETED", (0, 0), 0),
-            "scontrol must show a completed job with no restart")
+    _assert(
+        job,
+        (job.state, job.exit_code, job.restarts) == ("COMPLETED", (0, 0), 0),
+        "scontrol must show a completed job with no restart",
+    )
     _assert(job, job.fields.get("NodeList") == "n[1-2]", "the job must hold both nodes")
 
 
@@ -162,86 +169,164 @@ def _script(path: Path, text: str) -> Path:
     return path
 
 
-def test_tasks_run_on_both_nodes_with_their_own_addresses(two_nodes: TwoNodeSlurm,
-                                                          tmp_path: Path) -> None:
+def test_tasks_run_on_both_nodes_with_their_own_addresses(
+    two_nodes: TwoNodeSlurm, tmp_path: Path
+) -> None:
     t0 = time.monotonic()
-    job = two_nodes.submit(_script(tmp_path / "where.sh", WHERE_SCRIPT), {}, tmp_path,
-                           TWO_NODES, job_name="mx-where", timeout=120)
+    job = two_nodes.submit(
+        _script(tmp_path / "where.sh", WHERE_SCRIPT),
+        {},
+        tmp_path,
+        TWO_NODES,
+        job_name="mx-where",
+        timeout=120,
+    )
     print(f"\n[timing] sbatch -N 2 + srun on both nodes: {time.monotonic() - t0:.1f} s")
     _completed(job)
-    tasks = [dict(kv.split("=", 1) for kv in m.split())
-             for m in re.findall(r"TASK (.*)", job.output)]
-    _assert(job, sorted(t["node"] for t in tasks) == ["n1", "n2"],
-            "one task must run on each node")
+    tasks = [
+        dict(kv.split("=", 1) for kv in m.split()) for m in re.findall(r"TASK (.*)", job.output)
+    ]
+    _assert(job, sorted(t["node"] for t in tasks) == ["n1", "n2"], "one task must run on each node")
     for task in tasks:
         _assert(job, task["host"] == task["node"], "a node's hostname must be its node name")
-        _assert(job, task["addr"] == two_nodes.addr[task["node"]],
-                f"{task['node']} must have its own address")
-        _assert(job, (task["master"], task["master_ip"]) == ("n1", two_nodes.addr["n1"]),
-                "the first host of the allocation (MASTER_ADDR) must resolve to n1's address "
-                "on every node")
+        _assert(
+            job,
+            task["addr"] == two_nodes.addr[task["node"]],
+            f"{task['node']} must have its own address",
+        )
+        _assert(
+            job,
+            (task["master"], task["master_ip"]) == ("n1", two_nodes.addr["n1"]),
+            "the first host of the allocation (MASTER_ADDR) must resolve to n1's address "
+            "on every node",
+        )
 
 
 @pytest.mark.parametrize("binding", ["hostname", "GLOO_SOCKET_IFNAME"])
-def test_gloo_pairs_connect_the_node_addresses(two_nodes: TwoNodeSlurm, tmp_path: Path,
-                                               binding: str) -> None:
-    env = {"PROBE_PYTHON": sys.executable, "PROBE_SCRIPT": str(GLOO_PROBE),
-           "MASTER_PORT": str(free_port()), "GLOO_PROBE_TIMEOUT": "60", "PROBE_WRAP": ""}
+def test_gloo_pairs_connect_the_node_addresses(
+    two_nodes: TwoNodeSlurm, tmp_path: Path, binding: str
+) -> None:
+    env = {
+        "PROBE_PYTHON": sys.executable,
+        "PROBE_SCRIPT": str(GLOO_PROBE),
+        "MASTER_PORT": str(free_port()),
+        "GLOO_PROBE_TIMEOUT": "60",
+        "PROBE_WRAP": "",
+    }
     if binding == "GLOO_SOCKET_IFNAME":
         # Hostnames that resolve to nothing would make gloo fall back to loopback (and fail
         # across nodes); the interface name from the job's environment must win.
         env["PROBE_WRAP"] = str(_script(tmp_path / "no_name.sh", NO_NAME_WRAPPER))
         env["GLOO_SOCKET_IFNAME"] = IFACE
     t0 = time.monotonic()
-    job = two_nodes.submit(_script(tmp_path / "probe.sh", PROBE_SCRIPT), env, tmp_path,
-                           [*TWO_NODES, "--time=3"], job_name="mx-gloo", timeout=240)
+    job = two_nodes.submit(
+        _script(tmp_path / "probe.sh", PROBE_SCRIPT),
+        env,
+        tmp_path,
+        [*TWO_NODES, "--time=3"],
+        job_name="mx-gloo",
+        timeout=240,
+    )
     print(f"\n[timing] gloo probe job ({binding}): {time.monotonic() - t0:.1f} s")
     _completed(job)
-    probes = {p["rank"]: p for p in (json.loads(m) for m in
-                                     re.findall(r"GLOO_PROBE (\{.*\})", job.output))}
+    probes = {
+        p["rank"]: p
+        for p in (json.loads(m) for m in re.findall(r"GLOO_PROBE (\{.*\})", job.output))
+    }
     n1, n2 = two_nodes.addr["n1"], two_nodes.addr["n2"]
-    _assert(job, sorted(probes) == [0, 1] and all(p["sum"] == 3.0 for p in probes.values()),
-            "both ranks must finish the all-reduce (1 + 2)")
-    _assert(job, probes[0]["pairs"] == [[n1, n2]] and probes[1]["pairs"] == [[n2, n1]],
-            "gloo's pair must connect n1's address to n2's (rank 0 runs on n1)")
-    _assert(job, "loopback address as fallback" not in job.output,
-            "gloo must not fall back to loopback")
+    _assert(
+        job,
+        sorted(probes) == [0, 1] and all(p["sum"] == 3.0 for p in probes.values()),
+        "both ranks must finish the all-reduce (1 + 2)",
+    )
+    _assert(
+        job,
+        probes[0]["pairs"] == [[n1, n2]] and probes[1]["pairs"] == [[n2, n1]],
+        "gloo's pair must connect n1's address to n2's (rank 0 runs on n1)",
+    )
+    _assert(
+        job, "loopback address as fallback" not in job.output, "gloo must not fall back to loopback"
+    )
 
 
-def test_two_node_training_one_rank_per_node(two_nodes: TwoNodeSlurm, tmp_path_factory,
-                                             data_args: list[str]) -> None:
+def test_two_node_training_one_rank_per_node(
+    two_nodes: TwoNodeSlurm, tmp_path_factory, data_args: list[str]
+) -> None:
     work = tmp_path_factory.mktemp("netns-train")
     rdzv_port = str(free_port())
-    worker_python = _script(work / "worker_python.sh",
-                            WORKER_PYTHON.replace("@PYTHON@", sys.executable))
+    worker_python = _script(
+        work / "worker_python.sh", WORKER_PYTHON.replace("@PYTHON@", sys.executable)
+    )
     t0 = time.monotonic()
-    job = start_training(two_nodes, work, data_args, train_iters=TRAIN_ITERS,
-                         save_interval=SAVE_INTERVAL, job_name="mx-2node",
-                         sbatch_options=TWO_NODES, GPUS_PER_NODE="1", MASTER_PORT=rdzv_port,
-                         RDZV_PORT=rdzv_port, PYTHON=str(worker_python)).result(timeout=600)
-    print(f"\n[timing] 2-node training job ({TRAIN_ITERS} iterations, submit to end): "
-          f"{time.monotonic() - t0:.1f} s (Slurm RunTime {job.fields.get('RunTime')})")
+    job = start_training(
+        two_nodes,
+        work,
+        data_args,
+        train_iters=TRAIN_ITERS,
+        save_interval=SAVE_INTERVAL,
+        job_name="mx-2node",
+        sbatch_options=TWO_NODES,
+        GPUS_PER_NODE="1",
+        MASTER_PORT=rdzv_port,
+        RDZV_PORT=rdzv_port,
+        PYTHON=str(worker_python),
+    ).result(timeout=600)
+    print(
+        f"\n[timing] 2-node training job ({TRAIN_ITERS} iterations, submit to end): "
+        f"{time.monotonic() - t0:.1f} s (Slurm RunTime {job.fields.get('RunTime')})"
+    )
     _completed(job)
     log = job.output
-    _assert(job, re.search(r"\+ srun --nodes=2 --ntasks=2 --ntasks-per-node=1 .*--nnodes 2 "
-                           r"--nproc-per-node 1 .*--rdzv-backend c10d "
-                           rf"--rdzv-endpoint n1:{rdzv_port} ", log) is not None,
-            "the launch script must start torchrun once per node, rendezvous at n1")
-    workers = {int(w["rank"]): w for w in (dict(kv.split("=", 1) for kv in m.split())
-                                            for m in re.findall(r"WORKER (.*)", log))}
-    _assert(job, sorted(workers) == [0, 1] and sorted(w["host"] for w in workers.values())
-            == ["n1", "n2"], f"one worker (rank) must run on each node: {workers}")
+    _assert(
+        job,
+        re.search(
+            r"\+ srun --nodes=2 --ntasks=2 --ntasks-per-node=1 .*--nnodes 2 "
+            r"--nproc-per-node 1 .*--rdzv-backend c10d "
+            rf"--rdzv-endpoint n1:{rdzv_port} ",
+            log,
+        )
+        is not None,
+        "the launch script must start torchrun once per node, rendezvous at n1",
+    )
+    workers = {
+        int(w["rank"]): w
+        for w in (
+            dict(kv.split("=", 1) for kv in m.split()) for m in re.findall(r"WORKER (.*)", log)
+        )
+    }
+    _assert(
+        job,
+        sorted(workers) == [0, 1] and sorted(w["host"] for w in workers.values()) == ["n1", "n2"],
+        f"one worker (rank) must run on each node: {workers}",
+    )
     for w in workers.values():
-        _assert(job, w["addr"] == two_nodes.addr[w["host"]],
-                f"the worker on {w['host']} must have that node's address: {w}")
-        _assert(job, (w["master"], w["master_ip"]) == ("n1", two_nodes.addr["n1"]),
-                f"torchrun's MASTER_ADDR must be n1 and resolve to n1's address: {w}")
-        _assert(job, w["rdzv_listener"] == ("yes" if w["host"] == "n1" else "no"),
-                f"the c10d rendezvous store must listen on n1 (only): {w}")
+        _assert(
+            job,
+            w["addr"] == two_nodes.addr[w["host"]],
+            f"the worker on {w['host']} must have that node's address: {w}",
+        )
+        _assert(
+            job,
+            (w["master"], w["master_ip"]) == ("n1", two_nodes.addr["n1"]),
+            f"torchrun's MASTER_ADDR must be n1 and resolve to n1's address: {w}",
+        )
+        _assert(
+            job,
+            w["rdzv_listener"] == ("yes" if w["host"] == "n1" else "no"),
+            f"the c10d rendezvous store must listen on n1 (only): {w}",
+        )
     for group_rank in (0, 1):
-        _assert(job, re.search(rf"group_rank={group_rank}\s.*?group_world_size=2\s.*?"
-                               r"global_world_sizes=\[2\]", log, re.S) is not None,
-                f"torchrun on some node must be group rank {group_rank} of 2 (one rank each)")
+        _assert(
+            job,
+            re.search(
+                rf"group_rank={group_rank}\s.*?group_world_size=2\s.*?"
+                r"global_world_sizes=\[2\]",
+                log,
+                re.S,
+            )
+            is not None,
+            f"torchrun on some node must be group rank {group_rank} of 2 (one rank each)",
+        )
     _assert(job, "data-parallel size: 2" in log, "Megatron must see DP=2")
     _assert(job, "loopback address as fallback" not in log, "gloo must not bind loopback")
     _assert(job, "training finished successfully" in log, "the launch script must report it")
@@ -249,31 +334,37 @@ def test_two_node_training_one_rank_per_node(two_nodes: TwoNodeSlurm, tmp_path_f
     records = sample_records(work / "samples")
     assert sorted(records) == [0, 1], "both data-parallel ranks must have written sample logs"
     for recs in records.values():  # global batch 8 = DP 2 x micro-batch 2 x 2 micro-batches
-        assert [r.iteration for r in recs] == [k for k in range(1, TRAIN_ITERS + 1)
-                                               for _ in "mb"]
+        assert [r.iteration for r in recs] == [k for k in range(1, TRAIN_ITERS + 1) for _ in "mb"]
     for iteration in range(1, TRAIN_ITERS + 1):
-        ids = [sorted(i for r in records[dp] if r.iteration == iteration for i in r.sample_ids)
-               for dp in (0, 1)]
-        assert len(ids[0]) == len(ids[1]) == 4 and not set(ids[0]) & set(ids[1]), \
+        ids = [
+            sorted(i for r in records[dp] if r.iteration == iteration for i in r.sample_ids)
+            for dp in (0, 1)
+        ]
+        assert len(ids[0]) == len(ids[1]) == 4 and not set(ids[0]) & set(ids[1]), (
             f"iteration {iteration}: the ranks must train disjoint samples, 4 each: {ids}"
+        )
     counts = sorted(p.name for p in (work / "counts").glob("rank*.json"))
     assert counts == ["rank0.json", "rank1.json"], "both ranks must have run the CPU harness"
 
 
-def test_teardown_removes_everything_and_is_idempotent(two_nodes: TwoNodeSlurm,
-                                                        tmp_path: Path) -> None:
+def test_teardown_removes_everything_and_is_idempotent(
+    two_nodes: TwoNodeSlurm, tmp_path: Path
+) -> None:
     with pytest.raises(ClusterUnavailable, match="exist already"):
         start_netns_cluster(tmp_path / "clash", nodes=2, prefix=PREFIX, subnet="10.123.3")
-    assert two_nodes.netns.node_states() == {"n1": "idle", "n2": "idle"}, \
+    assert two_nodes.netns.node_states() == {"n1": "idle", "n2": "idle"}, (
         "a refused second cluster must leave the running one alone"
+    )
 
     other = start_netns_cluster(tmp_path / "other", nodes=1, prefix="mxu", subnet="10.123.2")
     made = ["mxu-n1"]
     assert set(made) <= set(sh("ip", "netns", "list").stdout.split())
     t0 = time.monotonic()
     other.stop()
-    print(f"\n[timing] one-node namespace cluster: up {other.startup_s:.1f} s, "
-          f"down {time.monotonic() - t0:.1f} s")
+    print(
+        f"\n[timing] one-node namespace cluster: up {other.startup_s:.1f} s, "
+        f"down {time.monotonic() - t0:.1f} s"
+    )
     stop_netns_cluster(other.root)  # again: nothing left to do, no error
     assert not set(made) & set(sh("ip", "netns", "list").stdout.split())
     assert sh("ip", "link", "show", "mxu-br", check=False).returncode != 0

@@ -1,1 +1,0 @@
-"""Test infrastructure that builds clusters (not tests): see ``netns_slurm``."""
