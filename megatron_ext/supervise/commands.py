@@ -19,12 +19,13 @@ from megatron_ext.supervise.knobs import TRAINING_ENV, Config, KnobError
 from megatron_ext.supervise.policy import DEFAULT_SPIKE_EXIT_CODE
 
 # Under torchrun every worker runs in this wrapper: it records the worker's own exit code
-# (torchrun turns any failure into 1) in $MEGATRON_EXT_EXIT_CODE_DIR/rank-$RANK.rc, and its
-# TERM trap keeps the wrapper alive while the worker saves on SIGTERM.
+# (torchrun turns any failure into 1) and the node it ran on (bash's $HOSTNAME: no fork) in
+# $MEGATRON_EXT_EXIT_CODE_DIR/rank-$RANK.rc, and its TERM trap keeps the wrapper alive while
+# the worker saves on SIGTERM.
 RANK_WRAPPER = (
     'trap : TERM INT HUP; "$@"; rc=$?; d=${MEGATRON_EXT_EXIT_CODE_DIR:-}; '
-    'if [ -n "$d" ]; then printf "%s\\n" "$rc" >"$d/rank-${RANK:-0}.rc" || :; fi; '
-    'exit "$rc"'
+    'if [ -n "$d" ]; then printf "%s %s\\n" "$rc" "${HOSTNAME:-?}" >"$d/rank-${RANK:-0}.rc" '
+    '|| :; fi; exit "$rc"'
 )
 
 
