@@ -19,13 +19,22 @@ from megatron_ext.supervise.knobs import TRAINING_ENV, Config, KnobError
 from megatron_ext.supervise.policy import DEFAULT_SPIKE_EXIT_CODE
 
 # Under torchrun every worker runs in this wrapper: it records the worker's own exit code
-# (torchrun turns any failure into 1) and the node it ran on (bash's $HOSTNAME: no fork) in
+# (torchrun turns any failure into 1) and the node it ran on in
 # $MEGATRON_EXT_EXIT_CODE_DIR/rank-$RANK.rc, and its TERM trap keeps the wrapper alive while
-# the worker saves on SIGTERM.
+# the worker saves on SIGTERM. The node name is read from the kernel, not $HOSTNAME: Slurm
+# exports the batch host's HOSTNAME and srun passes it to the tasks on every node.
+# Then it SIGKILLs whatever the worker left in its process group (torchrun makes the wrapper
+# a group leader): a worker killed by SIGKILL orphans its data-loader workers and the
+# checkpoint writer's Manager (deaf to SIGTERM), which keep the node's task output open, so
+# srun learned of the failure only when slurmstepd gave up on that output, 60 s later.
+# No "$$" here: torchrun passes worker arguments through string.Template.safe_substitute
+# (its ${local_rank} macro), which turns "$$" into "$"; $BASHPID is the same pid here.
 RANK_WRAPPER = (
     'trap : TERM INT HUP; "$@"; rc=$?; d=${MEGATRON_EXT_EXIT_CODE_DIR:-}; '
-    'if [ -n "$d" ]; then printf "%s %s\\n" "$rc" "${HOSTNAME:-?}" >"$d/rank-${RANK:-0}.rc" '
-    '|| :; fi; exit "$rc"'
+    'if [ -n "$d" ]; then h=?; read -r h </proc/sys/kernel/hostname || :; '
+    'printf "%s %s\\n" "$rc" "$h" >"$d/rank-${RANK:-0}.rc" || :; fi; me=$BASHPID; '
+    'for p in $(pgrep -g "$me" 2>/dev/null); do [ "$p" = "$me" ] || kill -KILL "$p" 2>/dev/null; '
+    'done; exit "$rc"'
 )
 
 

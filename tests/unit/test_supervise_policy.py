@@ -7,6 +7,7 @@ import shlex
 import socket
 import subprocess
 from pathlib import Path
+from string import Template
 
 import pytest
 
@@ -98,6 +99,9 @@ def test_after_a_stop_signal(name, number, requeue, restarts, action, code) -> N
 
 
 NODES = ("rank 0 on n1", "rank 1 on n2")
+# What torchrun hands its worker: every argument through Template.safe_substitute (its
+# ${local_rank} macro, torch.distributed.elastic.utils.api.macros.substitute).
+AS_TORCHRUN_PASSES_IT = Template(RANK_WRAPPER).safe_substitute(local_rank="0")
 
 
 @pytest.mark.parametrize(
@@ -125,14 +129,43 @@ def test_a_sigkilled_launcher_is_not_a_killed_worker() -> None:
 
 
 def test_rank_wrapper_records_a_sigkill_and_the_node(tmp_path: Path) -> None:
-    """The real wrapper, around a worker that is SIGKILLed: it survives and records 137."""
+    """The real wrapper, around a worker that is SIGKILLed: it survives and records 137 and
+    the node it runs on (the kernel's name, not an inherited $HOSTNAME)."""
     result = subprocess.run(
-        ["bash", "-c", RANK_WRAPPER, "megatron-ext-rank", "bash", "-c", "kill -9 $$"],
-        env={"RANK": "3", "MEGATRON_EXT_EXIT_CODE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        ["bash", "-c", AS_TORCHRUN_PASSES_IT, "megatron-ext-rank", "bash", "-c", "kill -9 $$"],
+        env={
+            "RANK": "3",
+            "MEGATRON_EXT_EXIT_CODE_DIR": str(tmp_path),
+            "PATH": "/usr/bin:/bin",
+            "HOSTNAME": "the-batch-host",  # Slurm exports the batch host's; srun passes it on
+        },
         timeout=30,
     )
     assert result.returncode == 137
     assert (tmp_path / "rank-3.rc").read_text() == f"137 {socket.gethostname()}\n"
+
+
+def test_rank_wrapper_ends_what_a_killed_worker_left_holding_the_output(tmp_path: Path) -> None:
+    """A worker SIGKILLed with a SIGTERM-deaf child (as the checkpoint writer's Manager is)
+    that holds stdout: the wrapper, a group leader as under torchrun, kills the orphan, so
+    whoever reads the output (slurmstepd, for srun) sees it end with the wrapper."""
+    worker = (
+        f"(trap '' TERM; echo $BASHPID >{tmp_path}/orphan; exec sleep 300) & sleep 0.5; kill -9 $$"
+    )
+    proc = subprocess.Popen(
+        ["bash", "-c", AS_TORCHRUN_PASSES_IT, "megatron-ext-rank", "bash", "-c", worker],
+        env={"RANK": "0", "MEGATRON_EXT_EXIT_CODE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    proc.communicate(timeout=60)  # EOF: nothing holds the output any more (a hang guard)
+    assert proc.returncode == 137
+    orphan = int((tmp_path / "orphan").read_text())
+    assert not Path(f"/proc/{orphan}").exists() or "Z" in _state(orphan), "orphan still runs"
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def test_rank_codes_are_read_in_rank_order_with_their_nodes(tmp_path: Path) -> None:
