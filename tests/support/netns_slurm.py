@@ -19,7 +19,11 @@ Defaults (prefix ``mx``, subnet ``10.123.0``)::
 Everything the cluster writes lives under one directory (``slurm.conf``, state/, spool/<node>,
 run/, log/, munge/, ``cluster.json``) plus /etc/netns/<ns>/. :func:`stop` is idempotent and
 removes exactly what :func:`start` recorded. Settings as in tests/support/slurm_local_cluster.sh
-(cred_expire=5, sched_interval=2, config_overrides, no cgroups, SlurmUser=root). Clients
+(cred_expire=5, sched_interval=2, config_overrides, no cgroups, SlurmUser=root), plus
+``MessageTimeout=30`` (above KillWait=10): srun's kill-on-bad-exit goes through slurmctld,
+and a slurmd answers it only after the step's processes are gone (up to KillWait); a reply
+later than MessageTimeout makes slurmctld resend it ~60 s later, and with cred_expire=5 a
+requeued job already runs again by then, under the same step id, and gets killed. Clients
 (sbatch, scontrol) run in the root namespace with ``SLURM_CONF`` (:attr:`NetnsSlurm.env`).
 
 CLI (root)::
@@ -158,7 +162,9 @@ def _preflight() -> None:
 
 
 def _write_conf(root: Path, nodes: Sequence[Node], ctl_addr: str, ctld_port: int) -> Path:
-    cpus = max(2, os.cpu_count() or 2)
+    # More CPUs than the machine may have (config_overrides): tests run several jobs side by
+    # side, 1 CPU per node each.
+    cpus = max(8, os.cpu_count() or 2)
     match = re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text())
     mem = int(match[1]) // 1024 if match else 4096
     node_lines = "".join(
@@ -202,6 +208,7 @@ MailProg=/bin/true
 ReturnToService=2
 MinJobAge=5
 KillWait=10
+MessageTimeout=30
 JobRequeue=1
 {node_lines}PartitionName=netns Nodes={",".join(n.name for n in nodes)} Default=YES \
 MaxTime=INFINITE State=UP
