@@ -8,6 +8,7 @@ expansion for the rendezvous host when ``scontrol`` cannot do it.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import subprocess
@@ -229,10 +230,15 @@ def _bracket(inner: str, nodelist: str) -> list[str]:
 
 def first_host(nodelist: str) -> str:
     """The rendezvous host: ``scontrol show hostnames`` when it works, else our expansion
-    (e.g. --dry-run on a machine with Slurm's tools but no Slurm configuration)."""
+    (e.g. --dry-run on a machine with Slurm's tools but no Slurm configuration). scontrol is
+    not asked when SLURM_CONF names a file that does not exist: Slurm 22.05 then retries for
+    60 s before failing."""
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not Path(conf).is_file():
+        return expand_hostlist(nodelist)[0]
     try:
         out = subprocess.run(
-            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10
         )
         if out.returncode == 0 and out.stdout.split():
             return out.stdout.split()[0]
