@@ -67,7 +67,7 @@ from slurm import REPO, JobResult, PendingJob, free_port, latest_checkpoint, sam
 
 pytestmark = pytest.mark.timeout(900)
 
-TRAIN_ITERS = 40  # iterations are cheap (~0.1 s); launches are not
+TRAIN_ITERS = 30  # iterations are cheap (~0.1 s); launches are not
 SAVE_INTERVAL = 10
 DRILL_ITERS = 50
 DRILL_SKIPPED = range(26, 38)  # rollback to checkpoint 25, then 12 batches skipped
