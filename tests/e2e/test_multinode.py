@@ -11,19 +11,19 @@ code, ``scontrol show job``, the job output and the files the training wrote.
 * gloo across nodes (``gloo_probe.py``): pairs connect n1's address to n2's, by default (each
   node's hostname resolves to its own address) and with ``GLOO_SOCKET_IFNAME`` on nodes whose
   hostname resolves to nothing (gloo would otherwise fall back to loopback and fail);
-* four training jobs of ``launch/pretrain_gpt_ext.sbatch``, torchrun with one rank per node
+* three training jobs of ``launch/pretrain_gpt_ext.sbatch``, torchrun with one rank per node
   (DP=2) training the tiny model through the CPU harness, submitted together (they share the
-  nodes) and each acted on at its moment:
+  nodes; a launch costs far more than the iterations it trains):
 
   - ``normal``: completes; the c10d rendezvous endpoint is n1, its store listens there only
     and holds connections from both node addresses; both ranks train disjoint samples. It is
-    the uninterrupted reference of the next two.
-  - ``preempt``: the preemption warning (``scancel --signal=USR1 --batch``) once training
-    runs: the job saves, requeues itself and resumes; per-rank samples and losses equal
-    ``normal``'s, bit for bit.
-  - ``kill``: n2's training worker SIGKILLed after the first checkpoint: the supervisor names
-    the rank and node, requeues by the exit-code policy (137: restart within MAX_RESTARTS),
-    and the resumed job trains what ``normal`` trained.
+    the uninterrupted reference of the next one.
+  - ``interrupted``: first the preemption warning (``scancel --signal=USR1 --batch``) once
+    training runs: the job saves, requeues itself and resumes exactly where it stopped. Then,
+    after the requeued run's first checkpoint, n2's training worker is SIGKILLed: the
+    supervisor names the rank and node and requeues by the exit-code policy (137: restart
+    within MAX_RESTARTS). Per-rank samples and losses equal ``normal``'s, bit for bit (what
+    the kill lost is trained again after the resume).
   - ``drill``: the spike drill with the bad batches on DP rank 1 (n2): both nodes' ranks exit
     42, the batch step's supervisor (on n1) plans and applies one rollback, once, and the
     relaunch on both nodes completes.
@@ -51,7 +51,6 @@ from megatron_ext.files import SKIPPED_ITERATIONS_FILE, incident_stem, rolled_ba
 from multinode import (
     PREFIX,
     TWO_NODES,
-    Trigger,
     TwoNodeSlurm,
     as_trained,
     ensure_two_nodes,
@@ -67,7 +66,7 @@ from slurm import REPO, JobResult, PendingJob, free_port, latest_checkpoint, sam
 
 pytestmark = pytest.mark.timeout(900)
 
-TRAIN_ITERS = 30  # iterations are cheap (~0.1 s); launches are not
+TRAIN_ITERS = 40  # iterations are cheap (~0.1 s); launches are not
 SAVE_INTERVAL = 10
 DRILL_ITERS = 50
 DRILL_SKIPPED = range(26, 38)  # rollback to checkpoint 25, then 12 batches skipped
@@ -220,47 +219,51 @@ def test_gloo_pairs_connect_the_node_addresses(
 
 
 # ---------------------------------------------------------------------------------------------
-# Four training jobs, submitted together
+# Three training jobs, submitted together
 # ---------------------------------------------------------------------------------------------
 
 _ITERATION = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \|")
 
 
-def _preempt_once_training_runs(cluster: TwoNodeSlurm) -> Trigger:
-    """Send the preemption warning once iteration 2 is logged: it lands mid-run, between the
-    periodic checkpoints, so the resume depends on the save the signal asks for."""
+class Interruptions:
+    """The trigger of the ``interrupted`` job, in two acts. First the preemption warning,
+    once iteration 2 is logged: it lands mid-run, between the periodic checkpoints, so the
+    resume depends on the save the signal asks for. Then, in the requeued run and once it
+    has committed a checkpoint of its own, a SIGKILL of the training worker on n2 (as the
+    out-of-memory killer would do it)."""
 
-    def trigger(job: PendingJob) -> bool:
-        if not any(int(m) >= 2 for m in _ITERATION.findall(job.output)):
+    def __init__(self, cluster: TwoNodeSlurm, work: Path) -> None:
+        self.cluster, self.work = cluster, work
+        self.preempted_at: int | None = None  # the checkpoint the preempted run saved
+        self.killed: list[int] = []
+
+    def __call__(self, job: PendingJob) -> bool:
+        log = job.output
+        if self.preempted_at is None:
+            if not any(int(m) >= 2 for m in _ITERATION.findall(log)):
+                return False
+            self.cluster.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
+            self.preempted_at = -1
             return False
-        cluster.run("scancel", "--signal=USR1", "--batch", str(job.job_id))
-        return True
-
-    return trigger
-
-
-def _kill_n2_after_first_checkpoint(cluster: TwoNodeSlurm, work: Path, killed: list) -> Trigger:
-    """SIGKILL the training worker on n2 (as the out-of-memory killer would) once the first
-    checkpoint is committed, so the requeued job has something to resume from."""
-
-    def trigger(job: PendingJob) -> bool:
-        if latest_checkpoint(work / "ckpt") < SAVE_INTERVAL:
+        if self.preempted_at < 0:
+            if "requeueing Slurm job" in log:
+                self.preempted_at = latest_checkpoint(self.work / "ckpt")
             return False
-        workers = cluster.workers_on("n2", str(work))
+        if latest_checkpoint(self.work / "ckpt") <= self.preempted_at:
+            return False
+        workers = self.cluster.workers_on("n2", str(self.work))
         for worker in workers:
             worker.kill()
-            killed.append(worker.pid)
+            self.killed.append(worker.pid)
         return bool(workers)
-
-    return trigger
 
 
 @pytest.fixture(scope="module")
 def jobs(two_nodes: TwoNodeSlurm, tmp_path_factory, data_args: list[str]) -> dict:
-    """Submit the four jobs at once, act on each at its moment, wait for all of them."""
+    """Submit the three jobs at once, act on the interrupted one at its moments, wait for all.
+    (One job for both interruptions: every launch costs more than the iterations it trains.)"""
     root = tmp_path_factory.mktemp("netns-jobs")
-    work = {name: root / name for name in ("normal", "preempt", "kill", "drill")}
-    killed: list[int] = []
+    work = {name: root / name for name in ("normal", "interrupted", "drill")}
     t0 = time.monotonic()
     pending = {
         name: start_two_node_training(
@@ -271,7 +274,7 @@ def jobs(two_nodes: TwoNodeSlurm, tmp_path_factory, data_args: list[str]) -> dic
             save_interval=SAVE_INTERVAL,
             job_name=f"mx-{name}",
         )
-        for name in ("normal", "preempt", "kill")
+        for name in ("normal", "interrupted")
     }
     pending["drill"] = start_two_node_training(
         two_nodes,
@@ -284,18 +287,12 @@ def jobs(two_nodes: TwoNodeSlurm, tmp_path_factory, data_args: list[str]) -> dic
         MAX_ROLLBACKS="2",
         SKIPLIST_ARGS="--rollback-iters 5 --skip-batches 12",
     )
-    results, fired = run_together(
-        pending,
-        {
-            "preempt": _preempt_once_training_runs(two_nodes),
-            "kill": _kill_n2_after_first_checkpoint(two_nodes, work["kill"], killed),
-        },
-        timeout=800,
-    )
-    print(f"\n[timing] four 2-node jobs, submitted together: {time.monotonic() - t0:.1f} s")
+    interruptions = Interruptions(two_nodes, work["interrupted"])
+    results, _ = run_together(pending, {"interrupted": interruptions}, timeout=800)
+    print(f"\n[timing] three 2-node jobs, submitted together: {time.monotonic() - t0:.1f} s")
     for name, job in results.items():
         print(f"[timing]   {name}: Slurm RunTime {job.fields.get('RunTime')}")
-    return {"results": results, "work": work, "fired": fired, "killed": killed}
+    return {"results": results, "work": work, "interruptions": interruptions}
 
 
 def test_dp2_job_with_one_rank_per_node_completes_rendezvousing_across_both_nodes(
@@ -353,78 +350,85 @@ def test_dp2_job_with_one_rank_per_node_completes_rendezvousing_across_both_node
     assert counts == ["rank0.json", "rank1.json"], "both ranks must have run the CPU harness"
 
 
-def _resumed_at(job: JobResult, after: str) -> int | None:
+def _resumed_at(after: str) -> int | None:
     found = re.search(r"loading checkpoint from \S+ at iteration (\d+)", after) or re.search(
         r"successfully loaded checkpoint .* at iteration\s+(\d+)", after
     )
     return int(found[1]) if found else None
 
 
+def _interrupted(jobs: dict) -> tuple[JobResult, Path, list[str]]:
+    """The interrupted job, its work dir and its log cut at each requeue (3 runs)."""
+    job, work = jobs["results"]["interrupted"], jobs["work"]["interrupted"]
+    runs = job.output.split(f"requeueing Slurm job {job.job_id} ")
+    _assert(job, len(runs) == 3, "the job must have been requeued twice")
+    _completed(job, restarts=2)
+    return job, work, runs
+
+
 def test_preemption_of_the_two_node_job_saves_requeues_and_resumes_exactly(jobs: dict) -> None:
-    job, work = jobs["results"]["preempt"], jobs["work"]["preempt"]
-    assert "preempt" in jobs["fired"], f"the training never ran:\n{job.describe()}"
-    _completed(job, restarts=1)
-    log = job.output
+    job, work, (first, second, _) = _interrupted(jobs)
     _assert(
         job,
-        "received SIGUSR1" in log and f"requeueing Slurm job {job.job_id}" in log,
+        "received SIGUSR1" in first and second.startswith("(time limit / preemption warning"),
         "the supervisor must requeue on the warning signal",
     )
-    before, after = log.split("requeueing Slurm job", 1)
     _assert(
         job,
-        "exiting program after receiving SIGTERM" in before,
+        "exiting program after receiving SIGTERM" in first,
         "Megatron's --exit-signal-handler must have stopped the training",
     )
     saved = [
-        int(m) for m in re.findall(r"successfully saved checkpoint from iteration\s+(\d+)", before)
+        int(m) for m in re.findall(r"successfully saved checkpoint from iteration\s+(\d+)", first)
     ]
     _assert(
         job,
-        bool(saved) and 2 <= saved[-1] < TRAIN_ITERS,
-        f"the signal must land mid-run and be followed by a save (saves: {saved})",
+        bool(saved) and 2 <= saved[-1] < TRAIN_ITERS and saved[-1] % SAVE_INTERVAL != 0,
+        f"the signal must land mid-run and be followed by a save of its own (saves: {saved})",
     )
-    _assert(job, f"--rdzv-id {job.job_id}-1-1" in after, "the rerun sees SLURM_RESTART_COUNT=1")
-    _assert(job, _resumed_at(job, after) == saved[-1], f"resume from {saved[-1]}")
+    _assert(job, f"--rdzv-id {job.job_id}-1-1" in second, "the rerun sees SLURM_RESTART_COUNT=1")
+    _assert(job, _resumed_at(second) == saved[-1], f"the rerun must resume from {saved[-1]}")
     _assert(
         job,
-        sorted(w["host"] for w in worker_reports(after)) == ["n1", "n2"],
+        sorted(w["host"] for w in worker_reports(second)) == ["n1", "n2"],
         "the requeued job must run on both nodes again",
     )
-    assert latest_checkpoint(work / "ckpt") == TRAIN_ITERS
     expected = sample_records(jobs["work"]["normal"] / "samples")
     got = sample_records(work / "samples")
     assert sorted(got) == [0, 1]
     for dp_rank in (0, 1):
-        iterations = [r.iteration for r in got[dp_rank]]
-        assert iterations == sorted(iterations), "a resumed run replayed or skipped iterations"
-        # Bit-exact: sample ids, token digests and token-summed losses, micro-batch by batch.
-        assert got[dp_rank] == expected[dp_rank]
+        # Until the kill's replay: every iteration once, resumed right after the save, and
+        # bit-exact (sample ids, token digests, token-summed losses, micro-batch by batch).
+        recs = got[dp_rank]
+        replay = next(
+            (i for i in range(1, len(recs)) if recs[i].iteration < recs[i - 1].iteration),
+            len(recs),
+        )
+        assert recs[replay - 1].iteration > saved[-1], "the check must span the resume"
+        assert recs[:replay] == expected[dp_rank][:replay]
 
 
 def test_one_nodes_workers_killed_the_job_names_them_requeues_and_completes(jobs: dict) -> None:
-    job, work = jobs["results"]["kill"], jobs["work"]["kill"]
-    assert jobs["killed"], f"n2's worker was never found to kill:\n{job.describe()}"
-    _completed(job, restarts=1)
-    log = job.output
-    before, _, after = log.partition(f"requeueing Slurm job {job.job_id}")
+    job, work, (_, second, third) = _interrupted(jobs)
+    assert jobs["interruptions"].killed, "n2's worker was never found to kill"
     _assert(
         job,
-        re.search(r"attempt 1: .*\brank 1 on n2 exited 137\b", before) is not None,
+        re.search(r"attempt 1: .*\brank 1 on n2 exited 137\b", second) is not None,
         "the supervisor must report how the rank on n2 ended (srun may have SIGKILLed n1's "
         "task, wrapper included, before rank 0 could report)",
     )
     _assert(
         job,
-        after.startswith(" (rank 1 on n2 killed by SIGKILL"),
+        third.startswith("(rank 1 on n2 killed by SIGKILL"),
         "the supervisor must requeue by the exit-code policy, naming the rank and node",
     )
-    resumed = _resumed_at(job, after)
+    resumed, preempted = _resumed_at(third), _resumed_at(second)
     _assert(
         job,
-        resumed is not None and SAVE_INTERVAL <= resumed < TRAIN_ITERS,
-        f"the requeued job must resume from a mid-run checkpoint, not {resumed}",
+        resumed is not None and preempted is not None and preempted < resumed < TRAIN_ITERS,
+        f"the last run must resume from a checkpoint of the second ({preempted} < {resumed})",
     )
+    _assert(job, f"--rdzv-id {job.job_id}-2-1" in third, "the rerun sees SLURM_RESTART_COUNT=2")
     assert latest_checkpoint(work / "ckpt") == TRAIN_ITERS
     expected = sample_records(jobs["work"]["normal"] / "samples")
     got = sample_records(work / "samples")
