@@ -9,7 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
-SYSTEM_PACKAGES=(shellcheck slurmctld slurmd slurm-client munge)
+# Slurm + munge: the real-Slurm tests; iproute2, util-linux (unshare, nsenter): the two-node
+# cluster of network namespaces; procps: pgrep, which the launchers' rank wrapper uses.
+SYSTEM_PACKAGES=(shellcheck slurmctld slurmd slurm-client munge iproute2 util-linux procps)
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     missing=()

@@ -27,6 +27,8 @@ EXIT_CODES = """Exit codes of the training and what the supervisor does (supervi
   42  megatron-ext rollback request (--spike-exit-code; the spike ledger must confirm it)
       -> run MEGATRON_EXT_ON_SPIKE (default: megatron-ext skiplist --apply) and relaunch, at
       most MAX_ROLLBACKS; no hook, hook failure or budget spent -> exit 42
+ 137  a worker killed by SIGKILL (out-of-memory killer, operator, failing node; the log
+      names its rank and node) -> restart like 16, at most MAX_RESTARTS; then exit 137
   other  a crash                               -> stop with that code
 The supervisor also exits 2 on a configuration error and 128+N after stopping on signal N
 (SIGUSR1 with RESTART_MODE=requeue: requeue and exit 0 while the restart budget lasts)."""

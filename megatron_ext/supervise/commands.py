@@ -8,6 +8,7 @@ expansion for the rendezvous host when ``scontrol`` cannot do it.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import subprocess
@@ -19,12 +20,22 @@ from megatron_ext.supervise.knobs import TRAINING_ENV, Config, KnobError
 from megatron_ext.supervise.policy import DEFAULT_SPIKE_EXIT_CODE
 
 # Under torchrun every worker runs in this wrapper: it records the worker's own exit code
-# (torchrun turns any failure into 1) in $MEGATRON_EXT_EXIT_CODE_DIR/rank-$RANK.rc, and its
-# TERM trap keeps the wrapper alive while the worker saves on SIGTERM.
+# (torchrun turns any failure into 1) and the node it ran on in
+# $MEGATRON_EXT_EXIT_CODE_DIR/rank-$RANK.rc, and its TERM trap keeps the wrapper alive while
+# the worker saves on SIGTERM. The node name is read from the kernel, not $HOSTNAME: Slurm
+# exports the batch host's HOSTNAME and srun passes it to the tasks on every node.
+# Then it SIGKILLs whatever the worker left in its process group (torchrun makes the wrapper
+# a group leader): a worker killed by SIGKILL orphans its data-loader workers and the
+# checkpoint writer's Manager (deaf to SIGTERM), which keep the node's task output open, so
+# srun learned of the failure only when slurmstepd gave up on that output, 60 s later.
+# No "$$" here: torchrun passes worker arguments through string.Template.safe_substitute
+# (its ${local_rank} macro), which turns "$$" into "$"; $BASHPID is the same pid here.
 RANK_WRAPPER = (
     'trap : TERM INT HUP; "$@"; rc=$?; d=${MEGATRON_EXT_EXIT_CODE_DIR:-}; '
-    'if [ -n "$d" ]; then printf "%s\\n" "$rc" >"$d/rank-${RANK:-0}.rc" || :; fi; '
-    'exit "$rc"'
+    'if [ -n "$d" ]; then h=?; read -r h </proc/sys/kernel/hostname || :; '
+    'printf "%s %s\\n" "$rc" "$h" >"$d/rank-${RANK:-0}.rc" || :; fi; me=$BASHPID; '
+    'for p in $(pgrep -g "$me" 2>/dev/null); do [ "$p" = "$me" ] || kill -KILL "$p" 2>/dev/null; '
+    'done; exit "$rc"'
 )
 
 
@@ -219,10 +230,15 @@ def _bracket(inner: str, nodelist: str) -> list[str]:
 
 def first_host(nodelist: str) -> str:
     """The rendezvous host: ``scontrol show hostnames`` when it works, else our expansion
-    (e.g. --dry-run on a machine with Slurm's tools but no Slurm configuration)."""
+    (e.g. --dry-run on a machine with Slurm's tools but no Slurm configuration). scontrol is
+    not asked when SLURM_CONF names a file that does not exist: Slurm 22.05 then retries for
+    60 s before failing."""
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not Path(conf).is_file():
+        return expand_hostlist(nodelist)[0]
     try:
         out = subprocess.run(
-            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10
         )
         if out.returncode == 0 and out.stdout.split():
             return out.stdout.split()[0]

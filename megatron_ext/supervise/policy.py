@@ -13,9 +13,19 @@ code        meaning                                      action
 17          EXIT_CODE_FAILED_ON_RESULT_VALIDATION        stop with 17, report the tracker file
 spike code  megatron-ext rollback request (default 42,   run the spike hook (plan + apply),
             --spike-exit-code), confirmed by the ledger  relaunch (MAX_ROLLBACKS)
+137         a worker killed by SIGKILL while its rank    restart from the last checkpoint:
+            wrapper lived: the out-of-memory killer,     requeue or relaunch (MAX_RESTARTS)
+            an operator, a failing node
 other       a crash, or a spike code the ledger does     stop with that code
             not confirm
 ==========  ===========================================  =====================================
+
+Why 137 restarts: torchrun and Slurm end a rank's wrapper together with its worker (SIGKILL to
+the process group, or every process of the step), so a worker that died of SIGKILL while its
+wrapper lived to record it was killed from outside the job. Its peers then fail too (a
+collective loses its partner: exit 1, or 143 when torchrun or srun stops them); those codes
+are consequences, so a kill outranks them. A crash that happens to coincide with one is
+restarted too and fails again, bounded by MAX_RESTARTS.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from typing import Literal
 EXIT_RESUME_TO_DISAMBIGUATE = 16
 EXIT_FAILED_ON_RESULT_VALIDATION = 17
 DEFAULT_SPIKE_EXIT_CODE = 42
+EXIT_KILLED = 128 + 9  # what a shell (our rank wrapper) reports for a child killed by SIGKILL
 
 Action = Literal["finish", "restart", "rollback", "stop"]
 
@@ -40,16 +51,20 @@ class Outcome:
     # Whether the spike ledger gained a rollback request during the attempt; None when the
     # run keeps no ledger (no --signals-dir: a custom MEGATRON_EXT_ON_SPIKE hook decides).
     ledger_confirms: bool | None = None
+    # Who reported each of rank_codes ("rank 1 on n2"), for log lines; may be empty.
+    workers: tuple[str, ...] = ()
 
     def effective(self) -> int:
-        """The code that matters: 17, then the spike code, then 16, then the first other
-        non-zero code a worker exited with (not a signal death), else the launcher's."""
+        """The code that matters: 17, then the spike code, then 16, then a worker killed by
+        SIGKILL, then the first other non-zero code a worker exited with (not a signal death),
+        else the launcher's."""
         if self.launcher_rc == 0:
             return 0
         for wanted in (
             EXIT_FAILED_ON_RESULT_VALIDATION,
             self.spike_code,
             EXIT_RESUME_TO_DISAMBIGUATE,
+            EXIT_KILLED,
         ):
             if wanted in self.rank_codes:
                 return wanted
@@ -57,6 +72,14 @@ class Outcome:
             if 0 < code < 128:
                 return code
         return self.launcher_rc
+
+    def killed(self) -> list[str]:
+        """The workers that died of SIGKILL, named as in :attr:`workers`."""
+        return [
+            self.workers[i] if i < len(self.workers) else f"worker {i}"
+            for i, code in enumerate(self.rank_codes)
+            if code == EXIT_KILLED
+        ]
 
 
 @dataclass(frozen=True)
@@ -81,18 +104,25 @@ def decide(outcome: Outcome, budget: Budget) -> Decision:
     code = outcome.effective()
     if code == 0:
         return Decision("finish", 0, "training finished successfully")
-    if code == EXIT_RESUME_TO_DISAMBIGUATE:
+    killed = outcome.killed() if code == EXIT_KILLED else []
+    if code == EXIT_RESUME_TO_DISAMBIGUATE or killed:
+        cause = (
+            f"{', '.join(killed)} killed by SIGKILL (the out-of-memory killer, an operator or "
+            "a failing node; see the node's kernel log); "
+            if killed
+            else ""
+        )
         if budget.restarts_done >= budget.max_restarts:
             return Decision(
                 "stop",
                 code,
-                f"restart budget exhausted ({budget.restarts_done} "
+                f"{cause}restart budget exhausted ({budget.restarts_done} "
                 f"restarts so far, MAX_RESTARTS={budget.max_restarts}); giving up",
             )
         return Decision(
             "restart",
             code,
-            f"restart {budget.restarts_done + 1}/{budget.max_restarts}",
+            f"{cause}restart {budget.restarts_done + 1}/{budget.max_restarts}",
             requeue=budget.requeue,
         )
     if code == EXIT_FAILED_ON_RESULT_VALIDATION:

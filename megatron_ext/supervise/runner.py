@@ -140,14 +140,19 @@ class Supervisor:
         self.state.child = None
         if launcher_rc < 0:  # killed by a signal: report it the way a shell would
             launcher_rc = 128 - launcher_rc
-        codes = self._rank_codes(rc_dir)
+        codes, workers = self._rank_codes(rc_dir)
         after = self._rollback_requests()
         outcome = Outcome(
             launcher_rc,
             codes,
             self.facts.spike_exit_code,
             None if after is None else after > (before or 0),
+            workers,
         )
+        if launcher_rc != 0 and codes:
+            # Which rank on which node ended how: a partial failure names its node here.
+            exits = ", ".join(f"{w} exited {c}" for w, c in zip(workers, codes))
+            log(self.config, f"attempt {attempt}: {exits}")
         if outcome.effective() != launcher_rc:
             log(
                 self.config,
@@ -157,16 +162,19 @@ class Supervisor:
         return outcome
 
     @staticmethod
-    def _rank_codes(rc_dir: Path | None) -> tuple[int, ...]:
+    def _rank_codes(rc_dir: Path | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """Each rank's exit code, in rank order, and "rank R on HOST" for each."""
         if rc_dir is None or not rc_dir.is_dir():
-            return ()
-        codes = []
-        for path in sorted(rc_dir.glob("rank-*.rc")):
-            text = path.read_text().strip()
-            if text.isdigit():
-                codes.append(int(text))
+            return (), ()
+        found: dict[int, tuple[int, str]] = {}
+        for path in rc_dir.glob("rank-*.rc"):
+            rank, words = path.stem.removeprefix("rank-"), path.read_text().split()
+            if rank.isdigit() and words and words[0].isdigit():
+                host = f" on {words[1]}" if len(words) > 1 else ""
+                found[int(rank)] = (int(words[0]), f"rank {rank}{host}")
         shutil.rmtree(rc_dir, ignore_errors=True)
-        return tuple(codes)
+        ordered = [found[rank] for rank in sorted(found)]
+        return tuple(c for c, _ in ordered), tuple(w for _, w in ordered)
 
     def _rollback_requests(self) -> int | None:
         """Rollback requests in the spike ledger so far; None when the run keeps none."""
@@ -239,7 +247,7 @@ class Supervisor:
             self.report_validation_failure()
         signalled = self.state.stop_signal is not None and decision.exit_code > 128
         log(config, decision.reason if signalled else f"ERROR: {decision.reason}")
-        if code == policy.EXIT_RESUME_TO_DISAMBIGUATE or signalled:
+        if code in (policy.EXIT_RESUME_TO_DISAMBIGUATE, policy.EXIT_KILLED) or signalled:
             log(
                 config,
                 f"resume from {config.ckpt_dir} by running or submitting the same command again",

@@ -4,6 +4,7 @@ the rendezvous, and SIGTERM reaching every worker so it can save."""
 from __future__ import annotations
 
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,24 @@ def test_single_torchrun_propagates_worker_exit_16(h: Harness):
     assert "launcher exited 1; training workers reported exit code 16" in r.stderr
     assert "MAX_RESTARTS=0" in r.stderr
     assert not list((h.ckpt / "launch_state" / "exit_codes").iterdir())  # cleaned up
+
+
+@needs_torchrun
+def test_single_torchrun_worker_killed_by_sigkill_restarts_within_budget(h: Harness):
+    """Rank 1 SIGKILLed (its wrapper survives and records 137), rank 0 fails with 1 as a
+    peer that lost its partner would: the kill is the cause, relaunch, then the budget."""
+    h.env.update(PYTHON=str(h.python), TORCHRUN=str(TORCHRUN), GPUS_PER_NODE="2")
+    r = h.run(SINGLE, MAX_RESTARTS="1", FAKE_CODE_RANK_0="1", FAKE_KILL_RANK_1="1", timeout=120)
+    assert r.returncode == 137, r.stdout + r.stderr
+    node = socket.gethostname()
+    for attempt in (1, 2):
+        assert f"attempt {attempt}: rank 0 on {node} exited 1, rank 1 on {node} exited 137" in (
+            r.stderr
+        )
+    assert f"rank 1 on {node} killed by SIGKILL" in r.stderr
+    assert "relaunching in place from the last checkpoint" in r.stderr
+    assert "restart 1/1" in r.stderr and "MAX_RESTARTS=1" in r.stderr
+    assert "attempt 3:" not in r.stderr
 
 
 @needs_torchrun

@@ -58,8 +58,9 @@ kill -TERM "$(cat "$FAKE_DIR/train.pid")"
 
 
 # Fake training: records argv, then exits with the next code of $FAKE_CODES
-# (FAKE_CODE_RANK_<RANK> wins under torchrun), or waits for SIGTERM and exits 0
-# like Megatron's --exit-signal-handler after saving.
+# (FAKE_CODE_RANK_<RANK> wins under torchrun; FAKE_KILL_RANK_<RANK> set: SIGKILLs itself,
+# as the out-of-memory killer would), or waits for SIGTERM and exits 0 like Megatron's
+# --exit-signal-handler after saving.
 FAKE_PYTHON = r"""#!/bin/bash
 d=$FAKE_DIR
 n=$(( $(cat "$d/count" 2>/dev/null || echo 0) + 1 ))
@@ -71,6 +72,8 @@ read -r -a codes <<<"${FAKE_CODES:-0}"
 code=${codes[$((n - 1))]:-0}
 v=FAKE_CODE_RANK_${RANK:-none}
 code=${!v:-$code}
+k=FAKE_KILL_RANK_${RANK:-none}
+[[ -z ${!k:-} ]] || kill -KILL $$
 if [[ -n ${FAKE_WAIT_FOR_TERM:-} ]]; then
     trap 'echo TERM >>"$d/signals"; sleep "${FAKE_SAVE_SECONDS:-0}"
           touch "$d/saved.${RANK:-0}"; exit 0' TERM

@@ -182,6 +182,39 @@ def test_sbatch_dry_run_without_a_working_scontrol(tmp_path: Path):
     assert follows(words, "--nnodes", "5")
 
 
+# Slurm 22.05's scontrol, like this one, retries a missing configuration file for 60 s.
+SCONTROL_WITHOUT_CONFIG = """#!/bin/bash
+echo "scontrol $*" >>"$STUB_LOG"
+echo "scontrol: error: s_p_parse_file: cannot stat file $SLURM_CONF, retrying in 1sec" \
+    "up to 60sec" >&2
+sleep 60
+exit 1
+"""
+
+
+@pytest.mark.parametrize("scontrol", ["stub retrying 60 s", "installed"])
+def test_sbatch_dry_run_multi_host_without_a_slurm_config(tmp_path: Path, scontrol: str):
+    """--dry-run for 5 nodes (``gpu[001-004,010]``) where SLURM_CONF names no file: torchrun
+    once per node, 5 nodes, rendezvous at the first host, without waiting for scontrol."""
+    h = Harness(tmp_path, slurm_stubs=False)
+    if scontrol == "installed":
+        if shutil.which("scontrol", path=h.env["PATH"]) is None:
+            pytest.skip("Slurm's scontrol is not installed (tools/setup.sh installs it)")
+    else:
+        write_exe(h.bin / "scontrol", SCONTROL_WITHOUT_CONFIG)
+    h.slurm(SLURM_JOB_NODELIST="gpu[001-004,010]", SLURM_NNODES="5", SLURM_JOB_ID="91")
+    r = h.run(SBATCH, "--dry-run", SLURM_CONF=str(tmp_path / "no-such" / "slurm.conf"))
+    words = dry_run_words(r)
+    srun = words[: words.index("torchrun")]
+    assert srun[0] == "srun"
+    assert "--nodes=5" in srun and "--ntasks=5" in srun and "--ntasks-per-node=1" in srun
+    assert follows(words, "--nnodes", "5", "--nproc-per-node", "8")
+    assert follows(words, "--rdzv-id", "91-0-1", "--rdzv-backend", "c10d")
+    assert follows(words, "--rdzv-endpoint", "gpu001:29500")
+    assert not h.stub_calls, "scontrol must not be asked without its configuration file"
+    assert not h.ckpt.exists()
+
+
 def test_sbatch_dry_run_python_launcher(h: Harness):
     h.slurm(SLURM_NNODES="1").fake_launcher("0")
     words = dry_run_words(h.run(SBATCH, "--dry-run"))

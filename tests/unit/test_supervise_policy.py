@@ -4,11 +4,16 @@
 from __future__ import annotations
 
 import shlex
+import socket
+import subprocess
+from pathlib import Path
+from string import Template
 
 import pytest
 
-from megatron_ext.supervise.commands import quote
+from megatron_ext.supervise.commands import RANK_WRAPPER, quote
 from megatron_ext.supervise.policy import Budget, Outcome, after_stop_signal, decide
+from megatron_ext.supervise.runner import Supervisor
 
 
 @pytest.mark.parametrize(
@@ -23,6 +28,10 @@ from megatron_ext.supervise.policy import Budget, Outcome, after_stop_signal, de
         (1, [143, 143], 1),  # only signal deaths: keep the launcher's code
         (1, [], 1),  # no worker files (e.g. rendezvous failure)
         (137, [0, 0], 137),
+        (1, [1, 137], 137),  # a SIGKILLed worker outranks its peer's collateral failure
+        (1, [137, 143], 137),
+        (1, [16, 137], 16),  # an explicit request still wins
+        (1, [42, 137], 42),
     ],
 )
 def test_effective_rc(launcher_rc: int, rank_codes: list[int], expected: int):
@@ -87,3 +96,83 @@ def test_restart_requeues_only_in_requeue_mode() -> None:
 def test_after_a_stop_signal(name, number, requeue, restarts, action, code) -> None:
     decision = after_stop_signal(name, 0, _budget(requeue=requeue, restarts_done=restarts), number)
     assert (decision.action, decision.exit_code) == (action, code)
+
+
+NODES = ("rank 0 on n1", "rank 1 on n2")
+# What torchrun hands its worker: every argument through Template.safe_substitute (its
+# ${local_rank} macro, torch.distributed.elastic.utils.api.macros.substitute).
+AS_TORCHRUN_PASSES_IT = Template(RANK_WRAPPER).safe_substitute(local_rank="0")
+
+
+@pytest.mark.parametrize(
+    "outcome, budget, action, exit_code, requeue",
+    [
+        # One node's worker SIGKILLed, its peer failed in the collective: requeue.
+        (Outcome(1, (1, 137), 42, workers=NODES), _budget(requeue=True), "restart", 137, True),
+        (Outcome(1, (143, 137), 42, workers=NODES), _budget(), "restart", 137, False),
+        (Outcome(1, (1, 137), 42, workers=NODES), _budget(restarts_done=3), "stop", 137, False),
+    ],
+)
+def test_a_worker_killed_by_sigkill_restarts_within_the_budget(
+    outcome, budget, action, exit_code, requeue
+) -> None:
+    decision = decide(outcome, budget)
+    assert (decision.action, decision.exit_code, decision.requeue) == (action, exit_code, requeue)
+    assert decision.reason.startswith("rank 1 on n2 killed by SIGKILL")
+    assert ("MAX_RESTARTS=3" in decision.reason) == (action == "stop")
+
+
+def test_a_sigkilled_launcher_is_not_a_killed_worker() -> None:
+    """137 from srun/torchrun itself (no worker says so) is not the rule: stop with it."""
+    decision = decide(Outcome(137, (0, 0), 42), _budget())
+    assert (decision.action, decision.exit_code) == ("stop", 137)
+
+
+def test_rank_wrapper_records_a_sigkill_and_the_node(tmp_path: Path) -> None:
+    """The real wrapper, around a worker that is SIGKILLed: it survives and records 137 and
+    the node it runs on (the kernel's name, not an inherited $HOSTNAME)."""
+    result = subprocess.run(
+        ["bash", "-c", AS_TORCHRUN_PASSES_IT, "megatron-ext-rank", "bash", "-c", "kill -9 $$"],
+        env={
+            "RANK": "3",
+            "MEGATRON_EXT_EXIT_CODE_DIR": str(tmp_path),
+            "PATH": "/usr/bin:/bin",
+            "HOSTNAME": "the-batch-host",  # Slurm exports the batch host's; srun passes it on
+        },
+        timeout=30,
+    )
+    assert result.returncode == 137
+    assert (tmp_path / "rank-3.rc").read_text() == f"137 {socket.gethostname()}\n"
+
+
+def test_rank_wrapper_ends_what_a_killed_worker_left_holding_the_output(tmp_path: Path) -> None:
+    """A worker SIGKILLed with a SIGTERM-deaf child (as the checkpoint writer's Manager is)
+    that holds stdout: the wrapper, a group leader as under torchrun, kills the orphan, so
+    whoever reads the output (slurmstepd, for srun) sees it end with the wrapper."""
+    worker = (
+        f"(trap '' TERM; echo $BASHPID >{tmp_path}/orphan; exec sleep 300) & sleep 0.5; kill -9 $$"
+    )
+    proc = subprocess.Popen(
+        ["bash", "-c", AS_TORCHRUN_PASSES_IT, "megatron-ext-rank", "bash", "-c", worker],
+        env={"RANK": "0", "MEGATRON_EXT_EXIT_CODE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    proc.communicate(timeout=60)  # EOF: nothing holds the output any more (a hang guard)
+    assert proc.returncode == 137
+    orphan = int((tmp_path / "orphan").read_text())
+    assert not Path(f"/proc/{orphan}").exists() or "Z" in _state(orphan), "orphan still runs"
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_rank_codes_are_read_in_rank_order_with_their_nodes(tmp_path: Path) -> None:
+    for rank, text in {2: "0 n1", 10: "137 n6", 1: "1 n1", 0: "16"}.items():
+        (tmp_path / f"rank-{rank}.rc").write_text(text + "\n")
+    (tmp_path / "rank-5.rc").write_text("")  # torn: the wrapper died while writing
+    codes, workers = Supervisor._rank_codes(tmp_path)
+    assert codes == (16, 1, 0, 137)
+    assert workers == ("rank 0", "rank 1 on n1", "rank 2 on n1", "rank 10 on n6")
+    assert not tmp_path.exists()  # consumed
