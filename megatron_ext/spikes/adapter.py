@@ -26,7 +26,8 @@ import torch.distributed as dist
 from megatron_ext.features import Feature, FeatureError, MicroBatch, StepRecord
 from megatron_ext.files import SIGNALS_FILE, SKIPPED_ITERATIONS_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.io import JsonlAppender, atomic_write
-from megatron_ext.spikes.detector import SpikeDetector, add_detector_args, config_from_args
+from megatron_ext.spikes.config import add_detector_args, config_from_args
+from megatron_ext.spikes.detector import SpikeDetector
 from megatron_ext.spikes.drill import CorruptionSpec, garbage_batch, parse_spec
 from megatron_ext.spikes.skip_ranges import format_ranges
 from megatron_ext.telemetry.signals import latest_per_iteration, read_signals

@@ -31,13 +31,8 @@ from matplotlib.lines import Line2D
 
 from megatron_ext.files import SIGNALS_FILE, SIGNALS_PLOT_FILE
 from megatron_ext.io import atomic_write
-from megatron_ext.spikes.detector import (
-    SpikeConfig,
-    SpikeEvent,
-    add_detector_args,
-    config_from_args,
-    spike_candidates,
-)
+from megatron_ext.spikes.config import SpikeConfig, add_detector_args, config_from_args
+from megatron_ext.spikes.detector import SpikeEvent, spike_candidates
 from megatron_ext.telemetry.signals import SignalRecord, latest_per_iteration, read_signals
 
 # (record field, panel title, the note shown when no iteration recorded it)

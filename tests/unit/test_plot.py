@@ -14,7 +14,7 @@ import matplotlib.image
 import pytest
 
 from megatron_ext import cli
-from megatron_ext.spikes.detector import SpikeConfig
+from megatron_ext.spikes.config import SpikeConfig
 from megatron_ext.telemetry.plot import PANELS, build_series, main, render
 from megatron_ext.telemetry.signals import SignalRecord, SignalsWriter, read_signals
 
