@@ -293,15 +293,17 @@ def _bf16(
     zeros = _values(before, "num_zeros")
     onset_zeros = next((r.num_zeros for r in at if r.num_zeros is not None), None)
     missing: list[str] = []
+    answer: Answer
     if len(zeros) < 3 or onset_zeros is None:
-        anomaly, zeros_text = True, "num_zeros not recorded"
+        zeros_text = "num_zeros not recorded"
         missing.append("num_zeros (--log-num-zeros-in-grad)")
+        answer = "unknown" if grad_back and loss_back else "no"
     else:
         med = statistics.median(zeros)
         mad = statistics.median(abs(z - med) for z in zeros) * 1.4826
         anomaly = abs(onset_zeros - med) > max(ZEROS_K * mad, 1e-12 + 1e-3 * abs(med))
         zeros_text = f"num_zeros {onset_zeros:.6g} vs baseline {med:.6g} (sigma {mad:.3g})"
-    answer: Answer = "yes" if grad_back and loss_back and anomaly else "no"
+        answer = "yes" if grad_back and loss_back and anomaly else "no"
     return Question(
         "bf16",
         q,
