@@ -29,6 +29,7 @@ from megatron_ext.io import JsonlAppender, atomic_write
 from megatron_ext.spikes.config import add_detector_args, config_from_args
 from megatron_ext.spikes.detector import SpikeDetector
 from megatron_ext.spikes.drill import CorruptionSpec, garbage_batch, parse_spec
+from megatron_ext.spikes.ledger import config_record
 from megatron_ext.spikes.skip_ranges import format_ranges
 from megatron_ext.telemetry.signals import latest_per_iteration, read_signals
 
@@ -51,6 +52,7 @@ class SpikeFeature(Feature):
         self.ledger: JsonlAppender | None = None
         self.decision = "healthy"
         self.primed = False
+        self.recorded = False  # this attempt's config line is in the ledger
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -120,8 +122,19 @@ class SpikeFeature(Feature):
                 self._prime(record.iteration)
             signals = record.signals
             if signals is not None and signals.iteration == record.iteration:
+                assert self.ledger is not None
+                if not self.recorded:
+                    self.recorded = True
+                    self.ledger.append(
+                        config_record(
+                            record.iteration,
+                            signals.attempt,
+                            self.detector.config,
+                            self.args.save,
+                            self.args.sample_log_dir,
+                        )
+                    )
                 for event in self.detector.observe(signals):
-                    assert self.ledger is not None
                     self.ledger.append(event.as_json())
                     print(
                         f"megatron-ext spike detector: {event.kind} at iteration "
