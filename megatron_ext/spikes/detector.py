@@ -77,11 +77,11 @@ class RollingWindow:
         return len(self._order)
 
     def push(self, value: float) -> None:
-        self._order.append(value)
-        bisect.insort(self._sorted, value)
-        if len(self._order) > self.size:
-            old = self._order.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        order, ordered = self._order, self._sorted
+        order.append(value)
+        bisect.insort(ordered, value)
+        if len(order) > self.size:
+            del ordered[bisect.bisect_left(ordered, order.popleft())]
 
     def median(self) -> float:
         s, n = self._sorted, len(self._sorted)
@@ -111,7 +111,7 @@ def _finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Step:
     """One iteration's readings, with the skip evidence applied to the grad norm."""
 
@@ -135,6 +135,7 @@ class SpikeDetector:
         self.grad = RollingWindow(config.window)
         self.excess = RollingWindow(config.window)
         self.seen = 0
+        self._armed = False  # cached: the windows never shrink, so once armed, always armed
         self.state: Literal["healthy", "watching", "rollback"] = "healthy"
         self.elevated = 0  # consecutive iterations above the moderate threshold, uncorroborated
         self.suspicious = 0  # consecutive iterations above the relative threshold only
@@ -159,21 +160,22 @@ class SpikeDetector:
         return self.loss.threshold(self.config.loss_rel, self.config.mad_k)
 
     def _read(self, record: SignalRecord) -> _Step:
-        scale = record.loss_scale
-        dropped = _finite(scale) and _finite(self.last_scale) and scale < self.last_scale  # type: ignore[operator]
-        if _finite(scale):
+        """The iteration's readings (runs every step: kept to a few attribute reads)."""
+        scale, skipped = record.loss_scale, bool(record.skipped_iter)
+        if scale is not None and math.isfinite(scale):
+            if self.last_scale is not None and scale < self.last_scale:
+                skipped = True  # the scaler backed off: an overflow, counted or not
             self.last_scale = scale
-        skipped = bool(record.skipped_iter) or bool(dropped)
         self.skips = self.skips + 1 if skipped else 0
-        return _Step(
-            record=record,
-            loss=record.lm_loss if record.lm_loss is not None else math.nan,
-            grad=None if skipped else record.grad_norm,
-            excess=record.max_local_loss - record.lm_loss
-            if _finite(record.max_local_loss) and _finite(record.lm_loss)
-            else None,
-            skipped=skipped,
+        loss, worst = record.lm_loss, record.max_local_loss
+        if loss is None:
+            loss = math.nan
+        excess = (
+            worst - loss
+            if worst is not None and math.isfinite(worst) and math.isfinite(loss)
+            else None
         )
+        return _Step(record, loss, None if skipped else record.grad_norm, excess, skipped)
 
     def observe(self, record: SignalRecord) -> list[SpikeEvent]:
         """Update with one iteration and return the events it caused (usually none)."""
@@ -182,14 +184,16 @@ class SpikeDetector:
         step = self._read(record)
         if self.state == "rollback":
             return []
-        if not (_finite(step.loss) and (step.grad is None or _finite(step.grad))):
+        if not (math.isfinite(step.loss) and (step.grad is None or math.isfinite(step.grad))):
             event = self._event("divergence", step, "non-finite loss or grad norm")
             if self.incident is not None:
                 event.onset = self.incident.onset
             return self._escalate(event)
-        if not self.armed():
-            self._learn(step)
-            return []
+        if not self._armed:
+            self._armed = self.armed()
+            if not self._armed:
+                self._learn(step)
+                return []
         if self.state == "watching":
             return self._watch(step)
         return self._healthy(step)
@@ -202,8 +206,9 @@ class SpikeDetector:
             one_rank and step.excess > self.excess.median() + abs(median) * c.loss_rel  # type: ignore[operator]
         )
         if not rising and self.skips < c.skip_streak:  # cheap path: most iterations stop here
-            self.elevated = self.suspicious = 0
-            self.raised_since = None
+            if self.raised_since is not None:
+                self.elevated = self.suspicious = 0
+                self.raised_since = None
             self._learn(step)
             return []
         if self.raised_since is None:
@@ -265,8 +270,8 @@ class SpikeDetector:
 
     def _learn(self, step: _Step) -> None:
         self.loss.push(step.loss)
-        if _finite(step.grad):
-            self.grad.push(step.grad)  # type: ignore[arg-type]
+        if step.grad is not None:  # finite: observe() diverges on a non-finite one
+            self.grad.push(step.grad)
         if step.excess is not None:
             self.excess.push(step.excess)
 
