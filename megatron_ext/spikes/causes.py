@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from megatron_ext.telemetry.signals import SignalRecord
@@ -40,7 +40,7 @@ RISE = 200  # the stretch whose max attention logit must rise steadily
 LOGIT_LIMIT = 100.0  # max attention logit where bf16 softmax saturates (seed 000 ch.2 §4)
 LOGIT_TREND = 0.8  # rank correlation of the max logit with time that is "rising steadily"
 PARAMS_ACCEL = 2.0  # params-norm growth rate before the onset / the rate before that
-GRAD_RISE = 1.3  # grad-norm median just before the onset / earlier median: "rising"
+GRAD_RISE = 1.3  # grad-norm median of the last RECENT/4 iterations / earlier median: "rising"
 SINGLE_RANK = 0.8  # worst rank's rise over the average / the average's rise: one rank
 ONE_RANK_FLOOR = 0.1  # ... and that extra rise is at least 10 % of the loss
 PLATEAU = 0.7  # grad-norm median just before the onset / earlier median: "below normal"
@@ -59,18 +59,18 @@ CAUSES = {
     ),
     "bad-data": (
         "single-rank bad data",
-        "look up the culprit rank's batch (top documents "
-        "below), roll back + skip, add the documents to the data filter",
+        "look up the culprit rank's batch (top documents below), roll back + skip, add the "
+        "documents to the data filter",
     ),
     "optimizer-state": (
         "optimizer-state timing",
-        "roll back ~100 iterations and skip "
-        "200-500 batches so the optimizer state and the data fall out of phase",
+        "roll back ~100 iterations and skip 200-500 batches so the optimizer state and the "
+        "data fall out of phase",
     ),
     "bf16": (
         "bf16 sporadic",
-        "usually nothing; check the precision checklist (fp32 master "
-        "params, fp32 grad accumulation, fp32 softmax and logits)",
+        "usually nothing; check the precision checklist (fp32 master params, fp32 grad "
+        "accumulation, fp32 softmax and logits)",
     ),
     "transient": (
         "transient spike, no fingerprint matched",
@@ -103,8 +103,6 @@ class Diagnosis:
     missing: list[str]  # every signal a question needed and the run did not record
 
     def as_json(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return asdict(self)
 
 
@@ -114,10 +112,6 @@ def _finite(*values: float | None) -> bool:
 
 def _values(records: list[SignalRecord], name: str) -> list[float]:
     return [v for r in records if (v := getattr(r, name)) is not None and math.isfinite(v)]
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def _fmt(value: float | None) -> str:
