@@ -8,16 +8,17 @@ fingerprint of seed 000 chapter 2 (its table "fingerprint -> cause"):
 - ``bad-batch``: one DP rank (of 8 or 64) reads garbage for 1-3 iterations: its local loss
   +1..6 nats (the DP average sees 1/8 or 1/64 of it), grad norm x1.2..8, then lasting damage;
 - ``learning-rate``: the params norm grows 5x faster for 200 iterations and the grad norm
-  creeps up x1.5..2 over the last 50, then the loss jumps +30..80 % with grad x5..10;
-- ``bf16``: one step, no precursor: loss +15..60 %, grad x3..10, ``num_zeros`` x1.5..3, all
+  creeps up x1.5..2 over the last 50, then the loss jumps +10..80 % with grad x5..10;
+- ``bf16``: one step, no precursor: loss +10..60 %, grad x3..10, ``num_zeros`` x1.5..3, all
   back the next step, no damage;
 - ``attention-logit``: the max attention logit climbs linearly to 110..160 over 300
-  iterations, then the loss ramps up +40..100 % over 3 steps and stays up;
+  iterations, then the loss ramps up +20..100 % over 3 steps and stays up (decay over 600);
 - ``optimizer-state``: the grad norm sits on a plateau at x0.4..0.6 for 300 iterations, then a
-  normal-sized gradient is a x4..8 step: loss +30..80 %, params-norm kink.
+  normal-sized gradient is a x4..8 step: loss +10..80 %, params-norm kink.
 
-"Lasting damage" adds ``A·baseline·exp(-(t-t0)/300)`` with A = 0.3..0.8 to the loss (the
-incident does not recover within a 50-iteration patience) and a decaying grad excess.
+"Lasting damage" (all but bf16) adds ``A·baseline·exp(-(t-t0)/300)`` with A = 0.3..0.8 to the
+loss after the jump (the incident does not recover within a 50-iteration patience) and a
+decaying grad excess.
 
 Channels a clean curve does not have are synthesized, and are synthetic too: grad norm
 (lognormal noise around a slowly decaying level) where the log has none; params norm (a

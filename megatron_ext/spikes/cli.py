@@ -35,7 +35,7 @@ from megatron_ext.spikes.planner import (
     complete_checkpoints,
     make_plan,
 )
-from megatron_ext.spikes.report import build_report
+from megatron_ext.spikes.report import DEFAULT_WORST, build_report
 from megatron_ext.spikes.skip_ranges import format_ranges, read_file
 from megatron_ext.telemetry.signals import read_signals
 
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--worst",
         type=int,
-        default=8,
+        default=DEFAULT_WORST,
         metavar="K",
         help="list the onset batch's K samples with the highest loss, and their documents, in "
         "the report (megatron-ext lookup --worst; needs the run's --sample-log-dir)",

@@ -2,23 +2,25 @@
 
 Rules, chosen on real curves (``benchmarks/detector.py``, README "Spike detector"):
 
-- **Baselines**: rolling median and MAD of the loss, of the worst DP rank's local loss and the
-  median grad norm, over the last ``window`` *healthy* iterations; armed after ``warmup``.
+- **Baselines**: rolling median and MAD of the loss, of the worst DP rank's *excess* over the
+  DP average (``max_local_loss - lm_loss``: one rank's own trouble, which a rise of every rank
+  leaves unchanged) and the median grad norm, over the last ``window`` *healthy* iterations;
+  armed after ``warmup``.
 - **Large jump** (flagged on the loss alone): the loss above both ``median·(1+large_rel)``
-  and ``median + large_mad_k·σ`` (σ = 1.4826·MAD). The same test on the worst DP rank's loss
-  flags a bad batch on one rank that the DP average dilutes.
+  and ``median + large_mad_k·σ`` (σ = 1.4826·MAD). The same test on the excess (its relative
+  part scaled by the loss median) flags a bad batch on one rank that the DP average dilutes.
 - **Moderate jump** (above ``median·(1+loss_rel)`` and ``median + mad_k·σ``): flagged only when
   something corroborates it: the grad norm ≥ ``grad_factor`` × its median, a skipped
-  iteration, or the worst rank's loss above its own moderate threshold. Uncorroborated, it is
+  iteration, or the excess above its own moderate threshold. Uncorroborated, it is
   "elevated": kept out of the baseline, and a rollback after ``patience`` such iterations.
 - **Skipped iterations** (``skipped_iter``, or the loss scale dropped): evidence of trouble,
   and their grad norm is not a measurement (an fp16 skip re-prints the last one), so it is
   neither learned nor used. ``skip_streak`` consecutive skips start an incident by themselves.
 - **Divergence**: a non-finite loss or grad norm: rollback at once.
-- A flag starts an incident ("watching": no checkpoint is written). It **recovers** when the
-  loss and the worst rank's loss are back under their (frozen) moderate thresholds, the grad
-  norm under ``grad_factor`` × its median and the step not skipped; otherwise, ``patience``
-  iterations after the flag: **rollback**.
+- A flag starts an incident ("watching": no checkpoint is written); its onset is the first
+  iteration of the rise that led to it. It **recovers** when the loss and the excess are back
+  under their (frozen) moderate thresholds, the grad norm under ``grad_factor`` × its median
+  and the step not skipped; otherwise, ``patience`` iterations after the flag: **rollback**.
 
 Per iteration the work is a bisect into three fixed-size sorted windows (O(log window)); a MAD
 is only computed when a value is already above its relative threshold.

@@ -31,6 +31,7 @@ from megatron_ext.telemetry.signals import SignalRecord, latest_per_iteration
 
 LOOKUP_TIMEOUT = 600  # seconds; a lookup on a huge blend opens many index caches
 SNIPPET = 200  # characters of each document's text in the report
+DEFAULT_WORST = 8  # samples listed (skiplist --worst), and suggested with --no-lookup
 
 
 def _num(value: Any) -> str:
@@ -188,7 +189,7 @@ def build_report(
         incident_timeline(incident, history),
         reproduced(incident, ledger),
     )
-    command = lookup_command(plan, ckpt_dir, worst or 1)
+    command = lookup_command(plan, ckpt_dir, worst or DEFAULT_WORST)
     report = Report(plan, number, diagnosis, command)
     if worst is None:
         report.lookup_error = "not looked up (--no-lookup)"

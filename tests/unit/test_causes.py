@@ -117,6 +117,6 @@ def test_the_report_shows_the_walk_and_orders_the_culprit_first(tmp_path: Path) 
     )
     assert "not available: not looked up (--no-lookup)" in text
     assert report.as_json()["diagnosis"]["cause"] == "bad-data"
-    assert "--worst 1 --text --emit-blocklist" in report.blocklist_command()
+    assert "--worst 8 --text --emit-blocklist" in report.blocklist_command()
     samples = [{"dp_rank": r, "rank_by_loss": k} for k, r in enumerate([0, 3, 1, 3], start=1)]
     assert [s["dp_rank"] for s in culprit_first(samples, 3)] == [3, 3, 0, 1]
