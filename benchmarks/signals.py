@@ -4,19 +4,21 @@ Arms (the tiny test model of ``tests/harness.py``: 2 layers, hidden 64, seq 64, 
 one rank, gloo, through the real ``megatron.training.pretrain`` loop):
 
 - ``off``: no megatron-ext telemetry, no sample log;
+- ``samples``: ``--sample-log-dir DIR`` only: the per-micro-batch sample log (ids, token SHA-1s,
+  token-summed loss and each sample's token-averaged loss, one host transfer per step);
 - ``on``: ``--log-bucket-grad-norms --signals-dir DIR --signals-update-ratio --sample-log-dir
   DIR`` (bucket norms, the signals record with params norm and update ratio, worst-rank loss,
   and the per-micro-batch sample log).
 
-Launches are interleaved (off, on, off, on, ...) so load from other jobs on the machine hits
-both arms alike. Each launch logs every iteration (``--log-interval 1``); the step time is
+Launches are interleaved (off, samples, on, off, ...) so load from other jobs on the machine
+hits every arm alike. Each launch logs every iteration (``--log-interval 1``); the step time is
 Megatron's own "elapsed time per iteration (ms)", the first ``--warmup`` iterations of each
 launch are dropped, and each arm's figure is the median over all its remaining iterations.
 
 The isolated part times the per-step telemetry pieces that do not need Megatron (the fused
-bucket-norm pass, the update-ratio snapshot, building and appending the signals record) on
-buffers of the tiny model's parameter count, to show what fixed per-step cost the end-to-end
-ratio is made of.
+bucket-norm pass, the update-ratio snapshot, building and appending the signals record, the
+sample log's per-step transfer with and without the per-sample losses) on buffers of the tiny
+model's size, to show what fixed per-step cost the end-to-end ratio is made of.
 
     python benchmarks/signals.py                         # the figures in BENCHMARKS.md
     python benchmarks/signals.py --reps 3 --iters 60 --workdir /tmp/signals-bench
@@ -38,7 +40,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 
 from megatron_ext.demo import prepare_tiny_dataset  # noqa: E402
 from megatron_ext.io import token_sha1  # noqa: E402
@@ -63,10 +65,11 @@ What this CPU figure can and cannot say about the <=1% target on a real GPU step
   (2 layers x 64 hidden, 8 sequences of 64 tokens), so fixed costs of a few ms look like
   several percent, while a 7B-70B GPU step takes seconds: the same ms would be ~0.1%.
 - It CANNOT see host-device synchronisation: on CPU a .item() costs nothing, on a GPU it
-  drains the kernel queue. The sample log reads each micro-batch's loss, token count and
-  sample ids on the host inside the loss function (a sync per micro-batch, before its
-  backward); the bucket norms read the loss scale on the host before Megatron's own grad-norm
-  sync. With many micro-batches per step these syncs are what to measure on a GPU.
+  drains the kernel queue. The sample log takes sample ids and token SHA-1s from the host
+  batch (no sync), keeps each micro-batch's loss, token count and per-sample losses as device
+  tensors, and reads them all in ONE transfer per step, after Megatron's training_log (one
+  sync per step, not per micro-batch); the worst-rank loss is one all-gather and one read per
+  step. The per-sample losses add b floats per micro-batch to that transfer and no sync.
 - The costs that scale with the model on a GPU are memory-bound passes over this rank's
   gradients/parameters: the bucket norms read the grad buffer once (the same read Megatron's
   grad norm already does), the params norm (computed every step under --signals-dir when
@@ -144,7 +147,24 @@ def isolated_costs(parameters: int, directory: Path) -> dict[str, float]:
             )
         )
 
+    # The sample log's loss work per step: 4 micro-batches of [2, 64] per-token losses (the tiny
+    # run's global batch on one rank), as the adapter does it (on_loss + after_step).
+    micro = [(torch.rand(2, 64) * 6, torch.ones(2 * 64)) for _ in range(4)]
+
+    def sample_log_losses(per_sample: bool) -> list:
+        pending = []
+        for per_token, mask in micro:
+            loss, tokens = (per_token.view(-1) * mask).sum(), mask.sum().to(torch.int)
+            row = [loss.detach().clone().view(1), tokens.detach().clone().float().view(1)]
+            if per_sample:
+                m = mask.view(2, -1)
+                row.append((per_token.detach().float() * m).sum(dim=1) / m.sum(dim=1).clamp(min=1))
+            pending.append(torch.cat(row))
+        return torch.stack(pending).tolist()
+
     return {
+        "sample log: loss + tokens, one transfer": _median_ms(lambda: sample_log_losses(False)),
+        "sample log: + per-sample losses": _median_ms(lambda: sample_log_losses(True)),
         "bucket norms (squared_norms)": _median_ms(lambda: squared_norms(views)),
         "update-ratio snapshot (fp32 copy)": _median_ms(
             lambda: [p.detach().float().clone() for p in params]
@@ -180,26 +200,27 @@ def main() -> None:
             "--data-cache-path",
             str(root / "index-cache"),
         ]
-        times: dict[str, list[float]] = {"off": [], "on": []}
-        per_launch: dict[str, list[float]] = {"off": [], "on": []}
+        arms = ("off", "samples", "on")
+        times: dict[str, list[float]] = {arm: [] for arm in arms}
+        per_launch: dict[str, list[float]] = {arm: [] for arm in arms}
         parameters = 0
         started = time.monotonic()
         for rep in range(args.reps):
-            for arm in ("off", "on"):
+            for arm in arms:
                 workdir = root / f"{arm}-{rep}"
                 shutil.rmtree(workdir, ignore_errors=True)
-                extra = (
-                    []
-                    if arm == "off"
-                    else [
+                extra = {
+                    "off": [],
+                    "samples": ["--sample-log-dir", str(workdir / "samples")],
+                    "on": [
                         "--log-bucket-grad-norms",
                         "--signals-dir",
                         str(workdir / "signals"),
                         "--signals-update-ratio",
                         "--sample-log-dir",
                         str(workdir / "samples"),
-                    ]
-                )
+                    ],
+                }[arm]
                 log = _launch(workdir, data_args, args.iters, extra)
                 steps = step_times(log, args.warmup)
                 if len(steps) != args.iters - args.warmup:
@@ -214,30 +235,33 @@ def main() -> None:
                 if found := PARAMETERS.search(log):
                     parameters = int(found.group(1))
                 print(
-                    f"  {arm:3} launch {rep + 1}: median {per_launch[arm][-1]:7.1f} ms/iter",
+                    f"  {arm:7} launch {rep + 1}: median {per_launch[arm][-1]:7.1f} ms/iter",
                     flush=True,
                 )
         elapsed = time.monotonic() - started
 
         off, on = statistics.median(times["off"]), statistics.median(times["on"])
+        samples = statistics.median(times["samples"])
         print(
             f"\n[CPU harness, tiny model ({parameters:,} parameters), 1 rank, "
             f"{args.reps} interleaved launches per arm, {args.iters} iterations each, first "
             f"{args.warmup} dropped; torch {torch.__version__}; load average "
             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {elapsed:.0f} s]"
         )
-        print(f"{'arm':5} {'median ms/iter':>15} {'per-launch medians':>30} {'iterations':>11}")
-        for arm, value in (("off", off), ("on", on)):
+        print(f"{'arm':7} {'median ms/iter':>15} {'per-launch medians':>30} {'iterations':>11}")
+        for arm, value in (("off", off), ("samples", samples), ("on", on)):
             launches = ", ".join(f"{m:.1f}" for m in per_launch[arm])
-            print(f"{arm:5} {value:15.1f} {launches:>30} {len(times[arm]):>11}")
-        print(
-            f"ratio on/off: {on / off:.3f} ({(on / off - 1) * 100:+.1f}%, {on - off:+.1f} ms/iter)"
-        )
-        paired = [b / a for a, b in zip(per_launch["off"], per_launch["on"])]
-        print(
-            "paired ratios (each on launch / the off launch just before it): "
-            + ", ".join(f"{r:.3f}" for r in paired)
-        )
+            print(f"{arm:7} {value:15.1f} {launches:>30} {len(times[arm]):>11}")
+        for arm, value in (("samples", samples), ("on", on)):
+            print(
+                f"ratio {arm}/off: {value / off:.3f} ({(value / off - 1) * 100:+.1f}%, "
+                f"{value - off:+.1f} ms/iter)"
+            )
+            paired = [b / a for a, b in zip(per_launch["off"], per_launch[arm])]
+            print(
+                f"  paired ratios (each {arm} launch / the off launch of its round): "
+                + ", ".join(f"{r:.3f}" for r in paired)
+            )
         # Launches of the same arm differ only by machine noise: a smaller on/off difference
         # is not resolved by this run.
         spread = max((max(m) - min(m)) / statistics.median(m) for m in per_launch.values())

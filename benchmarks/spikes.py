@@ -2,22 +2,29 @@
 synthetic 1,000,000-iteration signals log (target < 5 s).
 
     .venv/bin/python benchmarks/spikes.py [--iterations 1000000]
+    .venv/bin/python benchmarks/spikes.py --compare cea90f0 --iterations 0   # detector only
 
-Ratios are measured side by side in one run; absolute times depend on the machine.
+``--compare REV``: the detector of git revision REV (its ``megatron_ext/spikes/detector.py``,
+loaded as a separate module) and today's, timed on the same records, interleaved, best of
+``--reps``: the per-step cost ratio. Ratios are measured side by side in one run; absolute
+times depend on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from megatron_ext.spikes.detector import SpikeConfig, SpikeDetector
+from megatron_ext.spikes.config import SpikeConfig
+from megatron_ext.spikes.detector import SpikeDetector
 from megatron_ext.telemetry.signals import SignalRecord
 
 
@@ -53,6 +60,51 @@ def detector_cost(steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def _detector_of(revision: str, directory: Path):
+    """``megatron_ext/spikes/detector.py`` as of ``revision``, imported as its own module."""
+    source = subprocess.run(
+        ["git", "show", f"{revision}:megatron_ext/spikes/detector.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    ).stdout
+    path = directory / f"detector_{revision}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def compare(revision: str, steps: int, reps: int) -> None:
+    """Per-step cost of REV's detector and today's on the same records, interleaved."""
+    rng = random.Random(0)
+    records = [_record(i, rng) for i in range(1, steps + 1)]
+    # The same records without the worst DP rank's loss: what the second signal costs.
+    no_worst = [replace(r, max_local_loss=None) for r in records]
+    with tempfile.TemporaryDirectory() as tmp:
+        old = _detector_of(revision, Path(tmp))
+        arms = {
+            revision: (lambda: old.SpikeDetector(old.SpikeConfig()), records),
+            "today": (lambda: SpikeDetector(SpikeConfig()), records),
+            "today, no worst-rank loss": (lambda: SpikeDetector(SpikeConfig()), no_worst),
+        }
+        best = {name: float("inf") for name in arms}
+        for _ in range(reps):
+            for name, (make, replayed) in arms.items():
+                detector, start = make(), time.perf_counter()
+                for record in replayed:
+                    detector.observe(record)
+                best[name] = min(best[name], (time.perf_counter() - start) / steps)
+    print(f"detector per step, best of {reps} interleaved runs over {steps:,} records:")
+    for name, seconds in best.items():
+        print(
+            f"  {name:28} {seconds * 1e6:6.2f} us  (x{seconds / best[revision]:.2f} of {revision})"
+        )
+
+
 def write_log(directory: Path, iterations: int, spike_at: int) -> None:
     """A signals log plus a ledger with one unrecovered spike near its end, and checkpoints."""
     rng = random.Random(1)
@@ -75,13 +127,21 @@ def write_log(directory: Path, iterations: int, spike_at: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--iterations", type=int, default=1_000_000)
+    parser.add_argument(
+        "--iterations", type=int, default=1_000_000, help="planner log size; 0: no planner run"
+    )
+    parser.add_argument("--compare", metavar="REV", help="also time REV's detector (git)")
+    parser.add_argument("--reps", type=int, default=7, help="runs per detector for --compare")
     args = parser.parse_args()
+    if args.compare:
+        compare(args.compare, 50_000, args.reps)
     short, long = detector_cost(10_000), detector_cost(200_000)
     print(
         f"detector: {short * 1e6:.2f} us/step over 10k steps, {long * 1e6:.2f} us/step over "
         f"200k steps (ratio {long / short:.2f}: flat = O(1) amortised per step)"
     )
+    if args.iterations <= 0:
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         start = time.perf_counter()

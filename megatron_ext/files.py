@@ -50,7 +50,7 @@ SAMPLE_LOG_GLOB = "samples-dp*.jsonl"
 # -- in the checkpoint directory (--save / --load) ----------------------------------------------
 SKIPPED_ITERATIONS_FILE = "megatron_ext_skipped_iterations.txt"  # applied skips, absolute
 LAST_PLAN_SKIP_FILE = "megatron_ext_skip.txt"  # the last plan's skips (maybe never applied)
-INCIDENTS_DIR = "megatron_ext_incidents"  # incident-NNN.{json,md}
+INCIDENTS_DIR = "megatron_ext_incidents"  # incident-NNN.{json,md}, incident-NNN-blocklist.jsonl
 ROLLED_BACK_DIR = "rolled_back"  # rolled_back/incident-NNN/iter_NNNNNNN (nothing deleted)
 RESULT_REJECTED_TRACKER_FILE = "result_rejected_tracker.txt"
 LAUNCH_STATE_DIR = "launch_state"  # per-rank exit codes of each attempt (shared filesystem)
@@ -59,6 +59,11 @@ LAUNCH_STATE_DIR = "launch_state"  # per-rank exit codes of each attempt (shared
 def incident_stem(ckpt_dir: str | Path, number: int) -> Path:
     """``CKPT/megatron_ext_incidents/incident-NNN`` (add ``.json`` / ``.md``)."""
     return Path(ckpt_dir) / INCIDENTS_DIR / f"incident-{number:03d}"
+
+
+def incident_blocklist(ckpt_dir: str | Path, number: int) -> Path:
+    """Where the incident report suggests ``megatron-ext lookup --emit-blocklist`` writes."""
+    return incident_stem(ckpt_dir, number).with_name(f"incident-{number:03d}-blocklist.jsonl")
 
 
 def rolled_back_dir(ckpt_dir: str | Path, number: int) -> Path:

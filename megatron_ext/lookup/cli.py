@@ -42,6 +42,13 @@ from megatron_ext.lookup.render import (
     write_atomic,
 )
 from megatron_ext.lookup.session import Session, batch_records
+from megatron_ext.lookup.worst import (
+    attach,
+    ranked_samples,
+    sample_log_dir,
+    worst_lines,
+    worst_table,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="inverse: data prefix as in --data-path, its file name, or its position in the blend",
     )
     what.add_argument("--dp-rank", type=int, help="only this data-parallel rank")
+    what.add_argument(
+        "--worst",
+        type=int,
+        metavar="K",
+        help="with --iteration: the K samples with the highest loss training recorded "
+        "(sample log), with their documents (megatron_ext/lookup/worst.py)",
+    )
     what.add_argument("--microbatch", type=int, help="only this micro-batch of the iteration")
     run = parser.add_argument_group("the run")
     run.add_argument(
@@ -145,6 +159,10 @@ def _usage(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None
         options.dp_rank is not None or options.microbatch is not None
     ):
         parser.error("--dp-rank/--microbatch select a forward lookup, not --document")
+    if options.worst is not None and (
+        options.document is not None or options.microbatch is not None or options.worst < 1
+    ):
+        parser.error("--worst K (K >= 1) ranks one iteration's samples; not with --microbatch")
     if any("=" not in item for item in options.data_root):
         parser.error("--data-root takes OLD=NEW")
 
@@ -214,6 +232,11 @@ def forward(session: Session) -> int:
     lines = _batch_lines(session, batch, index)
     if options.sample_log:
         lines.append(check_against_log(options.sample_log, records))
+    if options.worst is not None:
+        directory = sample_log_dir(options, session.config.args)
+        ranked = ranked_samples(directory, batch.iteration, options.dp_rank)
+        records, changed = attach(ranked[: options.worst], records)
+        lines += worst_lines(records, changed, len(ranked), f"sample log {directory}")
     if options.emit_blocklist:
         _blocklist(session, index, spans_of(records))
     extra = {
@@ -227,9 +250,12 @@ def forward(session: Session) -> int:
         },
         "data": {"kind": index.kind, "cache": index.hash, "datasets": [m.path for m in index.mids]},
     }
-    _emit(
-        session, lines, records, "samples", samples_table(lines, records, options.max_tokens), extra
+    table = (
+        worst_table(lines, records)
+        if options.worst is not None
+        else samples_table(lines, records, options.max_tokens)
     )
+    _emit(session, lines, records, "samples", table, extra)
     return 0
 
 

@@ -10,7 +10,8 @@
 - :class:`SkipListFeature` (``--iterations-to-skip-file``, ranges in
   ``--iterations-to-skip``): the ranges are expanded by ``pretrain_gpt_ext.py`` before
   Megatron parses them; the applied list is persisted next to the checkpoints.
-- :class:`DrillFeature` (``--drill-corrupt-batch``): deterministic garbage on one DP rank.
+- :class:`DrillFeature` (``--drill-corrupt-batch``, ``--drill-corruption``): a reproducible bad
+  batch on one DP rank (garbage tokens, or real documents mis-encoded).
 """
 
 from __future__ import annotations
@@ -26,8 +27,16 @@ import torch.distributed as dist
 from megatron_ext.features import Feature, FeatureError, MicroBatch, StepRecord
 from megatron_ext.files import SIGNALS_FILE, SKIPPED_ITERATIONS_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.io import JsonlAppender, atomic_write
-from megatron_ext.spikes.detector import SpikeDetector, add_detector_args, config_from_args
-from megatron_ext.spikes.drill import CorruptionSpec, garbage_batch, parse_spec
+from megatron_ext.spikes.config import add_detector_args, config_from_args
+from megatron_ext.spikes.detector import SpikeDetector
+from megatron_ext.spikes.drill import (
+    CORRUPTIONS,
+    CorruptionSpec,
+    garbage_batch,
+    misencode,
+    parse_spec,
+)
+from megatron_ext.spikes.ledger import config_record
 from megatron_ext.spikes.skip_ranges import format_ranges
 from megatron_ext.telemetry.signals import latest_per_iteration, read_signals
 
@@ -50,6 +59,7 @@ class SpikeFeature(Feature):
         self.ledger: JsonlAppender | None = None
         self.decision = "healthy"
         self.primed = False
+        self.recorded = False  # this attempt's config line is in the ledger
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -119,8 +129,19 @@ class SpikeFeature(Feature):
                 self._prime(record.iteration)
             signals = record.signals
             if signals is not None and signals.iteration == record.iteration:
+                assert self.ledger is not None
+                if not self.recorded:
+                    self.recorded = True
+                    self.ledger.append(
+                        config_record(
+                            record.iteration,
+                            signals.attempt,
+                            self.detector.config,
+                            self.args.save,
+                            self.args.sample_log_dir,
+                        )
+                    )
                 for event in self.detector.observe(signals):
-                    assert self.ledger is not None
                     self.ledger.append(event.as_json())
                     print(
                         f"megatron-ext spike detector: {event.kind} at iteration "
@@ -185,7 +206,7 @@ class SkipListFeature(Feature):
 
 
 class DrillFeature(Feature):
-    """``--drill-corrupt-batch``: garbage tokens on one DP rank, reproducibly across replays."""
+    """``--drill-corrupt-batch``: a bad batch on one DP rank, reproducibly across replays."""
 
     name = "drill"
 
@@ -198,8 +219,16 @@ class DrillFeature(Feature):
             "--drill-corrupt-batch",
             type=str,
             default=None,
-            help="Drill only: feed deterministic garbage tokens to one DP rank "
-            "at START[-END] (1-indexed), reproducibly across replays.",
+            help="Drill only: corrupt one DP rank's batch at START[-END] (1-indexed), "
+            "reproducibly across replays (see --drill-corruption).",
+        )
+        group.add_argument(
+            "--drill-corruption",
+            choices=CORRUPTIONS,
+            default="garbage",
+            help="Drill only: garbage = uniform random tokens; mis-encoded = the rank's real "
+            "documents with every token id t read as V-1-t (a wrong code page). "
+            "Default %(default)s.",
         )
 
     def enabled(self, args: Any) -> bool:
@@ -217,8 +246,16 @@ class DrillFeature(Feature):
 
     def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None:
         assert self.spec is not None
-        if micro_batch.training and self.spec.hits(micro_batch.iteration, micro_batch.dp_rank):
-            # padded_vocab_size is set by Megatron's initialisation, after install.
+        if not (
+            micro_batch.training and self.spec.hits(micro_batch.iteration, micro_batch.dp_rank)
+        ):
+            return
+        # padded_vocab_size is set by Megatron's initialisation, after install.
+        if self.args.drill_corruption == "mis-encoded":
+            batch["tokens"], batch["labels"] = misencode(
+                batch["tokens"], batch["labels"], self.args.padded_vocab_size
+            )
+        else:
             batch["tokens"], batch["labels"] = garbage_batch(
                 batch["tokens"],
                 micro_batch.iteration,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,8 +35,8 @@ from megatron_ext.spikes.planner import (
     PlanError,
     complete_checkpoints,
     make_plan,
-    rounded,
 )
+from megatron_ext.spikes.report import DEFAULT_WORST, build_report
 from megatron_ext.spikes.skip_ranges import format_ranges, read_file
 from megatron_ext.telemetry.signals import read_signals
 
@@ -94,40 +93,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--apply", action="store_true", help="carry the plan out (see above)")
     p.add_argument(
+        "--worst",
+        type=int,
+        default=DEFAULT_WORST,
+        metavar="K",
+        help="list the onset batch's K samples with the highest loss, and their documents, in "
+        "the report (megatron-ext lookup --worst; needs the run's --sample-log-dir)",
+    )
+    p.add_argument(
         "--no-lookup",
         action="store_true",
-        help="do not list the culprit batch's documents in the report",
+        help="do not look up the onset batch's documents for the report",
     )
     return p
-
-
-def _culprit_batch(plan: Plan, ckpt_dir: Path) -> str:
-    """What the culprit DP rank read at the onset (``megatron-ext lookup``), for the report.
-
-    Best effort: a failed lookup is reported in its place, it never blocks the rollback.
-    """
-    rank = plan.incident.get("culprit_dp_rank")
-    command = [
-        sys.executable,
-        "-m",
-        "megatron_ext.cli",
-        "lookup",
-        "--from-checkpoint",
-        str(ckpt_dir),
-        "--ckpt-step",
-        str(plan.rollback_to),
-        "--iteration",
-        str(plan.onset),
-        "--text",
-        *(["--dp-rank", str(rank)] if rank is not None else []),
-    ]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        return "lookup timed out"
-    if result.returncode != 0:
-        return f"lookup failed ({result.returncode}): {result.stderr.strip().splitlines()[-1:]}"
-    return result.stdout
 
 
 def _train_iters(ckpt_dir: Path, iteration: int) -> int | None:
@@ -145,31 +123,6 @@ def _earlier_skips(ckpt_dir: Path) -> list[int]:
     """
     persisted = ckpt_dir / SKIPPED_ITERATIONS_FILE
     return read_file(persisted) if persisted.exists() else []
-
-
-def _report(plan: Plan, number: int, culprit: str) -> str:
-    incident = plan.incident
-    rows = "\n".join(
-        f"| {w['iteration']} | {rounded(w['lm_loss'])} | {rounded(w['grad_norm'])} | "
-        f"{rounded(w['max_local_loss'])} | {w['max_loss_dp_rank']} | "
-        f"{rounded(w['update_ratio'])} |"
-        for w in incident.get("window", [])
-    )
-    return (
-        f"# Incident {number:03d}: {incident['kind']} at iteration {incident['iteration']}\n\n"
-        f"{plan.summary}\n\n"
-        f"- action: **{plan.action}**\n- onset: {plan.onset}\n"
-        f"- culprit DP rank (max local loss): {incident.get('culprit_dp_rank')}\n"
-        f"- classification: {incident.get('classification')}\n"
-        f"- rollback to checkpoint: {plan.rollback_to} (moved aside: {plan.moved_checkpoints})\n"
-        f"- skip window: {plan.skip_window}\n- all skipped: {plan.skip_ranges}\n"
-        f"- restart with: `{' '.join(plan.restart_args)}`\n\n"
-        "## Signals before the incident\n\n"
-        "| iteration | lm loss | grad norm | max local loss | worst DP rank | update ratio |\n"
-        "|---|---|---|---|---|---|\n" + rows + "\n\n"
-        f"## What DP rank {incident.get('culprit_dp_rank')} read at iteration {plan.onset}\n\n"
-        f"```\n{culprit.rstrip()}\n```\n"
-    )
 
 
 def _apply(plan: Plan, ckpt_dir: Path, number: int, tracker_file: Path | None) -> None:
@@ -225,12 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     incidents = incident_stem(args.ckpt_dir, 1).parent
     number = len(list(incidents.glob("incident-*.json"))) + 1 if incidents.exists() else 1
     stem = incident_stem(args.ckpt_dir, number)
-    culprit = (
-        "not looked up (--no-lookup)" if args.no_lookup else _culprit_batch(plan, args.ckpt_dir)
+    report = build_report(
+        plan, ledger, history, args.ckpt_dir, number, None if args.no_lookup else args.worst
     )
-    report = {**plan.as_json(), "culprit_batch": culprit}
-    atomic_write_json(stem.with_suffix(".json"), report)
-    atomic_write(stem.with_suffix(".md"), _report(plan, number, culprit))
+    atomic_write_json(stem.with_suffix(".json"), report.as_json())
+    atomic_write(stem.with_suffix(".md"), report.markdown())
     skipped = [i for a, b in plan.skip_ranges for i in range(a, b + 1)]
     atomic_write(args.ckpt_dir / LAST_PLAN_SKIP_FILE, format_ranges(skipped))
     if args.apply:

@@ -1,26 +1,33 @@
 """Streaming loss-spike detector over the per-step signals (no Megatron imports).
 
-Rules (a sliding median and a robust spread, not a single high step):
+Rules, chosen on real curves (``benchmarks/detector.py``, README "Spike detector"):
 
-- **Baseline**: rolling median and MAD of the loss and the median grad norm over the last
-  ``window`` *healthy* iterations; the detector arms after ``warmup`` iterations.
-- **Spike**: loss above ``threshold = max(median·(1+loss_rel), median + mad_k·1.4826·MAD)``
-  AND grad norm ≥ ``grad_factor`` × its median (a loss jump the gradients corroborate).
-- **Divergence**: a non-finite loss or grad norm, or the loss above the threshold for
-  ``patience`` consecutive iterations without the gradient corroboration (slow blow-up).
-- Iterations between the relative and the full threshold stay out of the baseline (so a
-  spike's first steps cannot raise its own threshold) unless they last ``patience`` iterations.
-- **Recovery**: after a spike, the loss back under the (frozen) threshold within ``patience``
-  iterations: transient, logged, nothing else. Otherwise: **rollback**.
+- **Baselines**: rolling median and MAD of the loss, of the worst DP rank's *excess* over the
+  DP average (``max_local_loss - lm_loss``: one rank's own trouble, which a rise of every rank
+  leaves unchanged) and the median grad norm, over the last ``window`` *healthy* iterations;
+  armed after ``warmup``.
+- **Large jump** (flagged on the loss alone): the loss above both ``median·(1+large_rel)``
+  and ``median + large_mad_k·σ`` (σ = 1.4826·MAD). The same test on the excess (its relative
+  part scaled by the loss median) flags a bad batch on one rank that the DP average dilutes.
+- **Moderate jump** (above ``median·(1+loss_rel)`` and ``median + mad_k·σ``): flagged only when
+  something corroborates it: the grad norm ≥ ``grad_factor`` × its median, a skipped
+  iteration, or the excess above its own moderate threshold. Uncorroborated, it is
+  "elevated": kept out of the baseline, and a rollback after ``patience`` such iterations.
+- **Skipped iterations** (``skipped_iter``, or the loss scale dropped): evidence of trouble,
+  and their grad norm is not a measurement (an fp16 skip re-prints the last one), so it is
+  neither learned nor used. ``skip_streak`` consecutive skips start an incident by themselves.
+- **Divergence**: a non-finite loss or grad norm: rollback at once.
+- A flag starts an incident ("watching": no checkpoint is written); its onset is the first
+  iteration of the rise that led to it. It **recovers** when the loss and the excess are back
+  under their (frozen) moderate thresholds, the grad norm under ``grad_factor`` × its median
+  and the step not skipped; otherwise, ``patience`` iterations after the flag: **rollback**.
 
-Per iteration the work is a bisect into a fixed-size sorted window (O(log window)); the MAD is
-only computed when the loss already exceeds the relative threshold. Cost does not grow with the
-length of the run.
+Per iteration the work is a bisect into three fixed-size sorted windows (O(log window)); a MAD
+is only computed when a value is already above its relative threshold.
 """
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import math
 from collections import deque
@@ -28,87 +35,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from megatron_ext.io import json_safe
+from megatron_ext.spikes.config import SpikeConfig
 from megatron_ext.telemetry.signals import SignalRecord
 
 EventKind = Literal["spike", "recovered", "divergence", "rollback"]
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
-
-
-@dataclass(frozen=True)
-class SpikeConfig:
-    """Detector thresholds; the defaults and their reasons are in README ("Spike tracker")."""
-
-    window: int = 100
-    warmup: int = 100
-    loss_rel: float = 0.10
-    mad_k: float = 6.0
-    grad_factor: float = 3.0
-    patience: int = 50
-    context: int = 20  # signal records kept in each ledger event
-
-    def __post_init__(self) -> None:
-        if self.window < 3 or self.warmup < self.window // 2 or self.patience < 0:
-            raise ValueError(
-                f"spike detector: need window >= 3, warmup >= window/2 and patience >= 0 "
-                f"(got window={self.window}, warmup={self.warmup}, patience={self.patience})"
-            )
-        if self.loss_rel <= 0 or self.mad_k <= 0 or self.grad_factor <= 1:
-            raise ValueError("spike detector: loss_rel and mad_k must be > 0, grad_factor > 1")
-
-
-def add_detector_args(group: argparse._ArgumentGroup) -> None:
-    """The ``--spike-*`` threshold flags, shared by training and ``megatron-ext plot``."""
-    d = SpikeConfig()
-    group.add_argument(
-        "--spike-window",
-        type=int,
-        default=d.window,
-        help="healthy iterations in the rolling median/MAD (default %(default)s)",
-    )
-    group.add_argument(
-        "--spike-warmup",
-        type=int,
-        default=d.warmup,
-        help="iterations before the detector arms (default %(default)s)",
-    )
-    group.add_argument(
-        "--spike-loss-rel",
-        type=float,
-        default=d.loss_rel,
-        help="relative loss jump over the median (default %(default)s)",
-    )
-    group.add_argument(
-        "--spike-mad-k",
-        type=float,
-        default=d.mad_k,
-        help="robust sigmas (1.4826 x MAD) over the median (default %(default)s)",
-    )
-    group.add_argument(
-        "--spike-grad-factor",
-        type=float,
-        default=d.grad_factor,
-        help="grad norm / its median that corroborates a spike (default %(default)s)",
-    )
-    group.add_argument(
-        "--spike-patience",
-        type=int,
-        default=d.patience,
-        help="iterations a spike may take to recover, and an uncorroborated "
-        "elevated loss may last, before a rollback (default %(default)s)",
-    )
-
-
-def config_from_args(options: Any) -> SpikeConfig:
-    """The thresholds the ``--spike-*`` flags describe (raises ValueError if invalid)."""
-    return SpikeConfig(
-        window=options.spike_window,
-        warmup=options.spike_warmup,
-        loss_rel=options.spike_loss_rel,
-        mad_k=options.spike_mad_k,
-        grad_factor=options.spike_grad_factor,
-        patience=options.spike_patience,
-    )
 
 
 @dataclass
@@ -122,11 +54,13 @@ class SpikeEvent:
     culprit_dp_rank: int | None
     loss: float | None
     loss_baseline: float | None
-    loss_threshold: float | None
+    loss_threshold: float | None  # the moderate threshold (recovery is judged against it)
     grad_norm: float | None
     grad_baseline: float | None
     classification: str
     attempt: int = 0
+    max_local_loss: float | None = None
+    max_local_baseline: float | None = None
     window: list[dict[str, Any]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
@@ -145,11 +79,11 @@ class RollingWindow:
         return len(self._order)
 
     def push(self, value: float) -> None:
-        self._order.append(value)
-        bisect.insort(self._sorted, value)
-        if len(self._order) > self.size:
-            old = self._order.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        order, ordered = self._order, self._sorted
+        order.append(value)
+        bisect.insort(ordered, value)
+        if len(order) > self.size:
+            del ordered[bisect.bisect_left(ordered, order.popleft())]
 
     def median(self) -> float:
         s, n = self._sorted, len(self._sorted)
@@ -161,9 +95,33 @@ class RollingWindow:
         n = len(deviations)
         return deviations[n // 2] if n % 2 else 0.5 * (deviations[n // 2 - 1] + deviations[n // 2])
 
+    def above(self, value: float, rel: float, k: float, scale: float | None = None) -> bool:
+        """``value`` above both ``median + rel·scale`` (scale: the median itself unless given)
+        and ``median + k·σ``; the cheap test first."""
+        median = self.median()
+        if value <= median + abs(median if scale is None else scale) * rel:
+            return False
+        return value > median + k * MAD_TO_SIGMA * self.mad()
+
+    def threshold(self, rel: float, k: float, scale: float | None = None) -> float:
+        median = self.median()
+        relative = median + abs(median if scale is None else scale) * rel
+        return max(relative, median + k * MAD_TO_SIGMA * self.mad())
+
 
 def _finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
+
+
+@dataclass(slots=True)
+class _Step:
+    """One iteration's readings, with the skip evidence applied to the grad norm."""
+
+    record: SignalRecord
+    loss: float
+    grad: float | None  # None when not measured, or not a measurement (skipped step)
+    excess: float | None  # worst DP rank's loss - the DP average: one rank's own trouble
+    skipped: bool
 
 
 class SpikeDetector:
@@ -177,84 +135,167 @@ class SpikeDetector:
         self.config = config
         self.loss = RollingWindow(config.window)
         self.grad = RollingWindow(config.window)
+        self.excess = RollingWindow(config.window)
         self.seen = 0
+        self._armed = False  # cached: the windows never shrink, so once armed, always armed
         self.state: Literal["healthy", "watching", "rollback"] = "healthy"
-        self.elevated = 0  # consecutive iterations above the threshold, uncorroborated
-        self.suspicious = 0  # consecutive iterations between the relative and full threshold
+        self.elevated = 0  # consecutive iterations above the moderate threshold, uncorroborated
+        self.suspicious = 0  # consecutive iterations above the relative threshold only
+        self.raised_since: int | None = None  # first iteration of the current rise
+        self.skips = 0  # consecutive skipped iterations
+        self.last_scale: float | None = None
         self.incident: SpikeEvent | None = None
+        self.frozen: tuple[float | None, float | None] = (None, None)  # loss, excess thresholds
         self.recent: deque[SignalRecord] = deque(maxlen=config.context)
+
+    def resume(self) -> None:
+        """Offline replays only: go on after a rollback decision as if the run had not
+        stopped (same baseline, no incident in progress)."""
+        self.state, self.incident, self.raised_since = "healthy", None, None
+        self.elevated = self.suspicious = 0
 
     def armed(self) -> bool:
         return self.seen >= self.config.warmup and len(self.loss) >= self.config.window // 2
 
     def threshold(self) -> float:
-        """The current loss threshold (only meaningful once armed)."""
-        median = self.loss.median()
-        relative = median * (1.0 + self.config.loss_rel)
-        if relative <= median:  # non-positive losses: the relative rule is meaningless
-            relative = median
-        return max(relative, median + self.config.mad_k * MAD_TO_SIGMA * self.loss.mad())
+        """The current moderate loss threshold (only meaningful once armed)."""
+        return self.loss.threshold(self.config.loss_rel, self.config.mad_k)
+
+    def _read(self, record: SignalRecord) -> _Step:
+        """The iteration's readings (runs every step: kept to a few attribute reads)."""
+        scale, skipped = record.loss_scale, bool(record.skipped_iter)
+        if scale is not None and math.isfinite(scale):
+            if self.last_scale is not None and scale < self.last_scale:
+                skipped = True  # the scaler backed off: an overflow, counted or not
+            self.last_scale = scale
+        self.skips = self.skips + 1 if skipped else 0
+        loss, worst = record.lm_loss, record.max_local_loss
+        if loss is None:
+            loss = math.nan
+        excess = (
+            worst - loss
+            if worst is not None and math.isfinite(worst) and math.isfinite(loss)
+            else None
+        )
+        return _Step(record, loss, None if skipped else record.grad_norm, excess, skipped)
 
     def observe(self, record: SignalRecord) -> list[SpikeEvent]:
         """Update with one iteration and return the events it caused (usually none)."""
         self.recent.append(record)
         self.seen += 1
-        loss, grad = record.lm_loss, record.grad_norm
+        step = self._read(record)
         if self.state == "rollback":
             return []
-        if not (_finite(loss) and (grad is None or _finite(grad))):
-            return self._escalate(self._event("divergence", record, "non-finite loss or grad"))
-        if not self.armed():
-            self._learn(loss, grad)
-            return []
-        if self.state == "watching":
-            return self._watch(record)
-        relative = self.loss.median() * (1.0 + self.config.loss_rel)
-        if loss <= relative:  # cheap path: most iterations stop here
-            self.elevated = self.suspicious = 0
-            self._learn(loss, grad)
-            return []
-        if loss <= self.threshold():
-            # Suspicious but not a spike: keep it out of the baseline so a spike's first steps
-            # cannot raise the threshold, unless it lasts (a level shift, e.g. a new mixture).
-            self.elevated = 0
-            self.suspicious += 1
-            if self.suspicious > self.config.patience:
-                self._learn(loss, grad)
-            return []
-        grad_baseline = self.grad.median() if len(self.grad) else None
-        corroborated = (
-            grad is not None
-            and grad_baseline is not None
-            and grad >= self.config.grad_factor * grad_baseline
-        )
-        if corroborated:
-            self.incident = self._event("spike", record, "loss jump corroborated by grad norm")
-            self.state = "watching"
-            return [self.incident]
-        self.elevated += 1
-        if self.elevated >= max(self.config.patience, 1):
-            event = self._event("divergence", record, "loss above threshold without recovery")
-            event.onset = record.iteration - self.elevated + 1
+        if not (math.isfinite(step.loss) and (step.grad is None or math.isfinite(step.grad))):
+            event = self._event("divergence", step, "non-finite loss or grad norm")
+            if self.incident is not None:
+                event.onset = self.incident.onset
             return self._escalate(event)
+        if not self._armed:
+            self._armed = self.armed()
+            if not self._armed:
+                self._learn(step)
+                return []
+        if self.state == "watching":
+            return self._watch(step)
+        return self._healthy(step)
+
+    def _healthy(self, step: _Step) -> list[SpikeEvent]:
+        c = self.config
+        median = self.loss.median()
+        one_rank = step.excess is not None and len(self.excess) > 0
+        rising = step.loss > median + abs(median) * c.loss_rel or (
+            one_rank and step.excess > self.excess.median() + abs(median) * c.loss_rel  # type: ignore[operator]
+        )
+        if not rising and self.skips < c.skip_streak:  # cheap path: most iterations stop here
+            if self.raised_since is not None:
+                self.elevated = self.suspicious = 0
+                self.raised_since = None
+            self._learn(step)
+            return []
+        if self.raised_since is None:
+            self.raised_since = step.record.iteration - (0 if rising else self.skips - 1)
+        why = self._flag_reason(step, one_rank)
+        if why is not None:
+            self.incident = self._event("spike", step, why)
+            self.incident.onset = self.raised_since
+            self.frozen = (self.incident.loss_threshold, self._excess_threshold())
+            self.state, self.elevated, self.suspicious = "watching", 0, 0
+            return [self.incident]
+        if self.loss.above(step.loss, c.loss_rel, c.mad_k):
+            self.elevated += 1
+            if self.elevated >= max(c.patience, 1):
+                event = self._event("divergence", step, "loss above threshold without recovery")
+                event.onset = self.raised_since
+                return self._escalate(event)
+            return []
+        # Suspicious but not a spike: kept out of the baseline so a spike's first steps cannot
+        # raise the threshold, unless it lasts (a level shift, e.g. a new data mixture).
+        self.elevated = 0
+        self.suspicious += 1
+        if self.suspicious > c.patience:
+            self._learn(step)
         return []
 
-    def _learn(self, loss: float, grad: float | None) -> None:
-        self.loss.push(loss)
-        if _finite(grad):
-            self.grad.push(grad)  # type: ignore[arg-type]
+    def _flag_reason(self, step: _Step, one_rank: bool) -> str | None:
+        """Why this iteration starts an incident, or None."""
+        c = self.config
+        scale = self.loss.median()
+        if self.loss.above(step.loss, c.large_rel, c.large_mad_k):
+            return "large loss jump"
+        if one_rank and self.excess.above(step.excess, c.large_rel, c.large_mad_k, scale):  # type: ignore[arg-type]
+            return "large jump of one DP rank's loss over the average"
+        if self.skips >= c.skip_streak:
+            return f"{self.skips} consecutive skipped iterations"
+        if not self.loss.above(step.loss, c.loss_rel, c.mad_k):
+            return None
+        if self._grad_high(step.grad):
+            return "loss jump corroborated by grad norm"
+        if step.skipped:
+            return "loss jump on a skipped iteration (overflow / loss-scale drop)"
+        if one_rank and self.excess.above(step.excess, c.loss_rel, c.mad_k, scale):  # type: ignore[arg-type]
+            return "loss jump corroborated by one DP rank's loss over the average"
+        return None
 
-    def _watch(self, record: SignalRecord) -> list[SpikeEvent]:
+    def _grad_high(self, grad: float | None) -> bool:
+        return (
+            grad is not None
+            and len(self.grad) > 0
+            and grad >= self.config.grad_factor * self.grad.median()
+        )
+
+    def _excess_threshold(self) -> float | None:
+        if not len(self.excess):
+            return None
+        c = self.config
+        return self.excess.threshold(c.loss_rel, c.mad_k, self.loss.median())
+
+    def _learn(self, step: _Step) -> None:
+        self.loss.push(step.loss)
+        if step.grad is not None:  # finite: observe() diverges on a non-finite one
+            self.grad.push(step.grad)
+        if step.excess is not None:
+            self.excess.push(step.excess)
+
+    def _watch(self, step: _Step) -> list[SpikeEvent]:
         assert self.incident is not None
-        if record.lm_loss <= self.incident.loss_threshold:  # type: ignore[operator]
-            recovered = self._event("recovered", record, "loss back under the threshold")
+        loss_limit, excess_limit = self.frozen
+        back = (
+            step.loss <= loss_limit  # type: ignore[operator]
+            and (excess_limit is None or step.excess is None or step.excess <= excess_limit)
+            and not self._grad_high(step.grad)
+            and not step.skipped
+        )
+        if back:
+            recovered = self._event("recovered", step, "loss, worst rank and grad norm back")
             recovered.onset = self.incident.onset
-            self.state, self.incident = "healthy", None
+            self.state, self.incident, self.raised_since = "healthy", None, None
             return [recovered]
-        if record.iteration - self.incident.iteration >= self.config.patience:
-            event = self._event("rollback", record, "spike did not recover within patience")
+        if step.record.iteration - self.incident.iteration >= self.config.patience:
+            event = self._event("rollback", step, "spike did not recover within patience")
             event.onset = self.incident.onset
             event.culprit_dp_rank = self.incident.culprit_dp_rank
+            event.classification = f"{self.incident.classification}; not recovered"
             self.state = "rollback"
             return [event]
         return []
@@ -266,8 +307,9 @@ class SpikeDetector:
         self.state = "rollback"
         return [divergence, rollback]
 
-    def _event(self, kind: EventKind, record: SignalRecord, why: str) -> SpikeEvent:
+    def _event(self, kind: EventKind, step: _Step, why: str) -> SpikeEvent:
         armed = self.armed() and len(self.loss) > 0
+        record = step.record
         return SpikeEvent(
             kind=kind,
             iteration=record.iteration,
@@ -281,6 +323,10 @@ class SpikeDetector:
             grad_baseline=self.grad.median() if len(self.grad) else None,
             classification=why,
             attempt=record.attempt,
+            max_local_loss=record.max_local_loss,
+            max_local_baseline=(
+                self.loss.median() + self.excess.median() if armed and len(self.excess) else None
+            ),
             window=[_summary(r) for r in self.recent],
         )
 
@@ -295,19 +341,24 @@ def _summary(record: SignalRecord) -> dict[str, Any]:
         "max_loss_dp_rank": record.max_loss_dp_rank,
         "update_ratio": record.update_ratio,
         "lr": record.lr,
+        "skipped_iter": record.skipped_iter,
     }
 
 
-def spike_candidates(records: list[SignalRecord], config: SpikeConfig) -> list[SpikeEvent]:
-    """Offline: run the detector over one attempt's records; all spike/divergence events.
+def replay(records: list[SignalRecord], config: SpikeConfig) -> list[SpikeEvent]:
+    """Offline: every event the detector emits over ``records``.
 
-    Unlike training, the replay keeps going after a rollback decision, so a plot shows every
-    candidate in the log.
+    Unlike training, the replay keeps going after a rollback decision (:meth:`resume`), so a
+    plot or a benchmark sees every incident in the log.
     """
     detector, events = SpikeDetector(config), []
     for record in records:
-        found = detector.observe(record)
-        events += [e for e in found if e.kind in ("spike", "divergence")]
+        events += detector.observe(record)
         if detector.state == "rollback":
-            detector.state, detector.incident = "healthy", None
+            detector.resume()
     return events
+
+
+def spike_candidates(records: list[SignalRecord], config: SpikeConfig) -> list[SpikeEvent]:
+    """Offline: the spike and divergence events of :func:`replay` (what training flags)."""
+    return [e for e in replay(records, config) if e.kind in ("spike", "divergence")]

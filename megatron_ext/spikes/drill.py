@@ -1,9 +1,20 @@
-"""Incident drill: deterministic garbage tokens on one DP rank at chosen iterations.
+"""Incident drill: a reproducible bad batch on one DP rank at chosen iterations.
 
-Why: the spike pipeline must be proven end to end on a reproducible bad batch. The garbage is
-a pure function of (iteration, DP rank), injected where TP rank 0 reads the batch, so a replay
-from a checkpoint reproduces it exactly and ``--iterations-to-skip`` removes it (skipped
-iterations never reach the batch code). Flag: ``--drill-corrupt-batch START[-END]:DP_RANK``.
+Why: the spike pipeline must be proven end to end on a reproducible bad batch. The corruption
+is a pure function of (iteration, DP rank), injected where TP rank 0 reads the batch, so a
+replay from a checkpoint reproduces it exactly and ``--iterations-to-skip`` removes it
+(skipped iterations never reach the batch code). Flag: ``--drill-corrupt-batch
+START[-END]:DP_RANK``, with ``--drill-corruption``:
+
+- ``garbage``: every sample of the rank is replaced by uniform random tokens (the loss jumps
+  towards ln V on that rank);
+- ``mis-encoded``: the real-shaped drill. The rank's samples keep their documents but every
+  token id ``t`` becomes ``V-1-t`` (V: the padded vocabulary), as text read with the wrong code
+  page: the frequent low ids of a BPE vocabulary turn into rare or never-seen ones (seed 000
+  ch.2 §5: "encoding errors produce frequent rare tokens"). It is the benchmark's bad-batch
+  fingerprint: one rank's loss jumps, the DP average only by that rank's share, the grad norm
+  need not move; ``megatron-ext lookup --worst`` must name exactly these samples' documents,
+  which are real documents of the run's data.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 _SPEC = re.compile(r"^(\d+)(?:-(\d+))?:(\d+)$")
+CORRUPTIONS = ("garbage", "mis-encoded")
 
 
 @dataclass(frozen=True)
@@ -47,3 +59,10 @@ def garbage_batch(
     batch, length = tokens.shape
     sequence = torch.randint(0, vocab_size, (batch, length + 1), generator=generator)
     return sequence[:, :-1].to(tokens.dtype), sequence[:, 1:].to(tokens.dtype)
+
+
+def misencode(
+    tokens: torch.Tensor, labels: torch.Tensor, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens`` and ``labels`` with every id ``t`` read as ``vocab_size - 1 - t``."""
+    return vocab_size - 1 - tokens, vocab_size - 1 - labels

@@ -1,17 +1,26 @@
-"""``megatron-ext plot``: the signals log as a four-panel PNG with the spike candidates marked.
+"""``megatron-ext plot``: the signals log as a four-panel PNG, with what the tracker did.
 
     megatron-ext plot --signals-dir runs/7b/signals              # -> runs/7b/signals/signals.png
     megatron-ext plot --signals-dir DIR --attempts latest        # what the run finally trained
     megatron-ext plot --signals FILE.jsonl --attempts 2,3 --out spike.png
+    megatron-ext plot --signals-dir DIR --spike-large-rel 0.5    # what those thresholds flag
 
 Panels: LM loss, grad norm (pre-clip), params norm, max attention logit. With ``--attempts all``
 (the default) every attempt (launch, requeue, rollback) is its own coloured line, so a replay
 after a rollback is seen next to what it replaced; ``latest`` plots one line, the latest attempt
-per iteration. Spike and divergence candidates come from the same detector training runs
-(:func:`megatron_ext.spikes.detector.spike_candidates`), with the same ``--spike-*`` flags,
-so the picture shows what training would have flagged with those thresholds. Non-finite
-values (NaN/Inf) are drawn as crosses on the panel's top edge, since they have no height.
-Exit status: 0 written, 1 refused (the message says why), 2 usage error.
+per iteration. Marks:
+
+- **what the tracker did**: the spike ledger's events (spike, recovered, divergence, rollback)
+  of each attempt that ran ``--spike-detect``; the incident plans of ``megatron-ext skiplist``
+  (found with the checkpoints: ``--ckpt-dir``, default the ``--save`` the ledger recorded): the
+  rollback target of each incident (dashed line) and its skip window (shaded);
+- **what a detector would flag**, for attempts without a ledger, or for every attempt when a
+  ``--spike-*`` flag is given: a replay of the training-time detector
+  (:func:`megatron_ext.spikes.detector.spike_candidates`) with the thresholds the run recorded
+  in its ledger, overridden by the flags given (defaults when nothing was recorded).
+
+Non-finite values (NaN/Inf) are drawn as crosses on the panel's top edge, since they have no
+height. Exit status: 0 written, 1 refused (the message says why), 2 usage error.
 """
 
 from __future__ import annotations
@@ -28,16 +37,18 @@ from matplotlib import rcParams
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
-from megatron_ext.files import SIGNALS_FILE, SIGNALS_PLOT_FILE
-from megatron_ext.io import atomic_write
-from megatron_ext.spikes.detector import (
+from megatron_ext.files import SIGNALS_FILE, SIGNALS_PLOT_FILE, SPIKE_LEDGER_FILE
+from megatron_ext.io import atomic_write, from_json
+from megatron_ext.spikes.config import (
     SpikeConfig,
-    SpikeEvent,
     add_detector_args,
     config_from_args,
-    spike_candidates,
+    flags_given,
 )
+from megatron_ext.spikes.detector import SpikeEvent, spike_candidates
+from megatron_ext.spikes.ledger import Ledger, read_incidents, read_ledger
 from megatron_ext.telemetry.signals import SignalRecord, latest_per_iteration, read_signals
 
 # (record field, panel title, the note shown when no iteration recorded it)
@@ -51,18 +62,19 @@ PANELS: tuple[tuple[str, str, str], ...] = (
         "not recorded (enable --log-max-attention-logit)",
     ),
 )
-MARKERS = {"spike": "^", "divergence": "X"}
+MARKERS = {"spike": "^", "divergence": "X", "recovered": "v", "rollback": "s"}
 MARKED_PANELS = {"lm_loss", "grad_norm"}  # what the detector reads; other panels get the line
 MAX_LISTED = 20  # candidates printed; a run stuck at NaN has one per iteration
 
 
 @dataclass
 class Series:
-    """One line per panel: an attempt (or the latest-per-iteration view) and its candidates."""
+    """One line per panel: an attempt (or the latest-per-iteration view) and its marks."""
 
     label: str
     records: list[SignalRecord]  # sorted by iteration, one per iteration
-    candidates: list[SpikeEvent]
+    candidates: list[SpikeEvent]  # the ledger's events, or a replay's spike/divergence
+    source: str = "replay"  # "ledger": what the tracker did; "replay": what it would flag
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,20 +102,58 @@ def build_parser() -> argparse.ArgumentParser:
         help="all: one line per attempt (default); latest: the latest attempt "
         "per iteration; N[,M]: only these attempts",
     )
-    add_detector_args(parser.add_argument_group("spike detector (as the training-time tracker)"))
+    parser.add_argument(
+        "--ledger",
+        metavar="FILE",
+        help=f"the spike ledger (default: {SPIKE_LEDGER_FILE} next to the signals)",
+    )
+    parser.add_argument(
+        "--ckpt-dir",
+        metavar="DIR",
+        help="the run's checkpoints, for the incident plans (default: the --save the ledger "
+        "recorded)",
+    )
+    add_detector_args(
+        parser.add_argument_group("spike detector replay (default: the run's thresholds)"),
+        defaults=False,
+    )
     return parser
 
 
-def build_series(records: list[SignalRecord], attempts: str, config: SpikeConfig) -> list[Series]:
-    """The lines to draw and the candidates to mark on them (raises ValueError on a bad spec).
+def _ledger_events(ledger: Ledger, attempt: int) -> list[SpikeEvent]:
+    names = set(SpikeEvent.__dataclass_fields__)
+    return [
+        SpikeEvent(**{k: v for k, v in from_json(e).items() if k in names})
+        for e in ledger.events
+        if e.get("attempt") == attempt and e.get("kind") in MARKERS
+    ]
 
-    An attempt that starts mid-run (requeue, rollback) resumed the timeline of the attempts
-    before it, so its detector is first fed their latest records before its first iteration:
-    it is armed as the training-time tracker was, instead of re-learning a baseline from the
-    restart on. Only candidates inside the attempt itself are kept.
+
+def build_series(
+    records: list[SignalRecord],
+    attempts: str,
+    config: SpikeConfig,
+    ledger: Ledger | None = None,
+    replay: bool = False,
+) -> list[Series]:
+    """The lines to draw and the marks on them (raises ValueError on a bad spec).
+
+    An attempt whose ledger holds a config line ran the tracker: its marks are the ledger's
+    events, unless ``replay``. Otherwise the detector is replayed with ``config`` over the
+    attempt's records. An attempt that starts mid-run (requeue, rollback) resumed the timeline
+    of the attempts before it, so its replay is first fed their latest records before its first
+    iteration: it is armed as the training-time tracker was, instead of re-learning a baseline
+    from the restart on. Only marks inside the attempt itself are kept.
     """
+    ledger = ledger or Ledger()
     if attempts == "latest":
         latest = latest_per_iteration(records)
+        last = max(r.attempt for r in latest)
+        if last in ledger.configs and not replay:
+            marks = [e for a in sorted(ledger.configs) for e in _ledger_events(ledger, a)]
+            mine = {(r.iteration, r.attempt) for r in latest}
+            kept = [e for e in marks if (e.iteration, e.attempt) in mine]
+            return [Series("latest per iteration", latest, kept, "ledger")]
         return [Series("latest per iteration", latest, spike_candidates(latest, config))]
     present = sorted({r.attempt for r in records})
     if attempts == "all":
@@ -119,11 +169,15 @@ def build_series(records: list[SignalRecord], attempts: str, config: SpikeConfig
     series = []
     for attempt in chosen:
         own = latest_per_iteration([r for r in records if r.attempt == attempt])
+        label = f"attempt {attempt}"
+        if attempt in ledger.configs and not replay:
+            series.append(Series(label, own, _ledger_events(ledger, attempt), "ledger"))
+            continue
         history = latest_per_iteration(
             [r for r in records if r.attempt < attempt and r.iteration < own[0].iteration]
         )
         found = spike_candidates(history + own, config)
-        series.append(Series(f"attempt {attempt}", own, [e for e in found if e.attempt == attempt]))
+        series.append(Series(label, own, [e for e in found if e.attempt == attempt]))
     return series
 
 
@@ -131,12 +185,31 @@ def _finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
 
-def render(series: list[Series], title: str) -> Figure:
+def _draw_plans(axes: list, plans: list[dict]) -> None:
+    """Each incident's skip window (shaded) and rollback target (dashed), on every panel."""
+    for plan in plans:
+        window = plan.get("skip_window")
+        for axis in axes:
+            if window:
+                axis.axvspan(window[0] - 0.5, window[1] + 0.5, color="0.6", alpha=0.25, lw=0)
+            axis.axvline(plan["rollback_to"], color="black", linestyle="--", linewidth=1.0)
+        axes[0].annotate(
+            f"incident {plan['number']}: onset {plan['onset']}, rollback to "
+            f"{plan['rollback_to']}" + (f", skip {window[0]}-{window[1]}" if window else ""),
+            xy=(plan["rollback_to"], 1.0),
+            xycoords=axes[0].get_xaxis_transform(),
+            fontsize=8,
+            va="bottom",
+        )
+
+
+def render(series: list[Series], title: str, plans: list[dict] | None = None) -> Figure:
     """The four-panel figure (drawn on an Agg canvas; :func:`save_png` writes it)."""
     figure = Figure(figsize=(12, 11), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(len(PANELS), 1, sharex=True)
     colours = rcParams["axes.prop_cycle"].by_key()["color"]
+    _draw_plans(list(axes), plans or [])
     for axis, (name, panel_title, missing) in zip(axes, PANELS):
         axis.set_title(panel_title, loc="left", fontsize=10)
         axis.grid(True, alpha=0.3)
@@ -178,7 +251,8 @@ def render(series: list[Series], title: str) -> Figure:
                 )
             values = dict(points)
             for event in line.candidates:
-                axis.axvline(event.iteration, color=colour, linestyle=":", linewidth=1.0)
+                if event.kind in ("spike", "divergence"):
+                    axis.axvline(event.iteration, color=colour, linestyle=":", linewidth=1.0)
                 value = values.get(event.iteration)
                 if name in MARKED_PANELS and _finite(value):
                     axis.plot(
@@ -193,27 +267,29 @@ def render(series: list[Series], title: str) -> Figure:
         if name == "grad_norm" and finite_values and min(finite_values) > 0:
             axis.set_yscale("log")  # spikes are orders of magnitude; the baseline stays legible
     axes[-1].set_xlabel("iteration")
+    shown = {e.kind for line in series for e in line.candidates} | {"spike", "divergence"}
+    tracker = any(line.source == "ledger" for line in series)
     handles = axes[0].get_legend_handles_labels()[0] + [
         Line2D(
             [],
             [],
             linestyle="none",
-            marker=MARKERS["spike"],
+            marker=MARKERS[kind],
             color="0.5",
             markeredgecolor="black",
-            label="spike candidate",
-        ),
-        Line2D(
-            [],
-            [],
-            linestyle="none",
-            marker=MARKERS["divergence"],
-            color="0.5",
-            markeredgecolor="black",
-            label="divergence candidate",
-        ),
-        Line2D([], [], linestyle="none", marker="x", color="0.5", label="NaN/Inf (top edge)"),
+            label=kind if tracker or kind in ("recovered", "rollback") else f"{kind} candidate",
+        )
+        for kind in MARKERS
+        if kind in shown
     ]
+    handles.append(
+        Line2D([], [], linestyle="none", marker="x", color="0.5", label="NaN/Inf (top edge)")
+    )
+    if plans:
+        handles += [
+            Line2D([], [], color="black", linestyle="--", label="rollback target"),
+            Patch(color="0.6", alpha=0.25, label="skipped iterations"),
+        ]
     figure.legend(
         handles=handles, loc="outside lower center", ncols=min(len(handles), 6), fontsize=9
     )
@@ -238,11 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     """Plot a signals log; 0 written, 1 refused, 2 usage error."""
     parser = build_parser()
     options = parser.parse_args(argv)
+    path = Path(options.signals) if options.signals else Path(options.signals_dir) / SIGNALS_FILE
+    ledger_path = Path(options.ledger) if options.ledger else path.parent / SPIKE_LEDGER_FILE
+    ledger = read_ledger(ledger_path) if ledger_path.is_file() else Ledger()
+    recorded = ledger.config(max(ledger.configs)) if ledger.configs else None
     try:
-        config = config_from_args(options)
+        config = config_from_args(options, base=recorded)
     except ValueError as exc:
         parser.error(str(exc))
-    path = Path(options.signals) if options.signals else Path(options.signals_dir) / SIGNALS_FILE
+    ckpt_dir = options.ckpt_dir or ledger.save_dir()
+    plans = read_incidents(ckpt_dir) if ckpt_dir else []
     out = (
         Path(options.out)
         if options.out
@@ -258,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         records = read_signals(path)
         if not records:
             raise ValueError(f"{path} holds no signals records (did the run reach iteration 1?)")
-        series = build_series(records, options.attempts, config)
+        series = build_series(records, options.attempts, config, ledger, flags_given(options))
     except ValueError as exc:
         print(f"megatron-ext plot: {exc}", file=sys.stderr)
         return 1
@@ -268,13 +349,23 @@ def main(argv: list[str] | None = None) -> int:
         f"iterations {min(r.iteration for r in records)}-"
         f"{max(r.iteration for r in records)}"
     )
-    save_png(render(series, title), out)
-    candidates = [e for s in series for e in s.candidates]
-    print(f"wrote {out}: {len(series)} line(s), {len(candidates)} spike/divergence candidate(s)")
-    for event in candidates[:MAX_LISTED]:
+    save_png(render(series, title, plans), out)
+    tracked = [e for s in series if s.source == "ledger" for e in s.candidates]
+    candidates = [e for s in series if s.source == "replay" for e in s.candidates]
+    print(
+        f"wrote {out}: {len(series)} line(s), {len(tracked)} tracker event(s) from "
+        f"{ledger_path if ledger.configs else 'no ledger'}, {len(plans)} incident plan(s), "
+        f"{len(candidates)} spike/divergence candidate(s) replayed with {config}"
+    )
+    for event in (tracked + candidates)[:MAX_LISTED]:
         print(_describe(event))
-    if len(candidates) > MAX_LISTED:
-        print(f"  ... and {len(candidates) - MAX_LISTED} more (all are marked on the plot)")
+    if len(tracked) + len(candidates) > MAX_LISTED:
+        print(f"  ... and {len(tracked) + len(candidates) - MAX_LISTED} more (all are marked)")
+    for plan in plans:
+        print(
+            f"  incident {plan['number']}: onset {plan['onset']}, rollback to "
+            f"{plan['rollback_to']}, skip window {plan.get('skip_window')}"
+        )
     return 0
 
 

@@ -2,7 +2,8 @@
 
 The log has two attempts: attempt 1 trains iterations 1-60 with a transient spike at 40, a NaN
 loss at 50 and a torn last line (killed writer); attempt 2 is a rollback replay from 35 that
-spikes at 38, only 3 iterations after its restart.
+spikes at 38, only 3 iterations after its restart. The ledger tests add what the tracker
+wrote (its config and events) and the incident plan of ``megatron-ext skiplist``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import matplotlib.image
 import pytest
 
 from megatron_ext import cli
-from megatron_ext.spikes.detector import SpikeConfig
+from megatron_ext.files import incident_stem
+from megatron_ext.io import JsonlAppender, atomic_write_json
+from megatron_ext.spikes.config import SpikeConfig
+from megatron_ext.spikes.ledger import config_record, read_ledger
 from megatron_ext.telemetry.plot import PANELS, build_series, main, render
 from megatron_ext.telemetry.signals import SignalRecord, SignalsWriter, read_signals
 
@@ -175,3 +179,62 @@ def test_dispatched_by_the_console_script(log: Path) -> None:
     assert "plot" in cli.COMMANDS and "\n  plot " in cli.USAGE
     with pytest.warns(UserWarning, match="torn"):
         assert cli.main(["plot", "--signals-dir", str(log.parent), *DETECTOR_FLAGS]) == 0
+
+
+def _ledger(log: Path, ckpt: Path) -> None:
+    """What the tracker of attempt 1 wrote (window 10 etc.), and one plan."""
+    ledger = JsonlAppender(log.parent / "spikes.jsonl")
+    ledger.append(config_record(1, 1, CONFIG, str(ckpt), None))
+    for kind, iteration in (("spike", 40), ("recovered", 41), ("divergence", 50), ("rollback", 50)):
+        ledger.append(
+            {
+                "iteration": iteration,
+                "kind": kind,
+                "onset": iteration,
+                "attempt": 1,
+                "consumed_samples": 8 * iteration,
+                "culprit_dp_rank": 0,
+                "loss": 1.0,
+                "loss_baseline": 1.0,
+                "loss_threshold": 1.1,
+                "grad_norm": 1.0,
+                "grad_baseline": 1.0,
+                "classification": "test",
+            }
+        )
+    plan = {"onset": 50, "rollback_to": 34, "skip_window": [35, 46], "incident": {}}
+    atomic_write_json(incident_stem(ckpt, 1).with_suffix(".json"), plan)
+
+
+def test_the_tracker_s_own_events_settings_and_plans_are_shown(
+    log: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _ledger(log, tmp_path / "ckpt")
+    assert read_ledger(log.parent / "spikes.jsonl").config(2) == CONFIG  # attempt 2: inherited
+    with pytest.warns(UserWarning, match="torn"):
+        assert main(["--signals-dir", str(log.parent)]) == 0  # no flags: the run's settings
+    printed = capsys.readouterr().out
+    assert "4 tracker event(s)" in printed and "1 incident plan(s)" in printed
+    assert "replayed with SpikeConfig(window=10, warmup=10" in printed  # not the defaults
+    assert "incident 1: onset 50, rollback to 34, skip window [35, 46]" in printed
+    # Attempt 1 wrote a config line: its marks are the ledger's; attempt 2 is replayed.
+    records = _read(log)
+    ledger = read_ledger(log.parent / "spikes.jsonl")
+    first, second = build_series(records, "all", CONFIG, ledger)
+    assert (first.source, second.source) == ("ledger", "replay")
+    assert _marks(first) == [("spike", 40), ("recovered", 41), ("divergence", 50), ("rollback", 50)]
+    assert _marks(second) == [("spike", 38)]
+    # A --spike-* flag asks for a replay of every attempt with those thresholds.
+    replayed = build_series(records, "all", CONFIG, ledger, replay=True)
+    assert [s.source for s in replayed] == ["replay", "replay"]
+
+
+def test_rollback_target_and_skip_window_are_drawn(log: Path, tmp_path: Path) -> None:
+    _ledger(log, tmp_path / "ckpt")
+    plan = {"number": 1, "onset": 50, "rollback_to": 34, "skip_window": [35, 46]}
+    figure = render(build_series(_read(log), "all", CONFIG), "t", [plan])
+    for axis in figure.axes:
+        spans = [p for p in axis.patches if p.get_x() == 34.5]
+        assert len(spans) == 1 and spans[0].get_width() == 12  # iterations 35..46
+        assert 34 in [line.get_xdata()[0] for line in axis.lines if line.get_linestyle() == "--"]
+    assert "rollback to 34, skip 35-46" in figure.axes[0].texts[-1].get_text()

@@ -1,0 +1,344 @@
+"""Which of seed 000's five causes an incident most likely had (no Megatron imports).
+
+The decision tree of seed 000 chapter 2 §7, walked over the signals recorded before and at the
+onset. Questions are asked in the order of "which fingerprint is the most specific and the
+earliest visible":
+
+0. divergence?  a non-finite loss/grad, or the spike did not come back (roll back first, then
+   keep asking: the cause decides what to change);
+1. attention-logit growth?  the max attention logit rose steadily before the onset and
+   crossed ~100 (bf16 softmax saturates there);
+2. learning rate?  the params norm grew faster before the onset than before that, and the grad
+   norm was already rising;
+3. single-rank bad data?  the worst DP rank's loss jumped much more than the DP average (a
+   bad batch on one rank is diluted in the average); reproduced at the same onset after a
+   rollback (``--policy confirm``) makes it certain;
+4. optimizer-state timing?  the grad norm sat on a plateau below its normal level before the
+   spike (Adam's v shrank, so a normal gradient becomes a large step);
+5. bf16 sporadic?  no precursor, loss and grad norm back the next step, ``num_zeros`` off its
+   baseline at the onset.
+
+Each question's answer is ``yes``, ``no`` or ``unknown`` (a signal it needs was not recorded);
+the first ``yes`` names the cause. The evidence and the missing signals are kept for the
+report: an on-call engineer should see why, and what to record next time.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from megatron_ext.telemetry.signals import SignalRecord
+
+Answer = Literal["yes", "no", "unknown"]
+
+LOOKBACK = 1000  # iterations before the onset the precursor questions read ("normal")
+RECENT = 100  # the "just before the onset" stretch compared with the rest of the lookback
+RISE = 200  # the stretch whose max attention logit must rise steadily
+LOGIT_LIMIT = 100.0  # max attention logit where bf16 softmax saturates (seed 000 ch.2 §4)
+LOGIT_TREND = 0.8  # rank correlation of the max logit with time that is "rising steadily"
+PARAMS_ACCEL = 2.0  # params-norm growth rate before the onset / the rate before that
+GRAD_RISE = 1.3  # grad-norm median of the last RECENT/4 iterations / earlier median: "rising"
+SINGLE_RANK = 0.8  # worst rank's rise over the average / the average's rise: one rank
+ONE_RANK_FLOOR = 0.1  # ... and that extra rise is at least 10 % of the loss
+PLATEAU = 0.7  # grad-norm median just before the onset / earlier median: "below normal"
+ZEROS_K = 6.0  # robust sigmas of num_zeros that make it anomalous
+GRAD_BACK = 2.0  # grad norm under this many times its baseline the next step: "back"
+
+CAUSES = {
+    "attention-logit": (
+        "attention-logit growth",
+        "enable QK-LayerNorm / qk_clip; roll back to before the logit rise started",
+    ),
+    "learning-rate": (
+        "learning rate",
+        "lower the LR / lengthen warmup / check the schedule's "
+        "turning points; roll back to before the growth started",
+    ),
+    "bad-data": (
+        "single-rank bad data",
+        "look up the culprit rank's batch (top documents below), roll back + skip, add the "
+        "documents to the data filter",
+    ),
+    "optimizer-state": (
+        "optimizer-state timing",
+        "roll back ~100 iterations and skip 200-500 batches so the optimizer state and the "
+        "data fall out of phase",
+    ),
+    "bf16": (
+        "bf16 sporadic",
+        "usually nothing; check the precision checklist (fp32 master params, fp32 grad "
+        "accumulation, fp32 softmax and logits)",
+    ),
+    "transient": (
+        "transient spike, no fingerprint matched",
+        "wait within the patience window; roll back + skip if it does not recover",
+    ),
+}
+
+
+@dataclass
+class Question:
+    """One step of the tree, with what it read."""
+
+    name: str
+    question: str
+    answer: Answer
+    evidence: str
+    missing: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Diagnosis:
+    """The tree's walk over one incident."""
+
+    diverged: bool
+    cause: str  # a key of CAUSES
+    label: str
+    action: str
+    culprit_dp_rank: int | None
+    steps: list[Question]
+    missing: list[str]  # every signal a question needed and the run did not record
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _finite(*values: float | None) -> bool:
+    return all(v is not None and math.isfinite(v) for v in values)
+
+
+def _values(records: list[SignalRecord], name: str) -> list[float]:
+    return [v for r in records if (v := getattr(r, name)) is not None and math.isfinite(v)]
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
+
+
+def _divergence(incident: dict[str, Any], after: list[SignalRecord]) -> Question:
+    bad = [
+        r.iteration
+        for r in after
+        if not all(v is None or math.isfinite(v) for v in (r.lm_loss, r.grad_norm))
+    ]
+    if bad:
+        return Question(
+            "divergence",
+            "non-finite loss or grad, or no recovery?",
+            "yes",
+            f"non-finite loss/grad norm at iteration {bad[0]}",
+        )
+    if incident.get("kind") in ("rollback", "divergence"):
+        return Question(
+            "divergence",
+            "non-finite loss or grad, or no recovery?",
+            "yes",
+            f"not recovered: {incident.get('classification')}",
+        )
+    return Question(
+        "divergence",
+        "non-finite loss or grad, or no recovery?",
+        "no",
+        "finite, and the incident recovered",
+    )
+
+
+def _logit(before: list[SignalRecord]) -> Question:
+    q = "max attention logit rising steadily before the onset, past ~100?"
+    logits = _values(before[-RISE:], "max_attention_logit")
+    if len(logits) < 3:
+        return Question(
+            "attention-logit",
+            q,
+            "unknown",
+            "max attention logit not recorded",
+            ["max_attention_logit (--log-max-attention-logit)"],
+        )
+    trend = (
+        statistics.correlation(range(len(logits)), logits, method="ranked")
+        if len(set(logits)) > 1
+        else 0.0
+    )
+    peak = max(logits)
+    answer: Answer = "yes" if trend >= LOGIT_TREND and peak >= LOGIT_LIMIT else "no"
+    return Question(
+        "attention-logit",
+        q,
+        answer,
+        f"{logits[0]:.4g} -> {logits[-1]:.4g} over the last {len(logits)} "
+        f"iterations, rank correlation with time {trend:.2f} (steady if >= "
+        f"{LOGIT_TREND:g}), peak {peak:.4g} (limit {LOGIT_LIMIT:g})",
+    )
+
+
+def _rate(values: list[float]) -> float:
+    return (values[-1] - values[0]) / max(len(values) - 1, 1)
+
+
+def _learning_rate(before: list[SignalRecord]) -> Question:
+    q = "params norm growing faster before the onset, grad norm already rising?"
+    params = _values(before, "params_norm")
+    grads = _values(before, "grad_norm")
+    missing = [] if len(params) >= 2 * RECENT else ["params_norm (--log-params-norm or signals)"]
+    if len(grads) < 2 * RECENT:
+        missing.append("grad_norm history")
+    if missing:
+        return Question(
+            "learning-rate",
+            q,
+            "unknown",
+            f"need {2 * RECENT} iterations of params and grad norm before the onset",
+            missing,
+        )
+    recent, earlier = _rate(params[-RECENT:]), _rate(params[:-RECENT])
+    accel = recent / earlier if earlier > 0 else (math.inf if recent > 0 else 0.0)
+    grad_ratio = statistics.median(grads[-RECENT // 4 :]) / statistics.median(grads[:-RECENT])
+    answer: Answer = "yes" if accel >= PARAMS_ACCEL and grad_ratio >= GRAD_RISE else "no"
+    return Question(
+        "learning-rate",
+        q,
+        answer,
+        f"params-norm growth {recent:.3g}/iter vs {earlier:.3g}/iter before "
+        f"(x{accel:.3g}, limit x{PARAMS_ACCEL:g}); grad norm x{grad_ratio:.3g} "
+        f"of its earlier median (limit x{GRAD_RISE:g})",
+    )
+
+
+def _bad_data(
+    before: list[SignalRecord], at: list[SignalRecord], reproduced: bool
+) -> tuple[Question, int | None]:
+    q = "worst DP rank's loss far above the DP average at the onset?"
+    pairs = [
+        (r.max_local_loss - r.lm_loss, r) for r in before if _finite(r.max_local_loss, r.lm_loss)
+    ]
+    onset = [(r.max_local_loss - r.lm_loss, r) for r in at if _finite(r.max_local_loss, r.lm_loss)]
+    if not pairs or not onset:
+        return Question(
+            "bad-data",
+            q,
+            "unknown",
+            "the worst DP rank's loss was not recorded",
+            ["max_local_loss (telemetry --signals-dir)"],
+        ), None
+    base_excess = statistics.median(e for e, _ in pairs)
+    base_mean = statistics.median(r.lm_loss for _, r in pairs)
+    excess, peak = max(onset, key=lambda pair: pair[0])
+    excess_jump, mean_jump = excess - base_excess, peak.lm_loss - base_mean
+    single = excess_jump >= SINGLE_RANK * max(mean_jump, 0.0) and excess_jump >= (
+        ONE_RANK_FLOOR * abs(base_mean)
+    )
+    confirm = (
+        "reproduced at the same onset after a rollback"
+        if reproduced
+        else "not confirmed yet (--policy confirm replays the same data once)"
+    )
+    evidence = (
+        f"iteration {peak.iteration}: DP rank {peak.max_loss_dp_rank} at "
+        f"{peak.max_local_loss:.4g}, {excess:.3g} over the average {peak.lm_loss:.4g} "
+        f"(usually {base_excess:.3g}): the worst rank rose {excess_jump:+.3g} more than "
+        f"the average, the average {mean_jump:+.3g}; {confirm}"
+    )
+    return Question("bad-data", q, "yes" if single else "no", evidence), (
+        peak.max_loss_dp_rank if single else None
+    )
+
+
+def _plateau(before: list[SignalRecord]) -> Question:
+    q = "grad norm on a plateau below normal before the spike?"
+    grads = _values(before, "grad_norm")
+    if len(grads) < 2 * RECENT:
+        return Question(
+            "optimizer-state",
+            q,
+            "unknown",
+            f"need {2 * RECENT} iterations of grad norm before the onset",
+            ["grad_norm history"],
+        )
+    recent, earlier = statistics.median(grads[-RECENT:]), statistics.median(grads[:-RECENT])
+    ratio = recent / earlier if earlier > 0 else 1.0
+    return Question(
+        "optimizer-state",
+        q,
+        "yes" if ratio <= PLATEAU else "no",
+        f"grad-norm median over the last {RECENT} iterations {recent:.4g} = "
+        f"x{ratio:.3g} of the earlier {earlier:.4g} (plateau if <= x{PLATEAU:g})",
+    )
+
+
+def _bf16(
+    before: list[SignalRecord],
+    at: list[SignalRecord],
+    nxt: SignalRecord | None,
+    grad_baseline: float | None,
+    loss_threshold: float | None,
+) -> Question:
+    q = "no precursor, back the next step, num_zeros anomalous at the onset?"
+    if nxt is None:
+        return Question("bf16", q, "unknown", "no record after the onset")
+    grad_back = (
+        nxt.grad_norm is None or grad_baseline is None or nxt.grad_norm < GRAD_BACK * grad_baseline
+    )
+    loss_back = nxt.lm_loss is not None and (
+        loss_threshold is None or nxt.lm_loss <= loss_threshold
+    )
+    zeros = _values(before, "num_zeros")
+    onset_zeros = next((r.num_zeros for r in at if r.num_zeros is not None), None)
+    missing: list[str] = []
+    answer: Answer
+    if len(zeros) < 3 or onset_zeros is None:
+        zeros_text = "num_zeros not recorded"
+        missing.append("num_zeros (--log-num-zeros-in-grad)")
+        answer = "unknown" if grad_back and loss_back else "no"
+    else:
+        med = statistics.median(zeros)
+        mad = statistics.median(abs(z - med) for z in zeros) * 1.4826
+        anomaly = abs(onset_zeros - med) > max(ZEROS_K * mad, 1e-12 + 1e-3 * abs(med))
+        zeros_text = f"num_zeros {onset_zeros:.6g} vs baseline {med:.6g} (sigma {mad:.3g})"
+        answer = "yes" if grad_back and loss_back and anomaly else "no"
+    return Question(
+        "bf16",
+        q,
+        answer,
+        f"next step: loss {_fmt(nxt.lm_loss)} (back: {loss_back}), grad norm "
+        f"{_fmt(nxt.grad_norm)} (back: {grad_back}); {zeros_text}",
+        missing,
+    )
+
+
+def diagnose(
+    incident: dict[str, Any],
+    records: list[SignalRecord],
+    reproduced: bool = False,
+) -> Diagnosis:
+    """Walk the tree for ``incident`` (a ledger event) over ``records`` (one per iteration,
+    the attempt that had the incident; those after the decision are ignored)."""
+    onset, last = int(incident["onset"]), int(incident["iteration"])
+    before = [r for r in records if onset - LOOKBACK <= r.iteration < onset]
+    at = [r for r in records if onset <= r.iteration <= max(onset, min(last, onset + 2))]
+    after = [r for r in records if onset <= r.iteration <= last]
+    nxt = next((r for r in records if r.iteration == onset + 1), None)
+    steps = [_divergence(incident, after), _logit(before), _learning_rate(before)]
+    bad, culprit = _bad_data(before, at, reproduced)
+    steps += [bad, _plateau(before)]
+    precursor = any(s.answer == "yes" for s in steps[1:])
+    bf16 = _bf16(before, at[:1], nxt, incident.get("grad_baseline"), incident.get("loss_threshold"))
+    if precursor and bf16.answer == "yes":
+        bf16.answer, bf16.evidence = "no", bf16.evidence + "; but a precursor was found"
+    steps.append(bf16)
+    cause = next((s.name for s in steps[1:] if s.answer == "yes"), "transient")
+    label, action = CAUSES[cause]
+    if steps[0].answer == "yes":
+        action = "roll back first, then: " + action
+    missing = sorted({m for s in steps for m in s.missing})
+    return Diagnosis(
+        diverged=steps[0].answer == "yes",
+        cause=cause,
+        label=label,
+        action=action,
+        culprit_dp_rank=culprit if culprit is not None else incident.get("culprit_dp_rank"),
+        steps=steps,
+        missing=missing,
+    )

@@ -1,0 +1,209 @@
+"""The incident report of ``megatron-ext skiplist``: plan, likely cause, the documents behind it.
+
+Written next to the plan (``CKPT/megatron_ext_incidents/incident-NNN.{md,json}``) for the
+on-call engineer. Three parts, each answering a question they would otherwise answer by hand:
+
+- **what to do**: the plan (rollback target, skip window, restart command);
+- **why it happened**: seed 000's decision tree walked over the recorded signals
+  (:mod:`megatron_ext.spikes.causes`), each step with its evidence, and the signals the run
+  did not record (so the next run records them);
+- **which documents**: the onset batch's samples with the highest loss, culprit DP rank first,
+  resolved to documents and text by ``megatron-ext lookup --worst`` (a subprocess: the lookup
+  loads Megatron's config machinery, the planner must not), and the command that writes them
+  as a blocklist.
+
+Best effort for the lookup: a failed lookup is reported in its place, it never blocks the plan.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.files import incident_blocklist
+from megatron_ext.spikes.causes import Diagnosis, diagnose
+from megatron_ext.spikes.planner import Plan, reproduced
+from megatron_ext.telemetry.signals import SignalRecord, latest_per_iteration
+
+LOOKUP_TIMEOUT = 600  # seconds; a lookup on a huge blend opens many index caches
+SNIPPET = 200  # characters of each document's text in the report
+DEFAULT_WORST = 8  # samples listed (skiplist --worst), and suggested with --no-lookup
+
+
+def _num(value: Any) -> str:
+    """A signal for a table: 6 significant digits (the log keeps every digit)."""
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+@dataclass
+class Report:
+    """One incident's report; ``markdown()`` for people, ``as_json()`` next to it."""
+
+    plan: Plan
+    number: int
+    diagnosis: Diagnosis
+    lookup_command: list[str]
+    documents: list[dict[str, Any]] = field(default_factory=list)
+    lookup_lines: list[str] = field(default_factory=list)
+    lookup_error: str | None = None
+
+    def blocklist_command(self) -> str:
+        """The lookup that writes these documents as a blocklist (``--emit-blocklist``)."""
+        ckpt_dir = self.lookup_command[self.lookup_command.index("--from-checkpoint") + 1]
+        command = [a for a in self.lookup_command[3:] if a != "--json"]
+        target = incident_blocklist(ckpt_dir, self.number)
+        return " ".join(["megatron-ext", *command, "--emit-blocklist", str(target)])
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            **self.plan.as_json(),
+            "diagnosis": self.diagnosis.as_json(),
+            "top_documents": self.documents,
+            "lookup": self.lookup_error or "\n".join(self.lookup_lines),
+            "blocklist_command": self.blocklist_command(),
+        }
+
+    def markdown(self) -> str:
+        plan, incident, d = self.plan, self.plan.incident, self.diagnosis
+        return "\n".join(
+            [
+                f"# Incident {self.number:03d}: {incident['kind']} at iteration "
+                f"{incident['iteration']}\n",
+                f"{plan.summary}\n",
+                f"- action: **{plan.action}**",
+                f"- onset: {plan.onset}",
+                f"- culprit DP rank (max local loss): {incident.get('culprit_dp_rank')}",
+                f"- classification: {incident.get('classification')}",
+                f"- likely cause: **{d.label}**{' (diverged)' if d.diverged else ''}: {d.action}",
+                f"- rollback to checkpoint: {plan.rollback_to} (moved aside: "
+                f"{plan.moved_checkpoints})",
+                f"- skip window: {plan.skip_window}",
+                f"- all skipped: {plan.skip_ranges}",
+                f"- restart with: `{' '.join(plan.restart_args)}`\n",
+                "## Likely cause (seed 000 decision tree)\n",
+                "| step | question | answer | evidence |",
+                "|---|---|---|---|",
+                *(f"| {s.name} | {s.question} | **{s.answer}** | {s.evidence} |" for s in d.steps),
+                "",
+                "Signals this run did not record: "
+                + (", ".join(d.missing) if d.missing else "none")
+                + "\n",
+                "## Signals before the incident\n",
+                "| iteration | lm loss | grad norm | max local loss | worst DP rank | "
+                "update ratio |",
+                "|---|---|---|---|---|---|",
+                *(
+                    f"| {w['iteration']} | {_num(w['lm_loss'])} | {_num(w['grad_norm'])} | "
+                    f"{_num(w['max_local_loss'])} | {w['max_loss_dp_rank']} | "
+                    f"{_num(w['update_ratio'])} |"
+                    for w in incident.get("window", [])
+                ),
+                "",
+                self._documents(),
+            ]
+        )
+
+    def _documents(self) -> str:
+        rank = self.diagnosis.culprit_dp_rank
+        head = (
+            f"## Top documents of iteration {self.plan.onset} by loss (culprit DP rank "
+            f"{rank} first)\n"
+        )
+        if self.lookup_error:
+            return head + f"not available: {self.lookup_error}\n"
+        rows = []
+        for r in self.documents:
+            documents = ", ".join(
+                f"{Path(r['dataset_path']).name} doc {d['document']} (tokens {d['offset']}+"
+                f"{d['count']})"
+                for d in r["documents"]
+            )
+            text = " ".join(r.get("text", "").split())[:SNIPPET].replace("|", "\\|")
+            flag = " (trained tokens differ from disk)" if r.get("trained_tokens_differ") else ""
+            rows.append(
+                f"| {r['rank_by_loss']} | {r['loss']:.4f} | {r['dp_rank']} | {r['microbatch']} | "
+                f"{r['sample_index']} | {documents}{flag} | {text} |"
+            )
+        return "\n".join(
+            [
+                head,
+                *(f"    {line}" for line in self.lookup_lines),
+                "",
+                "| # by loss | loss | DP rank | micro-batch | sample | documents | text |",
+                "|---|---|---|---|---|---|---|",
+                *rows,
+                "",
+                f"Blocklist these documents: `{self.blocklist_command()}`",
+                "",
+            ]
+        )
+
+
+def incident_timeline(incident: dict[str, Any], history: list[SignalRecord]) -> list[SignalRecord]:
+    """The iterations the incident's attempt trained on, one record each: its own records and
+    those of the earlier attempts it continued from."""
+    attempt = incident.get("attempt") or max((r.attempt for r in history), default=0)
+    return latest_per_iteration([r for r in history if r.attempt <= attempt])
+
+
+def lookup_command(plan: Plan, ckpt_dir: Path, worst: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "megatron_ext.cli",
+        "lookup",
+        "--from-checkpoint",
+        str(ckpt_dir),
+        "--ckpt-step",
+        str(plan.rollback_to),
+        "--iteration",
+        str(plan.onset),
+        "--worst",
+        str(worst),
+        "--text",
+        "--json",
+    ]
+
+
+def culprit_first(samples: list[dict[str, Any]], rank: int | None) -> list[dict[str, Any]]:
+    """The culprit DP rank's samples first, each group by loss (stable)."""
+    return sorted(samples, key=lambda s: (s["dp_rank"] != rank, s["rank_by_loss"]))
+
+
+def build_report(
+    plan: Plan,
+    ledger: list[dict[str, Any]],
+    history: list[SignalRecord],
+    ckpt_dir: Path,
+    number: int,
+    worst: int | None,
+) -> Report:
+    """Diagnose the incident and (unless ``worst`` is None) look up its top documents."""
+    incident = plan.incident
+    diagnosis = diagnose(
+        {**incident, "onset": plan.onset},
+        incident_timeline(incident, history),
+        reproduced(incident, ledger),
+    )
+    command = lookup_command(plan, ckpt_dir, worst or DEFAULT_WORST)
+    report = Report(plan, number, diagnosis, command)
+    if worst is None:
+        report.lookup_error = "not looked up (--no-lookup)"
+        return report
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=LOOKUP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        report.lookup_error = f"lookup timed out after {LOOKUP_TIMEOUT} s"
+        return report
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["(no message)"])[-1]
+        report.lookup_error = f"lookup failed ({result.returncode}): {last}"
+        return report
+    answer = json.loads(result.stdout)
+    report.lookup_lines = list(answer.get("lines", []))
+    report.documents = culprit_first(answer["samples"], diagnosis.culprit_dp_rank)
+    return report

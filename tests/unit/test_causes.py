@@ -1,0 +1,122 @@
+"""Seed 000's decision tree over recorded signals, and the incident report that shows it.
+
+Signals are synthetic (``spike_curves``); the injected fingerprints on real curves are in
+test_detector_curves.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_ext.spikes.causes import LOOKBACK, diagnose
+from megatron_ext.spikes.planner import PlanConfig, make_plan
+from megatron_ext.spikes.report import build_report, culprit_first
+
+from spike_curves import records as _records
+
+ONSET = 1200
+
+
+def _incident(kind: str = "rollback") -> dict:
+    return {
+        "kind": kind,
+        "iteration": ONSET + 5,
+        "onset": ONSET,
+        "attempt": 1,
+        "culprit_dp_rank": 3,
+        "classification": "large loss jump; not recovered",
+        "grad_baseline": 1.0,
+        "loss_threshold": 3.3,
+        "loss": 5.0,
+        "loss_baseline": 3.0,
+        "consumed_samples": 8 * (ONSET + 5),
+        "window": [],
+    }
+
+
+def _run(spike: dict | None = None):
+    records = _records(ONSET + 10, spike or {ONSET: (5.0, 6.0), ONSET + 1: (3.0, 1.0)})
+    for r in records:
+        r.max_local_loss, r.max_loss_dp_rank = r.lm_loss + 0.05, 0
+        r.params_norm = 100 + 0.01 * r.iteration
+        r.max_attention_logit, r.num_zeros = 35.0 + (r.iteration % 3), 1000.0
+    return records
+
+
+def _answers(diagnosis) -> dict[str, str]:
+    return {s.name: s.answer for s in diagnosis.steps}
+
+
+def test_nothing_recorded_beyond_the_loss_means_unknowns_and_a_list_of_what_to_record() -> None:
+    records = _records(ONSET + 10, {ONSET: (5.0, 6.0)})
+    for r in records:
+        r.grad_norm = r.max_local_loss = None
+    d = diagnose(_incident(), records)
+    assert _answers(d) == {
+        "divergence": "yes",
+        "attention-logit": "unknown",
+        "learning-rate": "unknown",
+        "bad-data": "unknown",
+        "optimizer-state": "unknown",
+        "bf16": "unknown",  # back the next step, but num_zeros was not recorded
+    }
+    assert d.cause == "transient" and d.action.startswith("roll back first")
+    assert "max_attention_logit (--log-max-attention-logit)" in d.missing
+    assert "max_local_loss (telemetry --signals-dir)" in d.missing
+
+
+def test_one_rank_far_above_the_average_is_bad_data_on_that_rank() -> None:
+    records = _run()
+    records[ONSET - 1].max_local_loss, records[ONSET - 1].max_loss_dp_rank = 9.0, 3
+    d = diagnose(_incident(), records, reproduced=True)
+    assert d.cause == "bad-data" and d.culprit_dp_rank == 3
+    assert "reproduced at the same onset" in d.steps[3].evidence
+
+
+def test_a_steadily_rising_max_logit_past_100_is_named_first() -> None:
+    records = _run()
+    for r in records[ONSET - 200 : ONSET]:
+        r.max_attention_logit = 40 + 0.4 * (r.iteration - (ONSET - 200))
+    assert diagnose(_incident(), records).cause == "attention-logit"
+
+
+def test_faster_params_norm_growth_and_a_rising_grad_norm_is_the_learning_rate() -> None:
+    records = _run()
+    for r in records[ONSET - 100 : ONSET]:
+        r.params_norm += 0.05 * (r.iteration - (ONSET - 100))
+        r.grad_norm *= 1.6
+    assert diagnose(_incident(), records).cause == "learning-rate"
+
+
+def test_a_grad_norm_plateau_below_normal_is_the_optimizer_state() -> None:
+    records = _run()
+    for r in records[ONSET - 100 : ONSET]:
+        r.grad_norm *= 0.5
+    assert diagnose(_incident(), records).cause == "optimizer-state"
+
+
+def test_no_precursor_back_next_step_and_num_zeros_off_is_bf16() -> None:
+    records = _run()
+    records[ONSET - 1].num_zeros = 3000.0
+    d = diagnose(_incident("spike"), records)
+    assert (d.cause, d.diverged) == ("bf16", False)
+    assert LOOKBACK >= 1000  # the precursor questions see a "normal" stretch
+
+
+def test_the_report_shows_the_walk_and_orders_the_culprit_first(tmp_path: Path) -> None:
+    records = _run()
+    records[ONSET - 1].max_local_loss, records[ONSET - 1].max_loss_dp_rank = 9.0, 3
+    ledger = [_incident("spike"), _incident()]
+    plan = make_plan(ledger, records, [ONSET - 200], [], PlanConfig(), None, str(tmp_path))
+    report = build_report(plan, ledger, records, tmp_path, 1, worst=None)
+    text = report.markdown()
+    assert "- likely cause: **single-rank bad data** (diverged)" in text
+    assert (
+        "| bad-data | worst DP rank's loss far above the DP average at the onset? | **yes** |"
+        in text
+    )
+    assert "not available: not looked up (--no-lookup)" in text
+    assert report.as_json()["diagnosis"]["cause"] == "bad-data"
+    assert "--worst 8 --text --emit-blocklist" in report.blocklist_command()
+    samples = [{"dp_rank": r, "rank_by_loss": k} for k, r in enumerate([0, 3, 1, 3], start=1)]
+    assert [s["dp_rank"] for s in culprit_first(samples, 3)] == [3, 3, 0, 1]

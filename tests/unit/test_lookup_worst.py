@@ -1,0 +1,115 @@
+"""``megatron-ext lookup --worst``: ranking a batch's samples by the loss training recorded.
+
+The sample log is written with the real writer (``SampleLog``); the lookup records are shaped
+as ``batch_records`` returns them. The end-to-end path (caches, documents, text) runs in the
+real-shaped drill (tests/e2e/test_spike_drill.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.lookup.errors import ConfigError, DataChanged, PositionError
+from megatron_ext.lookup.worst import attach, ranked_samples, worst_lines, worst_table
+from megatron_ext.sample_log.core import SampleLog, SampleRecord
+
+
+def _write(directory: Path, iteration: int, losses: dict[tuple[int, int], list[float]]) -> None:
+    for (rank, mb), values in losses.items():
+        ids = [100 * iteration + 10 * rank + 2 * mb + k for k in range(len(values))]
+        SampleLog(directory, rank).write(
+            SampleRecord(
+                iteration=iteration,
+                dp_rank=rank,
+                microbatch=mb,
+                sample_ids=ids,
+                token_sha1=[f"sha{i}" for i in ids],
+                loss_sum=0.0,
+                num_tokens=0,
+                sample_losses=values,
+            )
+        )
+
+
+def _lookup_records(iteration: int, ranks: int = 2, mbs: int = 2) -> list[dict]:
+    return [
+        {
+            "iteration": iteration,
+            "dp_rank": r,
+            "microbatch": m,
+            "sample_index": 100 * iteration + 10 * r + 2 * m + k,
+            "token_sha1": f"sha{100 * iteration + 10 * r + 2 * m + k}",
+            "dataset_path": "/data/web_text_document",
+            "dataset_sample": 7,
+            "documents": [{"document": 40 + k, "offset": 0, "count": 65}],
+            "text": "some  text\nwith spaces",
+        }
+        for m in range(mbs)
+        for r in range(ranks)
+        for k in range(2)
+    ]
+
+
+def test_samples_are_ranked_by_their_loss_and_a_replay_wins(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        7,
+        {(0, 0): [3.0, 3.1], (0, 1): [2.9, 3.0], (1, 0): [6.5, 3.2], (1, 1): [3.0, 7.0]},
+    )
+    _write(tmp_path, 8, {(0, 0): [9.0, 9.0]})  # another iteration: not read
+    ranked = ranked_samples(tmp_path, 7)
+    assert [(r.dp_rank, r.microbatch, r.position, r.loss) for r in ranked[:3]] == [
+        (1, 1, 1, 7.0),
+        (1, 0, 0, 6.5),
+        (1, 0, 1, 3.2),
+    ]
+    assert len(ranked) == 8
+    _write(tmp_path, 7, {(1, 1): [3.0, 3.0]})  # a rollback replay of the same slot
+    assert ranked_samples(tmp_path, 7)[0].loss == 6.5
+    assert {r.dp_rank for r in ranked_samples(tmp_path, 7, dp_rank=0)} == {0}
+
+
+def test_refusals(tmp_path: Path) -> None:
+    with pytest.raises(PositionError, match="no record of iteration 3"):
+        ranked_samples(tmp_path, 3)
+    SampleLog(tmp_path, 0).write(  # an older log, without per-sample losses
+        SampleRecord(
+            iteration=3,
+            dp_rank=0,
+            microbatch=0,
+            sample_ids=[1, 2],
+            token_sha1=["a", "b"],
+            loss_sum=6.0,
+            num_tokens=128,
+        )
+    )
+    with pytest.raises(ConfigError, match="no per-sample losses"):
+        ranked_samples(tmp_path, 3)
+
+
+def test_the_ranked_samples_get_their_documents_and_a_changed_id_is_refused(
+    tmp_path: Path,
+) -> None:
+    _write(
+        tmp_path,
+        7,
+        {(0, 0): [3.0, 3.1], (0, 1): [2.9, 3.0], (1, 0): [6.5, 3.2], (1, 1): [3.0, 7.0]},
+    )
+    records = _lookup_records(7)
+    records[3]["token_sha1"] = "corrupted in flight"  # dp 1, mb 0, position 1
+    top, changed = attach(ranked_samples(tmp_path, 7)[:3], records)
+    assert [(r["sample_index"], r["rank_by_loss"], r["loss"]) for r in top] == [
+        (713, 1, 7.0),
+        (710, 2, 6.5),
+        (711, 3, 3.2),
+    ]
+    assert changed == 1 and top[2]["trained_tokens_differ"]
+    table = worst_table(worst_lines(top, changed, 8, "sample log X"), top)
+    assert "worst 3 of 8 samples by token-averaged loss (sample log X)" in table
+    assert "#1   loss 7.0000  dp 1 mb 1  sample 713" in table and "[trained tokens differ]" in table
+    assert "text: some text with spaces" in table
+    records[2]["sample_index"] = 999  # the indices no longer give what training read
+    with pytest.raises(DataChanged, match="training logged sample 710, the indices give 999"):
+        attach(ranked_samples(tmp_path, 7), records)
