@@ -190,7 +190,7 @@ class TelemetryFeature(Feature):
     def _bucket_views(self) -> dict[bool, list[BucketView]]:
         """This rank's dense and expert bucket views, named with global layer numbers."""
         views: dict[bool, list[BucketView]] = {False: [], True: []}
-        groups = self.optimizer.chained_optimizers[0]  # each part has the same TP groups
+        part = self.optimizer.chained_optimizers[0]  # every part carries the same TP groups
         for chunk in self.model:
             paths = layer_paths(chunk.named_modules())
             names_of = {p: global_layer_name(n, paths) for n, p in chunk.named_parameters()}
@@ -209,7 +209,7 @@ class TelemetryFeature(Feature):
                         segments = tuple(
                             bucket.grad_data[r[0] : r[1]]
                             for p in ordered
-                            if _counted(p, groups)
+                            if _counted(p, part)
                             if (r := clip_range(*bucket.param_to_index[p], lo, hi)) is not None
                         )
                         name = bucket_name(len(views[expert]), [names_of[p] for p in ordered])
