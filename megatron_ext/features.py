@@ -63,6 +63,13 @@ class MicroBatch:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+LM_LOSS_PER_TOKEN = "lm_loss_per_token"
+"""``MicroBatch.extras`` key: the ``[b, s]`` per-token loss that Megatron's ``lm loss``
+averages, published in ``on_loss`` by a feature whose training loss is not that (z-loss adds
+``c·log²Z``). Absent, the training loss (``LossInputs.per_token``) is the lm loss. Readers
+(worst-rank loss, sample log) use it so that they measure what ``lm loss`` measures."""
+
+
 @dataclass
 class LossInputs:
     """What ``on_loss`` gets: this rank's micro-batch loss, before any averaging."""

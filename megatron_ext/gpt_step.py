@@ -9,6 +9,7 @@ cached-logit distillation are refused at start-up (use Megatron-LM's own script 
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -54,6 +55,34 @@ def check_supported(args: Any) -> None:
         raise SystemExit(
             f"pretrain_gpt_ext.py does not support {', '.join(used)}; use Megatron-LM's "
             "pretrain_gpt.py for those modes."
+        )
+    check_layout(args)
+
+
+def check_layout(args: Any) -> None:
+    """Refuse, before distributed init, layouts Megatron's local layer spec cannot build.
+
+    Without Transformer Engine (``--transformer-impl local``) Megatron asserts deep inside
+    model construction, on every rank, after the whole start-up: sequence parallelism needs a
+    norm that supports it (torch's does not; Apex's FusedLayerNorm does) and context
+    parallelism needs TEDotProductAttention.
+    """
+    if args.transformer_impl != "local":
+        return
+    needs = "Install Transformer Engine and run with --transformer-impl transformer_engine"
+    if args.context_parallel_size > 1:
+        raise SystemExit(
+            f"pretrain_gpt_ext.py: --context-parallel-size {args.context_parallel_size} needs "
+            "Transformer Engine: with --transformer-impl local Megatron has no attention that "
+            f"supports context parallelism (only TEDotProductAttention does). {needs}, or use "
+            "--context-parallel-size 1."
+        )
+    if args.sequence_parallel and importlib.util.find_spec("apex") is None:
+        raise SystemExit(
+            "pretrain_gpt_ext.py: --sequence-parallel needs Transformer Engine or Apex: with "
+            "--transformer-impl local and no Apex, Megatron's layers use torch's LayerNorm/"
+            f"RMSNorm, which does not support sequence parallelism. {needs}, or drop "
+            "--sequence-parallel."
         )
 
 

@@ -214,6 +214,32 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "the bucket norms read (views, no copy).",
     ),
     Assumption(
+        name="transformer-layer-number",
+        target="megatron.core.transformer.transformer_layer:TransformerLayer",
+        assigned=("layer_number",),
+        used_by="megatron_ext.telemetry.adapter",
+        reason="Bucket names use global layer numbers: a layer's 1-based layer_number includes "
+        "its pipeline stage's and virtual chunk's offset, named_parameters() does not.",
+    ),
+    Assumption(
+        name="chained-optimizer-parts",
+        target="megatron.core.optimizer.optimizer:ChainedOptimizer",
+        assigned=("chained_optimizers",),
+        used_by="megatron_ext.telemetry.adapter",
+        reason="Dense and expert parameters live in different chained optimizers, whose grad "
+        "norms Megatron reduces over their own grad-stats groups (DDP with EP: TP x PP vs "
+        "expert TP x EP x PP); bucket norms and the update ratio reduce the same way.",
+    ),
+    Assumption(
+        name="expert-param-mark",
+        target="megatron.core.tensor_parallel.layers:param_is_not_tensor_parallel_duplicate",
+        signature="(param, tp_group=None, expert_tp_group=None)",
+        used_by="megatron_ext.telemetry.adapter",
+        reason="Megatron marks expert-parallel parameters allreduce=False (this filter reads "
+        "the mark, and copy_optimizer_param_metadata copies it onto main parameters); telemetry "
+        "sorts parameters into dense and expert by it and counts them with this filter.",
+    ),
+    Assumption(
         name="language-module-tp-group",
         target="megatron.core.models.common.language_module.language_module:LanguageModule",
         assigned=("tp_group",),

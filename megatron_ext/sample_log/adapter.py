@@ -5,8 +5,9 @@ Hooks, on the rank that reads the data and computes the loss (TP rank 0 of the l
 - ``on_batch``: the micro-batch's global sample ids and token SHA-1s, taken from the batch as
   the data iterator produced it (host memory, before it moves to the GPU; drill corruption
   included, since that is what was trained on);
-- ``on_loss``: the micro-batch's token-summed loss and each sample's token-averaged loss, kept
-  as device tensors;
+- ``on_loss``: the micro-batch's token-summed training loss and lm loss (without the z-loss
+  term, see :data:`megatron_ext.features.LM_LOSS_PER_TOKEN`) and each sample's token-averaged
+  training loss, kept as device tensors;
 - ``after_step``: one host transfer for the whole iteration, then one record per micro-batch.
   No host sync per micro-batch.
 """
@@ -19,7 +20,13 @@ from typing import Any
 import torch
 from megatron.core import mpu
 
-from megatron_ext.features import Feature, LossInputs, MicroBatch, StepRecord
+from megatron_ext.features import (
+    LM_LOSS_PER_TOKEN,
+    Feature,
+    LossInputs,
+    MicroBatch,
+    StepRecord,
+)
 from megatron_ext.io import token_sha1
 from megatron_ext.sample_log.core import SampleLog, SampleRecord
 
@@ -35,10 +42,8 @@ class SampleLogFeature(Feature):
     def __init__(self) -> None:
         self.args: Any = None
         self.log: SampleLog | None = None
-        # (micro-batch, sample ids, token digests, loss, tokens, per-sample losses) this step
-        self.pending: list[
-            tuple[MicroBatch, list[int], list[str], torch.Tensor, torch.Tensor, torch.Tensor]
-        ] = []
+        # (micro-batch, sample ids, token digests, [loss, tokens, lm loss, per-sample losses])
+        self.pending: list[tuple[MicroBatch, list[int], list[str], torch.Tensor]] = []
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -72,9 +77,14 @@ class SampleLogFeature(Feature):
         mask = inputs.mask.view(len(ids), -1)
         per_token = inputs.per_token.detach().float().reshape(mask.shape)
         per_sample = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-        # Copies: Megatron's schedule divides the returned loss in place right after this.
-        loss, tokens = inputs.loss.detach().clone(), inputs.num_tokens.detach().clone()
-        self.pending.append((inputs.micro_batch, ids, digests, loss, tokens, per_sample))
+        lm_per_token = inputs.micro_batch.extras.get(LM_LOSS_PER_TOKEN)
+        loss = inputs.loss.detach().float()
+        lm_loss = loss if lm_per_token is None else (lm_per_token.float() * mask).sum()
+        # A new tensor: Megatron's schedule divides the returned loss in place right after this.
+        scalars = torch.cat(
+            [loss.view(1), inputs.num_tokens.detach().float().view(1), lm_loss.view(1), per_sample]
+        )
+        self.pending.append((inputs.micro_batch, ids, digests, scalars))
         return {}
 
     def after_step(self, record: StepRecord) -> None:
@@ -84,13 +94,8 @@ class SampleLogFeature(Feature):
         if self.log is None:
             self.log = SampleLog(self.args.sample_log_dir, pending[0][0].dp_rank)
         # One device->host transfer per iteration for every scalar of every micro-batch.
-        scalars = torch.stack(
-            [
-                torch.cat([loss.view(1), tokens.float().view(1), per_sample])
-                for _, _, _, loss, tokens, per_sample in pending
-            ]
-        ).tolist()
-        for index, ((micro_batch, ids, digests, *_), values) in enumerate(zip(pending, scalars)):
+        scalars = torch.stack([values for *_, values in pending]).tolist()
+        for index, ((micro_batch, ids, digests, _), values) in enumerate(zip(pending, scalars)):
             self.log.write(
                 SampleRecord(
                     iteration=micro_batch.iteration,
@@ -100,6 +105,7 @@ class SampleLogFeature(Feature):
                     token_sha1=digests,
                     loss_sum=values[0],
                     num_tokens=int(values[1]),
-                    sample_losses=values[2:],
+                    sample_losses=values[3:],
+                    lm_loss_sum=values[2],
                 )
             )

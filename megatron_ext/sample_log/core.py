@@ -27,9 +27,12 @@ class SampleRecord:
     microbatch: int
     sample_ids: list[int]
     token_sha1: list[str]  # SHA-1 of each sample's input token ids (int64, little-endian)
-    loss_sum: float  # token-summed local loss (before any averaging)
+    loss_sum: float  # token-summed local training loss (before any averaging)
     num_tokens: int
     sample_losses: list[float] = field(default_factory=list)  # token-averaged, per sample
+    # Token-summed local loss as Megatron's ``lm loss`` measures it: equal to ``loss_sum``
+    # unless the training loss adds a term (z-loss). None in logs that predate the field.
+    lm_loss_sum: float | None = None
 
 
 class SampleLog:

@@ -4,7 +4,9 @@ Why per bucket: a global grad norm says *that* something blew up; the bucket (a 
 run of layers) says *where*. A bucket's norm is computed over the views of its contiguous
 ``grad_data`` that the global norm counts on this rank (its parameters, or the parts of them
 inside this rank's distributed-optimizer shard, minus tensor-parallel duplicates and shared
-embedding copies), so Σ bucket_norm² equals Megatron's grad-norm². All segments of all buckets
+embedding copies), so Σ bucket_norm² equals Megatron's grad-norm²; a bucket that holds only a
+shared copy (the tied embedding's on the last pipeline stage, whose gradient is the
+embedding's) is not listed. Names carry global layer numbers. All segments of all buckets
 go through one fused ``torch._foreach_norm`` (per-segment fp32 norms, like Megatron's own
 norm), summed per bucket in fp64: no copy of the gradients is made.
 """
@@ -12,7 +14,9 @@ norm), summed per bucket in fp64: no copy of the gradients is made.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +42,35 @@ def bucket_name(index: int, param_names: list[str]) -> str:
     layers = sorted({int(m.group(1)) for n in short if (m := _LAYER.search(n))})
     span = f"layers{layers[0]}-{layers[-1]}" if layers else "no-layers"
     return f"b{index}:{span}[{short[0]}..{short[-1]}]"
+
+
+def layer_paths(modules: Iterable[tuple[str, Any]]) -> dict[str, str]:
+    """Stage-local layer module paths -> global ones, from ``named_modules()``: a layer is a
+    module at ``...layers.<i>`` with an int ``layer_number`` (1-based, and Megatron includes
+    the stage's and virtual chunk's offset in it)."""
+    paths = {}
+    for name, module in modules:
+        head, _, index = name.rpartition(".")
+        number = getattr(module, "layer_number", None)
+        if head.endswith("layers") and index.isdigit() and isinstance(number, int):
+            paths[name] = f"{head}.{number - 1}"
+    return paths
+
+
+def global_layer_name(name: str, layer_paths: dict[str, str]) -> str:
+    """``name`` with its stage-local layer path replaced by the global one.
+
+    ``named_parameters()`` numbers layers within a pipeline stage (and virtual chunk): global
+    layer 3 on the second of two 2-layer stages is ``decoder.layers.1``. ``layer_paths`` maps
+    such local module paths to global ones (``decoder.layers.1`` -> ``decoder.layers.3``), so
+    a bucket's name says which layers of the model it holds, whatever the layout.
+    """
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        local = ".".join(parts[:end])
+        if local in layer_paths:
+            return layer_paths[local] + name[len(local) :]
+    return name
 
 
 def clip_range(start: int, end: int, lo: int, hi: int) -> tuple[int, int] | None:

@@ -14,7 +14,9 @@ Logging: the patched method returns the training loss, but ``lm loss`` must stay
 entropy (comparable with runs without z-loss) and ``z loss`` must be logged. Every call keeps
 its detached per-token CE and log²Z next to the loss tensor it returned; the loss function
 (``on_loss``) picks the terms of the tensor it was handed, which is the main head's, and fails
-loudly if it was handed a tensor this method did not return.
+loudly if it was handed a tensor this method did not return. It also puts that per-token CE
+on the micro-batch, so that the worst-DP-rank loss and the sample log measure what ``lm loss``
+measures, not the training loss.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.features import Feature, FeatureError, LossInputs
+from megatron_ext.features import LM_LOSS_PER_TOKEN, Feature, FeatureError, LossInputs
 from megatron_ext.registry import patch
 from megatron_ext.zloss.core import cross_entropy_and_z_loss
 
@@ -75,7 +77,8 @@ class ZLossFeature(Feature):
         patch("zloss-output-layer").apply()
 
     def on_loss(self, inputs: LossInputs) -> dict[str, torch.Tensor]:
-        """``lm loss`` (pure CE) and ``z loss`` (mean log²Z) report entries.
+        """``lm loss`` (pure CE) and ``z loss`` (mean log²Z) report entries; the per-token CE
+        goes on the micro-batch (:data:`LM_LOSS_PER_TOKEN`).
 
         Same ``[masked sum, token count]`` form as the loss function's own ``lm loss``, so
         Megatron averages them over micro-batches and data-parallel ranks exactly as the CE.
@@ -89,6 +92,8 @@ class ZLossFeature(Feature):
                 "path changed, re-verify megatron_ext.zloss.adapter."
             )
         cross_entropy, z_loss = terms[-1]
+        # The other features' lm-loss readers (worst DP rank, sample log) take the pure CE.
+        inputs.micro_batch.extras[LM_LOSS_PER_TOKEN] = cross_entropy
         return {
             name: torch.cat(
                 [torch.sum(term.reshape(-1) * inputs.mask).view(1), inputs.num_tokens.view(1)]

@@ -178,14 +178,41 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _dump_counts() -> None:
+def _dump(name: str, content: dict[str, Any]) -> None:
     out_dir = os.environ.get("MEGATRON_EXT_HARNESS_COUNTS")
     if not out_dir:
         return
-    rank = os.environ.get("RANK", "0")
-    path = Path(out_dir) / f"rank{rank}.json"
+    path = Path(out_dir) / f"{name}{os.environ.get('RANK', '0')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(COUNTS), sort_keys=True))
+    path.write_text(json.dumps(content, sort_keys=True))
+
+
+def _dump_counts() -> None:
+    _dump("rank", dict(COUNTS))
+
+
+# Micro-batches this rank read from the data iterator, per DP rank they were read for.
+READS: collections.Counter[int] = collections.Counter()
+
+
+def record_batch_reads() -> None:
+    """Count the micro-batches ``gpt_step.get_batch`` reads on this rank (readers only)."""
+    from megatron_ext import gpt_step
+
+    original = gpt_step.get_batch
+
+    def get_batch(data_iterator: Any, micro_batch: Any, vp_stage: Any = None) -> Any:
+        batch = original(data_iterator, micro_batch, vp_stage)
+        if micro_batch.reads_data:
+            READS[micro_batch.dp_rank] += 1
+        return batch
+
+    gpt_step.get_batch = get_batch
+
+
+def record_exit(code: Any) -> None:
+    """What this rank did: its batch reads and the exit code it chose (``exit-rankN.json``)."""
+    _dump("exit-rank", {"exit_code": code, "reads": {str(k): v for k, v in READS.items()}})
 
 
 def install() -> None:

@@ -12,7 +12,10 @@ checks of its topology:
   its iteration-10 checkpoint), R (resumes K) and S (resumes a copy of K with iterations 13
   and 14 skipped), with DDP or the distributed optimizer;
 - ``distopt_rollback``: U of ``drill_distopt`` rolled back to iteration 10 and relaunched with
-  the same signals dir (what the spike pipeline does).
+  the same signals dir (what the spike pipeline does);
+- ``matrix``: the layout matrix (``tests/support/layouts.py``): single-rank bases, one launch
+  per layout with every feature on, drill restarts and the kill -9 resume, each launched on
+  first use and shared by every test of ``test_layouts.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from harness import SKIPPED, TELEMETRY, Run, launch
+from layouts import Matrix
 
 
 def ok(run: Run) -> Run:
@@ -144,3 +148,8 @@ def distopt_rollback(drill_distopt, tmp_path_factory, data_args) -> Run:
             nproc=2,
         )
     )
+
+
+@pytest.fixture(scope="session")
+def matrix(tmp_path_factory, data_args) -> Matrix:
+    return Matrix(tmp_path_factory.mktemp("layouts"), data_args)

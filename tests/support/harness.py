@@ -121,6 +121,14 @@ class Run:
             for p in sorted((self.workdir / "counts").glob("rank*.json"))
         }
 
+    def exits(self) -> dict[int, dict]:
+        """Per global rank, what the harness recorded: ``exit_code`` (the code the rank chose;
+        absent if a signal ended it first) and ``reads`` (micro-batches read per DP rank)."""
+        return {
+            int(p.stem.removeprefix("exit-rank")): json.loads(p.read_text())
+            for p in sorted((self.workdir / "counts").glob("exit-rank*.json"))
+        }
+
     def records(self) -> dict[int, list[SampleRecord]]:
         """Sample records per DP rank, in the order they were trained."""
         return {
@@ -136,10 +144,12 @@ def launch(
     kill_at_checkpoint: int | None = None,
     timeout: float = 600,
     sample_log: bool = True,
+    model: list[str] = TINY_MODEL,
 ) -> Run:
     """Run the entry point under torchrun; optionally SIGKILL the whole job right after the
     checkpoint of iteration ``kill_at_checkpoint`` is committed (crash-after-save drill).
-    ``sample_log=False`` leaves ``--sample-log-dir`` out (benchmarks' "off" arm)."""
+    ``sample_log=False`` leaves ``--sample-log-dir`` out (benchmarks' "off" arm); ``model``
+    replaces the tiny model's flags (e.g. without ``--untie-embeddings-and-output-weights``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = dict(
         os.environ,
@@ -154,7 +164,7 @@ def launch(
         "--standalone",
         f"--nproc-per-node={nproc}",
         str(RUNNER),
-        *TINY_MODEL,
+        *model,
         *TINY_TRAINING,
         *CPU_FLAGS,
         *(["--sample-log-dir", str(workdir / "samples")] if sample_log else []),

@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megatron_ext.telemetry.bucket_norms import BucketView, bucket_name, clip_range, squared_norms
+from megatron_ext.telemetry.bucket_norms import (
+    BucketView,
+    bucket_name,
+    clip_range,
+    global_layer_name,
+    layer_paths,
+    squared_norms,
+)
 from megatron_ext.telemetry.signals import (
     SignalRecord,
     SignalsWriter,
@@ -55,6 +63,31 @@ def test_bucket_names_are_readable_and_stable() -> None:
         "decoder.layers.0.self_attention.linear_qkv.weight]"
     )
     assert bucket_name(0, ["module.output_layer.weight"]).startswith("b0:no-layers[")
+
+
+def test_bucket_names_use_global_layer_numbers() -> None:
+    """Stage 1 of two 2-layer stages: its local layers 0 and 1 are global layers 2 and 3."""
+    modules = [
+        ("module", SimpleNamespace()),
+        ("module.decoder.layers", SimpleNamespace()),
+        ("module.decoder.layers.0", SimpleNamespace(layer_number=3)),
+        ("module.decoder.layers.1", SimpleNamespace(layer_number=4)),
+        ("module.decoder.layers.1.mlp", SimpleNamespace(layer_number="not a layer")),
+    ]
+    paths = layer_paths(modules)
+    assert paths == {
+        "module.decoder.layers.0": "module.decoder.layers.2",
+        "module.decoder.layers.1": "module.decoder.layers.3",
+    }
+    local = ["module.decoder.layers.1.mlp.linear_fc2.weight", "module.output_layer.weight"]
+    assert [global_layer_name(n, paths) for n in local] == [
+        "module.decoder.layers.3.mlp.linear_fc2.weight",
+        "module.output_layer.weight",
+    ]
+    # Whole path components only: local layer 1 is not a prefix of local layer 10.
+    assert global_layer_name("module.decoder.layers.10.x", paths) == "module.decoder.layers.10.x"
+    names = [global_layer_name(n, paths) for n in local]
+    assert bucket_name(0, names).startswith("b0:layers3-3[decoder.layers.3.mlp.linear_fc2")
 
 
 def test_restart_appends_a_new_attempt_and_readers_take_the_latest(tmp_path: Path) -> None:

@@ -1,0 +1,354 @@
+"""The layout matrix: every feature at once, at the parallel layouts users run (CPU harness).
+
+Each layout starts from a single-rank **base** run of the same model (same data order:
+``--train-iters`` is equal, so the sample index is the same): the base trains iterations
+1..``FIRST`` and saves iteration ``FIRST - 1``. A layout's first launch loads that checkpoint's
+weights only (``--no-load-optim --no-load-rng``: the optimizer starts fresh, so its first
+step is Adam's first step) and trains ``FIRST``..: its iteration ``FIRST`` is a forward pass on
+the same weights and data as the base's iteration ``FIRST``, and its checkpoint at ``FIRST``
+holds exactly one update of the base weights. Later launches (drill restart, kill -9
+resume) are plain resumes of the layout's own checkpoints.
+
+Every layout run has z-loss, weight-decay multipliers, bucket norms, signals with the update
+ratio, the spike detector, the sample log and the drill (garbage tokens on the last DP rank
+at ``BAD``): its first launch ends with the detector's exit on every rank.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from megatron_ext.demo import TINY_MODEL
+
+from harness import TELEMETRY, Run, launch
+
+TRAIN_ITERS = 25
+FIRST = 10  # the layouts' first iteration; the base saves FIRST - 1
+# Checkpoints: FIRST (the one-update weight-decay check, the kill -9 point) and, for the drill
+# restart, FIRST + 5 (the rollback target before the onset); a save costs seconds on CPU.
+SAVE_INTERVAL, RESTART_SAVE_INTERVAL = FIRST, 5
+BAD = (17, 21)  # drill: garbage tokens on the last DP rank, these iterations (inclusive)
+# A low lr keeps the loss curve flat enough for a 5-iteration detector baseline to see the
+# drill on one of four DP ranks (+2.5% lm loss); WD = 10 keeps the first step's decay term
+# (lr * WD * mult * p) far above fp32 rounding in units of lr, for the exact-update check.
+LR, WD, Z_LOSS = 1e-4, 10.0, 1e-4
+EXIT_CODE_SPIKE = 42
+T = TypeVar("T")
+# Rollback to the newest checkpoint at least 2 iterations before the onset (15), skip 7
+# batches after it (16-22): the window covers BAD.
+DECAY = ["--embedding-weight-decay-mult", "0", "--weight-decay-override", "*.linear_fc2.weight=0.5"]
+OUTPUT_LAYER_MULT = 0.25  # --output-layer-weight-decay-mult, untied models only
+PLAN = ["--rollback-iters", "2", "--skip-batches", "7"]
+
+UNTIE = "--untie-embeddings-and-output-weights"
+MODELS = {
+    # 4 layers: two per stage at PP=2, one per virtual stage at PP=2 x VP=2.
+    "dense": [*TINY_MODEL, "--num-layers", "4"],
+    # Megatron's default: the output layer is the embedding (a copy on the last stage).
+    "tied": [a for a in TINY_MODEL if a != UNTIE],
+    "moe": [
+        *TINY_MODEL,
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--moe-aux-loss-coeff",
+        "1e-2",
+        # The alltoall dispatcher hands tensor split sizes to all_to_all_single, which gloo
+        # rejects; allgather is the dispatcher that runs on CPU.
+        "--moe-token-dispatcher-type",
+        "allgather",
+    ],
+}
+# Equal padded vocabularies at TP=1 and TP=2 (Megatron pads to 128 x TP by default, and the
+# padded logits are part of the softmax, so TP=2 would be another model).
+COMMON = ["--train-iters", str(TRAIN_ITERS), "--make-vocab-size-divisible-by", "64"]
+DETECTOR = [
+    "--spike-detect",
+    "--spike-window",
+    "5",
+    "--spike-warmup",
+    "5",
+    # Garbage on one of four DP ranks lifts lm loss by ~2.5%: far below the 10% default.
+    "--spike-loss-rel",
+    "0.015",
+    "--spike-mad-k",
+    "3",
+    "--spike-grad-factor",
+    "1.5",
+    "--spike-patience",
+    "2",
+]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout of the matrix."""
+
+    name: str
+    model: str  # key of MODELS
+    nproc: int
+    flags: tuple[str, ...]
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1
+    bf16: bool = False
+    restart: bool = False  # drill restart (plan, apply, relaunch past the spike)
+    resume: bool = False  # kill -9 after the first checkpoint, resume, compare bit for bit
+
+    @property
+    def tied(self) -> bool:
+        return UNTIE not in MODELS[self.model]
+
+    @property
+    def num_layers(self) -> int:
+        flags = MODELS[self.model]
+        return int(flags[len(flags) - 1 - flags[::-1].index("--num-layers") + 1])
+
+    def stage_layers(self) -> dict[int, list[int]]:
+        """Global layers per pipeline stage, as Megatron places them (even split; with
+        virtual stages, chunk c of stage s holds the (c * pp + s)-th slice)."""
+        per_chunk = self.num_layers // (self.pp * self.vp)
+        return {
+            s: [(c * self.pp + s) * per_chunk + i for c in range(self.vp) for i in range(per_chunk)]
+            for s in range(self.pp)
+        }
+
+
+LAYOUTS = (
+    Layout(
+        "pp2-tied", "tied", 2, ("--pipeline-model-parallel-size", "2"), dp=1, pp=2, restart=True
+    ),
+    Layout(
+        "dp2-pp2-distopt-tied",
+        "tied",
+        4,
+        ("--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"),
+        dp=2,
+        pp=2,
+        resume=True,
+    ),
+    Layout(
+        "tp2-pp2",
+        "dense",
+        4,
+        ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"),
+        dp=1,
+        tp=2,
+        pp=2,
+    ),
+    Layout(
+        "pp2-vp2",
+        "dense",
+        2,
+        ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
+        dp=1,
+        pp=2,
+        vp=2,
+    ),
+    Layout("moe-ep2-dp4", "moe", 4, ("--expert-model-parallel-size", "2"), dp=4),
+    Layout(
+        "bf16-distopt-overlap",
+        "dense",
+        2,
+        ("--bf16", "--use-distributed-optimizer", "--overlap-param-gather"),
+        dp=2,
+        bf16=True,
+    ),
+)
+BY_NAME = {layout.name: layout for layout in LAYOUTS}
+
+
+def base_args(work: Path, data_args: list[str]) -> list[str]:
+    """Single rank, the tiny training recipe, z-loss and signals; saves FIRST - 1, exits after
+    FIRST (whose losses are the reference)."""
+    return [
+        *data_args,
+        *COMMON,
+        "--z-loss-coeff",
+        str(Z_LOSS),
+        "--signals-dir",
+        str(work / "signals"),
+        "--save",
+        str(work / "ckpt"),
+        "--save-interval",
+        str(FIRST - 1),
+        "--exit-interval",
+        str(FIRST),
+    ]
+
+
+def layout_args(layout: Layout, work: Path, data_args: list[str]) -> list[str]:
+    """Every feature on; constant lr so that the first update is lr * (Adam step + decay)."""
+    decay = [*DECAY]
+    if not layout.tied:
+        decay += ["--output-layer-weight-decay-mult", str(OUTPUT_LAYER_MULT)]
+    ckpt = str(work / "ckpt")
+    return [
+        *data_args,
+        *COMMON,
+        *layout.flags,
+        "--lr",
+        str(LR),
+        "--lr-decay-style",
+        "constant",
+        "--lr-warmup-iters",
+        "0",
+        "--weight-decay",
+        str(WD),
+        *decay,
+        "--z-loss-coeff",
+        str(Z_LOSS),
+        *TELEMETRY,
+        "--signals-dir",
+        str(work / "signals"),
+        *DETECTOR,
+        "--drill-corrupt-batch",
+        f"{BAD[0]}-{BAD[1]}:{layout.dp - 1}",
+        "--save",
+        ckpt,
+        "--load",
+        ckpt,
+        "--save-interval",
+        str(RESTART_SAVE_INTERVAL if layout.restart else SAVE_INTERVAL),
+    ]
+
+
+def expected_mult(key: str) -> float:
+    """The multiplier the flags above must give a checkpoint tensor (layers stacked)."""
+    if "norm" in key:
+        return 0.0  # 1-D: Megatron never decays them, whatever the flags
+    if key.startswith("embedding."):
+        return 0.0  # --embedding-weight-decay-mult 0
+    if key == "output_layer.weight":
+        return OUTPUT_LAYER_MULT  # only in untied checkpoints
+    if key.endswith(".linear_fc2.weight"):
+        return 0.5  # --weight-decay-override, expert copies included
+    return 1.0
+
+
+def model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model's full tensors from a torch_dist checkpoint (reassembled without a process
+    group by torch.distributed.checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    tensors = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata) and not key.startswith("optimizer.")
+    }
+    dcp.load(tensors, checkpoint_id=str(checkpoint), no_dist=True)
+    return tensors
+
+
+def skiplist(work: Path) -> subprocess.CompletedProcess[str]:
+    """``megatron-ext skiplist --apply`` as the launchers' supervisor runs it."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_ext.cli",
+            "skiplist",
+            "--ckpt-dir",
+            str(work / "ckpt"),
+            "--signals-dir",
+            str(work / "signals"),
+            *PLAN,
+            "--apply",
+        ],
+        capture_output=True,
+        text=True,
+    )
+
+
+class Matrix:
+    """Launches of the matrix, made on first use and kept for the session."""
+
+    def __init__(self, root: Path, data_args: list[str]) -> None:
+        self.root = root
+        self.data_args = data_args
+        self._runs: dict[str, Any] = {}
+
+    def _once(self, key: str, make: Callable[[], T]) -> T:
+        if key not in self._runs:
+            self._runs[key] = make()
+        return self._runs[key]
+
+    def bases(self) -> dict[str, Run]:
+        """The single-rank bases, launched together (one rank each, on two cores)."""
+
+        def run(model: str) -> Run:
+            work = self.root / f"base-{model}"
+            return launch(work, base_args(work, self.data_args), model=MODELS[model])
+
+        def make() -> dict[str, Run]:
+            with ThreadPoolExecutor(len(MODELS)) as pool:
+                return dict(zip(MODELS, pool.map(run, MODELS)))
+
+        return self._once("bases", make)
+
+    def base(self, layout: Layout) -> Run:
+        run = self.bases()[layout.model]
+        assert run.returncode == 0, run.log[-4000:]
+        return run
+
+    def _from_base(self, layout: Layout, name: str, kill_at_checkpoint: int | None = None) -> Run:
+        """A first launch into ``name`` from the base's checkpoint (its weights only)."""
+        work = self.root / name
+        source = self.base(layout).workdir / "ckpt" / f"iter_{FIRST - 1:07d}"
+        shutil.copytree(source, work / "ckpt" / source.name)
+        (work / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(FIRST - 1))
+        args = [*layout_args(layout, work, self.data_args), "--no-load-optim", "--no-load-rng"]
+        return launch(
+            work,
+            args,
+            nproc=layout.nproc,
+            model=MODELS[layout.model],
+            kill_at_checkpoint=kill_at_checkpoint,
+        )
+
+    def _again(self, layout: Layout, files: Path, name: str) -> Run:
+        """A relaunch on the checkpoints and signals under ``files``; log, harness records
+        and sample log of its own under ``name``."""
+        args = layout_args(layout, files, self.data_args)
+        return launch(self.root / name, args, nproc=layout.nproc, model=MODELS[layout.model])
+
+    def first(self, name: str) -> Run:
+        """The layout's first launch: FIRST.. until the drill's spike exit."""
+        return self._once(f"{name}/first", lambda: self._from_base(BY_NAME[name], name))
+
+    def restart(self, name: str) -> tuple[subprocess.CompletedProcess[str], Run]:
+        """Plan + apply on a copy of the first launch's checkpoints and signals (the first
+        launch's files stay as it left them), then the relaunch past the spike."""
+
+        def make() -> tuple[subprocess.CompletedProcess[str], Run]:
+            first, work = self.first(name), self.root / f"{name}-restart"
+            for part in ("ckpt", "signals"):
+                shutil.copytree(first.workdir / part, work / part)
+            plan = skiplist(work)
+            return plan, self._again(BY_NAME[name], work, work.name)
+
+        return self._once(f"{name}/restart", make)
+
+    def resume(self, name: str) -> tuple[Run, Run]:
+        """K: the first launch again, SIGKILLed right after its checkpoint of FIRST; R: resumes
+        K's checkpoint and signals, with its own sample log, up to the drill's exit."""
+
+        def make() -> tuple[Run, Run]:
+            layout = BY_NAME[name]
+            killed = self._from_base(layout, f"{name}-K", kill_at_checkpoint=FIRST)
+            return killed, self._again(layout, killed.workdir, f"{name}-R")
+
+        return self._once(f"{name}/resume", make)
