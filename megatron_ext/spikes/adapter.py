@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,12 @@ class SpikeFeature(Feature):
                     "checkpoint",
                     flush=True,
                 )
+            # Every rank exits with the spike code, but the first to go ends its node's
+            # torchrun, whose peers then SIGTERM their workers: one still tearing down would
+            # report 143 and its node would not say "rollback". From here a TERM changes
+            # nothing (no checkpoint is saved), so it is ignored; torchrun's SIGKILL still
+            # bounds a teardown that hangs.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             sys.exit(self.args.spike_exit_code)
 
     def on_checkpoint(self, iteration: int) -> bool:

@@ -9,7 +9,6 @@ drill restart past the spike runs for ``pp2-tied``; the kill -9 resume (bit-exac
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -26,6 +25,7 @@ from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
 from megatron_ext.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.lookup import cli
 from megatron_ext.sample_log.core import SampleRecord
+from megatron_ext.spikes.ledger import read_ledger
 from megatron_ext.telemetry.signals import SignalRecord, latest_per_iteration, read_signals
 
 from harness import GLOBAL_BATCH, MICRO_BATCH, RUNNER, TINY_TRAINING, Run, checkpoint_args
@@ -204,8 +204,8 @@ def test_drill_exits_on_every_rank_without_saving_past_the_onset(matrix: Matrix,
 
 
 def _ledger(run_dir: Path) -> list[dict]:
-    text = (run_dir / "signals" / SPIKE_LEDGER_FILE).read_text()
-    return [json.loads(line) for line in text.splitlines()]
+    """The detector's events (the per-attempt config lines hold paths and attempts)."""
+    return read_ledger(run_dir / "signals" / SPIKE_LEDGER_FILE).events
 
 
 def _session(checkpoint: Path) -> cli.Session:
