@@ -132,6 +132,24 @@ def atomic_write(
     return target
 
 
+def rename_durably(source: str | os.PathLike[str], destination: str | os.PathLike[str]) -> None:
+    """``os.rename`` (atomic on one filesystem, never a copy) made durable: both parent
+    directories are fsynced, so after a crash the entry is in exactly one of the two places."""
+    source, destination = Path(source), Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(source, destination)
+    _fsync_directory(destination.parent)
+    if source.parent != destination.parent:
+        _fsync_directory(source.parent)
+
+
+def remove_durably(path: str | os.PathLike[str]) -> None:
+    """Unlink a file (if present) and fsync its directory."""
+    target = Path(path)
+    target.unlink(missing_ok=True)
+    _fsync_directory(target.parent)
+
+
 def atomic_write_json(path: str | os.PathLike[str], value: Any) -> Path:
     """:func:`atomic_write` of an indented, JSON-safe document."""
     return atomic_write(path, json.dumps(json_safe(value), indent=2) + "\n")
