@@ -81,7 +81,7 @@ class Sample:
     tokens: np.ndarray  # model input ids, as GPTDataset.__getitem__()["tokens"]
 
 
-def _remap(path: str, data_root: Sequence[tuple[str, str]]) -> str:
+def remap(path: str, data_root: Sequence[tuple[str, str]]) -> str:
     for old, new in data_root:
         if path == old or path.startswith(old.rstrip("/") + "/"):
             return new.rstrip("/") + path[len(old.rstrip("/")) :]
@@ -151,7 +151,7 @@ class MidIndex:
         description = trusted.content
         self.hash = trusted.digest
         self.path: str = description["dataset_path"]
-        self.prefix = _remap(self.path, data_root)
+        self.prefix = remap(self.path, data_root)
         self.seq_length = spec.sequence_length
         self.extra = int(spec.add_extra_token)
         base = cache_dir / f"{self.hash}-{GPT}-train-"
