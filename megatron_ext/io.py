@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import stat
 import tempfile
 import warnings
@@ -33,6 +34,20 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 DEFAULT_FILE_MODE = 0o666  # masked by the process umask, as open() does
+
+# Tests only: SIGKILL this process right after its k-th kill point (the step boundaries of
+# multi-step writes: the skiplist transaction, publishing a .bin/.idx pair), so fault tests
+# kill a real process exactly there.
+KILL_AT_STEP_ENV = "MEGATRON_EXT_TEST_KILL_AT_STEP"
+_kill_points_passed = 0
+
+
+def kill_point() -> None:
+    """A step boundary of a multi-step write (see ``KILL_AT_STEP_ENV``); a no-op otherwise."""
+    global _kill_points_passed
+    _kill_points_passed += 1
+    if os.environ.get(KILL_AT_STEP_ENV) == str(_kill_points_passed):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def json_safe(value: Any) -> Any:

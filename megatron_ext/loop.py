@@ -19,6 +19,7 @@ from megatron_ext.features import ACTIVE, Feature, StepRecord
 
 def all_features() -> list[Feature]:
     """One instance of every feature, in hook order."""
+    from megatron_ext.data.adapter import DataCheckFeature
     from megatron_ext.sample_log.adapter import SampleLogFeature
     from megatron_ext.spikes.adapter import DrillFeature, SkipListFeature, SpikeFeature
     from megatron_ext.telemetry.adapter import TelemetryFeature
@@ -28,6 +29,7 @@ def all_features() -> list[Feature]:
     # The spike detector comes last: on a rollback decision it ends the process in
     # after_step, once the others have written this iteration's records.
     return [
+        DataCheckFeature(),
         DrillFeature(),
         ZLossFeature(),
         WeightDecayFeature(),

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.data.pair import PairError, check_pair
 from megatron_ext.lookup.errors import CacheMissing, DataChanged, PositionError
 
 GPT, BLENDED = "GPTDataset", "BlendedDataset"
@@ -166,6 +167,10 @@ class MidIndex:
                     else ("; if the data moved, map the old location with --data-root OLD=NEW")
                 )
                 raise DataChanged(f"dataset {self.path}: {self.prefix}{suffix} not found{moved}")
+        try:
+            check_pair(self.prefix)
+        except PairError as exc:
+            raise DataChanged(str(exc)) from None
         self.document_index = _mmap(f"{base}document_index.npy")
         self.sample_index = _mmap(f"{base}sample_index.npy")
         self.shuffle_index = _mmap(f"{base}shuffle_index.npy")

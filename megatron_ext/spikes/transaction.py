@@ -18,15 +18,15 @@ Every step is idempotent, so a journal found later is **finished** by re-running
 ``skiplist --apply`` or by the training start-up (``pretrain_gpt_ext.py``, before Megatron
 reads the tracker), or **undone** with ``skiplist --undo`` (moves back first, then the tracker
 and skip list are restored). At every step boundary the tracker names a checkpoint that
-exists. ``MEGATRON_EXT_TEST_KILL_AT_STEP=k`` (tests only) makes the process SIGKILL itself
-right after step k, so the fault tests kill a real process at every boundary.
+exists. ``MEGATRON_EXT_TEST_KILL_AT_STEP=k`` (tests only, :func:`megatron_ext.io.kill_point`)
+makes the process SIGKILL itself right after step k, so the fault tests kill a real process at
+every boundary.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,25 +43,15 @@ from megatron_ext.io import (
     JsonlAppender,
     atomic_write,
     atomic_write_json,
+    kill_point,
     read_jsonl,
     remove_durably,
     rename_durably,
 )
 
-KILL_AT_STEP_ENV = "MEGATRON_EXT_TEST_KILL_AT_STEP"
-_steps_done = 0
-
 
 class TransactionError(RuntimeError):
     """A pending apply cannot be finished as recorded; the message says what to do."""
-
-
-def _step() -> None:
-    """A step boundary: the fault tests' kill point (SIGKILL, no clean-up of any kind)."""
-    global _steps_done
-    _steps_done += 1
-    if os.environ.get(KILL_AT_STEP_ENV) == str(_steps_done):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -159,19 +149,19 @@ def _carry_out(ckpt_dir: Path, journal: Journal) -> None:
     """Steps 2-6; each one is a no-op when already done."""
     _check_target(ckpt_dir, journal)
     atomic_write(ckpt_dir / SKIPPED_ITERATIONS_FILE, journal.skips_after)
-    _step()
+    kill_point()
     atomic_write(ckpt_dir / CHECKPOINT_TRACKER_FILE, f"{journal.rollback_to}\n")
-    _step()
+    kill_point()
     _set_rejected_lines(journal, present=True)
-    _step()
+    kill_point()
     for source, destination in journal.moves:
         _move(ckpt_dir, source, destination, journal)
-        _step()
+        kill_point()
     if not any(r.get("incident_id") == journal.incident_id for r in applied_records(ckpt_dir)):
         appender = JsonlAppender(applied_incidents_file(ckpt_dir))
         appender.append(journal.applied)
         appender.close()
-    _step()
+    kill_point()
     remove_durably(journal_path(ckpt_dir))
 
 
@@ -181,7 +171,7 @@ def apply(ckpt_dir: str | Path, journal: Journal) -> None:
     if pending(ckpt_dir) is not None:
         raise TransactionError(f"{journal_path(ckpt_dir)} exists: finish or undo it first")
     atomic_write_json(journal_path(ckpt_dir), asdict(journal))
-    _step()
+    kill_point()
     _carry_out(ckpt_dir, journal)
 
 
@@ -202,11 +192,11 @@ def undo_pending(ckpt_dir: str | Path) -> Journal | None:
         return None
     for source, destination in reversed(journal.moves):
         _move(ckpt_dir, destination, source, journal)
-        _step()
+        kill_point()
     _restore(ckpt_dir / CHECKPOINT_TRACKER_FILE, journal.tracker_before)
-    _step()
+    kill_point()
     _restore(ckpt_dir / SKIPPED_ITERATIONS_FILE, journal.skips_before)
-    _step()
+    kill_point()
     _set_rejected_lines(journal, present=False)
     records = applied_records(ckpt_dir)
     if any(r.get("incident_id") == journal.incident_id for r in records):
@@ -215,7 +205,7 @@ def undo_pending(ckpt_dir: str | Path) -> Journal | None:
             applied_incidents_file(ckpt_dir),
             "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in kept),
         )
-    _step()
+    kill_point()
     remove_durably(journal_path(ckpt_dir))
     return journal
 

@@ -23,9 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.io import JsonlAppender
+from megatron_ext.io import KILL_AT_STEP_ENV, JsonlAppender
 from megatron_ext.spikes.cli import main as skiplist_main
-from megatron_ext.spikes.transaction import KILL_AT_STEP_ENV
 
 from faults import fault
 from spike_curves import events, records
