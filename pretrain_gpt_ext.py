@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     gpt_step.check_supported(args)
     loop.install(args)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    loop.attach(config)
     run(
         config,
         gpt_step.train_valid_test_datasets_provider,

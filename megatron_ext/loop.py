@@ -56,6 +56,19 @@ def install(args: Any) -> None:
             hook.apply()
 
 
+def attach(config: Any) -> None:
+    """Register ``on_model_built`` in the run's config container: megatron-core's public
+    ``pre_wrap_hooks`` run on the built model chunks before any wrapping (registry
+    assumption ``model-pre-wrap-hooks``), so no Megatron function is replaced."""
+    if ACTIVE.using("on_model_built"):
+        config.model.pre_wrap_hooks.append(pre_wrap_hook)
+
+
+def pre_wrap_hook(model: list[Any]) -> list[Any]:
+    ACTIVE.on_model_built(model)
+    return model
+
+
 # -- hook wrappers (named by the registry's hook-* patches) --------------------------------
 
 

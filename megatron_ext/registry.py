@@ -231,6 +231,15 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "anything is built, the way --use-checkpoint-args does.",
     ),
     Assumption(
+        name="model-pre-wrap-hooks",
+        target="megatron.training.models.base:ModelConfig",
+        assigned=("pre_wrap_hooks",),
+        used_by="megatron_ext.loop",
+        reason="on_model_built runs as one of the config container's pre_wrap_hooks, which "
+        "the model builder calls on the built chunks before mixed-precision and DDP wrapping "
+        "(the earliest point parameter names exist: checks fail before DDP and optimizer).",
+    ),
+    Assumption(
         name="idx-trailing-bytes",
         target="megatron.core.datasets.indexed_dataset:_IndexReader",
         assigned=("sequence_lengths", "sequence_pointers", "document_indices"),

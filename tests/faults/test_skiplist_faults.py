@@ -9,8 +9,6 @@ earlier skip list. Every command is the real CLI in its own process.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import random
@@ -23,68 +21,18 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.io import KILL_AT_STEP_ENV, JsonlAppender
-from megatron_ext.spikes.cli import main as skiplist_main
+from megatron_ext.io import KILL_AT_STEP_ENV
 
 from faults import fault
-from spike_curves import events, records
+from incident_run import (
+    APPLY_STEPS,
+    CHECKPOINTS,
+    make_run,
+    rerun,
+    skiplist_argv,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKPOINTS = list(range(5, 50, 5))
-SPIKE = {i: (5.0, 6.0 if i == 40 else 1.0) for i in range(40, 60)}
-FOREIGN_REJECTED_LINE = "ts=x node=n1 device=0 jobID=7 rank=3 iteration=9 status=other result=1\n"
-EARLIER_SKIPS = "3\n"
-PLAN = ["--rollback-iters", "5", "--skip-batches", "20", "--train-iters", "100", "--no-lookup"]
-# journal, skip list, tracker, rejected lines, 2 moves, applied record
-APPLY_STEPS = 7
-
-
-def make_run(root: Path, attempts: int = 2) -> Path:
-    """A spiking run's signals, ledger and checkpoint directory under ``root``."""
-    signals, ledger = (
-        JsonlAppender(root / "signals" / "signals.jsonl"),
-        JsonlAppender(root / "signals" / "spikes.jsonl"),
-    )
-    for attempt in range(1, attempts + 1):
-        curve = records(60, SPIKE, attempt=attempt)
-        for record in curve:
-            signals.append(record.as_json())
-        for event in events(curve):
-            ledger.append({**event.as_json(), "attempt": attempt})
-    signals.close()
-    ledger.close()
-    ckpt = root / "ckpt"
-    for iteration in CHECKPOINTS:
-        (ckpt / f"iter_{iteration:07d}").mkdir(parents=True)
-        (ckpt / f"iter_{iteration:07d}" / "metadata.json").write_text("{}")
-    (ckpt / "latest_checkpointed_iteration.txt").write_text("45")
-    (ckpt / "megatron_ext_skipped_iterations.txt").write_text(EARLIER_SKIPS)
-    (root / "rejected.txt").write_text(FOREIGN_REJECTED_LINE)
-    return root
-
-
-def _argv(root: Path, *extra: str) -> list[str]:
-    return [
-        "--ckpt-dir",
-        str(root / "ckpt"),
-        "--signals-dir",
-        str(root / "signals"),
-        "--policy",
-        "confirm",
-        "--tracker-file",
-        str(root / "rejected.txt"),
-        *PLAN,
-        *extra,
-    ]
-
-
-def rerun(root: Path, *extra: str) -> tuple[int, str]:
-    """The CLI's ``main`` in this process (exit status, stdout + stderr): the finishing
-    command after a kill, where the process boundary is not what is tested."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = skiplist_main(_argv(root, *extra))
-    return status, out.getvalue() + err.getvalue()
 
 
 def skiplist(
@@ -96,7 +44,7 @@ def skiplist(
     if kill_at is not None:
         env[KILL_AT_STEP_ENV] = str(kill_at)
     return subprocess.run(
-        [sys.executable, "-m", "megatron_ext.cli", "skiplist", *_argv(root, *extra)],
+        [sys.executable, "-m", "megatron_ext.cli", "skiplist", *skiplist_argv(root, *extra)],
         capture_output=True,
         text=True,
         env=env,
@@ -273,7 +221,13 @@ def _killed_at_random_time(root: Path, action: str, delay: float) -> subprocess.
             str(root / "ckpt"),
         ]
     else:
-        argv = [sys.executable, "-m", "megatron_ext.cli", "skiplist", *_argv(root, f"--{action}")]
+        argv = [
+            sys.executable,
+            "-m",
+            "megatron_ext.cli",
+            "skiplist",
+            *skiplist_argv(root, f"--{action}"),
+        ]
     env = {**os.environ, "RANK": "0", "PYTHONPATH": str(REPO)}
     env.pop(KILL_AT_STEP_ENV, None)
     process = subprocess.Popen(
@@ -402,7 +356,7 @@ def test_a_corrupt_checkpoint_is_refused_by_skiplist(template, tmp_path) -> None
         json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
     )
     (newest / ".metadata").write_bytes(os.urandom(256))
-    argv = [a for a in _argv(root, "--apply") if a not in ("--train-iters", "100")]
+    argv = [a for a in skiplist_argv(root, "--apply") if a not in ("--train-iters", "100")]
     result = subprocess.run(
         [sys.executable, "-m", "megatron_ext.cli", "skiplist", *argv],
         capture_output=True,
