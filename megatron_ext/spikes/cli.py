@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             train_iters,
             str(args.ckpt_dir),
         )
-    except (PlanError, ValueError, transaction.TransactionError) as exc:
+    except (PlanError, ValueError, OSError, transaction.TransactionError) as exc:
         print(f"megatron-ext skiplist: error: {exc}", file=sys.stderr)
         return 2
     number = _number(args.ckpt_dir, ident)

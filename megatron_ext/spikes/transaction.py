@@ -113,7 +113,7 @@ def _check_target(ckpt_dir: Path, journal: Journal) -> None:
         raise TransactionError(
             f"the pending apply of incident {journal.incident:03d} rolls back to {target}, which "
             f"is missing: restore it, or undo the apply with `megatron-ext skiplist --ckpt-dir "
-            f"{ckpt_dir} --signals-dir SIGNALS --undo`"
+            f"{ckpt_dir} --undo`"
         )
 
 

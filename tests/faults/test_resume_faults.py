@@ -118,7 +118,7 @@ def _answer(ckpt: Path, iteration: int, *extra: str) -> dict:
     "the training's own sample log; DP rank 1 of the DP=2 stretch is answered",
     area="lookup",
 )
-def test_lookup_answers_each_iteration_with_its_own_layout(chain) -> None:
+def test_lookup_answers_each_iteration_with_its_own_layout(chain, capsys) -> None:
     recorded = _recorded(chain["samples"])
     skipped = {6, 7, PERSISTED_SKIP}
     for iteration in range(1, 13):
@@ -136,6 +136,14 @@ def test_lookup_answers_each_iteration_with_its_own_layout(chain) -> None:
         assert answer["slots"] == {k: v for k, v in recorded.items() if k[0] == iteration}
     rank_1 = ["--iteration", "3", "--dp-rank", "1", "--sample-log", str(chain["samples"])]
     assert cli.main(["--from-checkpoint", str(chain["ckpt"]), *rank_1]) == 0
+    assert "sample log: 2 micro-batches match" in capsys.readouterr().out
+    # consumed samples 16 start iteration 3 (DP=2), 72 start iteration 10 (DP=1, mbs 1)
+    for consumed, iteration, dp in ((16, 3, 2), (72, 10, 1)):
+        argv = ["--from-checkpoint", str(chain["ckpt"]), "--consumed-samples", str(consumed)]
+        assert cli.main([*argv, "--json"]) == 0
+        answer = json.loads(capsys.readouterr().out)
+        assert answer["batch"]["iteration"] == iteration
+        assert {s["dp_rank"] for s in answer["samples"]} == set(range(dp))
 
 
 @fault(
