@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from pathlib import Path
 
 from megatron_ext.io import kill_point, remove_durably, rename_durably
 
@@ -104,10 +103,3 @@ def publish(temporary: str, prefix: str) -> None:
     rename_durably(f"{temporary}.bin", f"{prefix}.bin")
     kill_point()
     rename_durably(f"{temporary}.idx", f"{prefix}.idx")
-
-
-def temporary_paths(prefix: str) -> list[Path]:
-    """Leftovers a preprocess of ``prefix`` may leave when killed by SIGKILL (never by
-    SIGTERM, a full disk or an error: those clean up)."""
-    parent = Path(prefix).parent
-    return sorted(parent.glob(f"{Path(prefix).name}.tmp*"))

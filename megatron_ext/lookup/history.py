@@ -59,7 +59,6 @@ class Segment:
     skips: frozenset[int]
     data: dict[str, Any]  # DATA_FIELDS values
     source: str  # for humans: where this segment comes from
-    last_saved: int | None = None  # the newest checkpoint the attempt saved, if known
 
     def describe(self) -> str:
         layout = self.layout
@@ -121,7 +120,6 @@ def checkpoint_segments(checkpoints: list[tuple[int, argparse.Namespace]]) -> li
             skips=frozenset(int(i) for i in (args.iterations_to_skip or ())),
             data=_pick(args, DATA_FIELDS),
             source=f"checkpoint iter_{iteration:07d}, resumed from iteration {resumed}",
-            last_saved=iteration,
         )
     return [by_start[first] for first in sorted(by_start)]
 
