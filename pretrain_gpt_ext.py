@@ -11,6 +11,7 @@ import time
 _PROGRAM_START_TIME = time.time()
 
 import importlib.util  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 
 
@@ -26,22 +27,33 @@ def _default_transformer_impl(argv: list[str]) -> list[str]:
     return [*argv, "--transformer-impl", "local"]
 
 
-def _expand_skips(argv: list[str]) -> list[str]:
-    """Ranges and ``--iterations-to-skip-file`` → Megatron's flat ``--iterations-to-skip``,
-    plus the list persisted with the checkpoints being loaded (absolute iterations)."""
-    from megatron_ext.spikes.skip_ranges import expand_argv, with_persisted
+def _rank() -> int:
+    """This process's global rank before torch.distributed exists (torchrun, then Slurm)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
+
+def prepare_skips(argv: list[str]) -> list[str]:
+    """Megatron's argv with one flat ``--iterations-to-skip``: the union of the flags (ranges,
+    ``--iterations-to-skip-file``, any spelling argparse accepts) and the list persisted with
+    the checkpoints being loaded, printed once. An interrupted ``skiplist --apply`` in
+    ``--load`` is finished first, so the tracker and the persisted list are its result."""
+    from megatron_ext.spikes.skip_ranges import load_dir, resolve_argv
+    from megatron_ext.spikes.transaction import settle_at_startup
+
+    journal = settle_at_startup(load_dir(argv), _rank())
+    if journal is not None:
+        print(
+            f"megatron-ext: finished the interrupted `skiplist --apply` of incident "
+            f"{journal.incident:03d} (rolled back to {journal.rollback_to})",
+            flush=True,
+        )
     try:
-        rest, requested = expand_argv(argv)
+        megatron_argv, sources = resolve_argv(argv)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
-    load = None
-    for i, arg in enumerate(rest):
-        if arg == "--load" and i + 1 < len(rest):
-            load = rest[i + 1]
-        elif arg.startswith("--load="):
-            load = arg.split("=", 1)[1]
-    return with_persisted(rest, requested, load)
+    if sources.union() and _rank() == 0:
+        print(sources.describe(), flush=True)
+    return megatron_argv
 
 
 CPU_HINT = (
@@ -74,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         _require_cuda()
         argv = _default_transformer_impl(argv)
-    sys.argv = [sys.argv[0], *_expand_skips(argv)]
+    sys.argv = [sys.argv[0], *prepare_skips(argv)]
 
     from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
@@ -102,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     gpt_step.check_supported(args)
     loop.install(args)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    loop.attach(config)
     run(
         config,
         gpt_step.train_valid_test_datasets_provider,

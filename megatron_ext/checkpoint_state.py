@@ -14,8 +14,11 @@ them here instead, in milliseconds:
   and arguments, which these tools never read. Nothing else is allowed, so, like Megatron's own
   ``weights_only`` load, reading a checkpoint runs no code from it.
 
-Anything this reader does not recognise raises :class:`UnreadableState`; callers then fall
-back to Megatron's loader (slow, always right).
+Anything this reader does not recognise raises :class:`UnreadableState`; :func:`load_common_state`
+then falls back to Megatron's loader (slow, always right). A damaged or half-copied checkpoint
+makes that loader raise torch's ``CheckpointException``, which derives from ``BaseException``
+(``except Exception`` misses it) after logging a per-rank traceback: it becomes
+:class:`CheckpointUnreadable`, naming the directory and what to do.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ import argparse
 import builtins
 import codecs
 import collections
+import contextlib
 import io
+import logging
 import pathlib
 import pickle
 import signal
 import types
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +61,10 @@ _REAL: dict[tuple[str, str], Any] = {
 
 class UnreadableState(Exception):
     """Not a layout this reader knows: use Megatron's ``load_common_state_dict`` instead."""
+
+
+class CheckpointUnreadable(ValueError):
+    """Neither reader can read the checkpoint's common state; the message says what to do."""
 
 
 class Opaque:
@@ -181,3 +191,45 @@ def read_saved_args(directory: str | Path) -> argparse.Namespace:
     if not isinstance(args, argparse.Namespace):
         raise UnreadableState(f"{directory} holds no saved Megatron args")
     return args
+
+
+@contextlib.contextmanager
+def _quiet_root_logger() -> Iterator[None]:
+    """torch's checkpoint loader logs each failed metadata read with its traceback on the
+    *root* logger before raising; the refusal says it once, readably."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def load_common_state(directory: str | Path) -> dict[str, Any]:
+    """The common state of one ``iter_NNNNNNN`` directory, holding Megatron's saved ``args``:
+    read here if this reader knows the layout, else by Megatron's ``load_common_state_dict``;
+    any failure is a :class:`CheckpointUnreadable`."""
+    try:
+        state = read_common_state(directory)
+    except UnreadableState:
+        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            with _quiet_root_logger():
+                state = load_common_state_dict(str(directory))
+        except (Exception, CheckpointException) as exc:
+            detail = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+            reason = detail[-1] if detail else type(exc).__name__
+            raise CheckpointUnreadable(
+                f"checkpoint {directory} is unreadable ({type(exc).__name__}: {reason[:300]}): "
+                "it is corrupt or was copied partially. Restore it from a backup, or move it "
+                "out of the checkpoint directory so that an older one is used"
+            ) from None
+    if not isinstance(state, dict) or not isinstance(state.get("args"), argparse.Namespace):
+        raise CheckpointUnreadable(
+            f"checkpoint {directory} holds no saved Megatron args (not a Megatron training "
+            "checkpoint?)"
+        )
+    return state

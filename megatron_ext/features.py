@@ -13,6 +13,8 @@ A feature (z-loss, weight decay, telemetry, spike detector, sample log, drill) i
    features that override them, in :data:`FEATURE_CLASSES` order:
 
    ========================  ==============================================================
+   ``on_model_built``        the model chunks are built, not yet wrapped (no DDP, no
+                             optimizer): the earliest point parameter names exist
    ``on_setup``              model chunks and optimizer exist (lay out buckets, open files)
    ``on_batch``              TP rank 0 of a data-reading stage got a micro-batch from the
                              iterator (read ids, drill corruption); may change the batch
@@ -34,7 +36,15 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-HOOKS = ("on_setup", "on_batch", "on_loss", "before_grad_norm", "after_step", "on_checkpoint")
+HOOKS = (
+    "on_model_built",
+    "on_setup",
+    "on_batch",
+    "on_loss",
+    "before_grad_norm",
+    "after_step",
+    "on_checkpoint",
+)
 
 
 class FeatureError(SystemExit):
@@ -120,6 +130,7 @@ class Feature:
         """Apply this feature's patches and set up its state."""
 
     # Hooks: the base versions are never called (see :meth:`implements`).
+    def on_model_built(self, model: list[Any]) -> None: ...
     def on_setup(self, model: list[Any], optimizer: Any) -> None: ...
     def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None: ...
     def on_loss(self, inputs: LossInputs) -> dict[str, Any]: ...
@@ -149,6 +160,10 @@ class FeatureSet:
 
     def using(self, hook: str) -> list[Feature]:
         return [f for f in self.features if f.implements(hook)]
+
+    def on_model_built(self, model: list[Any]) -> None:
+        for feature in self.using("on_model_built"):
+            feature.on_model_built(model)
 
     def on_setup(self, model: list[Any], optimizer: Any) -> None:
         for feature in self.using("on_setup"):

@@ -46,11 +46,15 @@ def sample_log_file(directory: str | Path, dp_rank: int) -> Path:
 
 
 SAMPLE_LOG_GLOB = "samples-dp*.jsonl"
+LAYOUT_FILE = "layout.jsonl"  # one line per attempt: DP, micro/global batch, skips, start
 
 # -- in the checkpoint directory (--save / --load) ----------------------------------------------
 SKIPPED_ITERATIONS_FILE = "megatron_ext_skipped_iterations.txt"  # applied skips, absolute
 LAST_PLAN_SKIP_FILE = "megatron_ext_skip.txt"  # the last plan's skips (maybe never applied)
-INCIDENTS_DIR = "megatron_ext_incidents"  # incident-NNN.{json,md}, incident-NNN-blocklist.jsonl
+# incident-NNN.{json,md}, incident-NNN-blocklist.jsonl, applied.jsonl
+INCIDENTS_DIR = "megatron_ext_incidents"
+APPLIED_INCIDENTS_FILE = "applied.jsonl"  # in INCIDENTS_DIR: one line per applied incident
+APPLY_JOURNAL_FILE = "megatron_ext_apply_journal.json"  # a `skiplist --apply` in progress
 ROLLED_BACK_DIR = "rolled_back"  # rolled_back/incident-NNN/iter_NNNNNNN (nothing deleted)
 RESULT_REJECTED_TRACKER_FILE = "result_rejected_tracker.txt"
 LAUNCH_STATE_DIR = "launch_state"  # per-rank exit codes of each attempt (shared filesystem)
@@ -66,6 +70,37 @@ def incident_blocklist(ckpt_dir: str | Path, number: int) -> Path:
     return incident_stem(ckpt_dir, number).with_name(f"incident-{number:03d}-blocklist.jsonl")
 
 
+def applied_incidents_file(ckpt_dir: str | Path) -> Path:
+    """``CKPT/megatron_ext_incidents/applied.jsonl``: the incidents ``--apply`` carried out."""
+    return Path(ckpt_dir) / INCIDENTS_DIR / APPLIED_INCIDENTS_FILE
+
+
 def rolled_back_dir(ckpt_dir: str | Path, number: int) -> Path:
     """Where ``skiplist --apply`` moves the checkpoints newer than the rollback target."""
     return Path(ckpt_dir) / ROLLED_BACK_DIR / f"incident-{number:03d}"
+
+
+class TrackerError(ValueError):
+    """Megatron's checkpoint tracker holds something other than an iteration number."""
+
+
+def read_checkpoint_tracker(root: str | Path) -> int | None:
+    """The iteration ``ROOT/latest_checkpointed_iteration.txt`` names (None: no tracker).
+
+    Megatron writes a bare integer (or ``release``); anything else means the file was
+    damaged, and every resume from it would fail or load the wrong step, so it is an error
+    that names the file and the fix.
+    """
+    path = Path(root) / CHECKPOINT_TRACKER_FILE
+    try:
+        text = path.read_text(errors="replace").strip()
+    except FileNotFoundError:
+        return None
+    if text.isdigit():
+        return int(text)
+    shown = text if len(text) <= 40 else text[:40] + "..."
+    raise TrackerError(
+        f"{path} holds {shown!r}, not an iteration number: write the iteration of the newest "
+        f"complete checkpoint in {root} (an iter_NNNNNNN directory) into it, e.g. `echo 35 > "
+        f"{path}`"
+    )

@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import stat
 import tempfile
 import warnings
@@ -33,6 +34,20 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 DEFAULT_FILE_MODE = 0o666  # masked by the process umask, as open() does
+
+# Tests only: SIGKILL this process right after its k-th kill point (the step boundaries of
+# multi-step writes: the skiplist transaction, publishing a .bin/.idx pair), so fault tests
+# kill a real process exactly there.
+KILL_AT_STEP_ENV = "MEGATRON_EXT_TEST_KILL_AT_STEP"
+_kill_points_passed = 0
+
+
+def kill_point() -> None:
+    """A step boundary of a multi-step write (see ``KILL_AT_STEP_ENV``); a no-op otherwise."""
+    global _kill_points_passed
+    _kill_points_passed += 1
+    if os.environ.get(KILL_AT_STEP_ENV) == str(_kill_points_passed):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def json_safe(value: Any) -> Any:
@@ -130,6 +145,24 @@ def atomic_write(
         raise
     _fsync_directory(target.parent)
     return target
+
+
+def rename_durably(source: str | os.PathLike[str], destination: str | os.PathLike[str]) -> None:
+    """``os.rename`` (atomic on one filesystem, never a copy) made durable: both parent
+    directories are fsynced, so after a crash the entry is in exactly one of the two places."""
+    source, destination = Path(source), Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(source, destination)
+    _fsync_directory(destination.parent)
+    if source.parent != destination.parent:
+        _fsync_directory(source.parent)
+
+
+def remove_durably(path: str | os.PathLike[str]) -> None:
+    """Unlink a file (if present) and fsync its directory."""
+    target = Path(path)
+    target.unlink(missing_ok=True)
+    _fsync_directory(target.parent)
 
 
 def atomic_write_json(path: str | os.PathLike[str], value: Any) -> Path:

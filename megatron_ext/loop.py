@@ -19,6 +19,7 @@ from megatron_ext.features import ACTIVE, Feature, StepRecord
 
 def all_features() -> list[Feature]:
     """One instance of every feature, in hook order."""
+    from megatron_ext.data.adapter import DataCheckFeature
     from megatron_ext.sample_log.adapter import SampleLogFeature
     from megatron_ext.spikes.adapter import DrillFeature, SkipListFeature, SpikeFeature
     from megatron_ext.telemetry.adapter import TelemetryFeature
@@ -28,6 +29,7 @@ def all_features() -> list[Feature]:
     # The spike detector comes last: on a rollback decision it ends the process in
     # after_step, once the others have written this iteration's records.
     return [
+        DataCheckFeature(),
         DrillFeature(),
         ZLossFeature(),
         WeightDecayFeature(),
@@ -52,6 +54,19 @@ def install(args: Any) -> None:
     for hook in registry.HOOKS:
         if ACTIVE.using(hook.hook or ""):
             hook.apply()
+
+
+def attach(config: Any) -> None:
+    """Register ``on_model_built`` in the run's config container: megatron-core's public
+    ``pre_wrap_hooks`` run on the built model chunks before any wrapping (registry
+    assumption ``model-pre-wrap-hooks``), so no Megatron function is replaced."""
+    if ACTIVE.using("on_model_built"):
+        config.model.pre_wrap_hooks.append(pre_wrap_hook)
+
+
+def pre_wrap_hook(model: list[Any]) -> list[Any]:
+    ACTIVE.on_model_built(model)
+    return model
 
 
 # -- hook wrappers (named by the registry's hook-* patches) --------------------------------

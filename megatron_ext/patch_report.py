@@ -16,8 +16,9 @@ from megatron_ext import MEGATRON_CORE_VERSION, registry
 from megatron_ext.features import HOOKS, Feature
 from megatron_ext.patching import Assumption, Entry, Patch, PatchTargetError, installed_version
 
-# Hooks the entry point calls itself (megatron_ext.gpt_step), with no patch of Megatron.
+# Hooks the entry point calls itself, with no patch of Megatron.
 ENTRY_POINT_HOOKS = {
+    "on_model_built": "megatron_ext.loop.pre_wrap_hook (the config container's pre_wrap_hooks)",
     "on_batch": "megatron_ext.gpt_step.get_batch (TP rank 0 of a data-reading stage)",
     "on_loss": "megatron_ext.gpt_step.loss_func (last pipeline stage)",
 }
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         out,
     )
-    out.append("== entry-point hooks (megatron_ext.gpt_step; no patch of Megatron)")
+    out.append("== entry-point hooks (megatron_ext.gpt_step, loop; no patch of Megatron)")
     for hook, where in ENTRY_POINT_HOOKS.items():
         out.append(f"  {hook}: called from {where}; used by: {', '.join(users[hook])}")
     out.append("")

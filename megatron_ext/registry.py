@@ -328,6 +328,24 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         used_by="megatron_ext.lookup.formats",
         reason="--split -> the train split's [begin, end), after parse_and_normalize_split.",
     ),
+    Assumption(
+        name="model-pre-wrap-hooks",
+        target="megatron.training.models.base:ModelConfig",
+        assigned=("pre_wrap_hooks",),
+        used_by="megatron_ext.loop",
+        reason="on_model_built runs as one of the config container's pre_wrap_hooks, which "
+        "the model builder calls on the built chunks before mixed-precision and DDP wrapping "
+        "(the earliest point parameter names exist: checks fail before DDP and optimizer).",
+    ),
+    Assumption(
+        name="idx-trailing-bytes",
+        target="megatron.core.datasets.indexed_dataset:_IndexReader",
+        assigned=("sequence_lengths", "sequence_pointers", "document_indices"),
+        used_by="megatron_ext.data.pair",
+        reason="preprocess appends a .bin fingerprint after the .idx arrays; the reader takes "
+        "each array by the counts in the header (numpy.frombuffer with count and offset), so "
+        "the trailing bytes are never read (tests read a fingerprinted .idx with it).",
+    ),
 )
 
 PATCHES: tuple[Patch, ...] = (*BUGFIXES, *HOOKS, *FEATURE_PATCHES)

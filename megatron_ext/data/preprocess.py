@@ -3,8 +3,16 @@
 Mirrors Megatron-LM's ``tools/preprocess_data.py`` (same ``{prefix}_{key}_document`` names,
 EOD appended to every document, dtype from ``DType.optimal_dtype``), but can train its own
 tokenizer offline, reports bad input as ``file:line``, skips and counts empty documents, and
-never leaves half-written outputs: everything is written to temporary names and renamed into
-place only after the whole input was processed.
+never leaves half-written outputs: everything is written to temporary names and published
+only after the whole input was processed, as a pair no reader can see mixed
+(:mod:`megatron_ext.data.pair`).
+
+Failures end fast with a message, and remove the temporary files: a worker that dies (an
+OOM kill) breaks the pool at once instead of leaving the parent waiting for its results
+forever; SIGTERM and a full disk stop the run cleanly. An input without any document, or an
+output directory that cannot be written, is refused before any work (``--allow-empty`` writes
+an empty dataset on purpose). Long documents are tokenized in windows
+(:mod:`megatron_ext.data.encode`, with the memory bound stated there).
 
 Megatron (and with it torch) is imported lazily inside :func:`_write_datasets` because worker
 processes are spawned and re-import this module; a module-level import would cost each worker
@@ -12,25 +20,30 @@ seconds of start-up.
 """
 
 import argparse
-import json
-import multiprocessing
+import contextlib
 import os
+import signal
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
+from megatron_ext.data.encode import EncodeError, texts
+from megatron_ext.data.pair import append_fingerprint, publish
 from megatron_ext.data.tokenizer import (
     TOKENIZER_FILE,
     LoadedTokenizer,
     load_tokenizer,
     train_bpe_tokenizer,
 )
+from megatron_ext.data.workers import encode_chunk, worker_pool
 
 PROG = "megatron-ext preprocess"
 
@@ -88,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="lines sent to a worker at a time (default: %(default)s)",
     )
     p.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="write a dataset even when the input holds no document (refused by default)",
+    )
+    p.add_argument(
         "--append-eod",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -96,63 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _texts(line: bytes, path: Path, lineno: int, keys: list[str]) -> list[str]:
-    """The values of ``keys`` in one JSONL line, or a :class:`PreprocessError` naming it."""
-    where = f"{path}:{lineno}"
-    try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PreprocessError(f"{where}: malformed JSON ({e}); fix or remove this line") from None
-    if not isinstance(record, dict):
-        raise PreprocessError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    texts = []
-    for key in keys:
-        if key not in record:
-            raise PreprocessError(
-                f"{where}: missing key {key!r} (present: {sorted(record)}); "
-                "choose the key with --json-keys"
-            )
-        if not isinstance(record[key], str):
-            raise PreprocessError(f"{where}: {key!r} is {type(record[key]).__name__}, not a string")
-        texts.append(record[key])
-    return texts
-
-
 def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """Non-blank lines of ``path`` with 1-based line numbers (bytes: sizes drive progress)."""
     with path.open("rb") as f:
         yield from ((n, line) for n, line in enumerate(f, 1) if line.strip())
-
-
-_worker_tokenizer: LoadedTokenizer | None = None
-
-
-def _init_worker(tokenizer_dir: Path) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = load_tokenizer(tokenizer_dir)
-
-
-def _encode(item: tuple[int, bytes], path: Path, keys: list[str]) -> tuple[int, list[list[int]]]:
-    """Token ids per key for one line (empty list for a blank document), plus its byte size."""
-    lineno, line = item
-    texts = _texts(line, path, lineno, keys)
-    return len(line), [_worker_tokenizer.encode(t) if t.strip() else [] for t in texts]
-
-
-@contextmanager
-def _mapper(workers: int, chunksize: int, tokenizer_dir: Path) -> Iterator[Callable]:
-    """An order-preserving ``map``: in-process for one worker, else a process pool.
-
-    Workers are spawned, not forked: the parent may already run Rust (tokenizers) and torch
-    thread pools, and forking a multi-threaded process can deadlock.
-    """
-    if workers == 1:
-        _init_worker(tokenizer_dir)
-        yield map
-        return
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_dir,)) as pool:
-        yield partial(pool.imap, chunksize=chunksize)
 
 
 @dataclass
@@ -176,15 +141,16 @@ def _write_datasets(
 
     prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
     tmp = {key: f"{p}.tmp{os.getpid()}" for key, p in prefixes.items()}
-    Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    builders = {key: IndexedDatasetBuilder(tmp[key] + ".bin", dtype=dtype) for key in prefixes}
+    builders: dict[str, IndexedDatasetBuilder] = {}
     stats = {key: _Stats() for key in prefixes}
-    eod = [tokenizer.eod_id] if args.append_eod else []
+    eod = np.asarray([tokenizer.eod_id] if args.append_eod else [], dtype=np.int32)
     total_bytes = sum(path.stat().st_size for path in args.input)
     try:
+        for key in prefixes:
+            builders[key] = IndexedDatasetBuilder(tmp[key] + ".bin", dtype=dtype)
         with (
-            _mapper(args.workers, args.chunksize, tokenizer_dir) as mapper,
+            worker_pool(args.workers, args.chunksize, tokenizer_dir) as mapper,
             tqdm(
                 total=total_bytes,
                 unit="B",
@@ -195,30 +161,53 @@ def _write_datasets(
             ) as bar,
         ):
             for path in args.input:
-                encode = partial(_encode, path=path, keys=args.json_keys)
+                encode = partial(encode_chunk, path=path, keys=args.json_keys)
                 for size, ids_per_key in mapper(encode, _lines(path)):
                     bar.update(size)
                     for key, ids in zip(args.json_keys, ids_per_key, strict=True):
-                        if not ids:
+                        if not ids.size:
                             stats[key].skipped += 1
                             continue
-                        builders[key].add_document(ids + eod, [len(ids) + len(eod)])
+                        document = np.concatenate([ids, eod])
+                        builders[key].add_document(document, [len(document)])
                         stats[key].documents += 1
-                        stats[key].tokens += len(ids) + len(eod)
+                        stats[key].tokens += len(document)
+        empty = [key for key in prefixes if not stats[key].documents]
+        if empty and not args.allow_empty:
+            raise PreprocessError(
+                f"no non-empty document for --json-keys {' '.join(empty)} in "
+                f"{' '.join(map(str, args.input))}: nothing to train on. Check the input and "
+                "the keys, or pass --allow-empty to write an empty dataset anyway"
+            )
         for key, builder in builders.items():
             builder.finalize(tmp[key] + ".idx")
+            append_fingerprint(tmp[key] + ".idx", tmp[key] + ".bin")
         for key, prefix in prefixes.items():
-            for ext in (".bin", ".idx"):
-                os.replace(tmp[key] + ext, prefix + ext)
+            publish(tmp[key], prefix)
+    except BrokenProcessPool:
+        raise PreprocessError(
+            "a tokenizer worker process died (killed by the OOM killer or a signal); nothing "
+            "was published and the temporary files were removed. Rerun with fewer --workers "
+            "or more memory"
+        ) from None
+    except OSError as exc:
+        raise PreprocessError(
+            f"writing the dataset failed: {exc.strerror or exc} "
+            f"({exc.filename or args.output_prefix}); nothing was published and the temporary "
+            "files were removed. Free space (or fix the permissions) and rerun"
+        ) from None
     finally:
-        for key, builder in builders.items():
-            builder.data_file.close()  # no-op after finalize(); needed before removing on error
+        for builder in builders.values():
+            # A no-op after finalize(); on an error it may flush into the full disk again.
+            with contextlib.suppress(OSError):
+                builder.data_file.close()
+        for key in prefixes:
             for ext in (".bin", ".idx"):
                 Path(tmp[key] + ext).unlink(missing_ok=True)
     return {key: (stats[key], prefixes[key]) for key in prefixes}
 
 
-def _train_tokenizer(texts: Iterator[str], out: Path, args: argparse.Namespace) -> None:
+def _train_tokenizer(corpus: Iterator[str], out: Path, args: argparse.Namespace) -> None:
     """Train the BPE, saying so: it reads every input once and takes seconds to minutes."""
     size = sum(path.stat().st_size for path in args.input) / 2**20
     print(
@@ -228,7 +217,7 @@ def _train_tokenizer(texts: Iterator[str], out: Path, args: argparse.Namespace) 
         flush=True,
     )
     start = time.perf_counter()
-    train_bpe_tokenizer(texts, out, vocab_size=args.vocab_size, show_progress=sys.stderr.isatty())
+    train_bpe_tokenizer(corpus, out, vocab_size=args.vocab_size, show_progress=sys.stderr.isatty())
     print(
         f"{PROG}: tokenizer trained in {time.perf_counter() - start:.1f} s -> {out}",
         file=sys.stderr,
@@ -240,10 +229,10 @@ def _prepare_tokenizer(args: argparse.Namespace) -> tuple[Path, LoadedTokenizer]
     """The tokenizer dir to use and the tokenizer in it, training and saving one first if
     asked to (training reads all inputs, so bad lines are reported before anything is saved)."""
 
-    def texts() -> Iterator[str]:
+    def corpus() -> Iterator[str]:
         for path in args.input:
             for lineno, line in _lines(path):
-                yield from (t for t in _texts(line, path, lineno, args.json_keys) if t.strip())
+                yield from (t for t in texts(line, path, lineno, args.json_keys) if t.strip())
 
     tokenizer_dir = args.tokenizer_dir
     try:
@@ -255,10 +244,33 @@ def _prepare_tokenizer(args: argparse.Namespace) -> tuple[Path, LoadedTokenizer]
                     f"{tokenizer_dir} already holds a tokenizer; reuse it with --tokenizer-dir "
                     f"{tokenizer_dir} or delete it to retrain"
                 )
-            _train_tokenizer(texts(), tokenizer_dir, args)
+            _train_tokenizer(corpus(), tokenizer_dir, args)
         return tokenizer_dir, load_tokenizer(tokenizer_dir)
     except (FileNotFoundError, ValueError) as e:  # bad --tokenizer-dir or --vocab-size
         raise PreprocessError(str(e)) from None
+
+
+def _check_writable(directory: Path, what: str) -> None:
+    """Create ``directory`` and a file in it now, before any work, or refuse."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".megatron-ext-write-test.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise PreprocessError(
+            f"{what} {directory} is not writable ({exc.strerror or exc}); choose another "
+            "location or fix its permissions"
+        ) from None
+
+
+def _has_documents(args: argparse.Namespace) -> bool:
+    """Whether any input line holds a non-blank value (stops at the first one)."""
+    for path in args.input:
+        for lineno, line in _lines(path):
+            if any(t.strip() for t in texts(line, path, lineno, args.json_keys)):
+                return True
+    return False
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -269,19 +281,47 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PreprocessError("--workers and --chunksize must be >= 1")
     if not args.train_tokenizer and args.tokenizer_out is not None:
         raise PreprocessError("--tokenizer-out only applies with --train-tokenizer")
+    _check_writable(Path(args.output_prefix).absolute().parent, "the output directory")
+    if args.train_tokenizer:
+        out = args.tokenizer_out or Path(f"{args.output_prefix}_tokenizer")
+        _check_writable(out.absolute().parent, "the tokenizer output directory")
+    if not args.allow_empty and not _has_documents(args):
+        raise PreprocessError(
+            f"the input ({' '.join(map(str, args.input))}) holds no document with text under "
+            f"--json-keys {' '.join(args.json_keys)}; pass --allow-empty to write an empty "
+            "dataset anyway"
+        )
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived: unwind so every temporary file is removed."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the preprocessing CLI; return 0 on success, 1 on bad input (message on stderr)."""
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         _check_args(args)
         tokenizer_dir, tokenizer = _prepare_tokenizer(args)
         results = _write_datasets(args, tokenizer_dir, tokenizer)
-    except PreprocessError as e:
+    except (PreprocessError, EncodeError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
+    except _Terminated:
+        print(
+            f"{PROG}: stopped by SIGTERM; nothing was published and the temporary files were "
+            "removed",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     seconds = time.perf_counter() - start
     for key, (s, prefix) in results.items():
         print(

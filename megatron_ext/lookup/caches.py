@@ -31,7 +31,7 @@ from megatron_ext.lookup.indices import (
     TrainIndex,
     _mmap,
     _read_description,
-    _remap,
+    remap,
 )
 
 
@@ -82,7 +82,7 @@ def _gpt_cache_dir(
     chosen = cache_dir or spec.cache_dir
     if chosen:
         return Path(chosen)
-    return Path(_remap(prefix, data_root)) / "cache" / f"{GPT}_indices"
+    return Path(remap(prefix, data_root)) / "cache" / f"{GPT}_indices"
 
 
 def _member_sizes(spec: DataSpec) -> tuple[list[int | None], list[float] | None, int | None]:

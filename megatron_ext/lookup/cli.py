@@ -163,6 +163,8 @@ def _usage(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None
         options.document is not None or options.microbatch is not None or options.worst < 1
     ):
         parser.error("--worst K (K >= 1) ranks one iteration's samples; not with --microbatch")
+    if options.consumed_samples is not None and options.consumed_samples < 0:
+        parser.error(f"--consumed-samples must be >= 0, got {options.consumed_samples}")
     if any("=" not in item for item in options.data_root):
         parser.error("--data-root takes OLD=NEW")
 
@@ -223,11 +225,14 @@ def _emit(
 
 def forward(session: Session) -> int:
     """Iteration (or consumed samples) [+ rank / micro-batch] -> samples, documents, tokens."""
-    options, schedule = session.options, session.config.schedule
+    options = session.options
     if options.iteration is not None:
-        batch = schedule.batch(options.iteration)
+        session.use_layout_of(options.iteration)
+        batch = session.config.schedule.batch(options.iteration)
     else:
-        batch = schedule.batch_at_consumed(options.consumed_samples)
+        iteration = session.iteration_at_consumed(options.consumed_samples)
+        batch = session.config.schedule.batch_at_consumed(options.consumed_samples)
+        assert batch.iteration == iteration
     index, records = batch_records(session, batch, options.microbatch, options.dp_rank)
     lines = _batch_lines(session, batch, index)
     if options.sample_log:
@@ -280,6 +285,13 @@ def _member(index: TrainIndex, dataset: str) -> int:
 def inverse(session: Session) -> int:
     """Document -> every (iteration, DP rank, micro-batch) that read it."""
     options, schedule = session.options, session.config.schedule
+    if session.history is not None and session.history.distinct_layouts() > 1:
+        raise ConfigError(
+            "the run's DP size or batch sizes changed at a resume, and the inverse lookup maps "
+            "positions with one layout: it would name wrong ranks for part of the run. Look "
+            "up candidate iterations forward (--iteration), or pass --ckpt-step, "
+            "--data-parallel-size and --micro-batch-size for one stretch"
+        )
     phase = session.phase(None)
     index = session.index(phase)
     member = _member(index, options.dataset)

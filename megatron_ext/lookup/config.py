@@ -12,20 +12,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.checkpoint_state import UnreadableState, read_common_state
+from megatron_ext.checkpoint_state import CheckpointUnreadable, load_common_state
 from megatron_ext.files import (
     CHECKPOINT_COMMON_FILE,
     CHECKPOINT_METADATA_FILE,
-    CHECKPOINT_TRACKER_FILE,
+    TrackerError,
+    read_checkpoint_tracker,
 )
 from megatron_ext.lookup import flagspec
 from megatron_ext.lookup.errors import ConfigError
 from megatron_ext.lookup.formats import blend_and_blend_per_split
-from megatron_ext.lookup.indices import DataSpec
+from megatron_ext.lookup.indices import DataSpec, remap
 from megatron_ext.lookup.position import Anchor, Schedule, parse_step_schedule
 from megatron_ext.lookup.topology import Topology
 
@@ -57,11 +60,14 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> Checkpoint:
     know is read by Megatron's ``load_common_state_dict``.
     """
     root = Path(path)
-    tracker = root / CHECKPOINT_TRACKER_FILE
+    try:
+        tracked = None if step is not None else read_checkpoint_tracker(root)
+    except TrackerError as exc:
+        raise ConfigError(f"{exc}; or choose a checkpoint with --ckpt-step") from None
     if step is not None:
         directory = root / f"iter_{step:07d}"
-    elif tracker.is_file():
-        directory = root / f"iter_{int(tracker.read_text().strip()):07d}"
+    elif tracked is not None:
+        directory = root / f"iter_{tracked:07d}"
     else:
         directory = root
     if not any(
@@ -72,13 +78,9 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> Checkpoint:
             "the --save directory or an iter_NNNNNNN directory, and --ckpt-step to choose one"
         )
     try:
-        state = read_common_state(directory)
-    except UnreadableState:
-        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
-
-        state = load_common_state_dict(str(directory))
-    if "args" not in state:
-        raise ConfigError(f"{directory} holds no saved Megatron args")
+        state = load_common_state(directory)
+    except CheckpointUnreadable as exc:
+        raise ConfigError(f"{exc}; or read another one with --ckpt-step") from None
     return Checkpoint(directory, int(state.get("iteration", 0)), state["args"])
 
 
@@ -186,11 +188,13 @@ def run_config(
     checkpoint: Checkpoint | None,
     data_from_checkpoint: bool = True,
     add_extra_token: bool = True,
+    segment: bool = False,
 ) -> RunConfig:
     """Distil Megatron's namespace into a RunConfig, refusing what cannot be answered exactly.
 
     ``data_from_checkpoint``: the data paths are the checkpoint's (not overridden by flags), so
-    they describe the phase the checkpoint was saved in.
+    they describe the phase the checkpoint was saved in. ``segment``: ``checkpoint`` is the
+    start of one attempt of the layout history (no notes about the anchor).
     """
     used = [text for attr, text in UNSUPPORTED.items() if getattr(args, attr, None)]
     if used:
@@ -242,7 +246,7 @@ def run_config(
         anchor=anchor,
     )
     args.train_iters = schedule.train_iters  # as Megatron's update_train_iters leaves it
-    if anchor is not None and not schedule.history_known:
+    if anchor is not None and not schedule.history_known and not segment:
         notes.append(
             f"checkpoint iteration {anchor.iteration} has consumed_train_samples="
             f"{anchor.consumed_samples}, which this batch schedule does not reproduce: only "
@@ -302,15 +306,39 @@ def eval_sizes(args: argparse.Namespace) -> tuple[int | None, int]:
     return points * args.eval_iters * eval_batch, test
 
 
-def tokenizer_from_args(args: argparse.Namespace) -> Any:
-    """The run's tokenizer, built by Megatron from the same flags training used."""
+TOKENIZER_PATH_ARGS = ("tokenizer_model", "vocab_file", "merge_file")
+
+
+def tokenizer_from_args(args: argparse.Namespace, data_root: Sequence[tuple[str, str]] = ()) -> Any:
+    """The run's tokenizer, built by Megatron from the same flags training used; its files
+    are read through the ``--data-root`` remapping, like the data (they usually move with it).
+    """
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     if args.tokenizer_type is None:
         raise ConfigError("no tokenizer in the run's args; pass --tokenizer-type/--tokenizer-model")
     args = copy.copy(args)
     args.rank = 0
-    return build_tokenizer(args)
+    for name in TOKENIZER_PATH_ARGS:
+        value = getattr(args, name, None)
+        if not isinstance(value, str) or not os.path.isabs(value):
+            continue  # unset, or a hub name such as "gpt2"
+        moved = remap(value, data_root)
+        if not os.path.exists(moved):
+            hint = (
+                f" (mapped from {value} by --data-root)"
+                if moved != value
+                else "; if it moved with the data, map the old location with --data-root OLD=NEW"
+            )
+            raise ConfigError(f"--text: the run's tokenizer file {moved} is not there{hint}")
+        setattr(args, name, moved)
+    try:
+        return build_tokenizer(args)
+    except Exception as exc:  # any failure of the tokenizer library: say which tokenizer
+        raise ConfigError(
+            f"--text: cannot build the run's tokenizer ({args.tokenizer_type} "
+            f"{getattr(args, 'tokenizer_model', None)}): {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def pad_token_id(tokenizer: Any, allow_ambiguous: bool) -> int:

@@ -11,13 +11,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.files import sample_log_file
-from megatron_ext.lookup.errors import DataChanged
+from megatron_ext.files import SAMPLE_LOG_GLOB, sample_log_file
+from megatron_ext.lookup.errors import DataChanged, Refused
 from megatron_ext.sample_log import read_records
 
 
 def check_against_log(directory: str | Path, records: list[dict[str, Any]]) -> str:
-    """Compare answered samples with the log; returns a one-line verdict, raises on mismatch."""
+    """Compare answered samples with the log; returns a one-line verdict, raises on mismatch.
+
+    Refuses when there is nothing to compare with (no directory, no sample log in it, or no
+    record of any answered micro-batch): a check that compared nothing must not read as passed.
+    """
+    if not Path(directory).is_dir() or not any(Path(directory).glob(SAMPLE_LOG_GLOB)):
+        raise Refused(
+            f"--sample-log {directory}: no sample log there ({SAMPLE_LOG_GLOB} files, written by "
+            "training with --sample-log-dir); pass the run's --sample-log-dir, or drop "
+            "--sample-log to answer without the check"
+        )
     slots: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
     for record in records:
         key = (record["iteration"], record["dp_rank"], record["microbatch"])
@@ -30,11 +40,12 @@ def check_against_log(directory: str | Path, records: list[dict[str, Any]]) -> s
                 key = (entry.iteration, entry.dp_rank, entry.microbatch)
                 if key in slots:
                     logged[key] = entry  # a resumed run's record replaces a rolled-back one
-    matched = absent = 0
+    matched = absent = skipped = 0
     for key, answered in slots.items():
         entry = logged.get(key)
         if answered[0]["skipped"]:
-            continue  # a record can only be from an attempt rolled back before the skip
+            skipped += 1  # read and discarded, never trained: training logs nothing for it
+            continue
         if entry is None:
             absent += 1
             continue
@@ -47,6 +58,18 @@ def check_against_log(directory: str | Path, records: list[dict[str, Any]]) -> s
                 f"data today give {ids} with {digests}; the data changed since training"
             )
         matched += 1
-    return f"sample log: {matched} micro-batches match the training record" + (
-        f", {absent} not in the log" if absent else ""
-    )
+    if absent and not matched:
+        raise Refused(
+            f"--sample-log {directory} has no record of the {absent} micro-batch(es) answered "
+            "(the log starts later, or those DP ranks' files are missing): nothing was "
+            "compared; drop --sample-log to answer without the check"
+        )
+    verdict = f"sample log: {matched} micro-batches match the training record"
+    if absent:
+        verdict += f", {absent} not in the log (not compared)"
+    if skipped:
+        verdict += (
+            f"; {skipped} skipped micro-batch(es) NOT compared (a skipped batch is read and "
+            "discarded, so training logs nothing for it)"
+        )
+    return verdict

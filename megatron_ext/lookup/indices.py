@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.data.pair import PairError, check_pair
 from megatron_ext.lookup.errors import CacheMissing, DataChanged, PositionError
 from megatron_ext.lookup.formats import IndexedData
 
@@ -82,7 +83,7 @@ class Sample:
     tokens: np.ndarray  # model input ids, as GPTDataset.__getitem__()["tokens"]
 
 
-def _remap(path: str, data_root: Sequence[tuple[str, str]]) -> str:
+def remap(path: str, data_root: Sequence[tuple[str, str]]) -> str:
     for old, new in data_root:
         if path == old or path.startswith(old.rstrip("/") + "/"):
             return new.rstrip("/") + path[len(old.rstrip("/")) :]
@@ -150,7 +151,7 @@ class MidIndex:
         description = trusted.content
         self.hash = trusted.digest
         self.path: str = description["dataset_path"]
-        self.prefix = _remap(self.path, data_root)
+        self.prefix = remap(self.path, data_root)
         self.seq_length = spec.sequence_length
         self.extra = int(spec.add_extra_token)
         base = cache_dir / f"{self.hash}-{GPT}-train-"
@@ -165,6 +166,10 @@ class MidIndex:
                     else ("; if the data moved, map the old location with --data-root OLD=NEW")
                 )
                 raise DataChanged(f"dataset {self.path}: {self.prefix}{suffix} not found{moved}")
+        try:
+            check_pair(self.prefix)
+        except PairError as exc:
+            raise DataChanged(str(exc)) from None
         self.document_index = _mmap(f"{base}document_index.npy")
         self.sample_index = _mmap(f"{base}sample_index.npy")
         self.shuffle_index = _mmap(f"{base}shuffle_index.npy")

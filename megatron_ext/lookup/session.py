@@ -4,14 +4,19 @@ the samples of a batch resolved to documents and tokens."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from megatron_ext.checkpoint_state import CheckpointUnreadable, load_common_state
+from megatron_ext.files import CHECKPOINT_DIR
 from megatron_ext.lookup.caches import open_train_index
 from megatron_ext.lookup.config import (
+    TOKENIZER_PATH_ARGS,
+    Checkpoint,
     RunConfig,
     load_checkpoint,
     megatron_namespace,
@@ -21,9 +26,17 @@ from megatron_ext.lookup.config import (
 )
 from megatron_ext.lookup.cyclic import CyclicOrder
 from megatron_ext.lookup.errors import CacheMissing, ConfigError, PositionError
-from megatron_ext.lookup.indices import TrainIndex
+from megatron_ext.lookup.history import History, read_history, segment_args
+from megatron_ext.lookup.indices import TrainIndex, remap
 from megatron_ext.lookup.position import Batch
 from megatron_ext.lookup.render import sample_record
+
+LAYOUT_FLAGS = ("--micro-batch-size", "--global-batch-size", "--data-parallel-size")
+DATA_FLAGS = ("--data-path", "--train-data-path", "--data-args-path", "--per-split-data-args-path")
+
+
+def _given(flags: list[str], names: tuple[str, ...]) -> bool:
+    return any(f in names or f.split("=", 1)[0] in names for f in flags)
 
 
 class Session:
@@ -38,21 +51,66 @@ class Session:
             raise ConfigError("--ckpt-step needs --from-checkpoint")
         self.source = f"checkpoint {checkpoint.directory}" if checkpoint else "flags"
         args = megatron_namespace(megatron_flags, checkpoint.args if checkpoint else None)
-        data_flags = {
-            "--data-path",
-            "--train-data-path",
-            "--data-args-path",
-            "--per-split-data-args-path",
-        }
+        self.data_from_checkpoint = not _given(megatron_flags, DATA_FLAGS)
         self.config: RunConfig = run_config(
             args,
             data_parallel_size=options.data_parallel_size,
             checkpoint=checkpoint,
-            data_from_checkpoint=not data_flags & set(megatron_flags),
+            data_from_checkpoint=self.data_from_checkpoint,
             add_extra_token=not options.no_add_extra_token_to_sequence,
         )
-        self.tokenizer: Any = tokenizer_from_args(args) if options.text else None
+        self.args = args
+        self.checkpoint = checkpoint
         self.remaps = [tuple(item.split("=", 1)) for item in options.data_root]
+        self.tokenizer: Any = tokenizer_from_args(args, self.remaps) if options.text else None
+        # Explicit layout flags assert the layout: the history is then not consulted.
+        self.history: History | None = None
+        if checkpoint is not None and not (
+            options.data_parallel_size or _given(megatron_flags, LAYOUT_FLAGS)
+        ):
+            self.history = _history(checkpoint, options, args)
+
+    def use_layout_of(self, iteration: int) -> None:
+        """Answer ``iteration`` with the layout the run had when it trained it last."""
+        if self.history is None:
+            return
+        segment = self.history.segment_for(iteration)
+        args = segment_args(self.args, segment, check_data=self.data_from_checkpoint)
+        assert self.checkpoint is not None
+        config = run_config(
+            args,
+            data_parallel_size=int(segment.layout["data_parallel_size"]),
+            checkpoint=Checkpoint(self.checkpoint.directory, segment.first - 1, args),
+            data_from_checkpoint=self.data_from_checkpoint,
+            add_extra_token=not self.options.no_add_extra_token_to_sequence,
+            segment=True,
+        )
+        notes = config.notes
+        if self.history.distinct_layouts() > 1:
+            notes = (*notes, f"layout changed at resumes; {segment.describe()}")
+        self.config = dataclasses.replace(config, notes=notes)
+
+    def iteration_at_consumed(self, consumed: int) -> int:
+        """The iteration that starts at ``consumed`` samples, under the layout in force there."""
+        if self.history is None:
+            return self.config.schedule.batch_at_consumed(consumed).iteration
+        segments = sorted(
+            (
+                s
+                for s in (*self.history.from_checkpoints, *self.history.from_log)
+                if s.consumed is not None
+            ),
+            key=lambda s: s.consumed,
+        )
+        for segment in reversed(segments):
+            if segment.consumed <= consumed:
+                self.use_layout_of(segment.first)
+                iteration = self.config.schedule.batch_at_consumed(consumed).iteration
+                if self.history.segment_for(iteration) == segment:
+                    return iteration
+        raise PositionError(
+            f"consumed samples {consumed}: no segment of the run's layout history reaches it"
+        )
 
     def decode(self) -> Callable[[list[int]], str] | None:
         """The tokenizer's detokenize, when --text asked for one."""
@@ -87,6 +145,13 @@ class Session:
         tokenizer = None
         if self.tokenizer is not None:
             tokenizer = json.loads(json.dumps(self.tokenizer.unique_identifiers))
+            # The caches name the tokenizer by the path training used, before any move.
+            originals = {
+                remap(getattr(self.args, name), self.remaps): getattr(self.args, name)
+                for name in TOKENIZER_PATH_ARGS
+                if isinstance(getattr(self.args, name, None), str)
+            }
+            tokenizer = {k: originals.get(v, v) for k, v in tokenizer.items()}
         spec = self.config.data_spec(phase)
 
         def open_index() -> TrainIndex:
@@ -146,3 +211,24 @@ def batch_records(
                 )
             )
     return index, records
+
+
+def _history(
+    checkpoint: Checkpoint, options: argparse.Namespace, args: argparse.Namespace
+) -> History:
+    """The layout history of the checkpoint's run (its --save directory and layout log)."""
+    directory = checkpoint.directory
+    save_dir = directory.parent if CHECKPOINT_DIR.match(directory.name) else directory
+
+    def load(path: Any) -> dict[str, Any]:
+        try:
+            return load_common_state(path)
+        except CheckpointUnreadable as exc:
+            raise ConfigError(
+                f"{exc}. The lookup reads every checkpoint of the run for its layout history; "
+                "pass --data-parallel-size/--micro-batch-size to answer without it"
+            ) from None
+
+    # An explicit --sample-log names the run's sample log; else the run's --sample-log-dir.
+    logs = [options.sample_log or getattr(args, "sample_log_dir", None)]
+    return read_history(save_dir, logs, load)

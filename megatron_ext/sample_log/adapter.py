@@ -2,6 +2,9 @@
 
 Hooks, on the rank that reads the data and computes the loss (TP rank 0 of the last stage):
 
+- ``on_setup`` (global rank 0 only): the attempt's layout line in ``layout.jsonl`` (the
+  checkpoint is loaded by then, so the resume iteration and consumed samples are known);
+
 - ``on_batch``: the micro-batch's global sample ids and token SHA-1s, taken from the batch as
   the data iterator produced it (host memory, before it moves to the GPU; drill corruption
   included, since that is what was trained on);
@@ -15,10 +18,14 @@ Hooks, on the rank that reads the data and computes the loss (TP rank 0 of the l
 from __future__ import annotations
 
 import argparse
+import os
+import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core import mpu
+from megatron.training import get_args
 
 from megatron_ext.features import (
     LM_LOSS_PER_TOKEN,
@@ -28,7 +35,7 @@ from megatron_ext.features import (
     StepRecord,
 )
 from megatron_ext.io import token_sha1
-from megatron_ext.sample_log.core import SampleLog, SampleRecord
+from megatron_ext.sample_log.core import SampleLog, SampleRecord, append_layout, layout_record
 
 SAMPLE_ID_KEY = "sample_id"  # added to every train sample by gpt_step.SampleIdDataset
 _NOTE = "sample_log"  # key of this feature's note in MicroBatch.extras
@@ -61,6 +68,11 @@ class SampleLogFeature(Feature):
 
     def install(self, args: Any) -> None:
         self.args = args
+
+    def on_setup(self, model: list[Any], optimizer: Any) -> None:
+        if dist.get_rank() == 0:
+            job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+            append_layout(self.args.sample_log_dir, layout_record(get_args(), job, time.time()))
 
     def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None:
         if not (micro_batch.training and mpu.is_pipeline_last_stage()):

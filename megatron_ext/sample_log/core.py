@@ -6,6 +6,11 @@ interrupted and an uninterrupted run. Each sample's token-averaged loss lets an 
 the documents that drove a spike, not just the batch. The format is JSON Lines, append-only
 and flushed per record, so a kill -9 leaves at most one torn last line, which
 :func:`read_records` drops. No Megatron imports here.
+
+``layout.jsonl`` next to the per-rank files has one line per attempt: the DP size, micro and
+global batch sizes, skips, first iteration and consumed samples the attempt started with.
+Sample ids alone do not say which layout produced them; after a resize (DP=2 then DP=1) the
+lookup needs the layout in force at each iteration, also once old checkpoints are deleted.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
-from megatron_ext.files import sample_log_file
+from megatron_ext.files import LAYOUT_FILE, sample_log_file
 from megatron_ext.io import JsonlAppender, from_json, read_jsonl
 
 
@@ -59,3 +66,50 @@ def read_records(path: str | os.PathLike[str]) -> Iterator[SampleRecord]:
             yield SampleRecord(**from_json(raw))
         except TypeError as exc:
             raise ValueError(f"{path}: line {number} is not a sample record: {exc}") from exc
+
+
+# -- the layout log: one line per attempt --------------------------------------------------
+
+# Megatron args that decide which samples a DP rank reads at an iteration (and the data
+# identity the lookup must match); recorded once per attempt, when training starts.
+LAYOUT_ARGS = (
+    "data_parallel_size",
+    "micro_batch_size",
+    "global_batch_size",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "step_batch_size_schedule",
+    "decrease_batch_size_if_needed",
+    "train_iters",
+    "train_samples",
+    "seq_length",
+    "dataloader_type",
+)
+
+
+def layout_record(args: Any, job_id: str, wall_time: float) -> dict[str, Any]:
+    """What an attempt's data layout is, from Megatron's args after the checkpoint load.
+
+    ``first_iteration`` is the first iteration the attempt trains (resume + 1) and
+    ``consumed_samples`` the ``consumed_train_samples`` it starts from, so the lookup can place
+    every later iteration exactly even after the checkpoints of this stretch are deleted.
+    """
+    return {
+        "first_iteration": int(args.iteration) + 1,
+        "consumed_samples": int(args.consumed_train_samples),
+        **{name: getattr(args, name, None) for name in LAYOUT_ARGS},
+        "iterations_to_skip": sorted(int(i) for i in (args.iterations_to_skip or ())),
+        "data_path": getattr(args, "data_path", None),
+        "split": getattr(args, "split", None),
+        "seed": getattr(args, "seed", None),
+        "job_id": job_id,
+        "wall_time": wall_time,
+    }
+
+
+def append_layout(directory: str | os.PathLike[str], record: dict[str, Any]) -> None:
+    """Append one attempt's layout to ``DIR/layout.jsonl`` (one flushed line)."""
+    out = JsonlAppender(Path(directory) / LAYOUT_FILE)
+    out.append(record)
+    out.close()

@@ -8,8 +8,9 @@
   decision every rank exits with ``--spike-exit-code`` (default 42), which the launchers'
   supervisor turns into: plan (``megatron-ext skiplist``) -> apply -> restart.
 - :class:`SkipListFeature` (``--iterations-to-skip-file``, ranges in
-  ``--iterations-to-skip``): the ranges are expanded by ``pretrain_gpt_ext.py`` before
-  Megatron parses them; the applied list is persisted next to the checkpoints.
+  ``--iterations-to-skip``): ``pretrain_gpt_ext.py`` parses them with argparse before Megatron
+  does and hands Megatron the union of every source (flags, files, the list persisted in
+  ``--load``); the applied union is persisted next to the checkpoints.
 - :class:`DrillFeature` (``--drill-corrupt-batch``, ``--drill-corruption``): a reproducible bad
   batch on one DP rank (garbage tokens, or real documents mis-encoded).
 """
@@ -194,10 +195,10 @@ class SkipListFeature(Feature):
             "--iterations-to-skip-file",
             type=str,
             default=None,
-            help="File of iterations/ranges (A-B) to skip, one per line; merged "
-            "into --iterations-to-skip (which also takes A-B ranges here). The "
-            f"applied list is kept in SAVE/{SKIPPED_ITERATIONS_FILE} for later "
-            "restarts.",
+            help="File of iterations/ranges (A-B) to skip, one per line (repeatable). "
+            "Training skips the union of these files, --iterations-to-skip (which also "
+            f"takes A-B ranges here) and LOAD/{SKIPPED_ITERATIONS_FILE}, printed at "
+            f"start-up and kept in SAVE/{SKIPPED_ITERATIONS_FILE} for later restarts.",
         )
 
     def enabled(self, args: Any) -> bool:

@@ -6,18 +6,31 @@ under ``CKPT/megatron_ext_incidents/``. ``--apply`` then moves checkpoints newer
 rollback target aside (``CKPT/rolled_back/incident-NNN/``, nothing is deleted), points
 Megatron's ``latest_checkpointed_iteration.txt`` at the target and updates the persisted skip
 list that ``pretrain_gpt_ext.py`` reads from ``--load``, so the same launch command resumes
-with the plan. Every file is written atomically. Exit status: 0 planned, 2 impossible plan.
+with the plan.
+
+The apply is a journaled transaction (:mod:`megatron_ext.spikes.transaction`): killed at any
+point, rerunning ``--apply`` (or starting the training) finishes it and ``--undo`` reverts it;
+the tracker never names a missing checkpoint.
+
+Incidents have identities: a rollback request is ``attempt<A>-iteration<I>-onset<O>`` from
+its ledger line, planned as ``incident-NNN`` (a re-plan of the same request keeps its
+number). Applied incidents are recorded, one JSON line each, in
+``CKPT/megatron_ext_incidents/applied.jsonl`` (number, identity, rollback target, skip
+window). A request that was applied and trained past (a checkpoint newer than its rollback
+target exists), or that the tracker's checkpoint postdates, is refused: the run is past it.
+Exit status: 0 planned (or already applied, nothing to do), 2 refused or impossible plan.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.checkpoint_state import UnreadableState, read_saved_args
+from megatron_ext.checkpoint_state import CheckpointUnreadable, load_common_state
 from megatron_ext.files import (
     CHECKPOINT_TRACKER_FILE,
     LAST_PLAN_SKIP_FILE,
@@ -26,14 +39,19 @@ from megatron_ext.files import (
     SPIKE_LEDGER_FILE,
     checkpoint_dir,
     incident_stem,
+    read_checkpoint_tracker,
     rolled_back_dir,
 )
 from megatron_ext.io import atomic_write, atomic_write_json, read_jsonl
+from megatron_ext.spikes import transaction
 from megatron_ext.spikes.planner import (
     Plan,
     PlanConfig,
     PlanError,
+    check_unhandled,
     complete_checkpoints,
+    incident_id,
+    latest_incident,
     make_plan,
 )
 from megatron_ext.spikes.report import DEFAULT_WORST, build_report
@@ -50,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--ckpt-dir", type=Path, required=True, help="the run's --save/--load dir")
-    p.add_argument("--signals-dir", type=Path, required=True, help="the run's --signals-dir")
+    p.add_argument(
+        "--signals-dir", type=Path, help="the run's --signals-dir (not needed with --undo)"
+    )
     p.add_argument(
         "--ledger", type=Path, help=f"spike ledger (default SIGNALS/{SPIKE_LEDGER_FILE})"
     )
@@ -91,7 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Megatron --result-rejected-tracker-filename to append confirmed "
         "spikes to (confirm policy)",
     )
-    p.add_argument("--apply", action="store_true", help="carry the plan out (see above)")
+    action = p.add_mutually_exclusive_group()
+    action.add_argument("--apply", action="store_true", help="carry the plan out (see above)")
+    action.add_argument(
+        "--undo",
+        action="store_true",
+        help="revert an --apply that was interrupted (its journal is still in CKPT)",
+    )
     p.add_argument(
         "--worst",
         type=int,
@@ -108,12 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _train_iters(ckpt_dir: Path, iteration: int) -> int | None:
-    """``train_iters`` from a checkpoint's saved Megatron args (None if unreadable)."""
+def _train_iters(ckpt_dir: Path, iteration: int) -> int:
+    """``train_iters`` from a checkpoint's saved Megatron args."""
     try:
-        return int(read_saved_args(checkpoint_dir(ckpt_dir, iteration)).train_iters)
-    except (UnreadableState, OSError, TypeError, ValueError):
-        return None  # a partial or unknown checkpoint: the window check is then skipped
+        return int(load_common_state(checkpoint_dir(ckpt_dir, iteration))["args"].train_iters)
+    except CheckpointUnreadable as exc:
+        raise PlanError(f"{exc}; or pass --train-iters to plan without reading it") from None
 
 
 def _earlier_skips(ckpt_dir: Path) -> list[int]:
@@ -125,25 +151,95 @@ def _earlier_skips(ckpt_dir: Path) -> list[int]:
     return read_file(persisted) if persisted.exists() else []
 
 
-def _apply(plan: Plan, ckpt_dir: Path, number: int, tracker_file: Path | None) -> None:
-    aside = rolled_back_dir(ckpt_dir, number)
-    for iteration in plan.moved_checkpoints:
-        aside.mkdir(parents=True, exist_ok=True)
-        source = checkpoint_dir(ckpt_dir, iteration)
-        shutil.move(str(source), str(aside / source.name))
+def _number(ckpt_dir: Path, ident: str) -> int:
+    """The incident's number: the one an earlier plan of the same request got, else the next."""
+    incidents = incident_stem(ckpt_dir, 1).parent
+    numbers = {}
+    for path in incidents.glob("incident-*.json") if incidents.is_dir() else []:
+        try:
+            numbers[int(path.stem.removeprefix("incident-"))] = json.loads(path.read_text())
+        except (ValueError, OSError):
+            continue  # not one of ours (or being written): never reuse its number
+    for number, plan in sorted(numbers.items()):
+        if isinstance(plan, dict) and plan.get("incident_id") == ident:
+            return number
+    return max(numbers, default=0) + 1
+
+
+def _journal(
+    plan: Plan, ckpt_dir: Path, number: int, ident: str, tracker_file: Path | None
+) -> transaction.Journal:
+    aside = rolled_back_dir(ckpt_dir, number).relative_to(ckpt_dir)
     skipped = [i for a, b in plan.skip_ranges for i in range(a, b + 1)]
-    atomic_write(ckpt_dir / SKIPPED_ITERATIONS_FILE, format_ranges(skipped))
-    atomic_write(ckpt_dir / CHECKPOINT_TRACKER_FILE, f"{plan.rollback_to}\n")
-    if plan.tracker_lines and tracker_file is not None:
-        with open(tracker_file, "a") as handle:  # Megatron's own append-only format
-            handle.write("".join(plan.tracker_lines))
+    tracker = ckpt_dir / CHECKPOINT_TRACKER_FILE
+    skips = ckpt_dir / SKIPPED_ITERATIONS_FILE
+    return transaction.Journal(
+        incident=number,
+        incident_id=ident,
+        rollback_to=plan.rollback_to,
+        tracker_before=tracker.read_text() if tracker.exists() else None,
+        skips_before=skips.read_text() if skips.exists() else None,
+        skips_after=format_ranges(skipped),
+        moves=[
+            [name, str(aside / name)]
+            for name in (checkpoint_dir(ckpt_dir, i).name for i in plan.moved_checkpoints)
+        ],
+        applied={
+            "incident": number,
+            "incident_id": ident,
+            "onset": plan.onset,
+            "iteration": plan.incident["iteration"],
+            "attempt": plan.incident.get("attempt"),
+            "rollback_to": plan.rollback_to,
+            "skip_window": plan.skip_window,
+            "action": plan.action,
+            "applied_at": time.time(),
+        },
+        rejected_tracker=str(tracker_file) if plan.tracker_lines and tracker_file else None,
+        rejected_lines=list(plan.tracker_lines) if tracker_file else [],
+    )
+
+
+def _pending(args: argparse.Namespace) -> int | None:
+    """Finish (``--apply``) or undo (``--undo``) an interrupted apply; refuse to plan on top
+    of one. Returns an exit status when there is nothing more to do."""
+    if args.undo:
+        journal = transaction.undo_pending(args.ckpt_dir)
+        print(
+            f"undid the interrupted apply of incident {journal.incident:03d}: checkpoints moved "
+            f"back, tracker and skip list restored"
+            if journal
+            else f"nothing to undo: no interrupted --apply in {args.ckpt_dir}"
+        )
+        return 0
+    if transaction.pending(args.ckpt_dir) is None:
+        return None
+    if not args.apply:
+        raise PlanError(
+            f"an --apply was interrupted in {args.ckpt_dir} (journal "
+            f"{transaction.journal_path(args.ckpt_dir).name}): rerun with --apply to finish it, "
+            "or with --undo to revert it"
+        )
+    journal = transaction.finish_pending(args.ckpt_dir)
+    assert journal is not None
+    print(
+        f"finished the interrupted apply of incident {journal.incident:03d} "
+        f"(rolled back to {journal.rollback_to})"
+    )
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    ledger_path = args.ledger or args.signals_dir / SPIKE_LEDGER_FILE
-    signals_path = args.signals_dir / SIGNALS_FILE
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.signals_dir is None and not args.undo:
+        parser.error("--signals-dir is required (except with --undo)")
     try:
+        status = _pending(args)
+        if status is not None:
+            return status
+        ledger_path = args.ledger or args.signals_dir / SPIKE_LEDGER_FILE
+        signals_path = args.signals_dir / SIGNALS_FILE
         for path in (ledger_path, signals_path):
             if not path.exists():
                 raise PlanError(
@@ -151,6 +247,20 @@ def main(argv: list[str] | None = None) -> int:
                 )
         ledger: list[dict[str, Any]] = read_jsonl(ledger_path).records
         checkpoints = complete_checkpoints(args.ckpt_dir)
+        incident = latest_incident(ledger)
+        ident = incident_id(incident)
+        done = check_unhandled(
+            incident,
+            transaction.applied_records(args.ckpt_dir),
+            checkpoints,
+            read_checkpoint_tracker(args.ckpt_dir),
+        )
+        if done is not None:
+            print(
+                f"incident {int(done['incident']):03d} ({ident}) is already applied: rolled "
+                f"back to {done['rollback_to']}, nothing to do; restart with the same command"
+            )
+            return 0
         config = PlanConfig(
             rollback_iters=args.rollback_iters,
             skip_batches=args.skip_batches,
@@ -161,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             _train_iters(args.ckpt_dir, checkpoints[-1]) if checkpoints else None
         )
         # The onset search looks back from the incident; read only that stretch of the log.
-        last = max((int(e["iteration"]) for e in ledger if e.get("kind") == "rollback"), default=0)
+        last = int(incident["iteration"])
         history = read_signals(signals_path, iterations=(max(1, last - ONSET_LOOKBACK), last))
         plan = make_plan(
             ledger,
@@ -172,21 +282,29 @@ def main(argv: list[str] | None = None) -> int:
             train_iters,
             str(args.ckpt_dir),
         )
-    except (PlanError, ValueError) as exc:
+    except (PlanError, ValueError, OSError, transaction.TransactionError) as exc:
         print(f"megatron-ext skiplist: error: {exc}", file=sys.stderr)
         return 2
-    incidents = incident_stem(args.ckpt_dir, 1).parent
-    number = len(list(incidents.glob("incident-*.json"))) + 1 if incidents.exists() else 1
+    number = _number(args.ckpt_dir, ident)
     stem = incident_stem(args.ckpt_dir, number)
     report = build_report(
         plan, ledger, history, args.ckpt_dir, number, None if args.no_lookup else args.worst
     )
-    atomic_write_json(stem.with_suffix(".json"), report.as_json())
+    atomic_write_json(stem.with_suffix(".json"), {**report.as_json(), "incident_id": ident})
     atomic_write(stem.with_suffix(".md"), report.markdown())
     skipped = [i for a, b in plan.skip_ranges for i in range(a, b + 1)]
     atomic_write(args.ckpt_dir / LAST_PLAN_SKIP_FILE, format_ranges(skipped))
     if args.apply:
-        _apply(plan, args.ckpt_dir, number, args.tracker_file)
+        journal = _journal(plan, args.ckpt_dir, number, ident, args.tracker_file)
+        try:
+            transaction.apply(args.ckpt_dir, journal)
+        except (OSError, transaction.TransactionError) as exc:
+            print(
+                f"megatron-ext skiplist: error: applying incident {number:03d} failed ({exc}); "
+                f"rerun with --apply to finish it or with --undo to revert it",
+                file=sys.stderr,
+            )
+            return 2
     print(plan.summary)
     print(
         f"plan: {stem.with_suffix('.json')}\nreport: {stem.with_suffix('.md')}"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_ext.files import CHECKPOINT_DIR
+from megatron_ext.io import from_json
 from megatron_ext.spikes.skip_ranges import to_ranges
 from megatron_ext.telemetry.signals import SignalRecord
 
@@ -90,6 +91,28 @@ def complete_checkpoints(ckpt_dir: Path) -> list[int]:
     return sorted(found)
 
 
+def _checked(event: dict[str, Any]) -> dict[str, Any]:
+    """A ledger event with its numbers checked: iterations are integers, measurements numbers
+    (``"NaN"``/``"Infinity"`` strings included) or null; anything else is a damaged line."""
+    event = from_json(event)
+    for key in ("iteration", "onset"):
+        value = event.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(
+                f"a {event.get('kind')} record of the spike ledger has {key}={value!r}, not an "
+                "iteration number: the ledger line is damaged or was not written by the "
+                f"detector; fix or remove it (record: {str(event)[:200]})"
+            )
+    for key in ("loss", "loss_baseline", "grad_norm", "grad_baseline"):
+        value = event.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise PlanError(
+                f"a {event.get('kind')} record of the spike ledger at iteration "
+                f"{event['iteration']} has {key}={value!r}, not a number: fix or remove the line"
+            )
+    return event
+
+
 def latest_incident(ledger: list[dict[str, Any]]) -> dict[str, Any]:
     """The newest rollback request in the ledger."""
     rollbacks = [e for e in ledger if e.get("kind") == "rollback"]
@@ -98,14 +121,64 @@ def latest_incident(ledger: list[dict[str, Any]]) -> dict[str, Any]:
             "the spike ledger holds no rollback request: nothing to plan "
             "(transient spikes that recovered need no rollback)"
         )
-    return rollbacks[-1]
+    return _checked(rollbacks[-1])
+
+
+def incident_id(incident: dict[str, Any]) -> str:
+    """A rollback request's identity: its attempt, iteration and onset (one per request)."""
+    return (
+        f"attempt{incident.get('attempt', 0)}-iteration{incident['iteration']}"
+        f"-onset{incident['onset']}"
+    )
+
+
+def check_unhandled(
+    incident: dict[str, Any],
+    applied: list[dict[str, Any]],
+    checkpoints: list[int],
+    tracker: int | None,
+) -> dict[str, Any] | None:
+    """Refuse an incident the run is already past; return its applied record when it was
+    applied and nothing was trained since (then there is nothing left to do).
+
+    - applied, and a checkpoint newer than its rollback target exists: those were trained
+      after the rollback (the apply moved every newer one aside), and applying again would
+      discard them;
+    - never applied, but the tracker names a checkpoint saved after the incident's iteration:
+      the run trained past it some other way (a manual restart), so it is history.
+    """
+    ident = incident_id(incident)
+    record = next((r for r in applied if r.get("incident_id") == ident), None)
+    where = (
+        f"the rollback request at iteration {incident['iteration']} (onset {incident['onset']}, "
+        f"attempt {incident.get('attempt')})"
+    )
+    if record is not None:
+        newer = [c for c in checkpoints if c > int(record["rollback_to"])]
+        if newer:
+            raise PlanError(
+                f"{where} was already applied as incident {int(record['incident']):03d} (rolled "
+                f"back to {record['rollback_to']}, skipped {record.get('skip_window')}), and the "
+                f"run has trained past it since: checkpoint(s) {newer} were saved after that "
+                "rollback. Applying it again would discard them; nothing to do. A new spike "
+                "gets its own rollback request in the ledger."
+            )
+        return record
+    if tracker is not None and tracker > int(incident["iteration"]):
+        raise PlanError(
+            f"{where} is older than checkpoint {tracker}, which the tracker names and which "
+            "was saved after it: the run has trained past this incident, so it is not the "
+            "current one. Nothing to plan; to roll back anyway, point "
+            "latest_checkpointed_iteration.txt at an older checkpoint yourself."
+        )
+    return None
 
 
 def find_onset(incident: dict[str, Any], signals: list[SignalRecord]) -> int:
     """The incident's onset, moved earlier while the grad norm was already elevated."""
     onset = int(incident["onset"])
     baseline = incident.get("grad_baseline")
-    if not baseline:
+    if not baseline or not math.isfinite(baseline):  # no usable baseline: keep the onset
         return onset
     attempt = incident.get("attempt")
     grads = {r.iteration: r.grad_norm for r in signals if r.attempt == attempt}

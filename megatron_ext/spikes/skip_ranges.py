@@ -4,11 +4,17 @@ Megatron takes a flat list of 1-indexed iterations. megatron-ext also accepts ra
 (``137000-137400``, inclusive) and a file of them (``--iterations-to-skip-file``: one item per
 line, ``#`` comments), and persists the applied list next to the checkpoints so every later
 restart skips the same absolute iterations.
+
+:func:`resolve_argv` is how the entry point reads them: with argparse (so
+``--iterations-to-skip-file=PATH`` and repeated flags count), the union of every source
+(flags, files, the list persisted in ``--load``), announced at start-up.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext.files import SKIPPED_ITERATIONS_FILE
@@ -52,34 +58,68 @@ def format_ranges(iterations: list[int]) -> str:
     return "".join(f"{a}-{b}\n" if a != b else f"{a}\n" for a, b in to_ranges(iterations))
 
 
-def expand_argv(argv: list[str]) -> tuple[list[str], list[int]]:
-    """Rewrite ``--iterations-to-skip`` ranges and ``--iterations-to-skip-file F`` into
-    Megatron's integer list; returns the new argv and the iterations requested."""
-    out: list[str] = []
-    requested: list[int] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--iterations-to-skip":
-            i += 1
-            while i < len(argv) and not argv[i].startswith("--"):
-                requested += parse_item(argv[i], where="--iterations-to-skip: ")
-                i += 1
-            continue
-        if arg == "--iterations-to-skip-file":
-            if i + 1 >= len(argv):
-                raise ValueError("--iterations-to-skip-file needs a path")
-            requested += read_file(argv[i + 1])
-            i += 2
-            continue
-        out.append(arg)
-        i += 1
-    return out, sorted(set(requested))
+@dataclass
+class SkipSources:
+    """Where each iteration to skip came from; training skips the union of all of them."""
+
+    flags: list[int] = field(default_factory=list)  # --iterations-to-skip (any spelling)
+    files: dict[str, list[int]] = field(default_factory=dict)  # --iterations-to-skip-file
+    persisted: list[int] = field(default_factory=list)  # LOAD/megatron_ext_skipped_iterations
+    persisted_path: str | None = None
+
+    def union(self) -> list[int]:
+        merged = set(self.flags) | set(self.persisted)
+        for iterations in self.files.values():
+            merged |= set(iterations)
+        return sorted(merged)
+
+    def describe(self) -> str:
+        """One start-up line: the union and each source, as ranges."""
+
+        def show(iterations: list[int]) -> str:
+            return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in to_ranges(iterations))
+
+        parts = [f"--iterations-to-skip {show(self.flags)}"] if self.flags else []
+        parts += [f"--iterations-to-skip-file {p}: {show(i)}" for p, i in self.files.items()]
+        if self.persisted:
+            parts.append(f"persisted in {self.persisted_path}: {show(self.persisted)}")
+        return (
+            f"megatron-ext: skipping iterations {show(self.union())} (the union of "
+            + "; ".join(parts)
+            + ")"
+        )
 
 
-def with_persisted(argv: list[str], requested: list[int], load: str | None) -> list[str]:
-    """Add what earlier runs persisted in the checkpoint dir; return Megatron's argv."""
-    merged = set(requested)
+def _skip_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--iterations-to-skip", nargs="*", action="extend", default=[])
+    parser.add_argument("--iterations-to-skip-file", action="append", default=[])
+    return parser
+
+
+def load_dir(argv: list[str]) -> str | None:
+    """``--load`` as Megatron's parser will read it (either spelling, the last one wins)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--load")
+    return parser.parse_known_args(argv)[0].load
+
+
+def resolve_argv(argv: list[str]) -> tuple[list[str], SkipSources]:
+    """Parse the skip flags as argparse does (``--flag=value`` too, every occurrence), add the
+    list persisted in ``--load``, and return Megatron's argv with one flat
+    ``--iterations-to-skip`` (the union) plus where each iteration came from.
+
+    Raises ``ValueError``/``OSError`` naming the bad item or file.
+    """
+    known, rest = _skip_parser().parse_known_args(argv)
+    sources = SkipSources()
+    for item in known.iterations_to_skip:
+        sources.flags += parse_item(item, where="--iterations-to-skip: ")
+    for path in known.iterations_to_skip_file:
+        sources.files[path] = read_file(path)
+    load = load_dir(argv)
     if load and (Path(load) / SKIPPED_ITERATIONS_FILE).exists():
-        merged |= set(read_file(Path(load) / SKIPPED_ITERATIONS_FILE))
-    return [*argv, "--iterations-to-skip", *map(str, sorted(merged))] if merged else argv
+        sources.persisted_path = str(Path(load) / SKIPPED_ITERATIONS_FILE)
+        sources.persisted = read_file(sources.persisted_path)
+    union = sources.union()
+    return ([*rest, "--iterations-to-skip", *map(str, union)] if union else rest), sources

@@ -10,6 +10,7 @@ rewriting history; readers take the latest attempt per iteration. No Megatron im
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -58,16 +59,26 @@ def read_signals(
     ``iterations=(first, last)`` keeps only that range; lines outside it are recognised by
     their leading ``{"iteration":N`` key without being parsed, so a planner can look at the
     stretch before an incident in a million-line log quickly.
+
+    A JSON line that is not a signals record (another tool appended to the file, or a field
+    this version does not know) is skipped with a warning naming its line, as a torn line
+    is: one foreign line must not stop a training start-up or hide the other records.
     """
-    records = []
-    for number, raw in enumerate(read_jsonl(path, iterations=iterations).records, start=1):
-        unknown = set(raw) - _FIELDS
+    content = read_jsonl(path, iterations=iterations)
+    records, foreign = [], []
+    for number, raw in zip(content.line_numbers, content.records):
         try:
-            if unknown:
-                raise TypeError(f"unknown fields {sorted(unknown)}")
+            if set(raw) - _FIELDS:
+                raise TypeError(f"unknown fields {sorted(set(raw) - _FIELDS)}")
             records.append(SignalRecord(**from_json(raw)))
         except TypeError as exc:
-            raise ValueError(f"{path}: record {number} is not a signals record: {exc}") from exc
+            foreign.append(f"line {number} ({exc})")
+    if foreign:
+        warnings.warn(
+            f"{path}: skipped {len(foreign)} line(s) that are not signals records: "
+            f"{'; '.join(foreign[:5])}",
+            stacklevel=2,
+        )
     return records
 
 

@@ -10,8 +10,13 @@ Two registered patches, applied only when a flag is set (otherwise Megatron runs
   function too (importing it at call time) and only keeps the optimizer config.
 * ``weight-decay-map`` wraps the ``get_megatron_optimizer`` that ``setup_model_and_optimizer``
   calls, to print on rank 0, once the parameter groups exist, one line per parameter of every
-  pipeline stage: its multiplier and the rule that decided it; and to reject GLOBs that match
-  nothing.
+  pipeline stage: its multiplier and the rule that decided it.
+
+A GLOB that matches no parameter is refused in ``on_model_built``: right after the model chunks
+are built, before mixed-precision and DDP wrapping and the optimizer, the earliest point the
+names exist. (Before distributed init they do not: megatron-core's ``GPTModel`` takes its
+tensor/pipeline/context-parallel process groups at construction, and the layer numbering in
+the names is per pipeline stage, so a meta-device model cannot be built without the groups.)
 
 The resume check (:func:`megatron_ext.weight_decay.core.check_resume`) runs in ``validate``
 for every run that loads a checkpoint with its optimizer, flags or not, so dropping the flags
@@ -30,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.features import Feature
+from megatron_ext.features import Feature, FeatureError
 from megatron_ext.registry import patch
 from megatron_ext.weight_decay.core import (
     EMBEDDING_FLAG,
@@ -69,6 +74,9 @@ class WeightDecayFeature(Feature):
     """Per-parameter weight-decay multipliers, and the resume check that guards them."""
 
     name = "weight_decay"
+
+    def __init__(self) -> None:
+        self.args: Any = None
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -109,6 +117,7 @@ class WeightDecayFeature(Feature):
 
     def install(self, args: Any) -> None:
         """Warn about ineffective settings and apply the patches when a flag is set."""
+        self.args = args
         policy = policy_from_args(args)
         if not policy.active:
             return
@@ -116,6 +125,31 @@ class WeightDecayFeature(Feature):
             _print_once(f"megatron-ext: WARNING: {warning}")
         patch("weight-decay-overrides").apply()
         patch("weight-decay-map").apply()
+
+    def on_model_built(self, model: list[Any]) -> None:
+        """Refuse GLOBs that match no parameter of any stage, before DDP and the optimizer."""
+        policy = policy_from_args(self.args)
+        if not policy.overrides:
+            return
+        usage = GlobUsage.empty(policy)
+        names = []
+        for chunk in model:
+            for name, param in chunk.named_parameters():
+                if param.requires_grad:
+                    usage.count(policy, name, decided_by_flags=False)
+                    names.append(strip_wrappers(name))
+        gathered: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, usage.matched)
+        matched = [sum(counts) for counts in zip(*gathered)]
+        unmatched = [str(o) for o, n in zip(policy.overrides, matched) if not n]
+        if unmatched:
+            shown = ", ".join(names[:4] + (["..."] if len(names) > 4 else []))
+            raise FeatureError(
+                f"{OVERRIDE_FLAG} {', '.join(repr(u) for u in unmatched)} matches no parameter of "
+                f"the model (names are fnmatch'ed without 'module.' prefixes, layer indices "
+                f"local to a pipeline stage; this stage has {shown}). Fix the GLOB; nothing was "
+                "wrapped or trained"
+            )
 
 
 def policy_from_args(args: Any) -> WeightDecayPolicy:

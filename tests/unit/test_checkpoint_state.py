@@ -100,14 +100,14 @@ def test_no_code_from_the_file_runs(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_the_lookup_falls_back_to_megatrons_loader(tmp_path: Path, monkeypatch) -> None:
-    from megatron_ext.lookup import config
+    import megatron_ext.checkpoint_state as checkpoint_state
 
     _save_torch_dist(tmp_path, _state())
 
     def unreadable(directory: Path) -> dict:
         raise UnreadableState("a layout from a future torch")
 
-    monkeypatch.setattr(config, "read_common_state", unreadable)
+    monkeypatch.setattr(checkpoint_state, "read_common_state", unreadable)
     checkpoint = load_checkpoint(tmp_path)
     assert (checkpoint.iteration, checkpoint.args.attention_backend) == (40, AttnBackend.auto)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.spikes.planner import PlanConfig, PlanError, make_plan, tracker_lines
-from megatron_ext.spikes.skip_ranges import expand_argv, format_ranges, parse_item, with_persisted
+from megatron_ext.spikes.skip_ranges import format_ranges, parse_item, resolve_argv
 from megatron_ext.telemetry.signals import SignalRecord
 
 from spike_curves import events as _events
@@ -124,7 +124,7 @@ def test_ranges_files_and_persisted_lists(tmp_path: Path) -> None:
         parse_item("9-3")
     skip_file = tmp_path / "skip.txt"
     skip_file.write_text("# incident 1\n10-12\n\n20\n")
-    argv, requested = expand_argv(
+    argv, sources = resolve_argv(
         [
             "--lr",
             "1",
@@ -137,19 +137,16 @@ def test_ranges_files_and_persisted_lists(tmp_path: Path) -> None:
             "3",
         ]
     )
-    assert argv == ["--lr", "1", "--seed", "3"] and requested == [5, 7, 8, 10, 11, 12, 20]
+    assert sources.union() == [5, 7, 8, 10, 11, 12, 20]
+    assert argv == ["--lr", "1", "--seed", "3", "--iterations-to-skip", *map(str, sources.union())]
     (tmp_path / "megatron_ext_skipped_iterations.txt").write_text("30-31\n")
-    assert with_persisted(argv, [5], str(tmp_path))[-4:] == [
-        "--iterations-to-skip",
-        "5",
-        "30",
-        "31",
-    ]
+    argv, sources = resolve_argv(["--load", str(tmp_path), "--iterations-to-skip", "5"])
+    assert argv[-4:] == ["--iterations-to-skip", "5", "30", "31"]
     assert format_ranges([3, 1, 2, 7]) == "1-3\n7\n"
     bad = tmp_path / "bad.txt"
     bad.write_text("12\nx-3\n")
     with pytest.raises(ValueError, match=r"bad.txt:2: bad iteration or range 'x-3'"):
-        expand_argv(["--iterations-to-skip-file", str(bad)])
+        resolve_argv(["--iterations-to-skip-file", str(bad)])
 
 
 def test_entry_point_merges_the_list_persisted_with_the_loaded_checkpoints(tmp_path: Path) -> None:
@@ -157,10 +154,10 @@ def test_entry_point_merges_the_list_persisted_with_the_loaded_checkpoints(tmp_p
 
     (tmp_path / "megatron_ext_skipped_iterations.txt").write_text("5-6\n")
     for load in (["--load", str(tmp_path)], [f"--load={tmp_path}"]):
-        argv = pretrain_gpt_ext._expand_skips([*load, "--iterations-to-skip", "9-10"])
+        argv = pretrain_gpt_ext.prepare_skips([*load, "--iterations-to-skip", "9-10"])
         assert argv == [*load, "--iterations-to-skip", "5", "6", "9", "10"]
     with pytest.raises(SystemExit, match="bad range"):
-        pretrain_gpt_ext._expand_skips(["--iterations-to-skip", "10-9"])
+        pretrain_gpt_ext.prepare_skips(["--iterations-to-skip", "10-9"])
 
 
 def test_planner_merges_applied_skips_but_not_an_unapplied_earlier_plan(tmp_path: Path) -> None:
@@ -186,7 +183,9 @@ def test_planner_merges_applied_skips_but_not_an_unapplied_earlier_plan(tmp_path
     second = _skiplist(tmp_path, *common, "--rollback-iters", "10")
     assert second.returncode == 0, second.stderr
     assert "all skipped iterations: 20-21, 141-200." in second.stdout
-    plan = json.loads((ckpt / "megatron_ext_incidents" / "incident-002.json").read_text())
+    # The same rollback request re-planned keeps its incident number.
+    assert not (ckpt / "megatron_ext_incidents" / "incident-002.json").exists()
+    plan = json.loads((ckpt / "megatron_ext_incidents" / "incident-001.json").read_text())
     assert plan["skip_ranges"] == [[20, 21], [141, 200]]
 
 

@@ -153,8 +153,9 @@ def test_cli_refusals(tmp_path: Path, log: Path, capsys: pytest.CaptureFixture[s
     assert main(["--signals", str(tmp_path / "empty.jsonl")]) == 1
     assert "holds no signals records" in capsys.readouterr().err
     (tmp_path / "foreign.jsonl").write_text('{"step": 1}\n')
-    assert main(["--signals", str(tmp_path / "foreign.jsonl")]) == 1
-    assert "not a signals record" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match="not signals records"):
+        assert main(["--signals", str(tmp_path / "foreign.jsonl")]) == 1
+    assert "holds no signals records" in capsys.readouterr().err
     with pytest.warns(UserWarning, match="torn"):
         assert main(["--signals", str(log), "--attempts", "7"]) == 1
     assert "no attempt [7]" in capsys.readouterr().err

@@ -1,0 +1,232 @@
+"""``skiplist --apply`` as a journaled transaction: a kill at any point leaves a resumable run.
+
+Applying a plan changes four things in the checkpoint directory: the persisted skip list, the
+checkpoint tracker, (confirm policy) Megatron's result-rejected tracker, and where the
+checkpoints newer than the rollback target live. Done in the wrong order, a kill -9 in
+between leaves a tracker naming a checkpoint that was moved aside, and every resume crashes.
+So the apply is a transaction:
+
+1. the **intent** (``CKPT/megatron_ext_apply_journal.json``) is written atomically: what
+   each file held before, what it will hold, every move;
+2. the skip list, then the tracker (it names the rollback target, which is never moved);
+3. the result-rejected tracker lines (only those not already there);
+4. the moves, one ``rename`` each (``CKPT/rolled_back/incident-NNN/``; nothing is deleted);
+5. the incident is recorded as applied (``megatron_ext_incidents/applied.jsonl``);
+6. the journal is removed.
+
+Every step is idempotent, so a journal found later is **finished** by re-running
+``skiplist --apply`` or by the training start-up (``pretrain_gpt_ext.py``, before Megatron
+reads the tracker), or **undone** with ``skiplist --undo`` (moves back first, then the tracker
+and skip list are restored). At every step boundary the tracker names a checkpoint that
+exists. ``MEGATRON_EXT_TEST_KILL_AT_STEP=k`` (tests only, :func:`megatron_ext.io.kill_point`)
+makes the process SIGKILL itself right after step k, so the fault tests kill a real process at
+every boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.files import (
+    APPLY_JOURNAL_FILE,
+    CHECKPOINT_TRACKER_FILE,
+    SKIPPED_ITERATIONS_FILE,
+    applied_incidents_file,
+    checkpoint_dir,
+)
+from megatron_ext.io import (
+    JsonlAppender,
+    atomic_write,
+    atomic_write_json,
+    kill_point,
+    read_jsonl,
+    remove_durably,
+    rename_durably,
+)
+
+
+class TransactionError(RuntimeError):
+    """A pending apply cannot be finished as recorded; the message says what to do."""
+
+
+@dataclass
+class Journal:
+    """Everything needed to finish or undo one apply, written before anything changes."""
+
+    incident: int  # incident-NNN
+    incident_id: str
+    rollback_to: int
+    tracker_before: str | None  # the tracker's text before the apply (None: there was none)
+    skips_before: str | None
+    skips_after: str
+    moves: list[list[str]]  # [source, destination], relative to the checkpoint directory
+    applied: dict[str, Any]  # the line recorded in applied.jsonl
+    rejected_tracker: str | None = None  # Megatron's --result-rejected-tracker-filename
+    rejected_lines: list[str] = field(default_factory=list)
+
+
+def journal_path(ckpt_dir: str | Path) -> Path:
+    return Path(ckpt_dir) / APPLY_JOURNAL_FILE
+
+
+def pending(ckpt_dir: str | Path) -> Journal | None:
+    """The journal of an apply that did not finish, if any."""
+    path = journal_path(ckpt_dir)
+    if not path.exists():
+        return None
+    try:
+        return Journal(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as exc:  # written atomically: only a foreign file gets here
+        raise TransactionError(
+            f"{path} is not a megatron-ext apply journal ({exc}); if no `skiplist --apply` "
+            "ran here, move it away"
+        ) from None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+
+
+def _restore(path: Path, text: str | None) -> None:
+    if text is None:
+        remove_durably(path)
+    else:
+        atomic_write(path, text)
+
+
+def applied_records(ckpt_dir: str | Path) -> list[dict[str, Any]]:
+    path = applied_incidents_file(ckpt_dir)
+    return read_jsonl(path).records if path.exists() else []
+
+
+def _check_target(ckpt_dir: Path, journal: Journal) -> None:
+    target = checkpoint_dir(ckpt_dir, journal.rollback_to)
+    if not target.is_dir():
+        raise TransactionError(
+            f"the pending apply of incident {journal.incident:03d} rolls back to {target}, which "
+            f"is missing: restore it, or undo the apply with `megatron-ext skiplist --ckpt-dir "
+            f"{ckpt_dir} --undo`"
+        )
+
+
+def _move(ckpt_dir: Path, source: str, destination: str, journal: Journal) -> None:
+    src, dst = ckpt_dir / source, ckpt_dir / destination
+    if src.exists() and dst.exists():
+        raise TransactionError(
+            f"both {src} and {dst} exist: the apply of incident {journal.incident:03d} cannot "
+            "tell which one to keep; move one away by hand and rerun"
+        )
+    if src.exists():
+        rename_durably(src, dst)
+
+
+def _set_rejected_lines(journal: Journal, present: bool) -> None:
+    if not journal.rejected_tracker or not journal.rejected_lines:
+        return
+    path = Path(journal.rejected_tracker)
+    text = _read(path) or ""
+    lines = text.splitlines(keepends=True)
+    if present:
+        missing = [line for line in journal.rejected_lines if line not in lines]
+        if missing:  # Megatron's own append-only format
+            with open(path, "a") as handle:
+                handle.write(("" if not text or text.endswith("\n") else "\n") + "".join(missing))
+                handle.flush()
+                os.fsync(handle.fileno())
+    elif any(line in lines for line in journal.rejected_lines):
+        atomic_write(path, "".join(line for line in lines if line not in journal.rejected_lines))
+
+
+def _carry_out(ckpt_dir: Path, journal: Journal) -> None:
+    """Steps 2-6; each one is a no-op when already done."""
+    _check_target(ckpt_dir, journal)
+    atomic_write(ckpt_dir / SKIPPED_ITERATIONS_FILE, journal.skips_after)
+    kill_point()
+    atomic_write(ckpt_dir / CHECKPOINT_TRACKER_FILE, f"{journal.rollback_to}\n")
+    kill_point()
+    _set_rejected_lines(journal, present=True)
+    kill_point()
+    for source, destination in journal.moves:
+        _move(ckpt_dir, source, destination, journal)
+        kill_point()
+    if not any(r.get("incident_id") == journal.incident_id for r in applied_records(ckpt_dir)):
+        appender = JsonlAppender(applied_incidents_file(ckpt_dir))
+        appender.append(journal.applied)
+        appender.close()
+    kill_point()
+    remove_durably(journal_path(ckpt_dir))
+
+
+def apply(ckpt_dir: str | Path, journal: Journal) -> None:
+    """Record the intent, then carry it out."""
+    ckpt_dir = Path(ckpt_dir)
+    if pending(ckpt_dir) is not None:
+        raise TransactionError(f"{journal_path(ckpt_dir)} exists: finish or undo it first")
+    atomic_write_json(journal_path(ckpt_dir), asdict(journal))
+    kill_point()
+    _carry_out(ckpt_dir, journal)
+
+
+def finish_pending(ckpt_dir: str | Path) -> Journal | None:
+    """Roll a pending apply forward (the intent was recorded, so it is carried out)."""
+    journal = pending(ckpt_dir)
+    if journal is not None:
+        _carry_out(Path(ckpt_dir), journal)
+    return journal
+
+
+def undo_pending(ckpt_dir: str | Path) -> Journal | None:
+    """Put everything back as the journal found it: checkpoints first, then the tracker (so it
+    never names a moved checkpoint), the skip list, the rejected lines and the applied record."""
+    ckpt_dir = Path(ckpt_dir)
+    journal = pending(ckpt_dir)
+    if journal is None:
+        return None
+    for source, destination in reversed(journal.moves):
+        _move(ckpt_dir, destination, source, journal)
+        kill_point()
+    _restore(ckpt_dir / CHECKPOINT_TRACKER_FILE, journal.tracker_before)
+    kill_point()
+    _restore(ckpt_dir / SKIPPED_ITERATIONS_FILE, journal.skips_before)
+    kill_point()
+    _set_rejected_lines(journal, present=False)
+    records = applied_records(ckpt_dir)
+    if any(r.get("incident_id") == journal.incident_id for r in records):
+        kept = [r for r in records if r.get("incident_id") != journal.incident_id]
+        atomic_write(
+            applied_incidents_file(ckpt_dir),
+            "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in kept),
+        )
+    kill_point()
+    remove_durably(journal_path(ckpt_dir))
+    return journal
+
+
+def settle_at_startup(load: str | None, rank: int, timeout: float = 600.0) -> Journal | None:
+    """Training start-up, before Megatron reads the tracker: rank 0 finishes an interrupted
+    apply in ``--load``; every other rank waits until the journal is gone (no process group
+    exists yet, the shared filesystem is the only channel)."""
+    if not load or not journal_path(load).exists():
+        return None
+    if rank == 0:
+        try:
+            return finish_pending(load)
+        except TransactionError as exc:
+            raise SystemExit(f"megatron-ext: {exc}") from None
+    deadline = time.monotonic() + timeout
+    while journal_path(load).exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"megatron-ext: rank {rank}: rank 0 did not finish the interrupted `skiplist "
+                f"--apply` in {load} within {timeout:.0f} s; see rank 0's output"
+            )
+        time.sleep(1.0)
+    return None
