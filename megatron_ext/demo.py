@@ -153,10 +153,8 @@ def training_command(workdir: Path, nproc: int, iters: int, extra: list[str]) ->
 # tuned for a 60-iteration run (short window, low MAD factor: the tiny model's loss is still
 # falling steeply), then a rollback to a checkpoint >= 5 iterations before the onset and a
 # 12-batch skip window.
-DRILL_FLAGS = [
-    "--z-loss-coeff",
-    "1e-4",
-    "--log-bucket-grad-norms",
+# The tuned detector is shared with the Slurm drills in tests/e2e (same tiny DP=2 numerics).
+TINY_DETECTOR = [
     "--spike-detect",
     "--spike-window",
     "10",
@@ -168,6 +166,12 @@ DRILL_FLAGS = [
     "1.5",
     "--spike-patience",
     "3",
+]
+DRILL_FLAGS = [
+    "--z-loss-coeff",
+    "1e-4",
+    "--log-bucket-grad-norms",
+    *TINY_DETECTOR,
     "--drill-corrupt-batch",
     "40-45:1",
     "--save-interval",

@@ -10,6 +10,7 @@ megatron-ext flags keeps Megatron's functions untouched.
 from __future__ import annotations
 
 import argparse
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -90,47 +91,23 @@ def wrap_get_grad_norm(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def wrap_training_log(original: Callable[..., Any]) -> Callable[..., Any]:
-    def training_log(
-        loss_dict,
-        total_loss_dict,
-        learning_rate,
-        iteration,
-        loss_scale,
-        report_memory_flag,
-        skipped_iter,
-        grad_norm,
-        params_norm,
-        num_zeros_in_grad,
-        max_attention_logit,
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
-        result = original(
-            loss_dict,
-            total_loss_dict,
-            learning_rate,
-            iteration,
-            loss_scale,
-            report_memory_flag,
-            skipped_iter,
-            grad_norm,
-            params_norm,
-            num_zeros_in_grad,
-            max_attention_logit,
-            *args,
-            **kwargs,
-        )
+    # Megatron passes these positionally; the registry pins the signature they are bound by.
+    signature = inspect.signature(original)
+
+    def training_log(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        a = signature.bind(*args, **kwargs).arguments
         ACTIVE.after_step(
             StepRecord(
-                iteration=iteration,
-                losses=dict(loss_dict),
-                learning_rate=learning_rate,
-                loss_scale=float(loss_scale),
-                skipped_iter=bool(skipped_iter),
-                grad_norm=grad_norm,
-                params_norm=params_norm,
-                num_zeros=num_zeros_in_grad,
-                max_attention_logit=max_attention_logit,
+                iteration=a["iteration"],
+                losses=dict(a["loss_dict"]),
+                learning_rate=a["learning_rate"],
+                loss_scale=float(a["loss_scale"]),
+                skipped_iter=bool(a["skipped_iter"]),
+                grad_norm=a["grad_norm"],
+                params_norm=a["params_norm"],
+                num_zeros=a["num_zeros_in_grad"],
+                max_attention_logit=a["max_attention_logit"],
             )
         )
         return result

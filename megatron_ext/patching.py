@@ -70,6 +70,15 @@ def _target_error(name: str, target: str, verified_on: str, what: str) -> PatchT
     )
 
 
+def _existing(name: str, target: str, verified_on: str) -> Any:
+    """The current value of ``target``, or the start-up refusal saying it is gone."""
+    try:
+        owner, attr = resolve(target)
+        return getattr(owner, attr)
+    except (ImportError, AttributeError) as exc:
+        raise _target_error(name, target, verified_on, f"not found ({exc})") from exc
+
+
 @dataclass(frozen=True)
 class Patch:
     """One runtime replacement of a Megatron attribute.
@@ -93,13 +102,8 @@ class Patch:
 
     def verify(self) -> None:
         """Raise :class:`PatchTargetError` unless the target exists with the signature."""
-        try:
-            owner, attr = resolve(self.target)
-            current = getattr(owner, attr)
-        except (ImportError, AttributeError) as exc:
-            raise _target_error(
-                self.name, self.target, self.verified_on, f"not found ({exc})"
-            ) from exc
+        current = _existing(self.name, self.target, self.verified_on)
+        attr = self.target.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
         found = _signature_of(_original(current))
         if found != self.signature:
             raise _target_error(
@@ -172,13 +176,7 @@ class Assumption:
     verified_on: str = MEGATRON_CORE_VERSION
 
     def verify(self) -> None:
-        try:
-            owner, attr = resolve(self.target)
-            value = getattr(owner, attr)
-        except (ImportError, AttributeError) as exc:
-            raise _target_error(
-                self.name, self.target, self.verified_on, f"not found ({exc})"
-            ) from exc
+        value = _existing(self.name, self.target, self.verified_on)
         if self.assigned:
             init = getattr(value, "__init__", None)
             names = set(getattr(getattr(init, "__code__", None), "co_names", ()))

@@ -30,23 +30,7 @@ from typing import Any
 from megatron_ext.files import CHECKPOINT_DIR, LAYOUT_FILE
 from megatron_ext.io import read_jsonl
 from megatron_ext.lookup.errors import ConfigError, PositionError
-
-# What places a sample in (iteration, DP rank, micro-batch); a change at a resume is what
-# this module exists for. Names as in Megatron's args.
-LAYOUT_FIELDS = (
-    "data_parallel_size",
-    "micro_batch_size",
-    "global_batch_size",
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "step_batch_size_schedule",
-    "decrease_batch_size_if_needed",
-    "train_iters",
-    "train_samples",
-)
-# What identifies the data; a change at a resume means another dataset, not another layout.
-DATA_FIELDS = ("data_path", "split", "seed", "seq_length", "dataloader_type")
+from megatron_ext.sample_log.core import DATA_FIELDS, LAYOUT_FIELDS
 
 
 @dataclass(frozen=True)

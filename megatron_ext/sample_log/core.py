@@ -70,9 +70,9 @@ def read_records(path: str | os.PathLike[str]) -> Iterator[SampleRecord]:
 
 # -- the layout log: one line per attempt --------------------------------------------------
 
-# Megatron args that decide which samples a DP rank reads at an iteration (and the data
-# identity the lookup must match); recorded once per attempt, when training starts.
-LAYOUT_ARGS = (
+# What places a sample in (iteration, DP rank, micro-batch): a change at a resume is what the
+# lookup's layout history (megatron_ext.lookup.history) exists for. Names as in Megatron's args.
+LAYOUT_FIELDS = (
     "data_parallel_size",
     "micro_batch_size",
     "global_batch_size",
@@ -83,9 +83,9 @@ LAYOUT_ARGS = (
     "decrease_batch_size_if_needed",
     "train_iters",
     "train_samples",
-    "seq_length",
-    "dataloader_type",
 )
+# What identifies the data: a change at a resume means another dataset, not another layout.
+DATA_FIELDS = ("data_path", "split", "seed", "seq_length", "dataloader_type")
 
 
 def layout_record(args: Any, job_id: str, wall_time: float) -> dict[str, Any]:
@@ -98,11 +98,8 @@ def layout_record(args: Any, job_id: str, wall_time: float) -> dict[str, Any]:
     return {
         "first_iteration": int(args.iteration) + 1,
         "consumed_samples": int(args.consumed_train_samples),
-        **{name: getattr(args, name, None) for name in LAYOUT_ARGS},
+        **{name: getattr(args, name, None) for name in LAYOUT_FIELDS + DATA_FIELDS},
         "iterations_to_skip": sorted(int(i) for i in (args.iterations_to_skip or ())),
-        "data_path": getattr(args, "data_path", None),
-        "split": getattr(args, "split", None),
-        "seed": getattr(args, "seed", None),
         "job_id": job_id,
         "wall_time": wall_time,
     }

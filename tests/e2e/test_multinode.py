@@ -46,6 +46,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.demo import TINY_DETECTOR
 from megatron_ext.files import SKIPPED_ITERATIONS_FILE, incident_stem, rolled_back_dir
 
 from multinode import (
@@ -70,21 +71,8 @@ TRAIN_ITERS = 40  # iterations are cheap (~0.1 s); launches are not
 SAVE_INTERVAL = 10
 DRILL_ITERS = 50
 DRILL_SKIPPED = range(26, 38)  # rollback to checkpoint 25, then 12 batches skipped
-DRILL = [  # as the single-node drill (tests/e2e/test_slurm.py): the same DP=2 numerics
-    "--spike-detect",
-    "--spike-window",
-    "10",
-    "--spike-warmup",
-    "20",
-    "--spike-mad-k",
-    "3",
-    "--spike-grad-factor",
-    "1.5",
-    "--spike-patience",
-    "3",
-    "--drill-corrupt-batch",
-    "32-36:1",
-]
+# As the single-node drill (tests/e2e/test_slurm.py): the same DP=2 numerics.
+DRILL = [*TINY_DETECTOR, "--drill-corrupt-batch", "32-36:1"]
 GLOO_PROBE = REPO / "tests" / "support" / "gloo_probe.py"
 
 WHERE_SCRIPT = r"""#!/bin/bash

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.demo import TINY_DETECTOR
+
 from slurm import (
     SBATCH_SCRIPT,
     JobResult,
@@ -349,17 +351,7 @@ def test_spike_drill_exits_42_plans_rolls_back_and_passes(
     drill = [
         "--signals-dir",
         str(work / "signals"),
-        "--spike-detect",
-        "--spike-window",
-        "10",
-        "--spike-warmup",
-        "20",
-        "--spike-mad-k",
-        "3",
-        "--spike-grad-factor",
-        "1.5",
-        "--spike-patience",
-        "3",
+        *TINY_DETECTOR,
         "--drill-corrupt-batch",
         "32-36:1",
     ]

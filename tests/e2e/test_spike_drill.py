@@ -21,7 +21,7 @@ import pytest
 
 from megatron_ext.telemetry.signals import read_signals
 
-from harness import GLOBAL_BATCH, MICRO_BATCH, Run, checkpoint_args, launch
+from harness import GLOBAL_BATCH, MICRO_BATCH, Run, checkpoint_args, launch, run_skiplist
 
 TRAIN_ITERS = 50
 
@@ -68,30 +68,12 @@ def _drill_args(
     ]
 
 
-def _skiplist(work: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_ext.cli",
-            "skiplist",
-            "--ckpt-dir",
-            str(work / "ckpt"),
-            "--signals-dir",
-            str(work / "signals"),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-    )
-
-
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory, data_args) -> dict:
     work = tmp_path_factory.mktemp("drill")
     args = _drill_args(data_args, work, f"{BAD[0]}-{BAD[1]}:1", patience=3)
     first = launch(work, args, nproc=2)
-    plan = _skiplist(work, "--rollback-iters", "5", "--skip-batches", "12", "--apply")
+    plan = run_skiplist(work, "--rollback-iters", "5", "--skip-batches", "12", "--apply")
     shutil.move(str(work / "samples"), str(work / "samples-attempt1"))
     second = launch(work, args, nproc=2)
     return {"work": work, "first": first, "plan": plan, "second": second}
@@ -195,7 +177,7 @@ def real_shaped(tmp_path_factory, data_args) -> dict:
     trained = {
         int(p.stem.removeprefix("samples-dp")): _read(p) for p in (work / "samples").glob("*.jsonl")
     }
-    plan = _skiplist(
+    plan = run_skiplist(
         work, "--rollback-iters", "5", "--skip-batches", "12", "--worst", "4", "--apply"
     )
     second = launch(work, args, nproc=2)

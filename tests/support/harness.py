@@ -210,3 +210,11 @@ def checkpoint_args(save_dir: Path, iteration: int):
     from megatron.core.dist_checkpointing.serialization import load_common_state_dict
 
     return load_common_state_dict(str(save_dir / f"iter_{iteration:07d}"))["args"]
+
+
+def run_skiplist(work: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``megatron-ext skiplist`` over a harness run directory (``work/ckpt``,
+    ``work/signals``), as its own process, as the launchers' supervisor runs it."""
+    command = [sys.executable, "-m", "megatron_ext.cli", "skiplist"]
+    command += ["--ckpt-dir", str(work / "ckpt"), "--signals-dir", str(work / "signals")]
+    return subprocess.run([*command, *extra], capture_output=True, text=True)

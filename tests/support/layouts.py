@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ import torch
 
 from megatron_ext.demo import TINY_MODEL
 
-from harness import TELEMETRY, Run, launch
+from harness import TELEMETRY, Run, launch, run_skiplist
 
 TRAIN_ITERS = 25
 FIRST = 10  # the layouts' first iteration; the base saves FIRST - 1
@@ -253,26 +252,6 @@ def model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def skiplist(work: Path) -> subprocess.CompletedProcess[str]:
-    """``megatron-ext skiplist --apply`` as the launchers' supervisor runs it."""
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_ext.cli",
-            "skiplist",
-            "--ckpt-dir",
-            str(work / "ckpt"),
-            "--signals-dir",
-            str(work / "signals"),
-            *PLAN,
-            "--apply",
-        ],
-        capture_output=True,
-        text=True,
-    )
-
-
 class Matrix:
     """Launches of the matrix, made on first use and kept for the session."""
 
@@ -337,7 +316,7 @@ class Matrix:
             first, work = self.first(name), self.root / f"{name}-restart"
             for part in ("ckpt", "signals"):
                 shutil.copytree(first.workdir / part, work / part)
-            plan = skiplist(work)
+            plan = run_skiplist(work, *PLAN, "--apply")
             return plan, self._again(BY_NAME[name], work, work.name)
 
         return self._once(f"{name}/restart", make)

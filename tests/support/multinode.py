@@ -34,8 +34,8 @@ from slurm import (
     JobResult,
     PendingJob,
     SlurmCluster,
+    cannot_run,
     free_port,
-    on_ci,
     start_training,
 )
 
@@ -94,12 +94,9 @@ class TwoNodeSlurm(SlurmCluster):
 def ensure_two_nodes(root: Path) -> TwoNodeSlurm:
     """Install Slurm if needed and start the two-node cluster in ``root``; skip (or, on CI,
     fail) with the reason when this machine cannot. For a pytest fixture."""
-    import pytest
 
     def cannot(reason: str) -> None:
-        if on_ci():
-            pytest.fail(f"CI is set, so the two-node Slurm tests must run, but: {reason}")
-        pytest.skip(f"{reason} (set CI=1 to fail instead)")
+        cannot_run("the two-node Slurm tests", reason)
 
     if os.geteuid() != 0:
         cannot("the namespace cluster needs root (network namespaces, SlurmUser=root)")

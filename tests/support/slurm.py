@@ -495,15 +495,21 @@ def latest_checkpoint(ckpt_dir: Path) -> int:
         return -1
 
 
+def cannot_run(what: str, reason: str) -> None:
+    """Skip a test that this machine cannot run, saying why; on CI (where it must run), fail."""
+    import pytest
+
+    if on_ci():
+        pytest.fail(f"CI is set, so {what} must run, but: {reason}")
+    pytest.skip(f"{reason} (set CI=1 to fail instead)")
+
+
 def ensure_cluster(root: Path) -> SlurmCluster:
     """Install Slurm if needed and start a cluster in ``root``; skip (or, on CI, fail) with
     the reason when that is impossible here. For a pytest fixture."""
-    import pytest
 
     def cannot(reason: str) -> None:
-        if on_ci():
-            pytest.fail(f"CI is set, so the Slurm tests must run, but: {reason}")
-        pytest.skip(f"{reason} (set CI=1 to fail instead)")
+        cannot_run("the Slurm tests", reason)
 
     if os.geteuid() != 0:
         cannot("the local Slurm cluster runs its daemons as root (SlurmUser=root); not root")

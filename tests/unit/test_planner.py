@@ -4,8 +4,6 @@ checkpoints) and Megatron's own tracker parser agreeing with the confirm policy.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from megatron_ext.spikes.planner import PlanConfig, PlanError, make_plan, tracke
 from megatron_ext.spikes.skip_ranges import format_ranges, parse_item, resolve_argv
 from megatron_ext.telemetry.signals import SignalRecord
 
+from harness import run_skiplist
 from spike_curves import events as _events
 from spike_curves import records as _records
 
@@ -178,30 +177,12 @@ def test_planner_merges_applied_skips_but_not_an_unapplied_earlier_plan(tmp_path
         (ckpt / f"iter_{iteration:07d}" / "metadata.json").write_text("{}")
     (ckpt / "megatron_ext_skipped_iterations.txt").write_text("20-21\n")  # applied earlier
     common = ["--no-lookup", "--train-iters", "1000", "--skip-batches", "60"]
-    first = _skiplist(tmp_path, *common, "--rollback-iters", "40")  # planned, not applied
+    first = run_skiplist(tmp_path, *common, "--rollback-iters", "40")  # planned, not applied
     assert first.returncode == 0 and "skip iterations 101-160" in first.stdout, first.stderr
-    second = _skiplist(tmp_path, *common, "--rollback-iters", "10")
+    second = run_skiplist(tmp_path, *common, "--rollback-iters", "10")
     assert second.returncode == 0, second.stderr
     assert "all skipped iterations: 20-21, 141-200." in second.stdout
     # The same rollback request re-planned keeps its incident number.
     assert not (ckpt / "megatron_ext_incidents" / "incident-002.json").exists()
     plan = json.loads((ckpt / "megatron_ext_incidents" / "incident-001.json").read_text())
     assert plan["skip_ranges"] == [[20, 21], [141, 200]]
-
-
-def _skiplist(work: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_ext.cli",
-            "skiplist",
-            "--ckpt-dir",
-            str(work / "ckpt"),
-            "--signals-dir",
-            str(work / "signals"),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-    )
