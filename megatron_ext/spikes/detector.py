@@ -70,28 +70,31 @@ class SpikeEvent:
 class RollingWindow:
     """Fixed-size window with O(log n) median (sorted mirror of a deque)."""
 
+    __slots__ = ("_order", "size", "values")
+
     def __init__(self, size: int) -> None:
         self.size = size
         self._order: deque[float] = deque()
-        self._sorted: list[float] = []
+        self.values: list[float] = []  # sorted; read directly on the per-step path
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self.values)
 
     def push(self, value: float) -> None:
-        order, ordered = self._order, self._sorted
+        order, ordered = self._order, self.values
         order.append(value)
         bisect.insort(ordered, value)
-        if len(order) > self.size:
+        if len(ordered) > self.size:
             del ordered[bisect.bisect_left(ordered, order.popleft())]
 
     def median(self) -> float:
-        s, n = self._sorted, len(self._sorted)
+        s = self.values
+        n = len(s)
         return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
     def mad(self) -> float:
         med = self.median()
-        deviations = sorted(abs(v - med) for v in self._sorted)
+        deviations = sorted(abs(v - med) for v in self.values)
         n = len(deviations)
         return deviations[n // 2] if n % 2 else 0.5 * (deviations[n // 2 - 1] + deviations[n // 2])
 
@@ -161,8 +164,8 @@ class SpikeDetector:
         """The current moderate loss threshold (only meaningful once armed)."""
         return self.loss.threshold(self.config.loss_rel, self.config.mad_k)
 
-    def _read(self, record: SignalRecord) -> _Step:
-        """The iteration's readings (runs every step: kept to a few attribute reads)."""
+    def _read(self, record: SignalRecord) -> tuple[float, float | None, float | None, bool]:
+        """The iteration's loss, grad norm (None when skipped), excess and skip flag."""
         scale, skipped = record.loss_scale, bool(record.skipped_iter)
         if scale is not None and math.isfinite(scale):
             if self.last_scale is not None and scale < self.last_scale:
@@ -172,47 +175,58 @@ class SpikeDetector:
         loss, worst = record.lm_loss, record.max_local_loss
         if loss is None:
             loss = math.nan
-        excess = (
-            worst - loss
-            if worst is not None and math.isfinite(worst) and math.isfinite(loss)
-            else None
-        )
-        return _Step(record, loss, None if skipped else record.grad_norm, excess, skipped)
+        excess = None
+        if worst is not None:
+            excess = worst - loss  # not finite when either is not (inf - inf is nan)
+            if not math.isfinite(excess):
+                excess = None
+        return loss, None if skipped else record.grad_norm, excess, skipped
 
     def observe(self, record: SignalRecord) -> list[SpikeEvent]:
-        """Update with one iteration and return the events it caused (usually none)."""
+        """Update with one iteration and return the events it caused (usually none).
+
+        Runs every training step, so the common case (healthy, nothing rising) is kept flat:
+        a few attribute reads, two medians and three bisects, no objects made.
+        """
         self.recent.append(record)
         self.seen += 1
-        step = self._read(record)
+        loss, grad, excess, skipped = self._read(record)
         if self.state == "rollback":
             return []
-        if not (math.isfinite(step.loss) and (step.grad is None or math.isfinite(step.grad))):
-            event = self._event("divergence", step, "non-finite loss or grad norm")
+        if not (math.isfinite(loss) and (grad is None or math.isfinite(grad))):
+            event = self._event(
+                "divergence",
+                _Step(record, loss, grad, excess, skipped),
+                "non-finite loss or grad norm",
+            )
             if self.incident is not None:
                 event.onset = self.incident.onset
             return self._escalate(event)
         if not self._armed:
             self._armed = self.armed()
             if not self._armed:
-                self._learn(step)
+                self._learn(loss, grad, excess)
                 return []
         if self.state == "watching":
-            return self._watch(step)
-        return self._healthy(step)
-
-    def _healthy(self, step: _Step) -> list[SpikeEvent]:
-        c = self.config
+            return self._watch(_Step(record, loss, grad, excess, skipped))
         median = self.loss.median()
-        one_rank = step.excess is not None and len(self.excess) > 0
-        rising = step.loss > median + abs(median) * c.loss_rel or (
-            one_rank and step.excess > self.excess.median() + abs(median) * c.loss_rel  # type: ignore[operator]
+        margin = abs(median) * self.config.loss_rel
+        one_rank = excess is not None and bool(self.excess.values)
+        rising = loss > median + margin or (
+            one_rank and excess > self.excess.median() + margin  # type: ignore[operator]
         )
-        if not rising and self.skips < c.skip_streak:  # cheap path: most iterations stop here
+        if not rising and self.skips < self.config.skip_streak:  # most iterations stop here
             if self.raised_since is not None:
                 self.elevated = self.suspicious = 0
                 self.raised_since = None
-            self._learn(step)
+            self._learn(loss, grad, excess)
             return []
+        return self._rising(_Step(record, loss, grad, excess, skipped), rising, one_rank)
+
+    def _rising(self, step: _Step, rising: bool, one_rank: bool) -> list[SpikeEvent]:
+        """A healthy run's loss (or one rank's excess) over its relative threshold, or a skip
+        streak: flag it, count it as elevated or as suspicious."""
+        c = self.config
         if self.raised_since is None:
             self.raised_since = step.record.iteration - (0 if rising else self.skips - 1)
         why = self._flag_reason(step, one_rank)
@@ -234,7 +248,7 @@ class SpikeDetector:
         self.elevated = 0
         self.suspicious += 1
         if self.suspicious > c.patience:
-            self._learn(step)
+            self._learn(step.loss, step.grad, step.excess)
         return []
 
     def _flag_reason(self, step: _Step, one_rank: bool) -> str | None:
@@ -260,22 +274,22 @@ class SpikeDetector:
     def _grad_high(self, grad: float | None) -> bool:
         return (
             grad is not None
-            and len(self.grad) > 0
+            and bool(self.grad.values)
             and grad >= self.config.grad_factor * self.grad.median()
         )
 
     def _excess_threshold(self) -> float | None:
-        if not len(self.excess):
+        if not self.excess.values:
             return None
         c = self.config
         return self.excess.threshold(c.loss_rel, c.mad_k, self.loss.median())
 
-    def _learn(self, step: _Step) -> None:
-        self.loss.push(step.loss)
-        if step.grad is not None:  # finite: observe() diverges on a non-finite one
-            self.grad.push(step.grad)
-        if step.excess is not None:
-            self.excess.push(step.excess)
+    def _learn(self, loss: float, grad: float | None, excess: float | None) -> None:
+        self.loss.push(loss)
+        if grad is not None:  # finite: observe() diverges on a non-finite one
+            self.grad.push(grad)
+        if excess is not None:
+            self.excess.push(excess)
 
     def _watch(self, step: _Step) -> list[SpikeEvent]:
         assert self.incident is not None
