@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.files import SAMPLE_LOG_GLOB
 from megatron_ext.telemetry.signals import read_signals
 
 from harness import GLOBAL_BATCH, MICRO_BATCH, Run, checkpoint_args, launch, run_skiplist
@@ -174,9 +175,8 @@ def real_shaped(tmp_path_factory, data_args) -> dict:
         data_args, work, f"{BAD[0]}-{BAD[1]}:1", patience=3, corruption="mis-encoded"
     )
     first = launch(work, args, nproc=2)
-    trained = {
-        int(p.stem.removeprefix("samples-dp")): _read(p) for p in (work / "samples").glob("*.jsonl")
-    }
+    logs = (work / "samples").glob(SAMPLE_LOG_GLOB)
+    trained = {int(p.stem.removeprefix("samples-dp")): _read(p) for p in logs}
     plan = run_skiplist(
         work, "--rollback-iters", "5", "--skip-batches", "12", "--worst", "4", "--apply"
     )
