@@ -79,6 +79,14 @@ def _existing(name: str, target: str, verified_on: str) -> Any:
         raise _target_error(name, target, verified_on, f"not found ({exc})") from exc
 
 
+def _check_signature(name: str, target: str, verified_on: str, fn: Any, expected: str) -> None:
+    found = _signature_of(fn)
+    if found != expected:
+        raise _target_error(
+            name, target, verified_on, f"changed signature: expected {expected}, found {found}"
+        )
+
+
 @dataclass(frozen=True)
 class Patch:
     """One runtime replacement of a Megatron attribute.
@@ -104,14 +112,9 @@ class Patch:
         """Raise :class:`PatchTargetError` unless the target exists with the signature."""
         current = _existing(self.name, self.target, self.verified_on)
         attr = self.target.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
-        found = _signature_of(_original(current))
-        if found != self.signature:
-            raise _target_error(
-                self.name,
-                self.target,
-                self.verified_on,
-                f"changed signature: expected {self.signature}, found {found}",
-            )
+        _check_signature(
+            self.name, self.target, self.verified_on, _original(current), self.signature
+        )
         for module_name in self.also_bound_in:
             module = importlib.import_module(module_name)
             if _original(getattr(module, attr, None)) is not _original(current):
@@ -189,14 +192,7 @@ class Assumption:
                     f"no longer assigns {missing} in __init__",
                 )
         if self.signature is not None:
-            found = _signature_of(value)
-            if found != self.signature:
-                raise _target_error(
-                    self.name,
-                    self.target,
-                    self.verified_on,
-                    f"changed signature: expected {self.signature}, found {found}",
-                )
+            _check_signature(self.name, self.target, self.verified_on, value, self.signature)
 
 
 Entry = Patch | Assumption
