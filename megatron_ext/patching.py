@@ -70,11 +70,12 @@ def _target_error(name: str, target: str, verified_on: str, what: str) -> PatchT
     )
 
 
-def _existing(name: str, target: str, verified_on: str) -> Any:
-    """The current value of ``target``, or the start-up refusal saying it is gone."""
+def _existing(name: str, target: str, verified_on: str) -> tuple[str, Any]:
+    """``target``'s attribute name and current value, or the start-up refusal saying it is
+    gone."""
     try:
         owner, attr = resolve(target)
-        return getattr(owner, attr)
+        return attr, getattr(owner, attr)
     except (ImportError, AttributeError) as exc:
         raise _target_error(name, target, verified_on, f"not found ({exc})") from exc
 
@@ -110,8 +111,7 @@ class Patch:
 
     def verify(self) -> None:
         """Raise :class:`PatchTargetError` unless the target exists with the signature."""
-        current = _existing(self.name, self.target, self.verified_on)
-        attr = self.target.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+        attr, current = _existing(self.name, self.target, self.verified_on)
         _check_signature(
             self.name, self.target, self.verified_on, _original(current), self.signature
         )
@@ -179,7 +179,7 @@ class Assumption:
     verified_on: str = MEGATRON_CORE_VERSION
 
     def verify(self) -> None:
-        value = _existing(self.name, self.target, self.verified_on)
+        _, value = _existing(self.name, self.target, self.verified_on)
         if self.assigned:
             init = getattr(value, "__init__", None)
             names = set(getattr(getattr(init, "__code__", None), "co_names", ()))

@@ -36,6 +36,7 @@ from slurm import (
     SlurmCluster,
     cannot_run,
     free_port,
+    require_slurm,
     start_training,
 )
 
@@ -94,21 +95,12 @@ class TwoNodeSlurm(SlurmCluster):
 def ensure_two_nodes(root: Path) -> TwoNodeSlurm:
     """Install Slurm if needed and start the two-node cluster in ``root``; skip (or, on CI,
     fail) with the reason when this machine cannot. For a pytest fixture."""
-
-    def cannot(reason: str) -> None:
-        cannot_run("the two-node Slurm tests", reason)
-
-    if os.geteuid() != 0:
-        cannot("the namespace cluster needs root (network namespaces, SlurmUser=root)")
-    installed = SlurmCluster.install()
-    if installed.returncode != 0:
-        cannot(
-            f"Slurm is not installed and could not be installed: {installed.stderr.strip()[-800:]}"
-        )
+    what = "the two-node Slurm tests"
+    require_slurm(what, "the namespace cluster needs root (network namespaces, SlurmUser=root)")
     try:
         netns = start_netns_cluster(root, nodes=2, prefix=PREFIX, subnet=SUBNET)
     except ClusterUnavailable as exc:
-        cannot(f"cannot build a two-node cluster from network namespaces here: {exc}")
+        cannot_run(what, f"cannot build a two-node cluster from network namespaces here: {exc}")
     return TwoNodeSlurm(netns)
 
 

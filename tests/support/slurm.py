@@ -504,20 +504,26 @@ def cannot_run(what: str, reason: str) -> None:
     pytest.skip(f"{reason} (set CI=1 to fail instead)")
 
 
+def require_slurm(what: str, why_root: str) -> None:
+    """Root and an installed Slurm (installing it if needed), or skip ``what`` (on CI: fail)
+    saying which is missing."""
+    if os.geteuid() != 0:
+        cannot_run(what, why_root)
+    result = SlurmCluster.install()
+    if result.returncode != 0:
+        cannot_run(
+            what,
+            f"Slurm is not installed and could not be installed "
+            f"(tests/support/slurm_local_cluster.sh install, rc {result.returncode}): "
+            f"{result.stderr.strip()[-800:]}",
+        )
+
+
 def ensure_cluster(root: Path) -> SlurmCluster:
     """Install Slurm if needed and start a cluster in ``root``; skip (or, on CI, fail) with
     the reason when that is impossible here. For a pytest fixture."""
-
-    def cannot(reason: str) -> None:
-        cannot_run("the Slurm tests", reason)
-
-    if os.geteuid() != 0:
-        cannot("the local Slurm cluster runs its daemons as root (SlurmUser=root); not root")
-    result = SlurmCluster.install()
-    if result.returncode != 0:
-        cannot(
-            f"Slurm is not installed and could not be installed "
-            f"(tests/support/slurm_local_cluster.sh install, rc {result.returncode}): "
-            f"{result.stderr.strip()[-800:]}"
-        )
+    require_slurm(
+        "the Slurm tests",
+        "the local Slurm cluster runs its daemons as root (SlurmUser=root); not root",
+    )
     return SlurmCluster.start_in(root)
