@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import ClassVar, TypeVar
-
-T = TypeVar("T")
+from typing import ClassVar
 
 
 class MegatronExtError(Exception):
@@ -29,7 +27,7 @@ class MegatronExtError(Exception):
         return f"{self.prefix}: {message}"
 
 
-def exit_on_error(main: Callable[[], T]) -> T:
+def exit_on_error[T](main: Callable[[], T]) -> T:
     """Run ``main``; a :class:`MegatronExtError` ends the process with its message and code."""
     try:
         return main()
