@@ -18,7 +18,7 @@ from megatron_ext.telemetry.bucket_norms import (
     layer_paths,
     squared_norms,
 )
-from megatron_ext.telemetry.signals import (
+from megatron_ext.records.signals import (
     SignalRecord,
     SignalsWriter,
     latest_per_iteration,
