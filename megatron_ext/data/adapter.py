@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_ext.data.checks import split_sizes, too_small
-from megatron_ext.records.pair import PairError, check_pair
 from megatron_ext.features import Feature, FeatureError
+from megatron_ext.records.pair import PairError, check_pair
 
 
 def _splits(args: Any) -> list[tuple[str, list[tuple[float, float] | None], str]]:

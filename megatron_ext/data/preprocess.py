@@ -36,7 +36,6 @@ import numpy as np
 from tqdm import tqdm
 
 from megatron_ext.data.encode import EncodeError, texts
-from megatron_ext.records.pair import append_fingerprint, publish
 from megatron_ext.data.tokenizer import (
     TOKENIZER_FILE,
     LoadedTokenizer,
@@ -44,6 +43,7 @@ from megatron_ext.data.tokenizer import (
     train_bpe_tokenizer,
 )
 from megatron_ext.data.workers import encode_chunk, worker_pool
+from megatron_ext.records.pair import append_fingerprint, publish
 
 PROG = "megatron-ext preprocess"
 

@@ -42,7 +42,6 @@ from megatron_ext.files import (
     read_checkpoint_tracker,
     rolled_back_dir,
 )
-from megatron_ext.io import atomic_write, atomic_write_json, read_jsonl
 from megatron_ext.incidents import transaction
 from megatron_ext.incidents.planner import (
     Plan,
@@ -55,8 +54,9 @@ from megatron_ext.incidents.planner import (
     make_plan,
 )
 from megatron_ext.incidents.report import DEFAULT_WORST, build_report
-from megatron_ext.records.skip_ranges import format_ranges, read_file
+from megatron_ext.io import atomic_write, atomic_write_json, read_jsonl
 from megatron_ext.records.signals import read_signals
+from megatron_ext.records.skip_ranges import format_ranges, read_file
 
 ONSET_LOOKBACK = 10_000  # iterations of signals read before the incident
 

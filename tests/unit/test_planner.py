@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.incidents.planner import PlanConfig, PlanError, make_plan, tracker_lines
-from megatron_ext.records.skip_ranges import format_ranges, parse_item, resolve_argv
 from megatron_ext.records.signals import SignalRecord
+from megatron_ext.records.skip_ranges import format_ranges, parse_item, resolve_argv
 
 from harness import run_skiplist
 from spike_curves import events as _events
