@@ -3,7 +3,7 @@
 Training writes these files and the offline tools (plot, ``skiplist``, ``lookup``) read them
 weeks later, so each format is defined once, here, below every feature folder: a feature or a
 tool imports a record from this package, never from another feature's folder. Standard
-library, numpy and the lower layer (``io``, ``files``) only; no Megatron import.
+library and the lower layer (``io``, ``files``) only; no Megatron import.
 
 - ``signals``: the per-step signals record, its writer and readers (``--signals-dir``);
 - ``ledger``: the spike ledger's events and per-attempt config lines, the incident plans;
