@@ -37,8 +37,8 @@ def prepare_skips(argv: list[str]) -> list[str]:
     ``--iterations-to-skip-file``, any spelling argparse accepts) and the list persisted with
     the checkpoints being loaded, printed once. An interrupted ``skiplist --apply`` in
     ``--load`` is finished first, so the tracker and the persisted list are its result."""
-    from megatron_ext.spikes.skip_ranges import load_dir, resolve_argv
-    from megatron_ext.spikes.transaction import settle_at_startup
+    from megatron_ext.incidents.transaction import settle_at_startup
+    from megatron_ext.records.skip_ranges import load_dir, resolve_argv
 
     journal = settle_at_startup(load_dir(argv), _rank())
     if journal is not None:

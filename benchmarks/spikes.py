@@ -23,9 +23,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from megatron_ext.spikes.config import SpikeConfig
+from megatron_ext.records.signals import SignalRecord
+from megatron_ext.records.spike_config import SpikeConfig
 from megatron_ext.spikes.detector import SpikeDetector
-from megatron_ext.telemetry.signals import SignalRecord
 
 
 def _record(i: int, rng: random.Random, spike: bool = False) -> SignalRecord:

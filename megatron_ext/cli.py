@@ -34,9 +34,9 @@ COMMANDS: dict[str, str] = {
     "demo": "megatron_ext.demo",
     "train": "megatron_ext.train",
     "patches": "megatron_ext.patch_report",
-    "skiplist": "megatron_ext.spikes.cli",
+    "skiplist": "megatron_ext.incidents.cli",
     "lookup": "megatron_ext.lookup.cli",
-    "plot": "megatron_ext.telemetry.plot",
+    "plot": "megatron_ext.plot",
     "supervise": "megatron_ext.supervise.cli",
 }
 

@@ -313,7 +313,7 @@ def _drill_rollback(workdir: Path, number: int) -> bool:
         "training with exit code 42 to request a rollback"
     )
     print(f"demo: spike exit -> megatron-ext skiplist --apply (rollback {number})")
-    from megatron_ext.spikes.cli import main as skiplist
+    from megatron_ext.incidents.cli import main as skiplist
 
     plan = [
         "--ckpt-dir",

@@ -108,7 +108,7 @@ class StepRecord:
     params_norm: float | None
     num_zeros: float | None
     max_attention_logit: float | None
-    signals: Any = None  # megatron_ext.telemetry.signals.SignalRecord on the writing rank
+    signals: Any = None  # megatron_ext.records.signals.SignalRecord on the writing rank
 
 
 class Feature:

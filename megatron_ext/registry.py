@@ -189,7 +189,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         name="ddp-bucket-groups",
         target="megatron.core.distributed.distributed_data_parallel:DistributedDataParallel",
         assigned=("bucket_groups", "expert_parallel_bucket_groups"),
-        used_by="megatron_ext.telemetry.adapter",
+        used_by="megatron_ext.telemetry.bucket_layout",
         reason="Bucket grad norms walk each DDP chunk's dense and expert bucket groups.",
     ),
     Assumption(
@@ -201,7 +201,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
             "intra_distributed_optimizer_instance_size",
             "intra_distributed_optimizer_instance_rank",
         ),
-        used_by="megatron_ext.telemetry.adapter",
+        used_by="megatron_ext.telemetry.bucket_layout",
         reason="A bucket group says whether its grads are sharded (distributed optimizer) "
         "and which shard this rank owns.",
     ),
@@ -209,7 +209,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         name="ddp-bucket-layout",
         target=f"{_BUFFER}:_ParamAndGradBucket",
         assigned=("grad_data", "params_list", "param_to_index"),
-        used_by="megatron_ext.telemetry.adapter",
+        used_by="megatron_ext.telemetry.bucket_layout",
         reason="A bucket's contiguous grad_data and each param's [start, end) in it are what "
         "the bucket norms read (views, no copy).",
     ),
@@ -341,7 +341,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         name="idx-trailing-bytes",
         target="megatron.core.datasets.indexed_dataset:_IndexReader",
         assigned=("sequence_lengths", "sequence_pointers", "document_indices"),
-        used_by="megatron_ext.data.pair",
+        used_by="megatron_ext.records.pair",
         reason="preprocess appends a .bin fingerprint after the .idx arrays; the reader takes "
         "each array by the counts in the header (numpy.frombuffer with count and offset), so "
         "the trailing bytes are never read (tests read a fingerprinted .idx with it).",

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_ext.files import INCIDENTS_DIR
-from megatron_ext.telemetry.signals import latest_per_iteration, read_signals
+from megatron_ext.records.signals import latest_per_iteration, read_signals
 
 if TYPE_CHECKING:
-    from gpu_smoke import Context, Rung
+    from gpu_context import Context, Rung
 
 REPO = Path(__file__).resolve().parents[1]
 

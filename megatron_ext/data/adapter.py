@@ -4,7 +4,7 @@ wrong or hang the start-up.
 For every prefix of the run's blend (``--data-path``, or the per-split paths):
 
 - the ``.bin``/``.idx`` pair is complete and, when the ``.idx`` carries megatron-ext's
-  fingerprint, belongs together (:mod:`megatron_ext.data.pair`);
+  fingerprint, belongs together (:mod:`megatron_ext.records.pair`);
 - every split that Megatron will build holds at least one sample
   (:mod:`megatron_ext.data.checks`; otherwise megatron-core 0.19.2 loops forever).
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_ext.data.checks import split_sizes, too_small
-from megatron_ext.data.pair import PairError, check_pair
 from megatron_ext.features import Feature, FeatureError
+from megatron_ext.records.pair import PairError, check_pair
 
 
 def _splits(args: Any) -> list[tuple[str, list[tuple[float, float] | None], str]]:

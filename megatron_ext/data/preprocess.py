@@ -5,7 +5,7 @@ EOD appended to every document, dtype from ``DType.optimal_dtype``), but can tra
 tokenizer offline, reports bad input as ``file:line``, skips and counts empty documents, and
 never leaves half-written outputs: everything is written to temporary names and published
 only after the whole input was processed, as a pair no reader can see mixed
-(:mod:`megatron_ext.data.pair`).
+(:mod:`megatron_ext.records.pair`).
 
 Failures end fast with a message, and remove the temporary files: a worker that dies (an
 OOM kill) breaks the pool at once instead of leaving the parent waiting for its results
@@ -36,7 +36,6 @@ import numpy as np
 from tqdm import tqdm
 
 from megatron_ext.data.encode import EncodeError, texts
-from megatron_ext.data.pair import append_fingerprint, publish
 from megatron_ext.data.tokenizer import (
     TOKENIZER_FILE,
     LoadedTokenizer,
@@ -44,6 +43,7 @@ from megatron_ext.data.tokenizer import (
     train_bpe_tokenizer,
 )
 from megatron_ext.data.workers import encode_chunk, worker_pool
+from megatron_ext.records.pair import append_fingerprint, publish
 
 PROG = "megatron-ext preprocess"
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_ext.files import SAMPLE_LOG_GLOB, sample_log_file
 from megatron_ext.lookup.errors import DataChanged, Refused
-from megatron_ext.sample_log import read_records
+from megatron_ext.records.sample_log import read_records
 
 
 def check_against_log(directory: str | Path, records: list[dict[str, Any]]) -> str:

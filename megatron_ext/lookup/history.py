@@ -30,7 +30,7 @@ from typing import Any
 from megatron_ext.files import CHECKPOINT_DIR, LAYOUT_FILE
 from megatron_ext.io import read_jsonl
 from megatron_ext.lookup.errors import ConfigError, PositionError
-from megatron_ext.sample_log.core import DATA_FIELDS, LAYOUT_FIELDS
+from megatron_ext.records.sample_log import DATA_FIELDS, LAYOUT_FIELDS
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from megatron_ext.data.pair import PairError, check_pair
 from megatron_ext.lookup.errors import CacheMissing, DataChanged, PositionError
 from megatron_ext.lookup.formats import IndexedData
+from megatron_ext.records.pair import PairError, check_pair
 
 GPT, BLENDED = "GPTDataset", "BlendedDataset"
 GPT_FILES = ("document_index", "sample_index", "shuffle_index")

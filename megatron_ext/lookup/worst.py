@@ -24,7 +24,7 @@ from typing import Any
 from megatron_ext.files import SAMPLE_LOG_GLOB
 from megatron_ext.io import from_json, read_jsonl
 from megatron_ext.lookup.errors import ConfigError, DataChanged, PositionError
-from megatron_ext.sample_log.core import SampleRecord
+from megatron_ext.records.sample_log import SampleRecord
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,6 @@
 """The sample log: per DP rank, which samples (and tokens, and losses) each micro-batch had.
 
-``core`` holds the record and file format (no Megatron import); ``adapter`` the
-``--sample-log-dir`` feature.
+``adapter`` is the ``--sample-log-dir`` feature; the record and file format it writes is in
+the record core (:mod:`megatron_ext.records.sample_log`, no Megatron import), since the lookup
+reads it.
 """
-
-from megatron_ext.sample_log.core import SampleLog, SampleRecord, read_records
-
-__all__ = ["SampleLog", "SampleRecord", "read_records"]

@@ -35,7 +35,7 @@ from megatron_ext.features import (
     StepRecord,
 )
 from megatron_ext.io import token_sha1
-from megatron_ext.sample_log.core import SampleLog, SampleRecord, append_layout, layout_record
+from megatron_ext.records.sample_log import SampleLog, SampleRecord, append_layout, layout_record
 
 SAMPLE_ID_KEY = "sample_id"  # added to every train sample by gpt_step.SampleIdDataset
 _NOTE = "sample_log"  # key of this feature's note in MicroBatch.extras

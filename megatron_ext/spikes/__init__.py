@@ -1,6 +1,8 @@
-"""Spikes: the online detector, the rollback + skip planner, skip lists and the drill.
+"""Spikes: what runs inside training when the loss jumps.
 
-Cores (no Megatron import): ``detector``, ``planner``, ``skip_ranges``, ``drill``. Megatron
-adapter: ``adapter`` (the ``--spike-*``, skip-list and drill features). Command:
-``cli`` (``megatron-ext skiplist``).
+Cores (no Megatron import): ``detector`` (the streaming spike detector; ``megatron-ext plot``
+replays it) and ``drill`` (the corrupt-batch drill). Megatron adapter: ``adapter`` (the
+``--spike-*``, skip-list and drill features). The thresholds, the ledger and the skip list are
+records (:mod:`megatron_ext.records`); the offline rollback + skip planner is in
+:mod:`megatron_ext.incidents`.
 """

@@ -29,7 +29,10 @@ import torch.distributed as dist
 from megatron_ext.features import Feature, FeatureError, MicroBatch, StepRecord
 from megatron_ext.files import SIGNALS_FILE, SKIPPED_ITERATIONS_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.io import JsonlAppender, atomic_write
-from megatron_ext.spikes.config import add_detector_args, config_from_args
+from megatron_ext.records.ledger import config_record
+from megatron_ext.records.signals import latest_per_iteration, read_signals
+from megatron_ext.records.skip_ranges import format_ranges
+from megatron_ext.records.spike_config import add_detector_args, config_from_args
 from megatron_ext.spikes.detector import SpikeDetector
 from megatron_ext.spikes.drill import (
     CORRUPTIONS,
@@ -38,9 +41,6 @@ from megatron_ext.spikes.drill import (
     misencode,
     parse_spec,
 )
-from megatron_ext.spikes.ledger import config_record
-from megatron_ext.spikes.skip_ranges import format_ranges
-from megatron_ext.telemetry.signals import latest_per_iteration, read_signals
 
 EXIT_CODE_SPIKE = 42
 _DECISIONS = {"healthy": 0, "watching": 1, "rollback": 2}

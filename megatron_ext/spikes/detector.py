@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from megatron_ext.io import json_safe
-from megatron_ext.spikes.config import SpikeConfig
-from megatron_ext.telemetry.signals import SignalRecord
+from megatron_ext.records.signals import SignalRecord
+from megatron_ext.records.spike_config import SpikeConfig
 
 EventKind = Literal["spike", "recovered", "divergence", "rollback"]
 

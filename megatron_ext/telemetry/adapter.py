@@ -25,7 +25,6 @@ import argparse
 import math
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,15 +36,15 @@ from megatron.training import get_tensorboard_writer, get_wandb_writer
 from megatron.training.utils import calc_params_l2_norm
 
 from megatron_ext.features import LM_LOSS_PER_TOKEN, Feature, FeatureError, LossInputs, StepRecord
-from megatron_ext.telemetry.bucket_norms import (
-    BucketNormer,
-    BucketView,
-    bucket_name,
-    clip_range,
-    global_layer_name,
-    layer_paths,
+from megatron_ext.records.signals import SignalRecord, SignalsWriter
+from megatron_ext.telemetry.bucket_layout import (
+    Reduction,
+    assign_slots,
+    bucket_views,
+    grad_stats_groups,
+    params_by_group,
 )
-from megatron_ext.telemetry.signals import SignalRecord, SignalsWriter
+from megatron_ext.telemetry.bucket_norms import BucketNormer
 
 # Σ bucket² must equal grad-norm² to this relative tolerance (fp32 summation-order noise).
 NORM_CHECK_RTOL = 1e-5
@@ -56,12 +55,6 @@ def _is_writer() -> bool:
     return dist.get_rank() == dist.get_world_size() - 1
 
 
-def _is_expert(param: torch.Tensor) -> bool:
-    """Megatron marks expert-parallel parameters ``allreduce=False`` (reduced over expert DP);
-    the optimizer copies the mark onto its main parameters."""
-    return not getattr(param, "allreduce", True)
-
-
 def _counted(param: torch.Tensor, optimizer: Any) -> bool:
     """Whether Megatron's grad norm counts ``param`` on this rank (its own filter)."""
     return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(
@@ -69,41 +62,6 @@ def _counted(param: torch.Tensor, optimizer: Any) -> bool:
         tp_group=getattr(optimizer, "tp_group", None),
         expert_tp_group=getattr(optimizer, "expert_tp_group", None),
     )
-
-
-@dataclass
-class _Reduction:
-    """Bucket slots all-reduced over one grad-stats group: every owner's buckets, in order.
-
-    ``parts`` places this rank's buckets: (first local bucket, count, first slot).
-    """
-
-    group: Any
-    names: list[str]
-    parts: list[tuple[int, int, int]]
-
-
-def _gather_slots(
-    names: list[str], owner: tuple[int, ...], label: str, group: Any
-) -> tuple[list[str], int]:
-    """Every owner's bucket names over ``group`` and where this rank's start.
-
-    An owner is what holds a distinct set of buckets (a pipeline stage; for experts, a
-    stage and an expert-parallel rank). Ranks of one owner (TP peers, distributed-optimizer
-    shards, expert-DP replicas under DDP) share its slots: the all-reduce sums their parts.
-    """
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (owner, label, names), group=group)
-    by_owner: dict[tuple[int, ...], tuple[str, list[str]]] = {}
-    for key, prefix, found in gathered:
-        if by_owner.setdefault(tuple(key), (prefix, found)) != (prefix, found):
-            raise RuntimeError(
-                f"megatron-ext telemetry: ranks of {prefix or 'one stage'} disagree on its "
-                "gradient buckets; re-verify megatron_ext.telemetry.adapter"
-            )
-    order = sorted(by_owner)
-    offset = sum(len(by_owner[o][1]) for o in order[: order.index(owner)])
-    return [prefix + n for o in order for prefix, found in [by_owner[o]] for n in found], offset
 
 
 class TelemetryFeature(Feature):
@@ -116,7 +74,7 @@ class TelemetryFeature(Feature):
         self.model: list[Any] = []
         self.optimizer: Any = None
         self.normer: BucketNormer | None = None
-        self.reductions: list[_Reduction] = []
+        self.reductions: list[Reduction] = []
         self.pending: list[torch.Tensor] = []
         self.snapshot: list[list[torch.Tensor]] | None = None
         self.loss_sum: torch.Tensor | float = 0.0
@@ -173,70 +131,20 @@ class TelemetryFeature(Feature):
         if self.args.signals_dir and _is_writer():
             self.writer = SignalsWriter(self.args.signals_dir)
 
-    def _grad_stats_groups(self) -> dict[bool, Any]:
-        """The group Megatron reduces each kind of parameter's norm over (expert: True)."""
-        groups: dict[bool, Any] = {}
-        for opt in self.optimizer.chained_optimizers:
-            for param in opt.get_parameters():
-                groups.setdefault(_is_expert(param), opt.get_grad_stats_parallel_group())
-        if self.args.num_experts and True not in groups:
-            raise RuntimeError(
-                "megatron-ext --log-bucket-grad-norms: this pipeline stage has no expert "
-                "parameters while the model has experts; bucket norms need MoE layers on "
-                "every stage"
-            )
-        return groups
-
-    def _bucket_views(self) -> dict[bool, list[BucketView]]:
-        """This rank's dense and expert bucket views, named with global layer numbers."""
-        views: dict[bool, list[BucketView]] = {False: [], True: []}
-        part = self.optimizer.chained_optimizers[0]  # every part carries the same TP groups
-        for chunk in self.model:
-            paths = layer_paths(chunk.named_modules())
-            names_of = {p: global_layer_name(n, paths) for n, p in chunk.named_parameters()}
-            kinds = ((False, chunk.bucket_groups), (True, chunk.expert_parallel_bucket_groups))
-            for expert, bucket_groups in kinds:
-                for group in bucket_groups:
-                    sharded = group.ddp_config.use_distributed_optimizer
-                    size = group.intra_distributed_optimizer_instance_size if sharded else 1
-                    rank = group.intra_distributed_optimizer_instance_rank if sharded else 0
-                    for bucket in group.buckets:
-                        shard = bucket.grad_data.numel() // size
-                        lo, hi = rank * shard, (rank + 1) * shard
-                        ordered = sorted(bucket.params_list, key=lambda p: bucket.param_to_index[p])
-                        if not any(map(param_is_not_shared, ordered)):
-                            continue  # only a shared copy: its gradient is counted elsewhere
-                        segments = tuple(
-                            bucket.grad_data[r[0] : r[1]]
-                            for p in ordered
-                            if _counted(p, part)
-                            if (r := clip_range(*bucket.param_to_index[p], lo, hi)) is not None
-                        )
-                        name = bucket_name(len(views[expert]), [names_of[p] for p in ordered])
-                        views[expert].append(BucketView(name=name, segments=segments))
-        return views
-
     def _layout_buckets(self) -> None:
-        views = self._bucket_views()
-        groups = self._grad_stats_groups()
+        """Bucket views and reduction slots (:mod:`megatron_ext.telemetry.bucket_layout`),
+        with Megatron's filters and this rank's pipeline stage and expert-parallel rank."""
+        part = self.optimizer.chained_optimizers[0]  # every part carries the same TP groups
+        views = bucket_views(self.model, lambda p: _counted(p, part), param_is_not_shared)
+        groups = grad_stats_groups(self.optimizer.chained_optimizers, bool(self.args.num_experts))
         self.normer = BucketNormer([*views[False], *views[True]])
-        stage = mpu.get_pipeline_model_parallel_rank()
-        staged = mpu.get_pipeline_model_parallel_world_size() > 1
-        first_local = 0
-        for expert in sorted(groups):
-            owner = (stage, mpu.get_expert_model_parallel_rank()) if expert else (stage,)
-            label = (f"pp{stage}." if staged else "") + (f"ep{owner[-1]}." if expert else "")
-            names, offset = _gather_slots(
-                [v.name for v in views[expert]], owner, label, groups[expert]
-            )
-            reduction = next((r for r in self.reductions if r.group is groups[expert]), None)
-            if reduction is None:
-                reduction = _Reduction(groups[expert], [], [])
-                self.reductions.append(reduction)
-            count = len(views[expert])
-            reduction.parts.append((first_local, count, len(reduction.names) + offset))
-            reduction.names += names
-            first_local += count
+        self.reductions = assign_slots(
+            views,
+            groups,
+            stage=mpu.get_pipeline_model_parallel_rank(),
+            staged=mpu.get_pipeline_model_parallel_world_size() > 1,
+            expert_rank=mpu.get_expert_model_parallel_rank(),
+        )
 
     # -- before_grad_norm ---------------------------------------------------------------
     def before_grad_norm(self, optimizer: Any) -> None:
@@ -259,18 +167,8 @@ class TelemetryFeature(Feature):
             self.snapshot = [[p.detach().float().clone() for p in ps] for _, ps in self._params()]
 
     def _params(self) -> list[tuple[Any, list[torch.Tensor]]]:
-        """This rank's optimizer (main) parameters that the global norms count once, per
-        grad-stats group (dense and expert parameters may reduce over different groups)."""
-        sets: list[tuple[Any, list[torch.Tensor]]] = []
-        for opt in self.optimizer.chained_optimizers:
-            group = opt.get_grad_stats_parallel_group()
-            params = [p for p in opt.get_parameters() if _counted(p, opt)]
-            found = next((ps for g, ps in sets if g is group), None)
-            if found is None:
-                sets.append((group, params))
-            else:
-                found.extend(params)
-        return sets
+        """This rank's counted optimizer parameters per grad-stats group."""
+        return params_by_group(self.optimizer.chained_optimizers, _counted)
 
     # -- on_loss ------------------------------------------------------------------------
     def on_loss(self, inputs: LossInputs) -> dict[str, Any]:

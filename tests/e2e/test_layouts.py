@@ -24,9 +24,9 @@ import torch
 from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
 from megatron_ext.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.lookup import cli
-from megatron_ext.sample_log.core import SampleRecord
-from megatron_ext.spikes.ledger import read_ledger
-from megatron_ext.telemetry.signals import SignalRecord, latest_per_iteration, read_signals
+from megatron_ext.records.ledger import read_ledger
+from megatron_ext.records.sample_log import SampleRecord
+from megatron_ext.records.signals import SignalRecord, latest_per_iteration, read_signals
 
 from harness import GLOBAL_BATCH, MICRO_BATCH, RUNNER, TINY_TRAINING, Run, checkpoint_args
 from layouts import (

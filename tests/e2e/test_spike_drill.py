@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.files import SAMPLE_LOG_GLOB
-from megatron_ext.telemetry.signals import read_signals
+from megatron_ext.records.signals import read_signals
 
 from harness import GLOBAL_BATCH, MICRO_BATCH, Run, checkpoint_args, launch, run_skiplist
 
@@ -146,7 +146,7 @@ def test_drill_restart_passes_the_spike_with_exactly_the_window_skipped(drill: d
 
 
 def _read(path: Path):
-    from megatron_ext.sample_log.core import read_records
+    from megatron_ext.records.sample_log import read_records
 
     return list(read_records(path))
 

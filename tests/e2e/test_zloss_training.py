@@ -8,7 +8,7 @@ import re
 import pytest
 
 from megatron_ext.files import SIGNALS_FILE
-from megatron_ext.telemetry.signals import read_signals
+from megatron_ext.records.signals import read_signals
 
 from harness import Run
 

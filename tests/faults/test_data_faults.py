@@ -18,9 +18,9 @@ import psutil
 import pytest
 
 from megatron_ext.data.corpus import write_tiny_corpus
-from megatron_ext.data.pair import PairError, check_pair
 from megatron_ext.data.preprocess import main as preprocess_main
 from megatron_ext.io import KILL_AT_STEP_ENV
+from megatron_ext.records.pair import PairError, check_pair
 
 from faults import fault
 from harness import REPO, launch

@@ -44,7 +44,7 @@ def test_atomic_writes_keep_modes(tmp_path: Path) -> None:
             ckpt / "megatron_ext_incidents" / "incident-001.md",
         ):
             assert _mode(written) == 0o644, written
-        from megatron_ext.telemetry.plot import main as plot
+        from megatron_ext.plot import main as plot
 
         assert plot(["--signals-dir", str(root / "signals"), "--out", str(tmp_path / "s.png")]) == 0
         assert _mode(tmp_path / "s.png") == 0o644

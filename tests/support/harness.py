@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
-from megatron_ext.sample_log.core import SampleRecord, read_records
+from megatron_ext.records.sample_log import SampleRecord, read_records
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = REPO / "tests" / "cpu_harness" / "run.py"

@@ -7,8 +7,8 @@ import contextlib
 import io
 from pathlib import Path
 
+from megatron_ext.incidents.cli import main as skiplist_main
 from megatron_ext.io import JsonlAppender
-from megatron_ext.spikes.cli import main as skiplist_main
 
 from spike_curves import events, records
 

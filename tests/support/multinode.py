@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from megatron_ext.sample_log.core import SampleRecord
+from megatron_ext.records.sample_log import SampleRecord
 
 from netns_slurm import ClusterUnavailable, NetnsSlurm
 from netns_slurm import start as start_netns_cluster

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
-from megatron_ext.sample_log.core import SampleRecord, read_records
+from megatron_ext.records.sample_log import SampleRecord, read_records
 
 from harness import TINY_TRAINING
 

@@ -1,8 +1,12 @@
 """The shape of the package: cores import no Megatron, the supervisor imports neither torch
-nor Megatron, modules stay small, and README's feature table points at real folders."""
+nor Megatron, modules stay small, README's feature table points at real folders, and the
+import graph is layered: no feature folder imports another, no cycle, no lower layer importing
+a higher one."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import pkgutil
 import re
 import subprocess
@@ -58,11 +62,19 @@ def test_the_supervisor_imports_neither_torch_nor_megatron() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+# Feature folders whose whole core is an on-disk format that another folder reads, and so
+# lives in the record core (megatron_ext/records/) instead.
+CORE_IN_RECORDS = {"sample_log": "sample_log.py"}
+
+
 def test_every_feature_folder_has_a_core_and_an_adapter() -> None:
     for folder in ("zloss", "weight_decay", "telemetry", "spikes", "sample_log", "lookup"):
         files = {p.name for p in (PACKAGE / folder).glob("*.py")}
         assert "adapter.py" in files, folder
-        assert len(files - {"adapter.py", "__init__.py"}) >= 1, f"{folder} has no core"
+        if folder in CORE_IN_RECORDS:
+            assert (PACKAGE / "records" / CORE_IN_RECORDS[folder]).is_file(), folder
+        else:
+            assert len(files - {"adapter.py", "__init__.py"}) >= 1, f"{folder} has no core"
 
 
 def test_no_module_is_longer_than_the_limit() -> None:
@@ -82,3 +94,171 @@ def test_readme_feature_table_points_to_one_folder_per_feature() -> None:
     assert len(folders) >= 6, table
     for folder in folders:
         assert (REPO / folder).is_dir(), folder
+
+
+# -- the import graph ------------------------------------------------------------------------
+# Computed statically from every import statement (module level, function level and
+# TYPE_CHECKING blocks alike; one parse per session, no module imported), so these tests are
+# fast and name the offending edge. Names resolved at run time from strings (importlib) are
+# not edges: the registry's wrapper names, cli.py's subcommand table.
+
+# Folders of megatron_ext/ that hold one feature or one tool; none may import another.
+FEATURE_FOLDERS = (
+    "zloss",
+    "weight_decay",
+    "telemetry",
+    "spikes",
+    "sample_log",
+    "lookup",
+    "data",
+    "incidents",
+)
+# The shared lower layer: what every feature and tool may import, and which imports only itself.
+# checkpoint_state (reads Megatron's tracker files), quiet and stop_signals are standard-library
+# helpers that features and commands share; the package root only holds the pinned version.
+LOWER = (
+    "megatron_ext",
+    "megatron_ext.io",
+    "megatron_ext.files",
+    "megatron_ext.errors",
+    "megatron_ext.records",
+    "megatron_ext.features",
+    "megatron_ext.patching",
+    "megatron_ext.checkpoint_state",
+    "megatron_ext.quiet",
+    "megatron_ext.stop_signals",
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@functools.cache
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the modules of this repository it imports (megatron_ext/, the entry point and
+    tools/*.py, whose scripts import each other by bare name from their own folder); parsed
+    once per session, never modified by the checks."""
+    paths = [*PACKAGE.rglob("*.py"), REPO / "pretrain_gpt_ext.py", *REPO.glob("tools/*.py")]
+    known = {_module_name(p): p for p in paths}
+
+    def resolve(name: str, importer: str) -> str | None:
+        """The longest known module that ``name`` starts with (a function, class or constant
+        imported by name belongs to its module)."""
+        while name:
+            for candidate in (name, f"tools.{name}" if importer.startswith("tools.") else ""):
+                if candidate in known:
+                    return candidate
+            name = name.rpartition(".")[0]
+        return None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in known.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {resolve(alias.name, module) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                targets |= {resolve(f"{base}.{alias.name}", module) for alias in node.names}
+        graph[module] = {t for t in targets if t is not None and t != module}
+    return graph
+
+
+def _feature_folder(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "megatron_ext" and len(parts) > 1 else None
+
+
+def _is_lower(module: str) -> bool:
+    return any(module == m or (m != "megatron_ext" and module.startswith(m + ".")) for m in LOWER)
+
+
+def _cross_feature_edges(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if _feature_folder(a) in FEATURE_FOLDERS
+        and _feature_folder(b) in FEATURE_FOLDERS
+        and _feature_folder(a) != _feature_folder(b)
+    )
+
+
+def _upward_edges(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if _is_lower(a) and not _is_lower(b)
+    )
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as ``[a, b, ..., a]``, or None (iterative DFS, white/grey/black)."""
+    state: dict[str, int] = {}
+    for root in sorted(graph):
+        if state.get(root):
+            continue
+        stack = [(root, iter(sorted(graph.get(root, ()))))]
+        state[root] = 1
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                state[node] = 2
+                stack.pop()
+            elif state.get(child) == 1:
+                path = [n for n, _ in stack]
+                return [*path[path.index(child) :], child]
+            elif not state.get(child):
+                state[child] = 1
+                stack.append((child, iter(sorted(graph.get(child, ())))))
+    return None
+
+
+def test_the_import_graph_sees_every_kind_of_import() -> None:
+    graph = _import_graph()
+    assert "megatron_ext.records.signals" in graph["megatron_ext.spikes.adapter"]  # module level
+    assert "megatron_ext.incidents.cli" in graph["megatron_ext.demo"]  # inside a function
+    assert "tools.gpu_context" in graph["tools.gpu_rungs"]  # TYPE_CHECKING, by bare name
+    assert "megatron_ext.incidents.transaction" in graph["megatron_ext.incidents.cli"]  # from pkg
+    # The checks below catch what they are for, on a graph made to break them.
+    bad = {
+        "megatron_ext.io": {"megatron_ext.loop"},
+        "megatron_ext.loop": {"megatron_ext.spikes.adapter"},
+        "megatron_ext.spikes.adapter": {"megatron_ext.telemetry.core", "megatron_ext.io"},
+    }
+    assert _cross_feature_edges(bad) == [
+        "megatron_ext.spikes.adapter -> megatron_ext.telemetry.core"
+    ]
+    assert _upward_edges(bad) == ["megatron_ext.io -> megatron_ext.loop"]
+    assert _find_cycle(bad) == [
+        "megatron_ext.io",
+        "megatron_ext.loop",
+        "megatron_ext.spikes.adapter",
+        "megatron_ext.io",
+    ]
+
+
+def test_no_feature_folder_imports_another() -> None:
+    edges = _cross_feature_edges(_import_graph())
+    assert not edges, (
+        "a feature folder imports another feature folder (move what both need to the record "
+        f"core or the lower layer): {edges}"
+    )
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    cycle = _find_cycle(_import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_lower_layer_imports_a_higher_one() -> None:
+    edges = _upward_edges(_import_graph())
+    assert not edges, f"the lower layer ({', '.join(LOWER)}) imports a higher one: {edges}"

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_ext.spikes.causes import LOOKBACK, diagnose
-from megatron_ext.spikes.planner import PlanConfig, make_plan
-from megatron_ext.spikes.report import build_report, culprit_first
+from megatron_ext.incidents.causes import LOOKBACK, diagnose
+from megatron_ext.incidents.planner import PlanConfig, make_plan
+from megatron_ext.incidents.report import build_report, culprit_first
 
 from spike_curves import records as _records
 

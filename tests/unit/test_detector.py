@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.spikes.config import SpikeConfig
+from megatron_ext.records.spike_config import SpikeConfig
 from megatron_ext.spikes.detector import SpikeDetector, replay
 
 from spike_curves import CONFIG

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_ext.lookup.errors import ConfigError, DataChanged, PositionError
 from megatron_ext.lookup.worst import attach, ranked_samples, worst_lines, worst_table
-from megatron_ext.sample_log.core import SampleLog, SampleRecord
+from megatron_ext.records.sample_log import SampleLog, SampleRecord
 
 
 def _write(directory: Path, iteration: int, losses: dict[tuple[int, int], list[float]]) -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.spikes.planner import PlanConfig, PlanError, make_plan, tracker_lines
-from megatron_ext.spikes.skip_ranges import format_ranges, parse_item, resolve_argv
-from megatron_ext.telemetry.signals import SignalRecord
+from megatron_ext.incidents.planner import PlanConfig, PlanError, make_plan, tracker_lines
+from megatron_ext.records.signals import SignalRecord
+from megatron_ext.records.skip_ranges import format_ranges, parse_item, resolve_argv
 
 from harness import run_skiplist
 from spike_curves import events as _events
@@ -45,7 +45,7 @@ def test_plan_rolls_back_k_before_onset_and_skips_a_window_reaching_past_it() ->
 
 
 def test_skiplist_help_shows_the_defaults() -> None:
-    from megatron_ext.spikes.cli import build_parser
+    from megatron_ext.incidents.cli import build_parser
 
     options = " ".join(build_parser().format_help().split("options:", 1)[1].split())
     for flag, default in (("--rollback-iters", 100), ("--skip-batches", 300), ("--policy", "skip")):

@@ -17,10 +17,10 @@ import pytest
 from megatron_ext import cli
 from megatron_ext.files import incident_stem
 from megatron_ext.io import JsonlAppender, atomic_write_json
-from megatron_ext.spikes.config import SpikeConfig
-from megatron_ext.spikes.ledger import config_record, read_ledger
-from megatron_ext.telemetry.plot import PANELS, build_series, main, render
-from megatron_ext.telemetry.signals import SignalRecord, SignalsWriter, read_signals
+from megatron_ext.plot import PANELS, build_series, main, render
+from megatron_ext.records.ledger import config_record, read_ledger
+from megatron_ext.records.signals import SignalRecord, SignalsWriter, read_signals
+from megatron_ext.records.spike_config import SpikeConfig
 
 CONFIG = SpikeConfig(window=10, warmup=10, patience=5)
 DETECTOR_FLAGS = ["--spike-window", "10", "--spike-warmup", "10", "--spike-patience", "5"]

@@ -10,6 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_ext.records.signals import (
+    SignalRecord,
+    SignalsWriter,
+    latest_per_iteration,
+    read_signals,
+)
 from megatron_ext.telemetry.bucket_norms import (
     BucketView,
     bucket_name,
@@ -17,12 +23,6 @@ from megatron_ext.telemetry.bucket_norms import (
     global_layer_name,
     layer_paths,
     squared_norms,
-)
-from megatron_ext.telemetry.signals import (
-    SignalRecord,
-    SignalsWriter,
-    latest_per_iteration,
-    read_signals,
 )
 
 

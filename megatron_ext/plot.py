@@ -41,15 +41,15 @@ from matplotlib.patches import Patch
 
 from megatron_ext.files import SIGNALS_FILE, SIGNALS_PLOT_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.io import atomic_write, from_json
-from megatron_ext.spikes.config import (
+from megatron_ext.records.ledger import Ledger, read_incidents, read_ledger
+from megatron_ext.records.signals import SignalRecord, latest_per_iteration, read_signals
+from megatron_ext.records.spike_config import (
     SpikeConfig,
     add_detector_args,
     config_from_args,
     flags_given,
 )
 from megatron_ext.spikes.detector import SpikeEvent, spike_candidates
-from megatron_ext.spikes.ledger import Ledger, read_incidents, read_ledger
-from megatron_ext.telemetry.signals import SignalRecord, latest_per_iteration, read_signals
 
 # (record field, panel title, the note shown when no iteration recorded it)
 PANELS: tuple[tuple[str, str, str], ...] = (

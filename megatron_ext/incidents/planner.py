@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from megatron_ext.files import CHECKPOINT_DIR
 from megatron_ext.io import from_json
-from megatron_ext.spikes.skip_ranges import to_ranges
-from megatron_ext.telemetry.signals import SignalRecord
+from megatron_ext.records.signals import SignalRecord
+from megatron_ext.records.skip_ranges import to_ranges
 
 # Walk the onset back while the grad norm was already this far above its baseline.
 ONSET_GRAD_FACTOR = 2.0

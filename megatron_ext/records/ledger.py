@@ -18,7 +18,7 @@ from typing import Any
 
 from megatron_ext.files import INCIDENTS_DIR
 from megatron_ext.io import read_jsonl
-from megatron_ext.spikes.config import SpikeConfig
+from megatron_ext.records.spike_config import SpikeConfig
 
 CONFIG_KIND = "config"
 

@@ -5,7 +5,7 @@ on-call engineer. Three parts, each answering a question they would otherwise an
 
 - **what to do**: the plan (rollback target, skip window, restart command);
 - **why it happened**: seed 000's decision tree walked over the recorded signals
-  (:mod:`megatron_ext.spikes.causes`), each step with its evidence, and the signals the run
+  (:mod:`megatron_ext.incidents.causes`), each step with its evidence, and the signals the run
   did not record (so the next run records them);
 - **which documents**: the onset batch's samples with the highest loss, culprit DP rank first,
   resolved to documents and text by ``megatron-ext lookup --worst`` (a subprocess: the lookup
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.files import incident_blocklist
-from megatron_ext.spikes.causes import Diagnosis, diagnose
-from megatron_ext.spikes.planner import Plan, reproduced
-from megatron_ext.telemetry.signals import SignalRecord, latest_per_iteration
+from megatron_ext.incidents.causes import Diagnosis, diagnose
+from megatron_ext.incidents.planner import Plan, reproduced
+from megatron_ext.records.signals import SignalRecord, latest_per_iteration
 
 LOOKUP_TIMEOUT = 600  # seconds; a lookup on a huge blend opens many index caches
 SNIPPET = 200  # characters of each document's text in the report

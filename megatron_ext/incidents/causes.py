@@ -30,7 +30,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from megatron_ext.telemetry.signals import SignalRecord
+from megatron_ext.records.signals import SignalRecord
 
 Answer = Literal["yes", "no", "unknown"]
 

@@ -8,7 +8,7 @@ Megatron's ``latest_checkpointed_iteration.txt`` at the target and updates the p
 list that ``pretrain_gpt_ext.py`` reads from ``--load``, so the same launch command resumes
 with the plan.
 
-The apply is a journaled transaction (:mod:`megatron_ext.spikes.transaction`): killed at any
+The apply is a journaled transaction (:mod:`megatron_ext.incidents.transaction`): killed at any
 point, rerunning ``--apply`` (or starting the training) finishes it and ``--undo`` reverts it;
 the tracker never names a missing checkpoint.
 
@@ -42,9 +42,8 @@ from megatron_ext.files import (
     read_checkpoint_tracker,
     rolled_back_dir,
 )
-from megatron_ext.io import atomic_write, atomic_write_json, read_jsonl
-from megatron_ext.spikes import transaction
-from megatron_ext.spikes.planner import (
+from megatron_ext.incidents import transaction
+from megatron_ext.incidents.planner import (
     Plan,
     PlanConfig,
     PlanError,
@@ -54,9 +53,10 @@ from megatron_ext.spikes.planner import (
     latest_incident,
     make_plan,
 )
-from megatron_ext.spikes.report import DEFAULT_WORST, build_report
-from megatron_ext.spikes.skip_ranges import format_ranges, read_file
-from megatron_ext.telemetry.signals import read_signals
+from megatron_ext.incidents.report import DEFAULT_WORST, build_report
+from megatron_ext.io import atomic_write, atomic_write_json, read_jsonl
+from megatron_ext.records.signals import read_signals
+from megatron_ext.records.skip_ranges import format_ranges, read_file
 
 ONSET_LOOKBACK = 10_000  # iterations of signals read before the incident
 
