@@ -74,6 +74,32 @@ def test_apply_is_idempotent_keeps_the_original_and_can_be_removed() -> None:
         utils.normalize = before
 
 
+def test_apply_binds_what_the_wrapper_reads_and_rebinds_for_a_new_run() -> None:
+    """A feature patch's wrapper gets the installed feature; the same one again is a no-op,
+    another one (a second run in one process) replaces the binding, never stacks wrappers."""
+    from megatron.core.datasets import utils
+
+    before = utils.normalize
+    scaled = Patch(
+        name="scratch-bound",
+        target="megatron.core.datasets.utils:normalize",
+        reason="test",
+        signature="(weights: List[float]) -> List[float]",
+        wrap=lambda f, factor: lambda weights: [factor * w for w in f(weights)],
+    )
+    try:
+        scaled.apply(2.0)
+        first = utils.normalize
+        scaled.apply(2.0)
+        assert utils.normalize is first and utils.normalize([1.0, 3.0]) == [0.5, 1.5]
+        scaled.apply(4.0)
+        assert utils.normalize is not first and utils.normalize([1.0, 3.0]) == [1.0, 3.0]
+        scaled.remove()
+        assert utils.normalize is before
+    finally:
+        utils.normalize = before
+
+
 @pytest.mark.parametrize(
     "assumption, message",
     [
