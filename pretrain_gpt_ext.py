@@ -76,8 +76,15 @@ def _require_cuda() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """:func:`train`; a megatron-ext refusal ends the rank with its message and exit code,
+    no traceback (:func:`megatron_ext.errors.exit_on_error`)."""
+    from megatron_ext.errors import exit_on_error
+
+    exit_on_error(lambda: train(sys.argv[1:] if argv is None else argv))
+
+
+def train(argv: list[str]) -> None:
     """Parse Megatron + megatron-ext arguments, install patches and run ``pretrain``."""
-    argv = sys.argv[1:] if argv is None else argv
     wants_help = "-h" in argv or "--help" in argv
     if wants_help:  # help is not training: keep optional-dependency import warnings out of it
         from megatron_ext.quiet import silence_import_noise
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [sys.argv[0], *prepare_skips(argv)]
 
     from megatron.core.enums import ModelType
-    from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
+    from megatron.training import get_args, inprocess_restart, pretrain, set_startup_timestamps
     from megatron.training.argument_utils import (
         gpt_config_from_args,
         pretrain_cfg_container_from_args,
@@ -97,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.training.arguments import parse_and_validate_args
 
     from megatron_ext import gpt_step, loop, patching, registry
+    from megatron_ext.errors import StartupError
 
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
     patching.check_version()
@@ -110,16 +118,21 @@ def main(argv: list[str] | None = None) -> None:
         extra_args_provider=loop.add_megatron_ext_args,
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     )
+    # The features keep these args, and Megatron fills them as it goes (resume iteration,
+    # consumed samples, padded vocab): they must be the global args Megatron reads.
+    if get_args() is not args:
+        raise StartupError("Megatron's global args are not the ones it parsed; re-verify")
     run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     gpt_step.check_supported(args)
-    loop.install(args)
+    features = loop.install(args)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
-    loop.attach(config)
+    loop.attach(config, features)
+    forward_step, datasets_provider = gpt_step.bind(features)
     run(
         config,
-        gpt_step.train_valid_test_datasets_provider,
+        datasets_provider,
         ModelType.encoder_or_decoder,
-        gpt_step.forward_step,
+        forward_step,
         store=store,
         get_embedding_ranks=gpt_step.get_embedding_ranks,
     )

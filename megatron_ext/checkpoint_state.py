@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.errors import Refusal
 from megatron_ext.files import CHECKPOINT_COMMON_FILE, DCP_METADATA_FILE
 
 # ShardedObject("common_state", None, (1,), (0,)).unique_key in megatron-core 0.19.2
@@ -60,10 +61,13 @@ _REAL: dict[tuple[str, str], Any] = {
 
 
 class UnreadableState(Exception):
-    """Not a layout this reader knows: use Megatron's ``load_common_state_dict`` instead."""
+    """Not a layout this reader knows: use Megatron's ``load_common_state_dict`` instead.
+
+    An internal control-flow signal (caught inside this module and by the demo), not a
+    refusal, so it is no :class:`~megatron_ext.errors.MegatronExtError`."""
 
 
-class CheckpointUnreadable(ValueError):
+class CheckpointUnreadable(Refusal, ValueError):
     """Neither reader can read the checkpoint's common state; the message says what to do."""
 
 

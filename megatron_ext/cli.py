@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from megatron_ext.errors import exit_on_error
 from megatron_ext.quiet import silence_import_noise
 
 USAGE = """usage: megatron-ext <command> [args]
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-ext: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     silence_import_noise()
-    return importlib.import_module(module).main(argv[1:])
+    # A refusal that a command does not report itself still ends as its message, no traceback.
+    return exit_on_error(lambda: importlib.import_module(module).main(argv[1:]))
 
 
 if __name__ == "__main__":

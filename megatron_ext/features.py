@@ -8,14 +8,19 @@ A feature (z-loss, weight decay, telemetry, spike detector, sample log, drill) i
    megatron-ext flag set, a run is plain Megatron apart from the upstream fixes);
 3. ``validate(args)``: checks before distributed init; raises :class:`FeatureError` with a
    message that says what to do;
-4. ``install(args)``: applies its feature patches and opens its state (still before init);
-5. hooks, called by :mod:`megatron_ext.loop` and :mod:`megatron_ext.gpt_step` on the
-   features that override them, in :data:`FEATURE_CLASSES` order:
+4. ``install(args)``: keeps the args and opens its state (still before init); the installer
+   (:func:`megatron_ext.loop.install`) then applies its registry patches, bound to it, when
+   ``needs_patches()``;
+5. hooks, called on the installed features that override them, in
+   :func:`megatron_ext.loop.all_features` order, by the registry's hook wrappers
+   (:mod:`megatron_ext.hooks`) and the entry point's own functions
+   (:mod:`megatron_ext.gpt_step`), each bound to the :class:`FeatureSet` when installed:
 
    ========================  ==============================================================
    ``on_model_built``        the model chunks are built, not yet wrapped (no DDP, no
                              optimizer): the earliest point parameter names exist
    ``on_setup``              model chunks and optimizer exist (lay out buckets, open files)
+   ``on_train_dataset``      the train dataset is built (data-reading ranks); may wrap it
    ``on_batch``              TP rank 0 of a data-reading stage got a micro-batch from the
                              iterator (read ids, drill corruption); may change the batch
    ``on_loss``               the last stage computed a micro-batch's loss; returns extra
@@ -33,28 +38,27 @@ Features never import each other: whatever one produces for another goes on the
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-HOOKS = (
-    "on_model_built",
-    "on_setup",
-    "on_batch",
-    "on_loss",
-    "before_grad_norm",
-    "after_step",
-    "on_checkpoint",
-)
+from megatron_ext.errors import StartupError
 
 
-class FeatureError(SystemExit):
-    """A feature's flags cannot work as given; the message says what to do.
+class FeatureError(StartupError):
+    """A feature's flags cannot work as given; the message says what to do (exit 1, no
+    traceback: the entry point reports it)."""
 
-    A ``SystemExit`` so that start-up stops with the message and no traceback.
-    """
 
-    def __init__(self, message: str) -> None:
-        super().__init__(f"megatron-ext: {message}")
+def writing_rank(world_size: int) -> int:
+    """The rank that writes the per-step records and runs the spike detector: the last one,
+    which holds the last pipeline stage's losses."""
+    return world_size - 1
+
+
+def is_writing_rank(rank: int, world_size: int) -> bool:
+    """Whether ``rank`` is :func:`writing_rank`."""
+    return rank == writing_rank(world_size)
 
 
 @dataclass
@@ -127,70 +131,58 @@ class Feature:
         """Raise :class:`FeatureError` for flags that cannot work (before distributed init)."""
 
     def install(self, args: Any) -> None:
-        """Apply this feature's patches and set up its state."""
+        """Set up this feature's state from the args it keeps (before distributed init)."""
+
+    def needs_patches(self) -> bool:
+        """After :meth:`install`: whether the registry's patches of this feature (its
+        ``feature=`` entries) are to be applied; they are bound to this instance."""
+        return True
 
     # Hooks: the base versions are never called (see :meth:`implements`).
     def on_model_built(self, model: list[Any]) -> None: ...
     def on_setup(self, model: list[Any], optimizer: Any) -> None: ...
+    def on_train_dataset(self, dataset: Any) -> Any: ...
     def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None: ...
     def on_loss(self, inputs: LossInputs) -> dict[str, Any]: ...
     def before_grad_norm(self, optimizer: Any) -> None: ...
     def after_step(self, record: StepRecord) -> None: ...
     def on_checkpoint(self, iteration: int) -> bool: ...
 
-    def implements(self, hook: str) -> bool:
-        """Whether this feature overrides ``hook``."""
-        return getattr(type(self), hook) is not getattr(Feature, hook)
+    def implements(self, hook: Callable[..., Any]) -> bool:
+        """Whether this feature overrides ``hook`` (a :class:`Feature` method)."""
+        return getattr(type(self), hook.__name__) is not hook
 
 
+HOOKS: tuple[Callable[..., Any], ...] = (
+    Feature.on_model_built,
+    Feature.on_setup,
+    Feature.on_train_dataset,
+    Feature.on_batch,
+    Feature.on_loss,
+    Feature.before_grad_norm,
+    Feature.after_step,
+    Feature.on_checkpoint,
+)
+
+
+@dataclass(frozen=True)
 class FeatureSet:
-    """The features installed in this process and the hook dispatch over them."""
+    """The features installed for one run, in hook order; the hook wrappers and the entry
+    point's functions are bound to it (no process-wide singleton)."""
 
-    def __init__(self) -> None:
-        self.features: list[Feature] = []
+    args: Any
+    features: tuple[Feature, ...]
 
-    def install(self, features: list[Feature], args: Any) -> None:
+    @classmethod
+    def install(cls, features: list[Feature], args: Any) -> FeatureSet:
         """Validate every enabled feature first, then install them (nothing is half-done)."""
         enabled = [f for f in features if f.enabled(args)]
         for feature in enabled:
             feature.validate(args)
         for feature in enabled:
             feature.install(args)
-        self.features = enabled
+        return cls(args, tuple(enabled))
 
-    def using(self, hook: str) -> list[Feature]:
+    def using(self, hook: Callable[..., Any]) -> list[Feature]:
+        """The installed features overriding ``hook`` (e.g. ``Feature.after_step``)."""
         return [f for f in self.features if f.implements(hook)]
-
-    def on_model_built(self, model: list[Any]) -> None:
-        for feature in self.using("on_model_built"):
-            feature.on_model_built(model)
-
-    def on_setup(self, model: list[Any], optimizer: Any) -> None:
-        for feature in self.using("on_setup"):
-            feature.on_setup(model, optimizer)
-
-    def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None:
-        for feature in self.using("on_batch"):
-            feature.on_batch(batch, micro_batch)
-
-    def on_loss(self, inputs: LossInputs) -> dict[str, Any]:
-        report: dict[str, Any] = {}
-        for feature in self.using("on_loss"):
-            report.update(feature.on_loss(inputs) or {})
-        return report
-
-    def before_grad_norm(self, optimizer: Any) -> None:
-        for feature in self.using("before_grad_norm"):
-            feature.before_grad_norm(optimizer)
-
-    def after_step(self, record: StepRecord) -> None:
-        for feature in self.using("after_step"):
-            feature.after_step(record)
-
-    def on_checkpoint(self, iteration: int) -> bool:
-        # Every feature hears about the save, even after one vetoed it.
-        return all([feature.on_checkpoint(iteration) for feature in self.using("on_checkpoint")])
-
-
-ACTIVE = FeatureSet()
-"""The features of this process (one training run per process, as Megatron's globals)."""

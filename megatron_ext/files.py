@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from megatron_ext.errors import Refusal
+
 # -- Megatron's own names (megatron-core 0.19.2, training/checkpointing.py) -----------------
 CHECKPOINT_TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_DIR = re.compile(r"^iter_(\d{7})$")
@@ -80,7 +82,7 @@ def rolled_back_dir(ckpt_dir: str | Path, number: int) -> Path:
     return Path(ckpt_dir) / ROLLED_BACK_DIR / f"incident-{number:03d}"
 
 
-class TrackerError(ValueError):
+class TrackerError(Refusal, ValueError):
     """Megatron's checkpoint tracker holds something other than an iteration number."""
 
 

@@ -5,12 +5,17 @@ ship) for the standard pretraining path: TP rank 0 reads the batch and broadcast
 the loss is token-summed with a token count, NaN/Inf go through the rerun state machine and
 ``--check-for-spiky-loss`` is honoured. SFT, FIM, packed sequences, hybrid CP, ModelOpt and
 cached-logit distillation are refused at start-up (use Megatron-LM's own script for them).
+
+The entry point binds the run's :class:`~megatron_ext.features.FeatureSet` into what it hands
+Megatron (:func:`bind`): the forward step calls ``on_batch`` (in :func:`get_batch`) and
+``on_loss`` (in :func:`loss_func`), the dataset provider ``on_train_dataset``, on the
+features that override them. This module knows no feature's keys or flags.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -29,8 +34,7 @@ from megatron.core.utils import (
 from megatron.training import get_args, get_timers, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from megatron_ext.features import ACTIVE, LossInputs, MicroBatch
-from megatron_ext.sample_log.adapter import SAMPLE_ID_KEY
+from megatron_ext.features import Feature, FeatureSet, LossInputs, MicroBatch
 
 # Megatron-LM pretrain_gpt.py: a loss 10x the max of the first losses is "spiky".
 SPIKY_LOSS_FACTOR = 10
@@ -86,37 +90,15 @@ def check_layout(args: Any) -> None:
         )
 
 
-class SampleIdDataset(torch.utils.data.Dataset):
-    """Adds the global sample index to each sample so the trainer can log what it consumed.
-
-    Attribute access falls through to the wrapped dataset, so Megatron's data loader sees the
-    same ``split``/``index_split`` and length; the extra key is ignored by Megatron's batch code.
-    """
-
-    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, idx: int) -> dict[str, Any]:
-        sample = dict(self.dataset[idx])
-        sample[SAMPLE_ID_KEY] = torch.tensor(int(idx), dtype=torch.int64)
-        return sample
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "dataset":
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-
 def get_batch(
     data_iterator: Iterator[dict[str, Any]] | None,
     micro_batch: MicroBatch,
+    features: FeatureSet,
     vp_stage: int | None = None,
 ) -> dict[str, Any] | None:
-    """Read on TP rank 0 (features see the batch there), broadcast over TP, slice for CP."""
-    args = get_args()
+    """Read on TP rank 0 (features see the batch there: ``on_batch``), broadcast over TP,
+    slice for CP."""
+    args = features.args
     if not is_first_or_last_pipeline_stage(vp_stage):
         return None
     tp_rank = mpu.get_tensor_model_parallel_rank()
@@ -124,7 +106,8 @@ def get_batch(
     if tp_rank == 0:
         batch = next(data_iterator)  # type: ignore[arg-type]
         micro_batch.reads_data = True
-        ACTIVE.on_batch(batch, micro_batch)
+        for feature in features.using(Feature.on_batch):
+            feature.on_batch(batch, micro_batch)
         for key in BATCH_KEYS:
             value = batch.get(key)
             batch[key] = value.cuda(non_blocking=True) if value is not None else None
@@ -150,6 +133,7 @@ def get_batch(
 
 
 def loss_func(
+    features: FeatureSet,
     loss_mask: torch.Tensor,
     micro_batch: MicroBatch,
     output_tensor: torch.Tensor,
@@ -158,13 +142,15 @@ def loss_func(
 
     Features add report entries (``on_loss``); z-loss replaces ``lm loss`` by the pure CE.
     """
-    args = get_args()
+    args = features.args
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
-    report.update(ACTIVE.on_loss(LossInputs(micro_batch, output_tensor, mask, loss, num_tokens)))
+    inputs = LossInputs(micro_batch, output_tensor, mask, loss, num_tokens)
+    for feature in features.using(Feature.on_loss):
+        report.update(feature.on_loss(inputs) or {})
 
     rerun_state_machine = get_rerun_state_machine()
     if args.check_for_nan_in_loss_and_grad:
@@ -191,17 +177,17 @@ def loss_func(
     return loss, num_tokens, report
 
 
-def forward_step(data_iterator: Any, model: Any):
+def forward_step(features: FeatureSet, data_iterator: Any, model: Any):
     """One micro-batch forward; returns the per-token loss tensor and the loss closure."""
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     micro_batch = MicroBatch(
-        iteration=get_args().curr_iteration + 1,
+        iteration=features.args.curr_iteration + 1,
         training=model.training,
         dp_rank=mpu.get_data_parallel_rank(),
     )
-    batch = get_batch(data_iterator, micro_batch, vp_stage)
+    batch = get_batch(data_iterator, micro_batch, features, vp_stage)
     timers("batch-generator").stop()
     if batch is None:
         batch = dict.fromkeys(BATCH_KEYS)
@@ -212,7 +198,7 @@ def forward_step(data_iterator: Any, model: Any):
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
     )
-    return output_tensor, partial(loss_func, batch["loss_mask"], micro_batch)
+    return output_tensor, partial(loss_func, features, batch["loss_mask"], micro_batch)
 
 
 def is_dataset_built_on_rank(vp_stage: int | None = None) -> bool:
@@ -250,9 +236,12 @@ def gpt_dataset_config_from_args(args: Any) -> GPTDatasetConfig:
     )
 
 
-def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """Build train/valid/test datasets through BlendedMegatronDatasetBuilder."""
-    args = get_args()
+def train_valid_test_datasets_provider(
+    features: FeatureSet, train_val_test_num_samples: list[int], vp_stage: int | None = None
+):
+    """Build train/valid/test datasets through BlendedMegatronDatasetBuilder; features may
+    wrap the train dataset (``on_train_dataset``)."""
+    args = features.args
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
@@ -261,13 +250,18 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
         partial(is_dataset_built_on_rank, vp_stage=vp_stage),
         gpt_dataset_config_from_args(args),
     ).build()
-    if train_ds is not None and args.sample_log_dir is not None:
-        train_ds = SampleIdDataset(train_ds)
+    if train_ds is not None:
+        for feature in features.using(Feature.on_train_dataset):
+            train_ds = feature.on_train_dataset(train_ds)
     print_rank_0("> finished creating GPT datasets ...")
     return train_ds, valid_ds, test_ds
 
 
-train_valid_test_datasets_provider.is_distributed = True  # type: ignore[attr-defined]
+def bind(features: FeatureSet) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(forward step, dataset provider) for ``pretrain``, calling ``features``' hooks."""
+    provider = partial(train_valid_test_datasets_provider, features)
+    provider.is_distributed = True  # type: ignore[attr-defined]  # every rank calls it
+    return partial(forward_step, features), provider
 
 
 def get_embedding_ranks(pp_ranks: list[int]) -> list[int]:

@@ -1,9 +1,10 @@
 """``megatron-ext patches``: every touch of Megatron internals, and whether it still fits.
 
 Lists, from :mod:`megatron_ext.registry`: the upstream bug fixes, the hooks into Megatron's
-loop (and which feature uses each), the feature patches and the private names the overlay
-relies on (assumptions). Each entry is verified against the installed megatron-core; the
-exit status is 1 if any target changed, 0 otherwise.
+loop (and which feature uses each), the hooks the entry point's own functions call, the
+feature patches and the private names the overlay relies on (assumptions). Each entry is
+verified against the installed megatron-core; the exit status is 1 if any target changed, 0
+otherwise.
 """
 
 from __future__ import annotations
@@ -14,14 +15,8 @@ from collections.abc import Callable
 
 from megatron_ext import MEGATRON_CORE_VERSION, registry
 from megatron_ext.features import HOOKS, Feature
+from megatron_ext.loop import all_features
 from megatron_ext.patching import Assumption, Entry, Patch, PatchTargetError, installed_version
-
-# Hooks the entry point calls itself, with no patch of Megatron.
-ENTRY_POINT_HOOKS = {
-    "on_model_built": "megatron_ext.loop.pre_wrap_hook (the config container's pre_wrap_hooks)",
-    "on_batch": "megatron_ext.gpt_step.get_batch (TP rank 0 of a data-reading stage)",
-    "on_loss": "megatron_ext.gpt_step.loss_func (last pipeline stage)",
-}
 
 
 def _status(entry: Entry) -> tuple[str, bool]:
@@ -55,7 +50,8 @@ def _section(
 
 def _patch_target(entry: Entry) -> str:
     assert isinstance(entry, Patch)
-    return f"target: {entry.target}{entry.signature}\n    wrapper: {entry.wrap}"
+    wrapper = f"{entry.wrap.__module__}.{entry.wrap.__qualname__}"
+    return f"target: {entry.target}{entry.signature}\n    wrapper: {wrapper}"
 
 
 def _assumed(entry: Entry) -> str:
@@ -72,14 +68,17 @@ def _assumed(entry: Entry) -> str:
 
 def hook_users(features: list[Feature]) -> dict[str, list[str]]:
     """Hook name -> the features overriding it."""
-    return {hook: [f.name for f in features if f.implements(hook)] for hook in HOOKS}
+    return {hook.__name__: [f.name for f in features if f.implements(hook)] for hook in HOOKS}
+
+
+def _hook_name(entry: Entry) -> str:
+    assert isinstance(entry, Patch) and entry.hook is not None
+    return entry.hook.__name__
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-ext patches", description=__doc__)
     parser.parse_args(argv)
-    from megatron_ext.loop import all_features
-
     users = hook_users(all_features())
     out = [
         f"megatron-core installed: {installed_version()} (megatron-ext verified on "
@@ -91,13 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         "loop hooks (applied when an installed feature uses the hook)",
         registry.HOOKS,
         lambda e: (
-            f"hook {e.hook}, used by: {', '.join(users[e.hook]) or 'none'}\n    " + _patch_target(e)
+            f"hook {_hook_name(e)}, used by: {', '.join(users[_hook_name(e)]) or 'none'}\n    "
+            + _patch_target(e)
         ),
         out,
     )
-    out.append("== entry-point hooks (megatron_ext.gpt_step, loop; no patch of Megatron)")
-    for hook, where in ENTRY_POINT_HOOKS.items():
-        out.append(f"  {hook}: called from {where}; used by: {', '.join(users[hook])}")
+    out.append("== entry-point hooks (megatron_ext.gpt_step, hooks; no patch of Megatron)")
+    for call in registry.ENTRY_POINT_HOOKS:
+        name = call.hook.__name__
+        out.append(f"  {name}: called from {call.describe()}; used by: {', '.join(users[name])}")
     out.append("")
     failed += _section(
         "feature patches (applied when the feature's flag is set)",

@@ -26,14 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megatron_ext import MEGATRON_CORE_VERSION
+from megatron_ext.errors import Refusal
 
 _MARK = "__megatron_ext_patch__"
 
 Kind = Literal["bugfix", "feature", "hook"]
 
 
-class PatchTargetError(RuntimeError):
-    """A registered target is missing or changed shape: the overlay must not start."""
+class PatchTargetError(Refusal, RuntimeError):
+    """A registered target is missing or changed shape: the overlay must not start (exit 1,
+    as ``megatron-ext patches`` and the entry point end)."""
 
 
 def resolve(target: str) -> tuple[Any, str]:
@@ -46,11 +48,6 @@ def resolve(target: str) -> tuple[Any, str]:
     return owner, attr
 
 
-def _resolve_callable(spec: str) -> Callable[..., Any]:
-    owner, attr = resolve(spec)
-    return getattr(owner, attr)
-
-
 def _signature_of(fn: Any) -> str:
     try:
         return str(inspect.signature(fn))
@@ -59,7 +56,7 @@ def _signature_of(fn: Any) -> str:
 
 
 def _original(value: Any) -> Any:
-    return getattr(value, _MARK, (None, value))[1]
+    return getattr(value, _MARK, (None, value, None))[1]
 
 
 def _target_error(name: str, target: str, verified_on: str, what: str) -> PatchTargetError:
@@ -92,22 +89,28 @@ def _check_signature(name: str, target: str, verified_on: str, fn: Any, expected
 class Patch:
     """One runtime replacement of a Megatron attribute.
 
-    ``wrap`` is ``"module:function"``: called with the original, it returns the replacement
-    (resolved only when applied, so listing the registry imports no feature code).
-    ``also_bound_in`` lists modules that did ``from target_module import name`` and hold
-    their own reference that must be rebound too. ``hook`` names the feature hook a
-    ``kind="hook"`` patch dispatches to.
+    ``wrap`` is the wrapper itself (an imported function, so a reader and an IDE go from the
+    registry straight to it): called with the original, and with what the patch is applied
+    with (``apply(bound)``: the feature, or the installed feature set, whose state the
+    replacement reads; nothing for a bug fix), it returns the replacement. ``target`` stays a
+    ``module:qualname`` string, resolved only when verified or applied, so that a target
+    Megatron moved is reported as a readable start-up refusal instead of an ImportError while
+    the registry is imported. ``also_bound_in`` lists modules that did ``from target_module
+    import name`` and hold their own reference that must be rebound too. ``hook`` is the
+    :class:`~megatron_ext.features.Feature` hook a ``kind="hook"`` patch dispatches to;
+    ``feature`` the feature class a ``kind="feature"`` patch belongs to.
     """
 
     name: str
     target: str
     reason: str
     signature: str
-    wrap: str
+    wrap: Callable[..., Callable[..., Any]]
     kind: Kind = "feature"
     verified_on: str = MEGATRON_CORE_VERSION
     also_bound_in: tuple[str, ...] = field(default=())
-    hook: str | None = None
+    hook: Callable[..., Any] | None = None
+    feature: type | None = None
 
     def verify(self) -> None:
         """Raise :class:`PatchTargetError` unless the target exists with the signature."""
@@ -125,20 +128,25 @@ class Patch:
                     f"no longer refers to {self.target}",
                 )
 
-    def is_applied(self) -> bool:
+    def _marker(self) -> tuple[str | None, Any, Any]:
         owner, attr = resolve(self.target)
-        return getattr(getattr(owner, attr), _MARK, (None, None))[0] == self.name
+        return getattr(getattr(owner, attr), _MARK, (None, None, None))
 
-    def apply(self) -> None:
-        """Install once; a second call is a no-op."""
+    def is_applied(self) -> bool:
+        return self._marker()[0] == self.name
+
+    def apply(self, bound: Any = None) -> None:
+        """Install, with ``bound`` handed to the wrapper; applying again with the same
+        ``bound`` is a no-op, with another one (a new run in the same process) rebinds."""
         self.verify()
-        if self.is_applied():
+        name, installed_over, already = self._marker()
+        if name == self.name and already is bound:
             return
         owner, attr = resolve(self.target)
-        original = getattr(owner, attr)
-        replacement = _resolve_callable(self.wrap)(original)
+        original = installed_over if name == self.name else getattr(owner, attr)
+        replacement = self.wrap(original) if bound is None else self.wrap(original, bound)
         try:
-            setattr(replacement, _MARK, (self.name, original))
+            setattr(replacement, _MARK, (self.name, original, bound))
         except AttributeError as exc:  # e.g. a bound builtin
             raise PatchTargetError(
                 f"patch {self.name!r}: replacement cannot carry its marker"
@@ -159,13 +167,29 @@ class Patch:
 
 
 @dataclass(frozen=True)
+class HookCall:
+    """A feature hook the entry point's own functions call, with no patch of Megatron:
+    Megatron calls ``called_from`` (handed to it by ``pretrain_gpt_ext.py``), which calls
+    ``hook`` on every installed feature that overrides it."""
+
+    hook: Callable[..., Any]
+    called_from: Callable[..., Any]
+    where: str  # on which ranks, when
+
+    def describe(self) -> str:
+        fn = self.called_from
+        return f"{fn.__module__}.{fn.__qualname__} ({self.where})"
+
+
+@dataclass(frozen=True)
 class Assumption:
     """A private Megatron name the overlay relies on without replacing it.
 
     ``target`` is a class, module attribute or function (``module:qualname``). The check:
 
     - ``assigned``: attribute names the class's ``__init__`` must assign (``self.x = ...``,
-      read from its bytecode, so nothing is constructed);
+      read from its bytecode, so nothing is constructed); for a function, the names it
+      assigns on the objects it builds (``obj.x = ...`` or ``setattr(obj, 'x', ...)``);
     - ``signature``: for a function, its exact signature;
     - neither: the target must exist.
     """
@@ -181,15 +205,20 @@ class Assumption:
     def verify(self) -> None:
         _, value = _existing(self.name, self.target, self.verified_on)
         if self.assigned:
-            init = getattr(value, "__init__", None)
-            names = set(getattr(getattr(init, "__code__", None), "co_names", ()))
+            function = inspect.isfunction(value)
+            body = value if function else getattr(value, "__init__", None)
+            code = getattr(body, "__code__", None)
+            names = set(getattr(code, "co_names", ()))
+            if function:  # setattr(obj, "name", ...) keeps the name as a constant
+                names |= {c for c in getattr(code, "co_consts", ()) if isinstance(c, str)}
             missing = [a for a in self.assigned if a not in names]
             if missing:
+                where = "its body" if function else "__init__"
                 raise _target_error(
                     self.name,
                     self.target,
                     self.verified_on,
-                    f"no longer assigns {missing} in __init__",
+                    f"no longer assigns {missing} in {where}",
                 )
         if self.signature is not None:
             _check_signature(self.name, self.target, self.verified_on, value, self.signature)

@@ -6,15 +6,24 @@
 - **feature** patches change Megatron's behaviour for one feature's flag;
 - **assumptions** are private names read without being replaced.
 
-Wrappers live next to the feature or fix they belong to and are named here as
-``module:function``; they are imported only when applied. ``megatron-ext patches`` prints
-this table and verifies every entry; the entry point verifies all of them at start-up and
-refuses to run if any target changed.
+Wrappers live next to the feature or fix they belong to and are named here as the imported
+functions (go to definition follows them); :func:`megatron_ext.loop.install` applies a
+feature patch bound to its installed feature and a hook patch bound to the installed feature
+set. Megatron's targets stay ``module:qualname`` strings, resolved only when verified or
+applied, so that a target upstream moved is a readable start-up refusal (``megatron-ext
+patches`` lists it as changed) instead of an ImportError while this table is imported.
+:data:`ENTRY_POINT_HOOKS` lists the hooks the entry point's own functions call (no patch).
+``megatron-ext patches`` prints this table and verifies every entry; the entry point
+verifies all of them at start-up and refuses to run if any target changed.
 """
 
 from __future__ import annotations
 
-from megatron_ext.patching import Assumption, Entry, Patch
+from megatron_ext import fixes, gpt_step, hooks
+from megatron_ext.features import Feature
+from megatron_ext.patching import Assumption, Entry, HookCall, Patch
+from megatron_ext.weight_decay.adapter import WeightDecayFeature, with_overrides, with_param_map
+from megatron_ext.zloss.adapter import ZLossFeature, with_z_loss
 
 _TRAINING = "megatron.training.training"
 _DISTOPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
@@ -26,7 +35,7 @@ BUGFIXES: tuple[Patch, ...] = (
         kind="bugfix",
         target="megatron.core.datasets.utils:compile_helpers",
         signature="()",
-        wrap="megatron_ext.fixes:skip_make_when_prebuilt",
+        wrap=fixes.skip_make_when_prebuilt,
         reason="initialize_megatron runs `make` in the installed package, but the pip wheel "
         "ships a prebuilt helpers_cpp and no Makefile, so every wheel user's start-up exits(1). "
         "Skip the build when the prebuilt extension imports.",
@@ -36,7 +45,7 @@ BUGFIXES: tuple[Patch, ...] = (
         kind="bugfix",
         target=f"{_DISTOPT}.state_dict",
         signature="(self)",
-        wrap="megatron_ext.fixes:state_dict_tolerates_fresh_state",
+        wrap=fixes.state_dict_tolerates_fresh_state,
         reason="Without Apex/TE, DistributedOptimizer.state_dict asserts exactly one distinct "
         "Adam step, but loading a checkpoint calls it on a fresh optimizer with no state yet, "
         "so every distributed-optimizer resume crashes. A fresh optimizer reports step 0; the "
@@ -47,7 +56,7 @@ BUGFIXES: tuple[Patch, ...] = (
         kind="bugfix",
         target=f"{_DISTOPT}.load_state_dict",
         signature="(self, state_dict)",
-        wrap="megatron_ext.fixes:load_state_dict_unshares_step",
+        wrap=fixes.load_state_dict_unshares_step,
         reason="Without Apex/TE, DistributedOptimizer.load_state_dict assigns ONE step tensor "
         "to every parameter; torch Adam increments it in place once per parameter, so after a "
         "resume the bias correction runs N_params steps per iteration (silent drift). Each "
@@ -58,7 +67,7 @@ BUGFIXES: tuple[Patch, ...] = (
         kind="bugfix",
         target=f"{_DISTOPT}._set_main_param_and_optimizer_states",
         signature="(self, model_param, tensors)",
-        wrap="megatron_ext.fixes:copy_state_safely",
+        wrap=fixes.copy_state_safely,
         reason="Two resume bugs without Apex/TE. (1) load_parameter_state_from_dp_reshardable "
         "copies checkpoint values into views of leaf parameters that require grad outside "
         "no_grad, so fp32 resumes raise; the copy runs under torch.no_grad(). (2) The per-param "
@@ -73,7 +82,7 @@ BUGFIXES: tuple[Patch, ...] = (
         "FileSystemWriterAsync.prepare_write_data",
         signature="(self, plan: torch.distributed.checkpoint.planner.SavePlan, "
         "planner: torch.distributed.checkpoint.planner.SavePlanner) -> None",
-        wrap="megatron_ext.fixes:results_queue_survives_stop_signals",
+        wrap=fixes.results_queue_survives_stop_signals,
         reason="torch_dist saves hand their write results through a multiprocessing Manager "
         "queue started at the first save, in the rank's process group. Slurm signals every "
         "process of a step and torchrun forwards SIGTERM with killpg, so a preemption or "
@@ -86,7 +95,7 @@ BUGFIXES: tuple[Patch, ...] = (
         target="megatron.training.argument_utils:"
         "ArgumentGroupFactory._build_argparse_kwargs_from_field",
         signature="(self, attribute: dataclasses.Field) -> dict[str, typing.Any]",
-        wrap="megatron_ext.fixes:docstring_help_is_text",
+        wrap=fixes.docstring_help_is_text,
         reason="ArgumentGroupFactory turns config dataclass field docstrings into argparse "
         "help, and argparse expands help as a %-format. TransformerConfig's docstring for "
         "moe_paged_stash_buffer_size_factor_cuda ends in a bare '10%)', so `--help` of every "
@@ -95,65 +104,66 @@ BUGFIXES: tuple[Patch, ...] = (
     ),
 )
 
-HOOKS: tuple[Patch, ...] = (
+HOOKS: tuple[Patch, ...] = (  # applied bound to the installed FeatureSet
     Patch(
         name="hook-on-setup",
         kind="hook",
-        hook="on_setup",
+        hook=Feature.on_setup,
         target=f"{_TRAINING}:setup_model_and_optimizer",
         signature="(model_type, model_provider_func=None, checkpointing_context=None, *, "
         "cfg_container: megatron.training.config.container.PretrainConfigContainer | None = "
         "None, pg_collection: megatron.core.process_groups_config.ProcessGroupCollection | "
         "megatron.core.process_groups_config.MultiModuleProcessGroupCollection | None = None)",
-        wrap="megatron_ext.loop:wrap_setup",
+        wrap=hooks.wrap_setup,
         reason="The DDP model chunks and the optimizer exist here and nowhere else in the "
         "public loop: features lay out bucket views and open their logs.",
     ),
     Patch(
         name="hook-before-grad-norm",
         kind="hook",
-        hook="before_grad_norm",
+        hook=Feature.before_grad_norm,
         target="megatron.core.optimizer.optimizer:ChainedOptimizer.get_grad_norm",
         signature="(self)",
-        wrap="megatron_ext.loop:wrap_get_grad_norm",
+        wrap=hooks.wrap_get_grad_norm,
         reason="The one point where gradients are reduced but not yet clipped: bucket norms "
         "and the update-ratio snapshot are taken here (one all-reduce, no host sync).",
     ),
     Patch(
         name="hook-after-step",
         kind="hook",
-        hook="after_step",
+        hook=Feature.after_step,
         target=f"{_TRAINING}:training_log",
         signature="(loss_dict, total_loss_dict, learning_rate: float | None, iteration, "
         "loss_scale, report_memory_flag, skipped_iter, grad_norm, params_norm, "
         "num_zeros_in_grad, max_attention_logit, pg_collection=None, is_first_iteration=False, "
         "seqlen_squared_sum_in_batch: float | None = None, "
         "total_real_tokens_in_batch: float | None = None)",
-        wrap="megatron_ext.loop:wrap_training_log",
+        wrap=hooks.wrap_training_log,
         reason="Called on every rank every iteration with Megatron's reduced losses, lr, loss "
         "scale, grad norm, params norm and zeros: the StepRecord the features share.",
     ),
     Patch(
         name="hook-on-checkpoint",
         kind="hook",
-        hook="on_checkpoint",
+        hook=Feature.on_checkpoint,
         target=f"{_TRAINING}:save_checkpoint_and_time",
         signature="(iteration, model, optimizer, opt_param_scheduler, "
         "num_floating_point_operations_so_far, checkpointing_context, "
         "non_persistent_ckpt=False, train_data_iterator=None)",
-        wrap="megatron_ext.loop:wrap_save_checkpoint",
+        wrap=hooks.wrap_save_checkpoint,
         reason="Every checkpoint save goes through here: a feature may veto one (the spike "
         "detector keeps the last healthy checkpoint the rollback target).",
     ),
 )
 
-FEATURE_PATCHES: tuple[Patch, ...] = (
+FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed feature
     Patch(
         name="zloss-output-layer",
         target="megatron.core.models.common.language_module.language_module:"
         "LanguageModule.compute_language_model_loss",
         signature="(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor",
-        wrap="megatron_ext.zloss.adapter:with_z_loss",
+        wrap=with_z_loss,
+        feature=ZLossFeature,
         reason="--z-loss-coeff: megatron-core has no output-layer z-loss. The language-model "
         "loss (main head and MTP heads) becomes CE + c·log²Z, computed in one pass over the "
         "vocab-parallel logits with the cross entropy's own all-reduces.",
@@ -162,7 +172,8 @@ FEATURE_PATCHES: tuple[Patch, ...] = (
         name="weight-decay-overrides",
         target=f"{_TRAINING}:get_megatron_optimizer_config",
         signature="(args: Any) -> megatron.core.optimizer.optimizer_config.OptimizerConfig",
-        wrap="megatron_ext.weight_decay.adapter:with_overrides",
+        wrap=with_overrides,
+        feature=WeightDecayFeature,
         reason="--embedding-weight-decay-mult / --output-layer-weight-decay-mult / "
         "--weight-decay-override: add wd_mult ParamGroupOverrides to the config_overrides "
         "Megatron builds here (its 1-D/bias defaults kept).",
@@ -178,7 +189,8 @@ FEATURE_PATCHES: tuple[Patch, ...] = (
         "process_groups_config.ProcessGroupCollection] = None, "
         "dump_param_to_param_group_map: Optional[str] = None) -> "
         "megatron.core.optimizer.optimizer.MegatronOptimizer",
-        wrap="megatron_ext.weight_decay.adapter:with_param_map",
+        wrap=with_param_map,
+        feature=WeightDecayFeature,
         reason="With a weight-decay flag set: print every parameter's wd_mult and the rule "
         "that decided it once the param groups exist, and fail on a GLOB matching nothing.",
     ),
@@ -229,6 +241,15 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         reason="Dense and expert parameters live in different chained optimizers, whose grad "
         "norms Megatron reduces over their own grad-stats groups (DDP with EP: TP x PP vs "
         "expert TP x EP x PP); bucket norms and the update ratio reduce the same way.",
+    ),
+    Assumption(
+        name="optimizer-tp-groups",
+        target="megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups",
+        assigned=("tp_group", "expert_tp_group"),
+        used_by="megatron_ext.telemetry.adapter",
+        reason="Megatron sets each chained optimizer's tp_group and expert_tp_group after "
+        "building it (setattr, no constructor argument); telemetry hands them to Megatron's "
+        "own duplicate filter to count each parameter as its grad norm does.",
     ),
     Assumption(
         name="expert-param-mark",
@@ -346,6 +367,14 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "each array by the counts in the header (numpy.frombuffer with count and offset), so "
         "the trailing bytes are never read (tests read a fingerprinted .idx with it).",
     ),
+)
+
+_READERS = "TP rank 0 of a data-reading stage"
+ENTRY_POINT_HOOKS: tuple[HookCall, ...] = (
+    HookCall(Feature.on_model_built, hooks.pre_wrap_hook, "the config container's pre_wrap_hooks"),
+    HookCall(Feature.on_train_dataset, gpt_step.train_valid_test_datasets_provider, _READERS),
+    HookCall(Feature.on_batch, gpt_step.get_batch, _READERS),
+    HookCall(Feature.on_loss, gpt_step.loss_func, "last pipeline stage"),
 )
 
 PATCHES: tuple[Patch, ...] = (*BUGFIXES, *HOOKS, *FEATURE_PATCHES)

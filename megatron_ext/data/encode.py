@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ext.data.tokenizer import LoadedTokenizer
+from megatron_ext.errors import Refusal
 
 WINDOW_CHARS = 1 << 18
 
 
-class EncodeError(ValueError):
+class EncodeError(Refusal, ValueError):
     """Bad input; the message names the file and line."""
 
 

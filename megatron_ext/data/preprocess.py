@@ -43,12 +43,13 @@ from megatron_ext.data.tokenizer import (
     train_bpe_tokenizer,
 )
 from megatron_ext.data.workers import encode_chunk, worker_pool
+from megatron_ext.errors import Refusal, report
 from megatron_ext.records.pair import append_fingerprint, publish
 
 PROG = "megatron-ext preprocess"
 
 
-class PreprocessError(Exception):
+class PreprocessError(Refusal):
     """Bad input or arguments; the message is meant for the user, no traceback needed."""
 
 
@@ -294,7 +295,10 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 class _Terminated(Exception):
-    """SIGTERM arrived: unwind so every temporary file is removed."""
+    """SIGTERM arrived: unwind so every temporary file is removed.
+
+    An internal control-flow signal (``main`` reports it and exits 128 + SIGTERM), not a
+    refusal, so it is no :class:`~megatron_ext.errors.MegatronExtError`."""
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -311,8 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_dir, tokenizer = _prepare_tokenizer(args)
         results = _write_datasets(args, tokenizer_dir, tokenizer)
     except (PreprocessError, EncodeError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
+        return report(e, f"{PROG}: error")
     except _Terminated:
         print(
             f"{PROG}: stopped by SIGTERM; nothing was published and the temporary files were "

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_ext import exit_codes
 from megatron_ext.checkpoint_state import CheckpointUnreadable, load_common_state
 from megatron_ext.files import (
     CHECKPOINT_TRACKER_FILE,
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (PlanError, ValueError, OSError, transaction.TransactionError) as exc:
         print(f"megatron-ext skiplist: error: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     number = _number(args.ckpt_dir, ident)
     stem = incident_stem(args.ckpt_dir, number)
     report = build_report(
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"rerun with --apply to finish it or with --undo to revert it",
                 file=sys.stderr,
             )
-            return 2
+            return exit_codes.USAGE
     print(plan.summary)
     print(
         f"plan: {stem.with_suffix('.json')}\nreport: {stem.with_suffix('.md')}"

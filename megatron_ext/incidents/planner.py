@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from megatron_ext.errors import UsageError
 from megatron_ext.files import CHECKPOINT_DIR
 from megatron_ext.io import from_json
 from megatron_ext.records.signals import SignalRecord
@@ -33,7 +34,7 @@ def rounded(value: Any) -> Any:
     return f"{value:.4g}" if isinstance(value, float) else value
 
 
-class PlanError(RuntimeError):
+class PlanError(UsageError, RuntimeError):
     """The plan is impossible or the inputs are inconsistent; the message says what to do."""
 
 

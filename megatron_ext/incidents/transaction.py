@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.errors import UsageError
 from megatron_ext.files import (
     APPLY_JOURNAL_FILE,
     CHECKPOINT_TRACKER_FILE,
@@ -50,7 +51,7 @@ from megatron_ext.io import (
 )
 
 
-class TransactionError(RuntimeError):
+class TransactionError(UsageError, RuntimeError):
     """A pending apply cannot be finished as recorded; the message says what to do."""
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.errors import report
 from megatron_ext.lookup.crosscheck import check_against_log
 from megatron_ext.lookup.cyclic import CyclicOrder
 from megatron_ext.lookup.errors import ConfigError, Refused
@@ -376,5 +377,4 @@ def main(argv: list[str] | None = None) -> int:
         session = Session(options, megatron_flags)
         return inverse(session) if options.document is not None else forward(session)
     except Refused as exc:
-        print(f"megatron-ext lookup: refused: {exc}", file=sys.stderr)
-        return 1
+        return report(exc, "megatron-ext lookup: refused")

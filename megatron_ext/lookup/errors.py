@@ -6,8 +6,10 @@ on-call engineer acting on a wrong "rank 17 trained on document 83" would block 
 
 from __future__ import annotations
 
+from megatron_ext.errors import Refusal
 
-class Refused(Exception):
+
+class Refused(Refusal):
     """The tool cannot give an exact answer; the message says why and what to do."""
 
 

@@ -38,7 +38,10 @@ _ACTIONS = {
 
 
 class NeedsMegatron(Exception):
-    """The command line uses a flag whose value only Megatron's own code can convert."""
+    """The command line uses a flag whose value only Megatron's own code can convert.
+
+    An internal control-flow signal (the caller falls back to Megatron's parser), not a
+    refusal, so it is no :class:`~megatron_ext.errors.MegatronExtError`."""
 
 
 def _plain(value: Any) -> bool:

@@ -24,6 +24,7 @@ import hashlib
 import os
 import struct
 
+from megatron_ext.errors import Refusal
 from megatron_ext.io import kill_point, remove_durably, rename_durably
 
 MAGIC = b"MXEXPAIR"
@@ -32,7 +33,7 @@ SAMPLE_BLOCK = 1 << 16
 SAMPLE_COUNT = 16
 
 
-class PairError(ValueError):
+class PairError(Refusal, ValueError):
     """The .bin/.idx pair is incomplete or mixed; the message names it and the fix."""
 
 

@@ -2,6 +2,7 @@
 
 Hooks, on the rank that reads the data and computes the loss (TP rank 0 of the last stage):
 
+- ``on_train_dataset``: every train sample carries its global index (:class:`SampleIdDataset`);
 - ``on_setup`` (global rank 0 only): the attempt's layout line in ``layout.jsonl`` (the
   checkpoint is loaded by then, so the resume iteration and consumed samples are known);
 
@@ -25,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import mpu
-from megatron.training import get_args
 
 from megatron_ext.features import (
     LM_LOSS_PER_TOKEN,
@@ -37,8 +37,32 @@ from megatron_ext.features import (
 from megatron_ext.io import token_sha1
 from megatron_ext.records.sample_log import SampleLog, SampleRecord, append_layout, layout_record
 
-SAMPLE_ID_KEY = "sample_id"  # added to every train sample by gpt_step.SampleIdDataset
+SAMPLE_ID_KEY = "sample_id"  # added to every train sample by SampleIdDataset
 _NOTE = "sample_log"  # key of this feature's note in MicroBatch.extras
+
+
+class SampleIdDataset(torch.utils.data.Dataset):
+    """Adds the global sample index to each sample so the sample log can say what was trained on.
+
+    Attribute access falls through to the wrapped dataset, so Megatron's data loader sees the
+    same ``split``/``index_split`` and length; the extra key is ignored by Megatron's batch code.
+    """
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        sample = dict(self.dataset[idx])
+        sample[SAMPLE_ID_KEY] = torch.tensor(int(idx), dtype=torch.int64)
+        return sample
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 class SampleLogFeature(Feature):
@@ -69,10 +93,15 @@ class SampleLogFeature(Feature):
     def install(self, args: Any) -> None:
         self.args = args
 
+    def on_train_dataset(self, dataset: Any) -> Any:
+        return SampleIdDataset(dataset)
+
     def on_setup(self, model: list[Any], optimizer: Any) -> None:
         if dist.get_rank() == 0:
             job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
-            append_layout(self.args.sample_log_dir, layout_record(get_args(), job, time.time()))
+            # Megatron set the resume iteration and consumed samples on these args (its
+            # global args: the entry point checks they are the ones the features hold).
+            append_layout(self.args.sample_log_dir, layout_record(self.args, job, time.time()))
 
     def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None:
         if not (micro_batch.training and mpu.is_pipeline_last_stage()):

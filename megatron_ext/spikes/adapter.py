@@ -26,7 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.features import Feature, FeatureError, MicroBatch, StepRecord
+from megatron_ext import exit_codes
+from megatron_ext.features import (
+    Feature,
+    FeatureError,
+    MicroBatch,
+    StepRecord,
+    is_writing_rank,
+    writing_rank,
+)
 from megatron_ext.files import SIGNALS_FILE, SKIPPED_ITERATIONS_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.io import JsonlAppender, atomic_write
 from megatron_ext.records.ledger import config_record
@@ -42,12 +50,11 @@ from megatron_ext.spikes.drill import (
     parse_spec,
 )
 
-EXIT_CODE_SPIKE = 42
-_DECISIONS = {"healthy": 0, "watching": 1, "rollback": 2}
+_DECISIONS = ("healthy", "watching", "rollback")  # broadcast as the index
 
 
 def _is_writer() -> bool:
-    return dist.get_rank() == dist.get_world_size() - 1
+    return is_writing_rank(dist.get_rank(), dist.get_world_size())
 
 
 class SpikeFeature(Feature):
@@ -81,8 +88,9 @@ class SpikeFeature(Feature):
         group.add_argument(
             "--spike-exit-code",
             type=int,
-            default=EXIT_CODE_SPIKE,
-            help=f"Exit code that asks the launcher for a rollback (default {EXIT_CODE_SPIKE}).",
+            default=exit_codes.SPIKE_ROLLBACK,
+            help="Exit code that asks the launcher for a rollback "
+            f"(default {exit_codes.SPIKE_ROLLBACK}).",
         )
 
     def enabled(self, args: Any) -> bool:
@@ -100,7 +108,7 @@ class SpikeFeature(Feature):
 
     def install(self, args: Any) -> None:
         self.args = args
-        if args.rank == args.world_size - 1:
+        if is_writing_rank(args.rank, args.world_size):
             self.detector = SpikeDetector(config_from_args(args))
             self.ledger = JsonlAppender(
                 args.spike_ledger or Path(args.signals_dir) / SPIKE_LEDGER_FILE
@@ -151,12 +159,12 @@ class SpikeFeature(Feature):
                         f"{event.culprit_dp_rank}): {event.classification}",
                         flush=True,
                     )
-            code = _DECISIONS[self.detector.state]
+            code = _DECISIONS.index(self.detector.state)
         decision = torch.tensor(
             [code], dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu"
         )
-        dist.broadcast(decision, src=dist.get_world_size() - 1)
-        self.decision = {v: k for k, v in _DECISIONS.items()}[int(decision.item())]
+        dist.broadcast(decision, src=writing_rank(dist.get_world_size()))
+        self.decision = _DECISIONS[int(decision.item())]
         if self.decision == "rollback":
             if _is_writer():
                 print(

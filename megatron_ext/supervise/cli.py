@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         supervisor.main()
     except KnobError as exc:
         log(NAMES[scheduler], f"ERROR: {exc}")
-        return 2
+        return exc.exit_code
     return 0
 
 

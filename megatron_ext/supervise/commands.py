@@ -15,9 +15,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ext import exit_codes
 from megatron_ext.files import SPIKE_LEDGER_FILE
 from megatron_ext.supervise.knobs import TRAINING_ENV, Config, KnobError
-from megatron_ext.supervise.policy import DEFAULT_SPIKE_EXIT_CODE
 
 # Under torchrun every worker runs in this wrapper: it records the worker's own exit code
 # (torchrun turns any failure into 1) and the node it ran on in
@@ -53,7 +53,7 @@ def _facts_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--signals-dir")
     parser.add_argument("--spike-ledger")
-    parser.add_argument("--spike-exit-code", type=int, default=DEFAULT_SPIKE_EXIT_CODE)
+    parser.add_argument("--spike-exit-code", type=int, default=exit_codes.SPIKE_ROLLBACK)
     parser.add_argument("--result-rejected-tracker-filename")
     parser.add_argument("--save")
     parser.add_argument("--load")

@@ -15,10 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ext.errors import UsageError
 from megatron_ext.files import LAUNCH_STATE_DIR, RESULT_REJECTED_TRACKER_FILE
 
 
-class KnobError(ValueError):
+class KnobError(UsageError, ValueError):
     """A knob has a value the launcher cannot use; exit 2 with this message."""
 
 

@@ -33,10 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-EXIT_RESUME_TO_DISAMBIGUATE = 16
-EXIT_FAILED_ON_RESULT_VALIDATION = 17
-DEFAULT_SPIKE_EXIT_CODE = 42
-EXIT_KILLED = 128 + 9  # what a shell (our rank wrapper) reports for a child killed by SIGKILL
+from megatron_ext import exit_codes
 
 Action = Literal["finish", "restart", "rollback", "stop"]
 
@@ -61,10 +58,10 @@ class Outcome:
         if self.launcher_rc == 0:
             return 0
         for wanted in (
-            EXIT_FAILED_ON_RESULT_VALIDATION,
+            exit_codes.FAILED_ON_RESULT_VALIDATION,
             self.spike_code,
-            EXIT_RESUME_TO_DISAMBIGUATE,
-            EXIT_KILLED,
+            exit_codes.RESUME_TO_DISAMBIGUATE,
+            exit_codes.KILLED,
         ):
             if wanted in self.rank_codes:
                 return wanted
@@ -78,7 +75,7 @@ class Outcome:
         return [
             self.workers[i] if i < len(self.workers) else f"worker {i}"
             for i, code in enumerate(self.rank_codes)
-            if code == EXIT_KILLED
+            if code == exit_codes.KILLED
         ]
 
 
@@ -104,8 +101,8 @@ def decide(outcome: Outcome, budget: Budget) -> Decision:
     code = outcome.effective()
     if code == 0:
         return Decision("finish", 0, "training finished successfully")
-    killed = outcome.killed() if code == EXIT_KILLED else []
-    if code == EXIT_RESUME_TO_DISAMBIGUATE or killed:
+    killed = outcome.killed() if code == exit_codes.KILLED else []
+    if code == exit_codes.RESUME_TO_DISAMBIGUATE or killed:
         cause = (
             f"{', '.join(killed)} killed by SIGKILL (the out-of-memory killer, an operator or "
             "a failing node; see the node's kernel log); "
@@ -125,7 +122,7 @@ def decide(outcome: Outcome, budget: Budget) -> Decision:
             f"{cause}restart {budget.restarts_done + 1}/{budget.max_restarts}",
             requeue=budget.requeue,
         )
-    if code == EXIT_FAILED_ON_RESULT_VALIDATION:
+    if code == exit_codes.FAILED_ON_RESULT_VALIDATION:
         return Decision(
             "stop",
             code,
@@ -157,8 +154,8 @@ def decide(outcome: Outcome, budget: Budget) -> Decision:
 def after_stop_signal(signal_name: str, code: int, budget: Budget, signal_number: int) -> Decision:
     """The launcher was signalled (preemption warning, scancel, Ctrl-C) and the training
     saved and exited with ``code``. SIGUSR1 under requeue mode asks for a requeue."""
-    if code == EXIT_FAILED_ON_RESULT_VALIDATION:
-        return decide(Outcome(code, (), DEFAULT_SPIKE_EXIT_CODE), budget)
+    if code == exit_codes.FAILED_ON_RESULT_VALIDATION:
+        return decide(Outcome(code, (), exit_codes.SPIKE_ROLLBACK), budget)
     if signal_name == "USR1" and budget.requeue:
         if budget.restarts_done >= budget.max_restarts:
             return Decision(

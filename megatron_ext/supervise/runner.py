@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+from megatron_ext import exit_codes
 from megatron_ext.io import read_jsonl
 from megatron_ext.supervise import commands, policy
 from megatron_ext.supervise.commands import TrainingFacts
@@ -227,7 +228,7 @@ class Supervisor:
         if decision.action == "finish":
             log(config, decision.reason)
             sys.exit(0)
-        if code == policy.EXIT_RESUME_TO_DISAMBIGUATE:
+        if code == exit_codes.RESUME_TO_DISAMBIGUATE:
             log(
                 config,
                 "training exited 16 (EXIT_CODE_RESUME_TO_DISAMBIGUATE): Megatron's "
@@ -243,11 +244,11 @@ class Supervisor:
         if decision.action == "rollback":
             self.rollback(decision)
             return
-        if code == policy.EXIT_FAILED_ON_RESULT_VALIDATION:
+        if code == exit_codes.FAILED_ON_RESULT_VALIDATION:
             self.report_validation_failure()
         signalled = self.state.stop_signal is not None and decision.exit_code > 128
         log(config, decision.reason if signalled else f"ERROR: {decision.reason}")
-        if code in (policy.EXIT_RESUME_TO_DISAMBIGUATE, policy.EXIT_KILLED) or signalled:
+        if code in (exit_codes.RESUME_TO_DISAMBIGUATE, exit_codes.KILLED) or signalled:
             log(
                 config,
                 f"resume from {config.ckpt_dir} by running or submitting the same command again",

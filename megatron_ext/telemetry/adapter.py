@@ -35,7 +35,14 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron.training import get_tensorboard_writer, get_wandb_writer
 from megatron.training.utils import calc_params_l2_norm
 
-from megatron_ext.features import LM_LOSS_PER_TOKEN, Feature, FeatureError, LossInputs, StepRecord
+from megatron_ext.features import (
+    LM_LOSS_PER_TOKEN,
+    Feature,
+    FeatureError,
+    LossInputs,
+    StepRecord,
+    is_writing_rank,
+)
 from megatron_ext.records.signals import SignalRecord, SignalsWriter
 from megatron_ext.telemetry.bucket_layout import (
     Reduction,
@@ -51,17 +58,20 @@ NORM_CHECK_RTOL = 1e-5
 
 
 def _is_writer() -> bool:
-    """The last rank writes the signals (it holds the last stage's losses)."""
-    return dist.get_rank() == dist.get_world_size() - 1
+    return is_writing_rank(dist.get_rank(), dist.get_world_size())
 
 
 def _counted(param: torch.Tensor, optimizer: Any) -> bool:
-    """Whether Megatron's grad norm counts ``param`` on this rank (its own filter)."""
-    return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(
-        param,
-        tp_group=getattr(optimizer, "tp_group", None),
-        expert_tp_group=getattr(optimizer, "expert_tp_group", None),
-    )
+    """Whether Megatron's grad norm counts ``param`` on this rank (its own filter, with the
+    groups get_megatron_optimizer sets on each part: assumption ``optimizer-tp-groups``)."""
+    try:
+        groups = {"tp_group": optimizer.tp_group, "expert_tp_group": optimizer.expert_tp_group}
+    except AttributeError as exc:
+        raise RuntimeError(
+            f"megatron-ext telemetry: {type(optimizer).__name__} has no {exc.name} (registry "
+            "assumption optimizer-tp-groups); re-verify megatron_ext.telemetry.adapter"
+        ) from None
+    return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, **groups)
 
 
 class TelemetryFeature(Feature):

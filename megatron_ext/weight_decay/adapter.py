@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 from megatron_ext.features import Feature, FeatureError
-from megatron_ext.registry import patch
 from megatron_ext.weight_decay.core import (
     EMBEDDING_FLAG,
     OUTPUT_LAYER_FLAG,
@@ -77,6 +76,7 @@ class WeightDecayFeature(Feature):
 
     def __init__(self) -> None:
         self.args: Any = None
+        self.policy: WeightDecayPolicy | None = None
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -111,24 +111,33 @@ class WeightDecayFeature(Feature):
         """Always: a resume that drops the flags must be caught too (see the module doc)."""
         return True
 
+    def _policy_of(self, args: Any) -> WeightDecayPolicy:
+        """The run's policy, derived from its args once (validate and install get the same
+        args; the patched functions and hooks read ``self.policy``)."""
+        if self.policy is None or self.args is not args:
+            self.args, self.policy = args, policy_from_args(args)
+        return self.policy
+
     def validate(self, args: Any) -> None:
         """Refuse a resume under other multipliers (:class:`WeightDecayResumeError`)."""
-        check_resume_compatible(args, policy_from_args(args))
+        check_resume_compatible(args, self._policy_of(args))
 
     def install(self, args: Any) -> None:
-        """Warn about ineffective settings and apply the patches when a flag is set."""
-        self.args = args
-        policy = policy_from_args(args)
+        """Warn about ineffective settings; the installer then applies the two patches,
+        bound to this instance, when a flag is set (:meth:`needs_patches`)."""
+        policy = self._policy_of(args)
         if not policy.active:
             return
         for warning in policy.warnings():
             _print_once(f"megatron-ext: WARNING: {warning}")
-        patch("weight-decay-overrides").apply()
-        patch("weight-decay-map").apply()
+
+    def needs_patches(self) -> bool:
+        return self.policy is not None and self.policy.active
 
     def on_model_built(self, model: list[Any]) -> None:
         """Refuse GLOBs that match no parameter of any stage, before DDP and the optimizer."""
-        policy = policy_from_args(self.args)
+        policy = self.policy
+        assert policy is not None, "on_model_built before install"
         if not policy.overrides:
             return
         usage = GlobUsage.empty(policy)
@@ -220,11 +229,17 @@ def extend_overrides(config_overrides: dict, policy: WeightDecayPolicy) -> dict:
     return extended
 
 
-def with_overrides(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def with_overrides(
+    original: Callable[[Any], Any], feature: WeightDecayFeature
+) -> Callable[[Any], Any]:
+    """Wrapper of the ``weight-decay-overrides`` patch, bound to the installed feature."""
+    policy = feature.policy
+    assert policy is not None, "weight-decay-overrides applied before the feature's install"
+
     def get_megatron_optimizer_config(args: Any) -> Any:
         """Megatron's optimizer config and overrides, plus the megatron-ext multipliers."""
         config, config_overrides = original(args)
-        return config, extend_overrides(config_overrides, policy_from_args(args))
+        return config, extend_overrides(config_overrides, policy)
 
     return get_megatron_optimizer_config
 
@@ -305,20 +320,21 @@ def report_param_groups(
         raise WeightDecayConfigError("megatron-ext: " + "; ".join(errors))
 
 
-def with_param_map(original: Callable[..., Any]) -> Callable[..., Any]:
+def with_param_map(original: Callable[..., Any], feature: WeightDecayFeature) -> Callable[..., Any]:
+    """Wrapper of the ``weight-decay-map`` patch, bound to the installed feature."""
     signature = inspect.signature(original)
+    policy = feature.policy
+    assert policy is not None, "weight-decay-map applied before the feature's install"
 
     def get_megatron_optimizer(*args: Any, **kwargs: Any) -> Any:
         """Megatron's optimizer, then the start-up map of the multipliers it was built with."""
-        from megatron.training import get_args
-
         optimizer = original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs).arguments
         report_param_groups(
             bound["model_chunks"],
             bound.get("config_overrides") or {},
             bound["config"].weight_decay,
-            policy_from_args(get_args()),
+            policy,
         )
         return optimizer
 

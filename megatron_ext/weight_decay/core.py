@@ -63,6 +63,8 @@ import fnmatch
 import math
 from dataclasses import dataclass, field
 
+from megatron_ext.errors import Refusal
+
 EMBEDDING_PREFIX = "embedding."
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
 OUTPUT_LAYER_WEIGHT = "output_layer.weight"
@@ -73,11 +75,11 @@ OUTPUT_LAYER_FLAG = "--output-layer-weight-decay-mult"
 OVERRIDE_FLAG = "--weight-decay-override"
 
 
-class WeightDecayConfigError(ValueError):
+class WeightDecayConfigError(Refusal, ValueError):
     """The weight-decay flags are malformed or cannot mean what the user wrote."""
 
 
-class WeightDecayResumeError(RuntimeError):
+class WeightDecayResumeError(Refusal, RuntimeError):
     """A resume would continue the optimizer under different weight-decay multipliers."""
 
 

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from megatron_ext.features import LM_LOSS_PER_TOKEN, Feature, FeatureError, LossInputs
-from megatron_ext.registry import patch
 from megatron_ext.zloss.core import cross_entropy_and_z_loss
 
 
@@ -71,10 +70,9 @@ class ZLossFeature(Feature):
             )
 
     def install(self, args: Any) -> None:
+        """Keep the coefficient; the installer then applies ``zloss-output-layer`` bound to
+        this instance."""
         self.coeff = float(args.z_loss_coeff)
-        global _FEATURE
-        _FEATURE = self
-        patch("zloss-output-layer").apply()
 
     def on_loss(self, inputs: LossInputs) -> dict[str, torch.Tensor]:
         """``lm loss`` (pure CE) and ``z loss`` (mean log²Z) report entries; the per-token CE
@@ -102,11 +100,10 @@ class ZLossFeature(Feature):
         }
 
 
-_FEATURE: ZLossFeature | None = None  # the installed instance, for the patched method
-
-
-def with_z_loss(_megatron_loss: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Wrapper of the ``zloss-output-layer`` patch."""
+def with_z_loss(
+    _megatron_loss: Callable[..., torch.Tensor], feature: ZLossFeature
+) -> Callable[..., torch.Tensor]:
+    """Wrapper of the ``zloss-output-layer`` patch, bound to the installed feature."""
 
     def compute_language_model_loss(
         self: Any, labels: torch.Tensor, logits: torch.Tensor
@@ -116,8 +113,6 @@ def with_z_loss(_megatron_loss: Callable[..., torch.Tensor]) -> Callable[..., to
         Like Megatron's cross entropy this uses the logits as its working buffer: nothing
         reads them after the loss.
         """
-        feature = _FEATURE
-        assert feature is not None, "zloss-output-layer applied without the z-loss feature"
         terms = cross_entropy_and_z_loss(
             logits,
             labels.transpose(0, 1).contiguous(),

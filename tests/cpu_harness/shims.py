@@ -201,8 +201,8 @@ def record_batch_reads() -> None:
 
     original = gpt_step.get_batch
 
-    def get_batch(data_iterator: Any, micro_batch: Any, vp_stage: Any = None) -> Any:
-        batch = original(data_iterator, micro_batch, vp_stage)
+    def get_batch(data_iterator: Any, micro_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        batch = original(data_iterator, micro_batch, *args, **kwargs)
         if micro_batch.reads_data:
             READS[micro_batch.dp_rank] += 1
         return batch

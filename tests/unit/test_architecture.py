@@ -1,25 +1,32 @@
 """The shape of the package: cores import no Megatron, the supervisor imports neither torch
-nor Megatron, modules stay small, README's feature table points at real folders, and the
-import graph is layered: no feature folder imports another, no cycle, no lower layer importing
-a higher one."""
+nor Megatron, modules stay small, README's feature table points at real folders, the
+import graph is layered (no feature folder imports another, no cycle, no lower layer
+importing a higher one), patched code reads no module globals, and every deliberate error
+is a MegatronExtError with its code."""
 
 from __future__ import annotations
 
 import ast
+import dis
 import functools
+import importlib
+import inspect
 import pkgutil
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
+from typing import Any
 
 import megatron_ext
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "megatron_ext"
-# The only modules allowed to import Megatron at load time: the feature adapters and the
-# GPT step that the entry point hands to Megatron's loop.
-MEGATRON_FACING = {"gpt_step"}
+# The only modules allowed to import Megatron at load time: the feature adapters, the GPT
+# step that the entry point hands to Megatron's loop, and what wires features into Megatron:
+# the registry (it imports the wrappers it names), the installer and the patch report.
+MEGATRON_FACING = {"gpt_step", "registry", "loop", "patch_report"}
 MAX_LINES = 400
 
 
@@ -121,6 +128,7 @@ LOWER = (
     "megatron_ext.io",
     "megatron_ext.files",
     "megatron_ext.errors",
+    "megatron_ext.exit_codes",
     "megatron_ext.records",
     "megatron_ext.features",
     "megatron_ext.patching",
@@ -262,3 +270,148 @@ def test_the_import_graph_has_no_cycle() -> None:
 def test_no_lower_layer_imports_a_higher_one() -> None:
     edges = _upward_edges(_import_graph())
     assert not edges, f"the lower layer ({', '.join(LOWER)}) imports a higher one: {edges}"
+
+
+# -- state on its feature; one exception base ---------------------------------------------
+
+_IMMUTABLE = (int, float, str, bytes, bool, frozenset, tuple)
+
+
+def _code_objects(code: types.CodeType) -> list[types.CodeType]:
+    """``code`` and every function, closure and comprehension nested in it."""
+    nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return [code, *(inner for c in nested for inner in _code_objects(c))]
+
+
+def _globals_read(fn: Any) -> dict[str, Any]:
+    """Module globals ``fn`` (and the functions nested in it) read, with their values."""
+    fn = inspect.unwrap(getattr(fn, "__func__", fn))
+    names = {
+        ins.argval
+        for code in _code_objects(fn.__code__)
+        for ins in dis.get_instructions(code)
+        if ins.opname == "LOAD_GLOBAL"
+    }
+    return {n: fn.__globals__[n] for n in names if n in fn.__globals__}
+
+
+def _mutable_globals(fn: Any) -> list[str]:
+    """Globals ``fn`` reads that are state (not a module, class, function or constant)."""
+    return [
+        f"{fn.__module__}.{fn.__qualname__} reads {name} ({type(value).__name__})"
+        for name, value in _globals_read(fn).items()
+        if not (
+            inspect.ismodule(value)
+            or inspect.isclass(value)
+            or callable(value)
+            or (isinstance(value, _IMMUTABLE) and value is not None)
+        )
+    ]
+
+
+def _patched_code() -> list[Any]:
+    """Every function Megatron ends up calling into: the registry's wrappers, the entry
+    point's hook callers and every hook each feature overrides."""
+    from megatron_ext import hooks, registry
+    from megatron_ext.features import HOOKS
+    from megatron_ext.loop import all_features
+
+    functions: list[Any] = [p.wrap for p in registry.PATCHES]
+    functions += [call.called_from for call in registry.ENTRY_POINT_HOOKS]
+    functions += [hooks.pre_wrap_hook, gpt_step_forward()]
+    for feature in all_features():
+        functions += [getattr(type(feature), h.__name__) for h in HOOKS if feature.implements(h)]
+    return functions
+
+
+def gpt_step_forward() -> Any:
+    from megatron_ext import gpt_step
+
+    return gpt_step.forward_step
+
+
+def test_the_global_check_finds_a_singleton_and_a_global_statement() -> None:
+    """The check below is not vacuous: it flags both shapes it forbids."""
+    namespace: dict[str, Any] = {}
+    exec(
+        "class Set: pass\n"
+        "ACTIVE = Set()\n"
+        "_FEATURE = None\n"
+        "def wrap(original):\n"
+        "    def replacement(*a):\n"
+        "        return ACTIVE, _FEATURE, original(*a)\n"
+        "    return replacement\n",
+        namespace,
+    )
+    found = _mutable_globals(namespace["wrap"])
+    assert any("ACTIVE (Set)" in f for f in found) and any("_FEATURE" in f for f in found)
+
+
+def test_no_wrapper_or_hook_reads_a_module_global() -> None:
+    """Patched code reads the feature (or feature set) bound into it when the patch was
+    applied, never a module-level singleton, and no hook asks Megatron for its args."""
+    functions = _patched_code()
+    assert len(functions) > 20, functions
+    problems = [p for fn in functions for p in _mutable_globals(fn)]
+    for fn in functions:
+        code = inspect.unwrap(getattr(fn, "__func__", fn)).__code__
+        if any("get_args" in c.co_names for c in _code_objects(code)):
+            problems.append(f"{fn.__module__}.{fn.__qualname__} calls get_args()")
+    modules = {inspect.getmodule(fn) for fn in functions}
+    for module in modules:
+        tree = ast.parse(inspect.getsource(module))
+        if any(isinstance(node, ast.Global) for node in ast.walk(tree)):
+            problems.append(f"{module.__name__} has a `global` statement")
+    assert not problems, problems
+
+
+def _exception_classes() -> list[type]:
+    classes = []
+    for name in _modules():
+        module = importlib.import_module(name)
+        for value in vars(module).values():
+            if (
+                inspect.isclass(value)
+                and issubclass(value, BaseException)
+                and value.__module__ == name
+            ):
+                classes.append(value)
+    return classes
+
+
+def test_every_deliberate_error_is_a_megatron_ext_error_with_its_exit_code() -> None:
+    """One base: each exception class of the package is a MegatronExtError whose exit code is
+    one of megatron_ext.exit_codes, or says in its docstring that it is an internal
+    control-flow signal."""
+    from megatron_ext import exit_codes
+    from megatron_ext.errors import MegatronExtError
+
+    codes = {v for k, v in vars(exit_codes).items() if k.isupper() and isinstance(v, int)}
+    classes = _exception_classes()
+    assert len(classes) >= 15, classes
+    problems = []
+    for cls in classes:
+        if not issubclass(cls, MegatronExtError):
+            if "control-flow signal" not in (cls.__doc__ or ""):
+                problems.append(f"{cls.__module__}.{cls.__name__} is not a MegatronExtError")
+        elif cls.exit_code not in codes:
+            problems.append(f"{cls.__name__}.exit_code {cls.exit_code} is not in exit_codes")
+    assert not problems, problems
+
+
+def test_every_megatron_ext_error_is_raised_with_a_message() -> None:
+    """``raise SomeError()`` would print an empty line instead of what to do."""
+    from megatron_ext.errors import MegatronExtError
+
+    ours = {c.__name__ for c in _exception_classes() if issubclass(c, MegatronExtError)}
+    bare = []
+    for path in [*PACKAGE.rglob("*.py"), REPO / "pretrain_gpt_ext.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call | ast.Name):
+                call = node.exc
+                name = getattr(getattr(call, "func", call), "id", None) or getattr(
+                    getattr(call, "func", call), "attr", None
+                )
+                if name in ours and (isinstance(call, ast.Name) or not call.args):
+                    bare.append(f"{path.relative_to(REPO)}:{node.lineno} raises {name}")
+    assert not bare, bare

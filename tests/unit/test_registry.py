@@ -12,8 +12,14 @@ from megatron_ext import patching, registry
 from megatron_ext.patching import Assumption, Patch, PatchTargetError
 
 
-def _patch(target: str, signature: str, wrap: str = "tests_wrap:passthrough") -> Patch:
-    return Patch(name="scratch", target=target, reason="test", signature=signature, wrap=wrap)
+def _passthrough(f):
+    return lambda weights: f(weights)
+
+
+def _patch(target: str, signature: str) -> Patch:
+    return Patch(
+        name="scratch", target=target, reason="test", signature=signature, wrap=_passthrough
+    )
 
 
 def test_every_entry_matches_the_pinned_megatron_core() -> None:
@@ -24,7 +30,7 @@ def test_every_entry_matches_the_pinned_megatron_core() -> None:
         assert entry.reason and entry.verified_on == "0.19.2", entry.name
     for fix in registry.BUGFIXES:
         assert fix.kind == "bugfix"
-    assert {h.hook for h in registry.HOOKS} == {
+    assert {h.hook.__name__ for h in registry.HOOKS} == {
         "on_setup",
         "before_grad_norm",
         "after_step",
@@ -48,12 +54,9 @@ def test_changed_signature_fails_loudly() -> None:
         drifted.apply()
 
 
-def test_apply_is_idempotent_keeps_the_original_and_can_be_removed(monkeypatch) -> None:
+def test_apply_is_idempotent_keeps_the_original_and_can_be_removed() -> None:
     from megatron.core.datasets import utils
 
-    module = type(sys)("tests_wrap")
-    module.passthrough = lambda f: lambda weights: f(weights)
-    monkeypatch.setitem(sys.modules, "tests_wrap", module)
     before = utils.normalize
     double = _patch(
         "megatron.core.datasets.utils:normalize", "(weights: List[float]) -> List[float]"
@@ -67,6 +70,32 @@ def test_apply_is_idempotent_keeps_the_original_and_can_be_removed(monkeypatch) 
         double.verify()  # verification looks through the installed wrapper
         double.remove()
         assert utils.normalize is before and not double.is_applied()
+    finally:
+        utils.normalize = before
+
+
+def test_apply_binds_what_the_wrapper_reads_and_rebinds_for_a_new_run() -> None:
+    """A feature patch's wrapper gets the installed feature; the same one again is a no-op,
+    another one (a second run in one process) replaces the binding, never stacks wrappers."""
+    from megatron.core.datasets import utils
+
+    before = utils.normalize
+    scaled = Patch(
+        name="scratch-bound",
+        target="megatron.core.datasets.utils:normalize",
+        reason="test",
+        signature="(weights: List[float]) -> List[float]",
+        wrap=lambda f, factor: lambda weights: [factor * w for w in f(weights)],
+    )
+    try:
+        scaled.apply(2.0)
+        first = utils.normalize
+        scaled.apply(2.0)
+        assert utils.normalize is first and utils.normalize([1.0, 3.0]) == [0.5, 1.5]
+        scaled.apply(4.0)
+        assert utils.normalize is not first and utils.normalize([1.0, 3.0]) == [1.0, 3.0]
+        scaled.remove()
+        assert utils.normalize is before
     finally:
         utils.normalize = before
 

@@ -197,6 +197,7 @@ def test_no_flag_installs_nothing() -> None:
     """With no weight-decay flag, Megatron's functions stay untouched."""
     from types import SimpleNamespace
 
+    from megatron_ext.loop import install
     from megatron_ext.registry import patch
     from megatron_ext.weight_decay.adapter import WeightDecayFeature
 
@@ -210,8 +211,7 @@ def test_no_flag_installs_nothing() -> None:
         no_load_optim=False,
         finetune=False,
     )
-    feature.validate(args)
-    feature.install(args)
+    install(args, [feature])  # validate, install, then the patches the feature needs
     assert not patch("weight-decay-overrides").is_applied()
     assert not patch("weight-decay-map").is_applied()
 

@@ -64,10 +64,7 @@ def test_loss_function_reports_the_main_heads_pure_ce_and_z() -> None:
     feature = ZLossFeature()
     feature.coeff = 1e-4
     ZLOSS.verify()
-    import megatron_ext.zloss.adapter as adapter
-
-    adapter._FEATURE = feature
-    compute_loss = with_z_loss(None)  # type: ignore[arg-type]
+    compute_loss = with_z_loss(None, feature)  # type: ignore[arg-type]
     logits, target, mask = _problem()
     labels = target.transpose(0, 1).contiguous()  # GPTModel passes [b, s] labels
     mtp_head = compute_loss(SimpleNamespace(tp_group=None), labels, (logits * 0.5).clone())

@@ -1,0 +1,28 @@
+"""Every exit code a megatron-ext process ends with or acts on: one definition each.
+
+Dependency-free on purpose: the supervisor (which imports neither torch, numpy nor Megatron)
+and the training-side features both import it, so the code a rank exits with and the code the
+launch policy reads are the same constant.
+"""
+
+from __future__ import annotations
+
+REFUSED = 1
+"""A refusal of the input (a lookup that cannot be answered, a corpus that cannot be
+preprocessed, flags a feature cannot work with), said in one readable message."""
+
+USAGE = 2
+"""A usage error: what argparse exits with, and the tools' refusals of their own arguments
+(skip-list planning, launcher knobs, a Megatron target the overlay was not verified on)."""
+
+RESUME_TO_DISAMBIGUATE = 16
+"""Megatron's ``EXIT_CODE_RESUME_TO_DISAMBIGUATE``: restart from the last checkpoint."""
+
+FAILED_ON_RESULT_VALIDATION = 17
+"""Megatron's ``EXIT_CODE_FAILED_ON_RESULT_VALIDATION``: a result failed validation twice."""
+
+SPIKE_ROLLBACK = 42
+"""The default ``--spike-exit-code``: every rank asks the supervisor for a rollback."""
+
+KILLED = 128 + 9
+"""What a shell (the rank wrapper) reports for a child killed by SIGKILL."""
