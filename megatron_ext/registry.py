@@ -149,6 +149,23 @@ HOOKS: tuple[Patch, ...] = (
 
 FEATURE_PATCHES: tuple[Patch, ...] = (
     Patch(
+        name="skip-list-final-checkpoint",
+        target=f"{_TRAINING}:train",
+        signature="(forward_step_func, model, optimizer, opt_param_scheduler, "
+        "train_data_iterator, valid_data_iterator, process_non_loss_data_func, config, "
+        "checkpointing_context, non_loss_data_func, inference_model=None, p2p_communicator: "
+        "Optional[megatron.core.pipeline_parallel.p2p_communication.P2PCommunicator] = None, "
+        "pg_collection: Union[megatron.core.process_groups_config.ProcessGroupCollection, "
+        "megatron.core.process_groups_config.MultiModuleProcessGroupCollection, NoneType] = "
+        "None)",
+        wrap="megatron_ext.spikes.adapter:save_after_a_skipped_end",
+        reason="A skipped iteration `continue`s past train()'s interval save, and pretrain's "
+        "final save runs only when the last iteration is not a --save-interval multiple, so "
+        "a skip list covering the last iteration left no final checkpoint (--train-iters 60, "
+        "--save-interval 30, skip 60: rc 0, last checkpoint 30). When train() returns at a "
+        "skipped interval multiple, the final checkpoint is saved as Megatron would have.",
+    ),
+    Patch(
         name="zloss-output-layer",
         target="megatron.core.models.common.language_module.language_module:"
         "LanguageModule.compute_language_model_loss",
