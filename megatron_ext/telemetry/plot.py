@@ -49,7 +49,13 @@ from megatron_ext.spikes.config import (
 )
 from megatron_ext.spikes.detector import SpikeEvent, spike_candidates
 from megatron_ext.spikes.ledger import Ledger, read_incidents, read_ledger
-from megatron_ext.telemetry.signals import SignalRecord, latest_per_iteration, read_signals
+from megatron_ext.telemetry.plot_gaps import mark_gaps
+from megatron_ext.telemetry.signals import (
+    SignalRecord,
+    latest_per_iteration,
+    read_gaps,
+    read_signals,
+)
 
 # (record field, panel title, the note shown when no iteration recorded it)
 PANELS: tuple[tuple[str, str, str], ...] = (
@@ -349,7 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         f"iterations {min(r.iteration for r in records)}-"
         f"{max(r.iteration for r in records)}"
     )
-    save_png(render(series, title, plans), out)
+    figure = render(series, title, plans)
+    gaps = read_gaps(path)
+    mark_gaps(figure, gaps)
+    save_png(figure, out)
     tracked = [e for s in series if s.source == "ledger" for e in s.candidates]
     candidates = [e for s in series if s.source == "replay" for e in s.candidates]
     print(
@@ -366,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  incident {plan['number']}: onset {plan['onset']}, rollback to "
             f"{plan['rollback_to']}, skip window {plan.get('skip_window')}"
         )
+    for gap in gaps:
+        print(f"  logging gap: {gap.describe()}")
     return 0
 
 
