@@ -21,15 +21,18 @@ from megatron_ext.features import ACTIVE, Feature, StepRecord
 def all_features() -> list[Feature]:
     """One instance of every feature, in hook order."""
     from megatron_ext.data.adapter import DataCheckFeature
+    from megatron_ext.runlock.adapter import RunLockFeature
     from megatron_ext.sample_log.adapter import SampleLogFeature
     from megatron_ext.spikes.adapter import DrillFeature, SkipListFeature, SpikeFeature
     from megatron_ext.telemetry.adapter import TelemetryFeature
     from megatron_ext.weight_decay.adapter import WeightDecayFeature
     from megatron_ext.zloss.adapter import ZLossFeature
 
-    # The spike detector comes last: on a rollback decision it ends the process in
-    # after_step, once the others have written this iteration's records.
+    # The run lock comes first: rank 0 holds --save before any feature writes there. The
+    # spike detector comes last: on a rollback decision it ends the process in after_step,
+    # once the others have written this iteration's records.
     return [
+        RunLockFeature(),
         DataCheckFeature(),
         DrillFeature(),
         ZLossFeature(),
