@@ -72,12 +72,14 @@ class Holder:
 
 
 def _pid_start(pid: int) -> str | None:
-    """The kernel start time of ``pid`` (None: no such process on this host)."""
+    """The kernel start time of ``pid`` (None: no such process on this host, or a zombie:
+    a killed process nobody reaped, as under a container's PID 1, is dead)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def job_id() -> str:

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
 from megatron_ext.files import RUN_LOCK_FILE
-from megatron_ext.runlock.lease import read_holder
+from megatron_ext.runlock.lease import liveness, read_holder
 
 from faults import fault
 from harness import RUNNER, TINY_TRAINING, kill_tree, launch, run_skiplist
@@ -88,6 +88,10 @@ def test_one_run_directory_has_one_writer(data_args, tmp_path) -> None:
         kill_tree(a.pid)
         a.wait()
     assert (ckpt / RUN_LOCK_FILE).exists()  # kill -9: nobody released it
+    deadline = time.monotonic() + 30  # SIGKILL is delivered asynchronously
+    while liveness(holder, ckpt / RUN_LOCK_FILE)[0]:
+        assert time.monotonic() < deadline, f"pid {holder.pid} survived SIGKILL"
+        time.sleep(0.1)
     result = run_skiplist(work, "--undo")
     assert result.returncode == 0, result.stderr
     assert f"taking over the run lock of training pid {holder.pid}" in result.stdout
