@@ -37,10 +37,25 @@ def prepare_skips(argv: list[str]) -> list[str]:
     ``--iterations-to-skip-file``, any spelling argparse accepts) and the list persisted with
     the checkpoints being loaded, printed once. An interrupted ``skiplist --apply`` in
     ``--load`` is finished first, so the tracker and the persisted list are its result."""
-    from megatron_ext.incidents.transaction import settle_at_startup
+    from megatron_ext.incidents.transaction import journal_path, settle_at_startup
     from megatron_ext.records.skip_ranges import load_dir, resolve_argv
+    from megatron_ext.run_lock import RunLockHeld, held
 
-    journal = settle_at_startup(load_dir(argv), _rank())
+    load = load_dir(argv)
+    if load and _rank() == 0 and journal_path(load).exists():
+        # Finishing the apply changes the checkpoint directory: only as its one writer.
+        try:
+            with held(
+                load,
+                "training",
+                "finishing an interrupted `skiplist --apply`",
+                "--force-run-lock" in argv,
+            ):
+                journal = settle_at_startup(load, 0)
+        except RunLockHeld as exc:
+            raise SystemExit(str(exc)) from None
+    else:
+        journal = settle_at_startup(load, _rank())
     if journal is not None:
         print(
             f"megatron-ext: finished the interrupted `skiplist --apply` of incident "
@@ -51,7 +66,7 @@ def prepare_skips(argv: list[str]) -> list[str]:
         megatron_argv, sources = resolve_argv(argv)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"megatron-ext: {exc}") from None
-    if sources.union() and _rank() == 0:
+    if (sources.union() or sources.notes) and _rank() == 0:
         print(sources.describe(), flush=True)
     return megatron_argv
 

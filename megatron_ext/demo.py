@@ -114,7 +114,7 @@ def training_command(workdir: Path, nproc: int, iters: int, extra: list[str]) ->
             "--lr-decay-style",
             "cosine",
             "--lr-warmup-iters",
-            "5",
+            str(WARMUP_ITERS),
             "--weight-decay",
             "0.1",
             "--clip-grad",
@@ -177,6 +177,7 @@ DRILL_FLAGS = [
     "--save-interval",
     "5",
 ]
+WARMUP_ITERS = 5  # the demo's --lr-warmup-iters (Megatron asserts warmup < train iters)
 DRILL_PLAN = ["--rollback-iters", "5", "--skip-batches", "12"]
 MAX_DRILL_ROLLBACKS = 2
 
@@ -253,6 +254,15 @@ def _rollback_requests(workdir: Path) -> int:
     if not ledger.exists():
         return 0
     return sum(e.get("kind") == "rollback" for e in read_jsonl(ledger).records)
+
+
+def _given(extra: list[str], iters: int, global_batch: int) -> tuple[int, int]:
+    """``--train-iters`` and ``--global-batch-size`` as the training will parse them."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--train-iters", type=int, default=iters)
+    parser.add_argument("--global-batch-size", type=int, default=global_batch)
+    known, _ = parser.parse_known_args(extra)
+    return known.train_iters, known.global_batch_size
 
 
 def _left_to_train(workdir: Path, iters: int, global_batch: int) -> int | None:
@@ -337,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
             (workdir / sub).unlink(missing_ok=True)
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
     iters = args.iters or (60 if args.drill else 40)
+    if iters <= WARMUP_ITERS:
+        build_parser().error(
+            f"--iters {iters}: the demo warms the learning rate up over {WARMUP_ITERS} "
+            f"iterations (--lr-warmup-iters), so it needs at least {WARMUP_ITERS + 1}"
+        )
     nproc = args.nproc or (2 if args.drill else 1)
     extra = [
         *(DRILL_FLAGS if args.drill else []),
@@ -345,7 +360,10 @@ def main(argv: list[str] | None = None) -> int:
         *extra,
     ]
     log_path = workdir / "train.log"
-    left = _left_to_train(workdir, iters, 8 * nproc)
+    # What the training will run with: a flag after -- wins over the demo's own (argparse
+    # takes the last), so a resume is compared with that.
+    given = _given(extra, iters, 8 * nproc)
+    left = _left_to_train(workdir, *given)
     if left is not None and left <= 0:
         print(
             f"demo: {shown} already trained all {iters} iterations; nothing left to train. "

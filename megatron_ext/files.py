@@ -60,6 +60,7 @@ APPLY_JOURNAL_FILE = "megatron_ext_apply_journal.json"  # a `skiplist --apply` i
 ROLLED_BACK_DIR = "rolled_back"  # rolled_back/incident-NNN/iter_NNNNNNN (nothing deleted)
 RESULT_REJECTED_TRACKER_FILE = "result_rejected_tracker.txt"
 LAUNCH_STATE_DIR = "launch_state"  # per-rank exit codes of each attempt (shared filesystem)
+RUN_LOCK_FILE = "megatron_ext_run.lock"  # the one writer's lease (megatron_ext.runlock)
 
 
 def incident_stem(ckpt_dir: str | Path, number: int) -> Path:

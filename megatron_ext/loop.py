@@ -18,6 +18,7 @@ from typing import Any
 from megatron_ext import hooks, registry
 from megatron_ext.data.adapter import DataCheckFeature
 from megatron_ext.features import Feature, FeatureSet
+from megatron_ext.runlock.adapter import RunLockFeature
 from megatron_ext.sample_log.adapter import SampleLogFeature
 from megatron_ext.spikes.adapter import DrillFeature, SkipListFeature, SpikeFeature
 from megatron_ext.telemetry.adapter import TelemetryFeature
@@ -27,9 +28,11 @@ from megatron_ext.zloss.adapter import ZLossFeature
 
 def all_features() -> list[Feature]:
     """One instance of every feature, in hook order."""
-    # The spike detector comes last: on a rollback decision it ends the process in
-    # after_step, once the others have written this iteration's records.
+    # The run lock comes first: rank 0 holds --save before any feature writes there. The
+    # spike detector comes last: on a rollback decision it ends the process in after_step,
+    # once the others have written this iteration's records.
     return [
+        RunLockFeature(),
         DataCheckFeature(),
         DrillFeature(),
         ZLossFeature(),

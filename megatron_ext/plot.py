@@ -41,8 +41,14 @@ from matplotlib.patches import Patch
 
 from megatron_ext.files import SIGNALS_FILE, SIGNALS_PLOT_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.io import atomic_write, from_json
+from megatron_ext.plot_gaps import mark_gaps
 from megatron_ext.records.ledger import Ledger, read_incidents, read_ledger
-from megatron_ext.records.signals import SignalRecord, latest_per_iteration, read_signals
+from megatron_ext.records.signals import (
+    SignalRecord,
+    latest_per_iteration,
+    read_gaps,
+    read_signals,
+)
 from megatron_ext.records.spike_config import (
     SpikeConfig,
     add_detector_args,
@@ -349,7 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         f"iterations {min(r.iteration for r in records)}-"
         f"{max(r.iteration for r in records)}"
     )
-    save_png(render(series, title, plans), out)
+    figure = render(series, title, plans)
+    gaps = read_gaps(path)
+    mark_gaps(figure, gaps)
+    save_png(figure, out)
     tracked = [e for s in series if s.source == "ledger" for e in s.candidates]
     candidates = [e for s in series if s.source == "replay" for e in s.candidates]
     print(
@@ -366,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  incident {plan['number']}: onset {plan['onset']}, rollback to "
             f"{plan['rollback_to']}, skip window {plan.get('skip_window')}"
         )
+    for gap in gaps:
+        print(f"  logging gap: {gap.describe()}")
     return 0
 
 

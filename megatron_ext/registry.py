@@ -22,6 +22,7 @@ from __future__ import annotations
 from megatron_ext import fixes, gpt_step, hooks
 from megatron_ext.features import Feature
 from megatron_ext.patching import Assumption, Entry, HookCall, Patch
+from megatron_ext.spikes.adapter import SkipListFeature, save_after_a_skipped_end
 from megatron_ext.weight_decay.adapter import WeightDecayFeature, with_overrides, with_param_map
 from megatron_ext.zloss.adapter import ZLossFeature, with_z_loss
 
@@ -157,6 +158,24 @@ HOOKS: tuple[Patch, ...] = (  # applied bound to the installed FeatureSet
 )
 
 FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed feature
+    Patch(
+        name="skip-list-final-checkpoint",
+        target=f"{_TRAINING}:train",
+        signature="(forward_step_func, model, optimizer, opt_param_scheduler, "
+        "train_data_iterator, valid_data_iterator, process_non_loss_data_func, config, "
+        "checkpointing_context, non_loss_data_func, inference_model=None, p2p_communicator: "
+        "Optional[megatron.core.pipeline_parallel.p2p_communication.P2PCommunicator] = None, "
+        "pg_collection: Union[megatron.core.process_groups_config.ProcessGroupCollection, "
+        "megatron.core.process_groups_config.MultiModuleProcessGroupCollection, NoneType] = "
+        "None)",
+        wrap=save_after_a_skipped_end,
+        feature=SkipListFeature,
+        reason="A skipped iteration `continue`s past train()'s interval save, and pretrain's "
+        "final save runs only when the last iteration is not a --save-interval multiple, so "
+        "a skip list covering the last iteration left no final checkpoint (--train-iters 60, "
+        "--save-interval 30, skip 60: rc 0, last checkpoint 30). When train() returns at a "
+        "skipped interval multiple, the final checkpoint is saved as Megatron would have.",
+    ),
     Patch(
         name="zloss-output-layer",
         target="megatron.core.models.common.language_module.language_module:"

@@ -58,6 +58,7 @@ from megatron_ext.incidents.report import DEFAULT_WORST, build_report
 from megatron_ext.io import atomic_write, atomic_write_json, read_jsonl
 from megatron_ext.records.signals import read_signals
 from megatron_ext.records.skip_ranges import format_ranges, read_file
+from megatron_ext.run_lock import RunLockHeld, held
 
 ONSET_LOOKBACK = 10_000  # iterations of signals read before the incident
 
@@ -126,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="list the onset batch's K samples with the highest loss, and their documents, in "
         "the report (megatron-ext lookup --worst; needs the run's --sample-log-dir)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="--apply/--undo even though the run lock's holder looks alive (only for a holder "
+        "known to be dead: its node is gone)",
     )
     p.add_argument(
         "--no-lookup",
@@ -235,6 +242,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.signals_dir is None and not args.undo:
         parser.error("--signals-dir is required (except with --undo)")
+    if not (args.apply or args.undo):
+        return _plan(args)
+    if not args.ckpt_dir.is_dir():
+        parser.error(f"--ckpt-dir {args.ckpt_dir} is not a directory")
+    # --apply and --undo change the checkpoint directory: only as its one writer.
+    what = "skiplist " + ("--apply" if args.apply else "--undo")
+    try:
+        with held(args.ckpt_dir, "skiplist", what, args.force):
+            return _plan(args)
+    except RunLockHeld as exc:
+        print(
+            f"megatron-ext skiplist: error: {str(exc).removeprefix('megatron-ext: ')}",
+            file=sys.stderr,
+        )
+        return 2
+
+
+def _plan(args: argparse.Namespace) -> int:
     try:
         status = _pending(args)
         if status is not None:

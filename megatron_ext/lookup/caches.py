@@ -75,11 +75,17 @@ def _expected_gpt(
     }
 
 
+def _recorded_cache_dir(spec: DataSpec, data_root: Sequence[tuple[str, str]]) -> str | None:
+    """The run's --data-cache-path through the ``--data-root OLD=NEW`` remapping: caches
+    usually move with the data (an explicit --cache-dir is taken as given)."""
+    return remap(spec.cache_dir, data_root) if spec.cache_dir else None
+
+
 def _gpt_cache_dir(
     spec: DataSpec, prefix: str, cache_dir: str | None, data_root: Sequence[tuple[str, str]]
 ) -> Path:
     """Where Megatron put a GPTDataset's caches: --data-cache-path, else next to the data."""
-    chosen = cache_dir or spec.cache_dir
+    chosen = cache_dir or _recorded_cache_dir(spec, data_root)
     if chosen:
         return Path(chosen)
     return Path(remap(prefix, data_root)) / "cache" / f"{GPT}_indices"
@@ -182,7 +188,7 @@ def open_train_index(
         mid = MidIndex(directory, _choose(found, tokenizer, GPT), spec, data_root)
         return TrainIndex([mid], None, mid.hash, GPT)
 
-    chosen = cache_dir or spec.cache_dir
+    chosen = cache_dir or _recorded_cache_dir(spec, data_root)
     if not chosen:
         raise CacheMissing(
             "this run blends several datasets without --data-cache-path, so Megatron computed "

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.files import SAMPLE_LOG_GLOB, sample_log_file
+from megatron_ext.gap_log import Gap
 from megatron_ext.lookup.errors import DataChanged, Refused
+from megatron_ext.lookup.gaps import gap_of, sample_log_gaps
 from megatron_ext.records.sample_log import read_records
 
 
@@ -40,11 +42,16 @@ def check_against_log(directory: str | Path, records: list[dict[str, Any]]) -> s
                 key = (entry.iteration, entry.dp_rank, entry.microbatch)
                 if key in slots:
                     logged[key] = entry  # a resumed run's record replaces a rolled-back one
+    gaps = sample_log_gaps(directory, {k[1] for k in slots})
     matched = absent = skipped = 0
+    unlogged: list[Gap] = []
     for key, answered in slots.items():
         entry = logged.get(key)
         if answered[0]["skipped"]:
             skipped += 1  # read and discarded, never trained: training logs nothing for it
+            continue
+        if entry is None and (gap := gap_of(gaps, key[0], key[1])) is not None:
+            unlogged.append(gap)  # trained while the log could not be written
             continue
         if entry is None:
             absent += 1
@@ -58,6 +65,12 @@ def check_against_log(directory: str | Path, records: list[dict[str, Any]]) -> s
                 f"data today give {ids} with {digests}; the data changed since training"
             )
         matched += 1
+    if unlogged and not matched:
+        raise Refused(
+            f"--sample-log {directory}: {len(unlogged)} micro-batch(es) answered fall in a "
+            f"logging gap: {unlogged[0].describe()}; nothing was compared; drop --sample-log "
+            "to answer without the check"
+        )
     if absent and not matched:
         raise Refused(
             f"--sample-log {directory} has no record of the {absent} micro-batch(es) answered "
@@ -67,6 +80,8 @@ def check_against_log(directory: str | Path, records: list[dict[str, Any]]) -> s
     verdict = f"sample log: {matched} micro-batches match the training record"
     if absent:
         verdict += f", {absent} not in the log (not compared)"
+    if unlogged:
+        verdict += f", {len(unlogged)} in a logging gap NOT compared ({unlogged[0].describe()})"
     if skipped:
         verdict += (
             f"; {skipped} skipped micro-batch(es) NOT compared (a skipped batch is read and "

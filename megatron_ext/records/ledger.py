@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.files import INCIDENTS_DIR
+from megatron_ext.gap_log import is_gap
 from megatron_ext.io import read_jsonl
 from megatron_ext.records.spike_config import SpikeConfig
 
@@ -59,6 +60,8 @@ class Ledger:
 def read_ledger(path: str | os.PathLike[str]) -> Ledger:
     ledger = Ledger()
     for record in read_jsonl(path).records:
+        if is_gap(record):
+            continue  # lines a full disk kept out (megatron_ext.gap_log)
         if record.get("kind") == CONFIG_KIND:
             ledger.configs[int(record.get("attempt") or 0)] = record
         else:

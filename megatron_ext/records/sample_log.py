@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.files import LAYOUT_FILE, sample_log_file
-from megatron_ext.io import JsonlAppender, from_json, read_jsonl
+from megatron_ext.gap_log import GapLog, is_gap
+from megatron_ext.io import from_json, read_jsonl
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,13 @@ class SampleLog:
     """Append-only JSONL writer, one file per DP rank (``samples-dp{rank}.jsonl``)."""
 
     def __init__(self, directory: str | os.PathLike[str], dp_rank: int) -> None:
-        self._out = JsonlAppender(sample_log_file(directory, dp_rank))
+        self._out = GapLog(sample_log_file(directory, dp_rank), "sample log")
         self.path = self._out.path
 
-    def write(self, record: SampleRecord) -> None:
-        """Append one record and flush, so it survives the process being killed."""
-        self._out.append(asdict(record))
+    def write(self, record: SampleRecord) -> bool:
+        """Append one record, so it survives the process being killed; False when the write
+        failed (a full disk: warned, and named by a gap line once writing works again)."""
+        return self._out.append(asdict(record), record.iteration)
 
 
 def read_records(path: str | os.PathLike[str]) -> Iterator[SampleRecord]:
@@ -62,6 +64,8 @@ def read_records(path: str | os.PathLike[str]) -> Iterator[SampleRecord]:
     """
     content = read_jsonl(path)
     for raw, number in zip(content.records, content.line_numbers):
+        if is_gap(raw):
+            continue  # records a full disk kept out (megatron_ext.gap_log); see read_gaps
         try:
             yield SampleRecord(**from_json(raw))
         except TypeError as exc:
@@ -106,7 +110,9 @@ def layout_record(args: Any, job_id: str, wall_time: float) -> dict[str, Any]:
 
 
 def append_layout(directory: str | os.PathLike[str], record: dict[str, Any]) -> None:
-    """Append one attempt's layout to ``DIR/layout.jsonl`` (one flushed line)."""
-    out = JsonlAppender(Path(directory) / LAYOUT_FILE)
-    out.append(record)
+    """Append one attempt's layout to ``DIR/layout.jsonl`` (one flushed line). A write
+    failure (a full disk) warns and training goes on: the lookup then places this attempt's
+    iterations from its checkpoints."""
+    out = GapLog(Path(directory) / LAYOUT_FILE, "layout log")
+    out.append(record, int(record["first_iteration"]))
     out.close()

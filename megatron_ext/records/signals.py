@@ -4,7 +4,12 @@ Why: a loss spike is diagnosed from signals recorded *before* it: loss, the rank
 worst local loss, grad and per-bucket grad norms, params norm, update ratio, lr,
 loss scale, zeros in the grads, max attention logit. The log is written every step by one
 rank. A restart (requeue, rollback) appends under a new ``attempt`` number instead of
-rewriting history; readers take the latest attempt per iteration. No Megatron imports here.
+rewriting history; readers take the latest attempt per iteration. A write failure (a full
+disk) never stops training: the records that could not be written are named by one gap line,
+``{"gap": {"first_iteration": A, "last_iteration": B, "records_lost": N, "reason": ...,
+"wall_time": T}}`` (:class:`~megatron_ext.gap_log.Gap`, :func:`read_gaps`), once writing
+works again. No Megatron
+imports here.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.files import SIGNALS_FILE
-from megatron_ext.io import JsonlAppender, from_json, json_safe, read_jsonl
+from megatron_ext.gap_log import Gap, GapLog, is_gap, read_gaps
+from megatron_ext.io import from_json, json_safe, read_jsonl
 
 
 @dataclass
@@ -49,6 +55,15 @@ class SignalRecord:
 
 
 _FIELDS = {f.name for f in fields(SignalRecord)}
+# Gap records are part of this log's format (module docstring); readers find them here too.
+__all__ = [
+    "Gap",
+    "SignalRecord",
+    "SignalsWriter",
+    "latest_per_iteration",
+    "read_gaps",
+    "read_signals",
+]
 
 
 def read_signals(
@@ -67,6 +82,8 @@ def read_signals(
     content = read_jsonl(path, iterations=iterations)
     records, foreign = [], []
     for number, raw in zip(content.line_numbers, content.records):
+        if is_gap(raw):
+            continue  # read_gaps
         try:
             if set(raw) - _FIELDS:
                 raise TypeError(f"unknown fields {sorted(set(raw) - _FIELDS)}")
@@ -99,9 +116,10 @@ class SignalsWriter:
         path = Path(directory) / SIGNALS_FILE
         previous = read_signals(path) if path.exists() else []
         self.attempt = max((r.attempt for r in previous), default=0) + 1
-        self._out = JsonlAppender(path)
+        self._out = GapLog(path, "signals log")
         self.path = path
 
-    def write(self, record: SignalRecord) -> None:
+    def write(self, record: SignalRecord) -> bool:
+        """Append one record; False when the write failed (warned, kept as a gap)."""
         record.attempt = self.attempt
-        self._out.append(record.as_json())
+        return self._out.append(record.as_json(), record.iteration)

@@ -8,6 +8,7 @@ on real curves (``benchmarks/detector.py``; README "Spike detector" says why).
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -28,9 +29,16 @@ class SpikeConfig:
     context: int = 20  # signal records kept in each ledger event
 
     def __post_init__(self) -> None:
-        if self.window < 3 or self.warmup < self.window // 2 or self.patience < 0:
+        for name in ("loss_rel", "mad_k", "large_rel", "large_mad_k", "grad_factor"):
+            value = getattr(self, name)
+            if not math.isfinite(value):  # NaN compares False with every loss: no flag ever
+                raise ValueError(
+                    f"spike detector: --spike-{name.replace('_', '-')} must be a finite "
+                    f"number, got {value}"
+                )
+        if self.window < 3 or self.warmup < self.window // 2 or self.patience < 1:
             raise ValueError(
-                f"spike detector: need window >= 3, warmup >= window/2 and patience >= 0 "
+                f"spike detector: need window >= 3, warmup >= window/2 and patience >= 1 "
                 f"(got window={self.window}, warmup={self.warmup}, patience={self.patience})"
             )
         if self.loss_rel <= 0 or self.mad_k <= 0 or self.grad_factor <= 1:
@@ -41,8 +49,8 @@ class SpikeConfig:
                 f"large_rel >= loss_rel ({self.large_rel} < {self.loss_rel}?) and "
                 f"large_mad_k >= mad_k ({self.large_mad_k} < {self.mad_k}?)"
             )
-        if self.skip_streak < 1:
-            raise ValueError("spike detector: skip_streak must be >= 1")
+        if self.skip_streak < 1 or self.context < 1:
+            raise ValueError("spike detector: skip_streak and context must be >= 1")
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)

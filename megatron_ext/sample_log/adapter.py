@@ -30,12 +30,14 @@ from megatron.core import mpu
 from megatron_ext.features import (
     LM_LOSS_PER_TOKEN,
     Feature,
+    FeatureError,
     LossInputs,
     MicroBatch,
     StepRecord,
 )
 from megatron_ext.io import token_sha1
 from megatron_ext.records.sample_log import SampleLog, SampleRecord, append_layout, layout_record
+from megatron_ext.validation import check_directory
 
 SAMPLE_ID_KEY = "sample_id"  # added to every train sample by SampleIdDataset
 _NOTE = "sample_log"  # key of this feature's note in MicroBatch.extras
@@ -89,6 +91,12 @@ class SampleLogFeature(Feature):
 
     def enabled(self, args: Any) -> bool:
         return bool(args.sample_log_dir)
+
+    def validate(self, args: Any) -> None:
+        try:
+            check_directory("--sample-log-dir", args.sample_log_dir)
+        except ValueError as exc:
+            raise FeatureError(str(exc)) from None
 
     def install(self, args: Any) -> None:
         self.args = args

@@ -18,8 +18,10 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,8 @@ from megatron_ext.features import (
     writing_rank,
 )
 from megatron_ext.files import SIGNALS_FILE, SKIPPED_ITERATIONS_FILE, SPIKE_LEDGER_FILE
-from megatron_ext.io import JsonlAppender, atomic_write
+from megatron_ext.gap_log import GapLog
+from megatron_ext.io import atomic_write
 from megatron_ext.records.ledger import config_record
 from megatron_ext.records.signals import latest_per_iteration, read_signals
 from megatron_ext.records.skip_ranges import format_ranges
@@ -49,6 +52,7 @@ from megatron_ext.spikes.drill import (
     misencode,
     parse_spec,
 )
+from megatron_ext.validation import check_directory, check_exit_code
 
 _DECISIONS = ("healthy", "watching", "rollback")  # broadcast as the index
 
@@ -65,7 +69,7 @@ class SpikeFeature(Feature):
     def __init__(self) -> None:
         self.args: Any = None
         self.detector: SpikeDetector | None = None
-        self.ledger: JsonlAppender | None = None
+        self.ledger: GapLog | None = None
         self.decision = "healthy"
         self.primed = False
         self.recorded = False  # this attempt's config line is in the ledger
@@ -103,6 +107,11 @@ class SpikeFeature(Feature):
             )
         try:
             config_from_args(args)
+            check_exit_code("--spike-exit-code", args.spike_exit_code)
+            if args.spike_ledger:
+                check_directory("--spike-ledger's folder", Path(args.spike_ledger).parent)
+                if Path(args.spike_ledger).is_dir():
+                    raise ValueError(f"--spike-ledger {args.spike_ledger} is a directory")
         except ValueError as exc:
             raise FeatureError(str(exc)) from None
 
@@ -110,8 +119,11 @@ class SpikeFeature(Feature):
         self.args = args
         if is_writing_rank(args.rank, args.world_size):
             self.detector = SpikeDetector(config_from_args(args))
-            self.ledger = JsonlAppender(
-                args.spike_ledger or Path(args.signals_dir) / SPIKE_LEDGER_FILE
+            # A full disk must not stop training: the detector runs on in memory, and a
+            # rollback request that could not be logged is not confirmed, so the supervisor
+            # stops instead of rolling back blind.
+            self.ledger = GapLog(
+                args.spike_ledger or Path(args.signals_dir) / SPIKE_LEDGER_FILE, "spike ledger"
             )
 
     def _prime(self, first_iteration: int) -> None:
@@ -149,10 +161,11 @@ class SpikeFeature(Feature):
                             self.detector.config,
                             self.args.save,
                             self.args.sample_log_dir,
-                        )
+                        ),
+                        record.iteration,
                     )
                 for event in self.detector.observe(signals):
-                    self.ledger.append(event.as_json())
+                    self.ledger.append(event.as_json(), event.iteration)
                     print(
                         f"megatron-ext spike detector: {event.kind} at iteration "
                         f"{event.iteration} (onset {event.onset}, culprit DP rank "
@@ -209,16 +222,64 @@ class SkipListFeature(Feature):
             f"start-up and kept in SAVE/{SKIPPED_ITERATIONS_FILE} for later restarts.",
         )
 
+    def __init__(self) -> None:
+        self.args: Any = None
+
     def enabled(self, args: Any) -> bool:
         return bool(args.save and args.iterations_to_skip)
 
     def install(self, args: Any) -> None:
-        """Rank 0 keeps the applied skip list next to the checkpoints (absolute iterations)."""
+        """Rank 0 keeps the applied skip list next to the checkpoints (absolute iterations);
+        a skipped last iteration still gets its final checkpoint (the loop applies the
+        ``skip-list-final-checkpoint`` patch, bound to this feature)."""
+        self.args = args
         if args.rank == 0:
             atomic_write(
                 Path(args.save) / SKIPPED_ITERATIONS_FILE,
                 format_ranges(list(args.iterations_to_skip)),
             )
+
+    def missed_final_save(self, iteration: int) -> bool:
+        """Megatron saved nothing at ``iteration``, the end of training: it was skipped (no
+        interval save) and is an interval multiple (no final save either)."""
+        interval = self.args.save_interval
+        return (
+            bool(interval)
+            and iteration % interval == 0
+            and (iteration in set(self.args.iterations_to_skip))
+        )
+
+
+def save_after_a_skipped_end(
+    original: Callable[..., Any], feature: SkipListFeature
+) -> Callable[..., Any]:
+    """Wrap Megatron's ``train`` (registry ``skip-list-final-checkpoint``), bound to the
+    installed skip-list feature."""
+
+    def train(*args: Any, **kwargs: Any) -> Any:
+        iteration, flops = original(*args, **kwargs)
+        if feature.missed_final_save(iteration):
+            from megatron.training import training
+
+            a = inspect.signature(original).bind(*args, **kwargs).arguments
+            if dist.get_rank() == 0:
+                print(
+                    f"megatron-ext: iteration {iteration}, the last, was skipped; saving the "
+                    "final checkpoint Megatron's loop leaves out after a skip",
+                    flush=True,
+                )
+            training.save_checkpoint_and_time(
+                iteration,
+                a["model"],
+                a["optimizer"],
+                a["opt_param_scheduler"],
+                flops,
+                a["checkpointing_context"],
+                train_data_iterator=a["train_data_iterator"],
+            )
+        return iteration, flops
+
+    return train
 
 
 class DrillFeature(Feature):

@@ -18,6 +18,7 @@ from pathlib import Path
 from megatron_ext import exit_codes
 from megatron_ext.files import SPIKE_LEDGER_FILE
 from megatron_ext.supervise.knobs import TRAINING_ENV, Config, KnobError
+from megatron_ext.validation import check_exit_code
 
 # Under torchrun every worker runs in this wrapper: it records the worker's own exit code
 # (torchrun turns any failure into 1) and the node it ran on in
@@ -70,6 +71,10 @@ def training_facts(user_args: list[str]) -> TrainingFacts:
             "$CKPT_DIR (auto-resume); set CKPT_DIR instead (to start from another checkpoint "
             "use --pretrained-checkpoint)"
         )
+    try:
+        check_exit_code("--spike-exit-code", known.spike_exit_code)
+    except ValueError as exc:
+        raise KnobError(str(exc)) from None
     ledger = known.spike_ledger or (
         str(Path(known.signals_dir) / SPIKE_LEDGER_FILE) if known.signals_dir else None
     )

@@ -122,6 +122,13 @@ KNOBS: tuple[Knob, ...] = (
         "EXTRA_ENV", "more NAME=VALUE pairs for the training processes (shell words)", kind="words"
     ),
     Knob(
+        "FORCE_RUN_LOCK",
+        "1 = take over CKPT_DIR's run lock although its holder looks alive (only for a holder "
+        "known to be dead: its node is gone)",
+        "0",
+        kind="bool",
+    ),
+    Knob(
         "DRY_RUN",
         "1 = --dry-run: print the command of the first attempt and exit",
         "0",
@@ -206,8 +213,9 @@ def _validate(values: dict[str, str]) -> None:
                 shlex.split(values[knob.name])
             except ValueError as exc:
                 raise KnobError(f"{knob.name}: {exc} in {values[knob.name]!r}") from None
-    if values["DRY_RUN"].lower() not in ("", "0", "1", "true", "false", "yes", "no"):
-        raise KnobError(f"DRY_RUN must be 0 or 1, got {values['DRY_RUN']!r}")
+    for name in ("DRY_RUN", "FORCE_RUN_LOCK"):
+        if values[name].lower() not in ("", "0", "1", "true", "false", "yes", "no"):
+            raise KnobError(f"{name} must be 0 or 1, got {values[name]!r}")
     if int(values["GPUS_PER_NODE"]) < 1:
         raise KnobError("GPUS_PER_NODE must be at least 1")
     for pair in shlex.split(values["EXTRA_ENV"]):
@@ -216,8 +224,12 @@ def _validate(values: dict[str, str]) -> None:
             raise KnobError(f"EXTRA_ENV entries must be NAME=VALUE, got {pair!r}")
 
 
+def truthy(value: str) -> bool:
+    return value.lower() in ("1", "true", "yes")
+
+
 def dry_run_requested(values: Mapping[str, str]) -> bool:
-    return values.get("DRY_RUN", "0").lower() in ("1", "true", "yes")
+    return truthy(values.get("DRY_RUN", "0"))
 
 
 def describe(scheduler: str) -> str:

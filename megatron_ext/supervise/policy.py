@@ -99,6 +99,14 @@ class Decision:
 def decide(outcome: Outcome, budget: Budget) -> Decision:
     """The row of the table above that applies to ``outcome``."""
     code = outcome.effective()
+    if code == 0 and outcome.ledger_confirms:
+        return Decision(
+            "stop",
+            1,
+            "training exited 0 but the spike ledger gained a rollback request during the "
+            "attempt: a rollback is never a success; check --spike-exit-code, then run "
+            "`megatron-ext skiplist --apply` and relaunch",
+        )
     if code == 0:
         return Decision("finish", 0, "training finished successfully")
     killed = outcome.killed() if code == exit_codes.KILLED else []

@@ -12,6 +12,7 @@ training saves and exits), collects what each rank reported, and carries out the
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -22,13 +23,15 @@ from pathlib import Path
 from typing import NoReturn
 
 from megatron_ext import exit_codes
+from megatron_ext import run_lock as runlock
 from megatron_ext.io import read_jsonl
-from megatron_ext.supervise import commands, policy
+from megatron_ext.supervise import commands, knobs, policy
 from megatron_ext.supervise.commands import TrainingFacts
 from megatron_ext.supervise.knobs import Config, KnobError
 from megatron_ext.supervise.policy import Budget, Decision, Outcome
 
 STOP_SIGNALS = ("USR1", "TERM", "INT", "HUP")
+DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "TERM", "--"] if shutil.which("setpriv") else []
 NAMES = {"local": "single-node", "slurm": "sbatch"}
 
 
@@ -134,7 +137,9 @@ class Supervisor:
         )
         print(f"+ {commands.quote(command)}", file=sys.stderr, flush=True)
         self.state.forwarded = False
-        self.state.child = subprocess.Popen(command)
+        # Its launcher gets SIGTERM when the supervisor dies, even by SIGKILL (the training
+        # saves and exits rather than running on unnoticed).
+        self.state.child = subprocess.Popen([*DIE_WITH_PARENT, *command])
         if self.state.stop_signal is not None:  # a signal raced with the start
             self._forward()
         launcher_rc = self.state.child.wait()
@@ -198,8 +203,27 @@ class Supervisor:
             config["RESTART_MODE"] == "requeue",
         )
 
+    def take_run_lock(self) -> None:
+        """Hold CKPT_DIR for the whole job (trainings and the spike hook inherit the lease
+        through the environment); a live holder elsewhere stops the job before it starts."""
+        config = self.config
+        force = knobs.truthy(config["FORCE_RUN_LOCK"])
+        try:
+            lease = runlock.acquire(config.ckpt_dir, "supervisor", "supervise", force)
+        except runlock.RunLockHeld as exc:
+            raise KnobError(str(exc).removeprefix("megatron-ext: ")) from None
+        os.environ[runlock.TOKEN_ENV] = lease.holder.token
+        atexit.register(lease.release)
+
+        def lost(message: str) -> None:
+            log(config, f"ERROR: {message}; stopping (the training stops with its supervisor)")
+            os._exit(2)
+
+        lease.watch(lost)
+
     def main(self) -> NoReturn:
         config = self.config
+        self.take_run_lock()
         for path in (
             config.ckpt_dir,
             Path(config["LAUNCH_STATE_DIR"]),

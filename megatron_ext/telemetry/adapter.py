@@ -52,6 +52,7 @@ from megatron_ext.telemetry.bucket_layout import (
     params_by_group,
 )
 from megatron_ext.telemetry.bucket_norms import BucketNormer
+from megatron_ext.validation import check_directory
 
 # Σ bucket² must equal grad-norm² to this relative tolerance (fp32 summation-order noise).
 NORM_CHECK_RTOL = 1e-5
@@ -122,6 +123,11 @@ class TelemetryFeature(Feature):
     def validate(self, args: Any) -> None:
         if args.signals_update_ratio and not args.signals_dir:
             raise FeatureError("--signals-update-ratio needs --signals-dir (it is a signals field)")
+        if args.signals_dir:
+            try:
+                check_directory("--signals-dir", args.signals_dir)
+            except ValueError as exc:
+                raise FeatureError(str(exc)) from None
 
     def install(self, args: Any) -> None:
         self.args = args

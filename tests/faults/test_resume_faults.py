@@ -260,3 +260,26 @@ def test_lookup_text_remaps_the_moved_tokenizer(chain, capsys) -> None:
         assert answer["samples"] and all(s["text"] for s in answer["samples"])
     finally:
         moved.rename(data)
+
+
+@fault(
+    "the run's --data-cache-path moved with the data, `lookup --data-root OLD=NEW` (no "
+    "--cache-dir)",
+    "the cache directory is found through the same remapping and the answer equals the one "
+    "before the move; without it, refused naming the missing caches",
+    area="lookup",
+)
+def test_lookup_data_root_remaps_the_cache_directory(chain, capsys) -> None:
+    cache = Path(chain["ckpt"]).parent / "index-cache"
+    moved = cache.with_name("index-cache-moved")
+    base = ["--from-checkpoint", str(chain["ckpt"]), "--iteration", "9", "--json"]
+    assert cli.main(base) == 0
+    before = json.loads(capsys.readouterr().out)["samples"]
+    cache.rename(moved)
+    try:
+        assert cli.main(base) == 1
+        assert "Traceback" not in capsys.readouterr().err
+        assert cli.main([*base, "--data-root", f"{cache}={moved}"]) == 0
+        assert json.loads(capsys.readouterr().out)["samples"] == before
+    finally:
+        moved.rename(cache)

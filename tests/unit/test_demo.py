@@ -60,6 +60,25 @@ def test_resume_left_to_train_and_refusal_of_another_schedule(tmp_path: Path) ->
             demo._left_to_train(tmp_path, iters, batch)
 
 
+def test_a_resume_is_compared_with_the_flags_given_after_the_separator(
+    tmp_path: Path, capsys
+) -> None:
+    """`demo -- --global-batch-size 16` resumes its own run at 16 (it refused: it compared
+    the checkpoint with its default 8); `--iters 5` refuses before Megatron's warm-up assert."""
+    _checkpoint(tmp_path, 40, 40, 16)
+    given = demo._given(["--global-batch-size", "16"], 40, 8)
+    assert given == (40, 16) and demo._left_to_train(tmp_path, *given) == 0
+    assert demo.main(["--workdir", str(tmp_path), "--", "--global-batch-size", "16"]) == 0
+    assert "already trained all 40 iterations" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--fresh"):
+        demo.main(["--workdir", str(tmp_path)])  # the default 8 is another schedule
+    for iters in ("5", "1"):
+        with pytest.raises(SystemExit) as exit_:
+            demo.main(["--workdir", str(tmp_path / "new"), "--iters", iters])
+        assert exit_.value.code == 2
+        assert "warms the learning rate up over 5 iterations" in capsys.readouterr().err
+
+
 def test_each_mode_has_its_own_workdir() -> None:
     assert demo.WORKDIRS[False] != demo.WORKDIRS[True]
     assert demo.build_parser().parse_args([]).workdir is None  # chosen by --drill
