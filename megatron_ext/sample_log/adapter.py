@@ -41,6 +41,10 @@ SAMPLE_ID_KEY = "sample_id"  # added to every train sample by gpt_step.SampleIdD
 _NOTE = "sample_log"  # key of this feature's note in MicroBatch.extras
 
 
+def _job_id() -> str:
+    return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
 class SampleLogFeature(Feature):
     """Writes ``samples-dp{rank}.jsonl``: one line per trained micro-batch."""
 
@@ -71,8 +75,9 @@ class SampleLogFeature(Feature):
 
     def on_setup(self, model: list[Any], optimizer: Any) -> None:
         if dist.get_rank() == 0:
-            job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
-            append_layout(self.args.sample_log_dir, layout_record(get_args(), job, time.time()))
+            append_layout(
+                self.args.sample_log_dir, layout_record(get_args(), _job_id(), time.time())
+            )
 
     def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None:
         if not (micro_batch.training and mpu.is_pipeline_last_stage()):
@@ -104,7 +109,7 @@ class SampleLogFeature(Feature):
         if not pending:
             return
         if self.log is None:
-            self.log = SampleLog(self.args.sample_log_dir, pending[0][0].dp_rank)
+            self.log = SampleLog(self.args.sample_log_dir, pending[0][0].dp_rank, _job_id())
         # One device->host transfer per iteration for every scalar of every micro-batch.
         scalars = torch.stack([values for *_, values in pending]).tolist()
         for index, ((micro_batch, ids, digests, _), values) in enumerate(zip(pending, scalars)):

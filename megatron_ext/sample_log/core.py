@@ -7,6 +7,12 @@ the documents that drove a spike, not just the batch. The format is JSON Lines, 
 and flushed per record, so a kill -9 leaves at most one torn last line, which
 :func:`read_records` drops. No Megatron imports here.
 
+``attempts-dp{rank}.jsonl`` next to each rank's file has one line per writer (attempt): the
+byte offset where its records start, its first iteration, job, host, pid and start time. Each
+attempt appends its iterations in order, but a restart from an older checkpoint appends lower
+iterations again; with these offsets a reader bisects each attempt's sorted run for one
+iteration instead of parsing a log of millions of lines (:mod:`megatron_ext.sample_log.reader`).
+
 ``layout.jsonl`` next to the per-rank files has one line per attempt: the DP size, micro and
 global batch sizes, skips, first iteration and consumed samples the attempt started with.
 Sample ids alone do not say which layout produced them; after a resize (DP=2 then DP=1) the
@@ -16,12 +22,14 @@ lookup needs the layout in force at each iteration, also once old checkpoints ar
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.files import LAYOUT_FILE, sample_log_file
+from megatron_ext.files import LAYOUT_FILE, sample_log_attempts_file, sample_log_file
 from megatron_ext.io import JsonlAppender, from_json, read_jsonl
 
 
@@ -45,12 +53,33 @@ class SampleRecord:
 class SampleLog:
     """Append-only JSONL writer, one file per DP rank (``samples-dp{rank}.jsonl``)."""
 
-    def __init__(self, directory: str | os.PathLike[str], dp_rank: int) -> None:
+    def __init__(self, directory: str | os.PathLike[str], dp_rank: int, job_id: str = "") -> None:
         self._out = JsonlAppender(sample_log_file(directory, dp_rank))
         self.path = self._out.path
+        self.attempts_path = sample_log_attempts_file(directory, dp_rank)
+        self.job_id = job_id
+        self._indexed = False
 
     def write(self, record: SampleRecord) -> None:
-        """Append one record and flush, so it survives the process being killed."""
+        """Append one record and flush, so it survives the process being killed.
+
+        Before this writer's first record, its attempt line: flushed first, so every record
+        lies in a run whose start the attempt index names.
+        """
+        if not self._indexed:
+            index = JsonlAppender(self.attempts_path)
+            index.append(
+                {
+                    "offset": os.path.getsize(self.path),  # the appender flushed: a line start
+                    "first_iteration": record.iteration,
+                    "job_id": self.job_id,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "wall_time": time.time(),
+                }
+            )
+            index.close()
+            self._indexed = True
         self._out.append(asdict(record))
 
 

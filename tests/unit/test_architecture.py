@@ -59,7 +59,7 @@ def test_the_supervisor_imports_neither_torch_nor_megatron() -> None:
 
 
 def test_every_feature_folder_has_a_core_and_an_adapter() -> None:
-    for folder in ("zloss", "weight_decay", "telemetry", "spikes", "sample_log", "lookup"):
+    for folder in ("zloss", "weight_decay", "telemetry", "spikes", "sample_log"):
         files = {p.name for p in (PACKAGE / folder).glob("*.py")}
         assert "adapter.py" in files, folder
         assert len(files - {"adapter.py", "__init__.py"}) >= 1, f"{folder} has no core"
