@@ -12,7 +12,7 @@ resumes from 70 % to the end, so the asked iteration (75 %) is in the file twice
 are those Megatron's sampler hands out and the token SHA-1s those of the data (the ``.bin``
 files are sparse, all tokens 0), so ``--sample-log`` answers "match" on both code paths.
 
-Every operation is one ``megatron-ext lookup`` process (``python -m megatron_ext.lookup.cli``),
+Every operation is one ``megatron-ext lookup`` process (``megatron_ext.lookup.cli.main``),
 run on this tree and, with ``--compare REV``, on git revision REV's ``megatron_ext`` (extracted
 with ``git archive``), with the benchmark's files evicted from the page cache before each run
 (``posix_fadvise(DONTNEED)`` on its own files only), as an on-call engineer's first query
@@ -144,18 +144,25 @@ def _evict(root: Path) -> None:
                 os.close(fd)
 
 
-def _run(tree: Path, flags: list[str], root: Path, timeout: float) -> tuple[float, float, int, str]:
+# ``megatron-ext lookup`` of the tree on PYTHONPATH (the console script would run this tree's).
+_MAIN = "import sys; from megatron_ext.lookup.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _run(
+    tree: Path, flags: list[str], root: Path, timeout: float, expect: str
+) -> tuple[float, float, int, str]:
     """(seconds, peak RSS GiB, exit code, stderr tail) of one lookup process on ``tree``;
-    killed after ``timeout`` seconds (exit code -9)."""
+    killed after ``timeout`` seconds (exit code -9); exit code 99 when its answer lacks
+    ``expect`` (a timing of a wrong answer is no timing)."""
     _evict(root)
     env = dict(os.environ, PYTHONPATH=str(tree))
-    with tempfile.TemporaryFile() as stderr:
+    with tempfile.TemporaryFile() as stderr, tempfile.TemporaryFile() as stdout:
         start = time.perf_counter()
         child = subprocess.Popen(
-            [sys.executable, "-m", "megatron_ext.lookup.cli", *flags],
+            [sys.executable, "-c", _MAIN, *flags],
             cwd=tree,
             env=env,
-            stdout=subprocess.DEVNULL,
+            stdout=stdout,
             stderr=stderr,
         )
         while True:
@@ -168,10 +175,16 @@ def _run(tree: Path, flags: list[str], root: Path, timeout: float) -> tuple[floa
         seconds = time.perf_counter() - start
         stderr.seek(0)
         error = stderr.read().decode(errors="replace")
-    return seconds, usage.ru_maxrss / 2**20, os.waitstatus_to_exitcode(status), error[-300:]
+        stdout.seek(0)
+        answered = expect in stdout.read().decode(errors="replace")
+    code = os.waitstatus_to_exitcode(status)
+    if code == 0 and not answered:
+        code, error = 99, f"the answer does not say {expect!r}"
+    return seconds, usage.ru_maxrss / 2**20, code, error[-300:]
 
 
-def operations(root: Path, scale: float) -> list[tuple[str, list[str]]]:
+def operations(root: Path, scale: float) -> list[tuple[str, list[str], str]]:
+    """(name, lookup flags, what its answer must say)."""
     iterations = _count("iterations", scale)
     asked = int(iterations * 0.75)
     log = str(root / "samples")
@@ -187,14 +200,16 @@ def operations(root: Path, scale: float) -> list[tuple[str, list[str]]]:
         "--data-parallel-size", str(DP),
         "--iteration", str(asked),
     ]  # fmt: skip
+    match = f"sample log: {MBS} micro-batches match"
     return [
-        ("whole-batch lookup (1024 samples)", run),
-        ("--sample-log, one rank", [*run, "--dp-rank", "17", "--sample-log", log]),
-        ("--sample-log, whole batch", [*run, "--sample-log", log]),
-        ("--worst 8 --dp-rank 17", [*run, "--worst", "8", "--dp-rank", "17", "--sample-log", log]),
-        ("--worst 8 (all ranks)", [*run, "--worst", "8", "--sample-log", log]),
+        ("whole-batch lookup (1024 samples)", run, f"iteration {asked}: consumed"),
+        ("--sample-log, one rank", [*run, "--dp-rank", "17", "--sample-log", log], match),
+        ("--sample-log, whole batch", [*run, "--sample-log", log], f"{MBS * DP}" + match[13:]),
+        ("--worst 8 --dp-rank 17",
+         [*run, "--worst", "8", "--dp-rank", "17", "--sample-log", log], "worst 8 of 16 "),
+        ("--worst 8 (all ranks)", [*run, "--worst", "8", "--sample-log", log], "worst 8 of 1024 "),
         ("inverse (document -> iterations)", [*run[: run.index("--iteration")], "--document",
-                                              "12345", "--dataset", "0"]),
+                                              "12345", "--dataset", "0"], "read by"),
     ]  # fmt: skip
 
 
@@ -233,10 +248,10 @@ def main() -> None:
             print(f"built scale {scale:g} in {time.perf_counter() - started:.0f} s", flush=True)
         log_bytes = sum(p.stat().st_size for p in (root / "samples").glob("samples-dp*.jsonl"))
         print(f"scale {scale:g}: sample log {log_bytes / 2**30:.2f} GiB", flush=True)
-        for name, flags in operations(root, scale):
+        for name, flags, expect in operations(root, scale):
             for label, tree in trees:
                 limit = args.old_timeout if label != "new" else 3600
-                seconds, rss, code, error = _run(tree, flags, root, limit)
+                seconds, rss, code, error = _run(tree, flags, root, limit, expect)
                 results[(name, label, scale)] = (seconds, rss, code, error)
                 print(
                     f"  {label:>8} {name:<36} {seconds:8.2f} s {rss:6.2f} GiB rc {code}"
@@ -247,7 +262,7 @@ def main() -> None:
         f"{label} 1/{round(1 / s)}" for s in scales for label, _ in trees
     ) + " | growth (new, last/first scale) |")  # fmt: skip
     print("|---" * (2 + len(scales) * len(trees)) + "|")
-    for name, _ in operations(base, scales[0]):
+    for name, _, _ in operations(base, scales[0]):
         cells = []
         for scale in scales:
             for label, _ in trees:

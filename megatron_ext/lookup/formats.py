@@ -159,6 +159,44 @@ def array_chunks(path: str, rows: int) -> Iterator[tuple[int, np.ndarray]]:
             yield start, chunk.reshape((count, *shape[1:]))
 
 
+def _mapping(array: np.ndarray) -> mmap.mmap | None:
+    """The mapping a :func:`map_random` array views (None for anything else)."""
+    owner: Any = array
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    if isinstance(owner, memoryview):
+        owner = owner.obj
+    return owner if isinstance(owner, mmap.mmap) else None
+
+
+def will_need(array: np.ndarray, rows: np.ndarray, row_bytes: Any = None) -> None:
+    """Have the kernel read the pages holding ``rows`` of a mapped array, all at once.
+
+    Why: under ``MADV_RANDOM`` each first touch of a page is one synchronous read; a batch
+    touches ~10 pages per sample in six files, so a cold 1,024-sample lookup waited for 10^4
+    reads one after the other. ``MADV_WILLNEED`` on all of them first lets the disk serve them
+    in parallel, and nothing beyond them is read. ``row_bytes``: bytes from each row's start
+    (a number or one per row; default: one row).
+    """
+    mapping = _mapping(array)
+    if mapping is None or not len(rows):
+        return
+    page = mmap.PAGESIZE
+    start = array.ctypes.data - np.frombuffer(mapping, np.uint8, 1).ctypes.data
+    first = start + np.asarray(rows, dtype=np.int64) * array.strides[0]
+    size = array.strides[0] or array.itemsize if row_bytes is None else row_bytes
+    low = first // page
+    counts = (first + np.maximum(np.asarray(size, dtype=np.int64), 1) - 1) // page - low + 1
+    steps = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    pages = np.unique(np.repeat(low, counts) + steps)
+    breaks = np.flatnonzero(np.diff(pages) != 1)
+    runs = zip(pages[np.r_[0, breaks + 1]].tolist(), pages[np.r_[breaks, len(pages) - 1]].tolist())
+    for a, b in runs:
+        mapping.madvise(
+            mmap.MADV_WILLNEED, a * page, min((b - a + 1) * page, len(mapping) - a * page)
+        )
+
+
 class IndexedData:
     """One ``{prefix}.idx`` + ``{prefix}.bin``, memory-mapped (text datasets, not multimodal)."""
 
@@ -181,6 +219,12 @@ class IndexedData:
         offset += self.sequence_pointers.nbytes
         self.document_indices = np.frombuffer(buffer, np.int64, documents, offset)
         self._bin = map_random(prefix + ".bin")
+
+    def will_need(self, sequences: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        """Prefetch the ``.bin`` bytes of tokens [offset, offset + length) of ``sequences``."""
+        if isinstance(self._bin, mmap.mmap) and len(sequences):
+            starts = self.sequence_pointers[sequences] + offsets * self.dtype.itemsize
+            will_need(np.frombuffer(self._bin, np.uint8), starts, lengths * self.dtype.itemsize)
 
     def get(self, sequence: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of one sequence, as ``IndexedDataset.get``."""

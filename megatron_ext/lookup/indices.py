@@ -33,7 +33,7 @@ import numpy as np
 
 from megatron_ext.data.pair import PairError, check_pair
 from megatron_ext.lookup.errors import CacheMissing, DataChanged, PositionError
-from megatron_ext.lookup.formats import Description, IndexedData, map_array
+from megatron_ext.lookup.formats import Description, IndexedData, map_array, will_need
 
 GPT, BLENDED = "GPTDataset", "BlendedDataset"
 GPT_FILES = ("document_index", "sample_index", "shuffle_index")
@@ -247,6 +247,27 @@ class MidIndex:
                 out.append(Span(document, start, stop - start))
         return j, tuple(out)
 
+    def prefetch(self, samples: np.ndarray) -> None:
+        """Bring in, stage by stage and each stage in parallel, the pages that resolving
+        ``samples`` reads: shuffle, sample and document index entries, .idx entries, tokens."""
+        if not len(samples) or samples.min() < 0 or samples.max() >= len(self):
+            return  # spans() refuses those with the reason
+        will_need(self.shuffle_index, samples)
+        stream = np.asarray(self.shuffle_index[samples], dtype=np.int64)
+        will_need(self.sample_index, np.concatenate([stream, stream + 1]))
+        begin, end = self.sample_index[stream], self.sample_index[stream + 1]
+        will_need(self.document_index, begin[:, 0], None)
+        will_need(self.document_index, end[:, 0], None)
+        first = np.asarray(self.document_index[begin[:, 0]], dtype=np.int64)
+        will_need(self.lengths, first)
+        will_need(self.data.sequence_pointers, first)
+        # The first document's tokens from the sample's offset (most samples read one or two
+        # documents; the rest fault in as they are read).
+        size = np.minimum(
+            self.lengths[first].astype(np.int64) - begin[:, 1], self.seq_length + self.extra
+        )
+        self.data.will_need(first, begin[:, 1].astype(np.int64), np.maximum(size, 1))
+
     def sample(self, index: int, member: int, dataset_sample: int, pad_id: int | None) -> Sample:
         """Sample ``dataset_sample`` of this dataset (global ``index``, blend ``member``):
         its checked spans and its model-input tokens, as ``GPTDataset.__getitem__``."""
@@ -283,6 +304,18 @@ class TrainIndex:
     def __len__(self) -> int:
         return len(self.mids[0]) if self.blend is None else int(self.blend[0].shape[0])
 
+    def prefetch(self, indices: np.ndarray) -> None:
+        """Prefetch what resolving global samples ``indices`` reads (see MidIndex.prefetch)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if not len(indices) or indices.min() < 0 or indices.max() >= len(self):
+            return  # route() refuses those with the reason
+        if self.blend is not None:
+            will_need(self.blend[0], indices)
+            will_need(self.blend[1], indices)
+        members, within = self.route(indices)
+        for member, mid in enumerate(self.mids):
+            mid.prefetch(within[members == member])
+
     def route(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(blend member, sample within it) of global sample indices."""
         indices = np.asarray(indices, dtype=np.int64)
@@ -304,6 +337,7 @@ class TrainIndex:
         ``pad_id``: the tokenizer's pad id as GPTDataset resolves it; its occurrences become 0
         in the model input, as ``GPTDataset.__getitem__`` does. None when no tokenizer is known.
         """
+        self.prefetch(np.asarray(indices, dtype=np.int64))
         members, within = self.route(np.asarray(indices, dtype=np.int64))
         return [
             self.mids[member].sample(int(index), member, sample, pad_id)

@@ -200,6 +200,8 @@ def batch_records(
     per_slot = [schedule.positions(batch, m, r) for m, r in slots]
     # The sampler (cyclic): stream positions -> global sample indices.
     indices = session.sampler_indices(index, np.concatenate(per_slot)).tolist()
+    # Index files (indices): the pages the batch reads, requested at once (cold caches).
+    index.prefetch(np.asarray(indices, dtype=np.int64))
     # The blend (indices): global sample -> (dataset, sample within that GPTDataset).
     members, within = index.route(np.asarray(indices, dtype=np.int64))
     pad_id, decode = session.pad_id(), session.decode()
