@@ -150,8 +150,8 @@ _MAIN = "import sys; from megatron_ext.lookup.cli import main; sys.exit(main(sys
 
 def _run(
     tree: Path, flags: list[str], root: Path, timeout: float, expect: str
-) -> tuple[float, float, int, str]:
-    """(seconds, peak RSS GiB, exit code, stderr tail) of one lookup process on ``tree``;
+) -> tuple[float, float, float, int, str]:
+    """(wall s, CPU s, peak RSS GiB, exit code, stderr tail) of one lookup process on ``tree``;
     killed after ``timeout`` seconds (exit code -9); exit code 99 when its answer lacks
     ``expect`` (a timing of a wrong answer is no timing)."""
     _evict(root)
@@ -180,7 +180,8 @@ def _run(
     code = os.waitstatus_to_exitcode(status)
     if code == 0 and not answered:
         code, error = 99, f"the answer does not say {expect!r}"
-    return seconds, usage.ru_maxrss / 2**20, code, error[-300:]
+    cpu = usage.ru_utime + usage.ru_stime
+    return seconds, cpu, usage.ru_maxrss / 2**20, code, error[-300:]
 
 
 def operations(root: Path, scale: float) -> list[tuple[str, list[str], str]]:
@@ -238,7 +239,7 @@ def main() -> None:
             ).stdout
             subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
         trees.insert(0, (args.compare, old))
-    results: dict[tuple[str, str, float], tuple[float, float, int, str]] = {}
+    results: dict[tuple[str, str, float], tuple[float, float, float, int, str]] = {}
     scales = [float(s) for s in args.scales.split(",")]
     for scale in scales:
         root = base / f"scale-{scale:g}"
@@ -251,11 +252,12 @@ def main() -> None:
         for name, flags, expect in operations(root, scale):
             for label, tree in trees:
                 limit = args.old_timeout if label != "new" else 3600
-                seconds, rss, code, error = _run(tree, flags, root, limit, expect)
-                results[(name, label, scale)] = (seconds, rss, code, error)
+                seconds, cpu, rss, code, error = _run(tree, flags, root, limit, expect)
+                results[(name, label, scale)] = (seconds, cpu, rss, code, error)
                 print(
-                    f"  {label:>8} {name:<36} {seconds:8.2f} s {rss:6.2f} GiB rc {code}"
-                    + (f"  {error.strip().splitlines()[-1]}" if code else ""),
+                    f"  {label:>8} {name:<36} {seconds:8.2f} s wall {cpu:8.2f} s CPU "
+                    f"{rss:6.2f} GiB rc {code}"
+                    + (f"  {(error.strip().splitlines() or ['killed'])[-1]}" if code else ""),
                     flush=True,
                 )
     print("\n| operation | " + " | ".join(
@@ -270,8 +272,9 @@ def main() -> None:
                 cells.append(
                     f"{seconds:.2f} s, {rss:.2f} GiB" + ("" if code == 0 else f" rc {code}")
                 )
-        first, last = results[(name, "new", scales[0])][0], results[(name, "new", scales[-1])][0]
-        print(f"| {name} | " + " | ".join(cells) + f" | x{last / first:.2f} |")
+        first, last = results[(name, "new", scales[0])], results[(name, "new", scales[-1])]
+        growth = f"x{last[0] / first[0]:.2f} wall, x{last[1] / first[1]:.2f} CPU"
+        print(f"| {name} | " + " | ".join(cells) + f" | {growth} |")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"\n(peak RSS of this benchmark process itself: {peak:.2f} GiB)")
 
