@@ -268,9 +268,12 @@ def main() -> None:
         cells = []
         for scale in scales:
             for label, _ in trees:
-                seconds, rss, code, _ = results[(name, label, scale)]
+                seconds, cpu, rss, code, _ = results[(name, label, scale)]
                 cells.append(
-                    f"{seconds:.2f} s, {rss:.2f} GiB" + ("" if code == 0 else f" rc {code}")
+                    f"killed after {seconds:.0f} s"
+                    if code == -9
+                    else f"{seconds:.1f} s ({cpu:.2f} s CPU), {rss:.2f} GiB"
+                    + ("" if code == 0 else f" rc {code}")
                 )
         first, last = results[(name, "new", scales[0])], results[(name, "new", scales[-1])]
         growth = f"x{last[0] / first[0]:.2f} wall, x{last[1] / first[1]:.2f} CPU"
