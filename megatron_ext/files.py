@@ -47,6 +47,11 @@ def sample_log_file(directory: str | Path, dp_rank: int) -> Path:
     return Path(directory) / f"samples-dp{dp_rank}.jsonl"
 
 
+def sample_log_attempts_file(directory: str | Path, dp_rank: int) -> Path:
+    """Per-DP-rank attempt index: where each writer's run of records starts in the log."""
+    return Path(directory) / f"attempts-dp{dp_rank}.jsonl"
+
+
 SAMPLE_LOG_GLOB = "samples-dp*.jsonl"
 LAYOUT_FILE = "layout.jsonl"  # one line per attempt: DP, micro/global batch, skips, start
 

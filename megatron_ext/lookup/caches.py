@@ -20,17 +20,14 @@ from typing import Any
 import numpy as np
 
 from megatron_ext.lookup.errors import CacheMissing, ConfigError, DataChanged
-from megatron_ext.lookup.formats import split_matrix
+from megatron_ext.lookup.formats import Description, map_array, read_description, split_matrix
 from megatron_ext.lookup.indices import (
     BLENDED,
     BLENDED_FILES,
     GPT,
     DataSpec,
-    Description,
     MidIndex,
     TrainIndex,
-    _mmap,
-    _read_description,
     remap,
 )
 
@@ -132,8 +129,7 @@ def _scan(directory: Path, kind: str) -> list[Description]:
     if not directory.is_dir():
         return []
     return [
-        _read_description(path)
-        for path in sorted(directory.glob(f"*-{kind}-train-description.txt"))
+        read_description(path) for path in sorted(directory.glob(f"*-{kind}-train-description.txt"))
     ]
 
 
@@ -230,7 +226,7 @@ def open_train_index(
                 f"the blend cache {path.name} names the GPTDataset cache {member_path}, which is "
                 "missing; rebuild with --rebuild-caches"
             )
-        member_description = _read_description(member_path).trusted()
+        member_description = read_description(member_path).trusted()
         if member_description.text != member_text:
             raise DataChanged(f"{member_path} differs from the blend description {path.name}")
         mids.append(MidIndex(member_dir, member_description, spec, data_root))
@@ -238,8 +234,8 @@ def open_train_index(
     missing = [f"{base}{n}.npy" for n in BLENDED_FILES if not os.path.isfile(f"{base}{n}.npy")]
     if missing:
         raise CacheMissing(f"BlendedDataset cache files missing: {', '.join(missing)}")
-    dataset_index = _mmap(f"{base}dataset_index.npy")
-    dataset_sample_index = _mmap(f"{base}dataset_sample_index.npy")
+    dataset_index = map_array(f"{base}dataset_index.npy")
+    dataset_sample_index = map_array(f"{base}dataset_sample_index.npy")
     blend_size = description["size"]
     if blend_size is None:
         blend_size = int(sum(description["weights"]))
@@ -256,4 +252,10 @@ def open_train_index(
             f"blend cache {path.name} holds {dataset_index.shape[0]} entries, "
             f"its description says {blend_size}"
         )
-    return TrainIndex(mids, (dataset_index, dataset_sample_index), blend.digest, BLENDED)
+    return TrainIndex(
+        mids,
+        (dataset_index, dataset_sample_index),
+        blend.digest,
+        BLENDED,
+        (f"{base}dataset_index.npy", f"{base}dataset_sample_index.npy"),
+    )

@@ -4,6 +4,8 @@ The index arithmetic proves the caches and the .idx agree; only a record written
 training proves the *tokens* are the ones trained on. When the run had ``--sample-log-dir``,
 each trained micro-batch's sample ids and token SHA-1s are on disk (:mod:`megatron_ext.sample_log`);
 any difference means the data changed since, and the answer is refused rather than shown.
+Only the answered iteration's records are read (:mod:`megatron_ext.records.sample_log_reader`
+seeks to them), so the check costs the same at iteration 100 as at 100 k, on 1 rank or 64.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.files import SAMPLE_LOG_GLOB, sample_log_file
+from megatron_ext.files import SAMPLE_LOG_GLOB
 from megatron_ext.gap_log import Gap
 from megatron_ext.lookup.errors import DataChanged, Refused
 from megatron_ext.lookup.gaps import gap_of, sample_log_gaps
-from megatron_ext.records.sample_log import read_records
+from megatron_ext.records.sample_log_reader import latest, read_iteration
 
 
 def check_against_log(directory: str | Path, records: list[dict[str, Any]]) -> str:
@@ -35,14 +37,16 @@ def check_against_log(directory: str | Path, records: list[dict[str, Any]]) -> s
         key = (record["iteration"], record["dp_rank"], record["microbatch"])
         slots.setdefault(key, []).append(record)
     logged = {}
-    for rank in sorted({k[1] for k in slots}):
-        path = sample_log_file(directory, rank)
-        if path.is_file():
-            for entry in read_records(path):
-                key = (entry.iteration, entry.dp_rank, entry.microbatch)
-                if key in slots:
-                    logged[key] = entry  # a resumed run's record replaces a rolled-back one
-    gaps = sample_log_gaps(directory, {k[1] for k in slots})
+    for iteration in sorted({k[0] for k in slots}):
+        ranks = sorted({k[1] for k in slots if k[0] == iteration})
+        for rank, groups in read_iteration(directory, iteration, ranks).items():
+            # A resumed run's record replaces a rolled-back one: the last attempt's wins.
+            for microbatch, entry in latest(groups).items():
+                if entry.dp_rank == rank:
+                    logged[(iteration, rank, microbatch)] = entry
+    # Gap records are read only for ranks with an answered micro-batch the log lacks.
+    missing = {k[1] for k in slots if k not in logged}
+    gaps = sample_log_gaps(directory, missing) if missing else {}
     matched = absent = skipped = 0
     unlogged: list[Gap] = []
     for key, answered in slots.items():

@@ -24,18 +24,15 @@ a re-preprocessing the caches still "work" and silently point at other documents
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from megatron_ext.lookup.errors import CacheMissing, DataChanged, PositionError
-from megatron_ext.lookup.formats import IndexedData
+from megatron_ext.lookup.formats import Description, IndexedData, map_array, will_need
 from megatron_ext.records.pair import PairError, check_pair
 
 GPT, BLENDED = "GPTDataset", "BlendedDataset"
@@ -90,54 +87,6 @@ def remap(path: str, data_root: Sequence[tuple[str, str]]) -> str:
     return path
 
 
-@dataclass(frozen=True)
-class Description:
-    """A cache's ``description.txt``: Megatron names the cache files by the md5 of this text."""
-
-    path: Path
-    text: str
-    content: dict[str, Any]  # empty when the text is not JSON
-
-    @property
-    def digest(self) -> str:
-        return hashlib.md5(self.text.encode("utf-8"), usedforsecurity=False).hexdigest()
-
-    @property
-    def intact(self) -> bool:
-        return self.path.name.startswith(self.digest + "-")
-
-    def trusted(self) -> Description:
-        """Itself, if its md5 is the hash in its name; the .npy files are named by that hash."""
-        if not self.intact:
-            raise DataChanged(
-                f"{self.path}: the md5 of its contents is {self.digest}, not the hash in its "
-                "name; the description was edited or copied over another, so the cache files "
-                "named after it are untrusted"
-            )
-        return self
-
-
-def _read_description(path: Path) -> Description:
-    text = path.read_text(encoding="utf-8")
-    try:
-        content = json.loads(text)
-    except json.JSONDecodeError:
-        content = {}
-    return Description(path, text, content if isinstance(content, dict) else {})
-
-
-def _mmap(path: str) -> np.ndarray:
-    """A cache array, memory-mapped (read-only; nothing is loaded until used).
-
-    Viewed as a plain ndarray: np.memmap's per-index subclass bookkeeping costs more than the
-    lookups themselves, and the view keeps the mapping alive.
-    """
-    try:
-        return np.load(path, mmap_mode="r", allow_pickle=False).view(np.ndarray)
-    except ValueError as exc:
-        raise DataChanged(f"{path} is not a readable .npy array: {exc}") from exc
-
-
 class MidIndex:
     """One GPTDataset's caches and its IndexedDataset (the .bin/.idx on disk)."""
 
@@ -170,9 +119,10 @@ class MidIndex:
             check_pair(self.prefix)
         except PairError as exc:
             raise DataChanged(str(exc)) from None
-        self.document_index = _mmap(f"{base}document_index.npy")
-        self.sample_index = _mmap(f"{base}sample_index.npy")
-        self.shuffle_index = _mmap(f"{base}shuffle_index.npy")
+        self.files = {name: f"{base}{name}.npy" for name in GPT_FILES}  # for scans
+        self.document_index = map_array(self.files["document_index"])
+        self.sample_index = map_array(self.files["sample_index"])
+        self.shuffle_index = map_array(self.files["shuffle_index"])
         try:
             self.data = IndexedData(self.prefix)
         except (OSError, ValueError) as exc:
@@ -297,6 +247,36 @@ class MidIndex:
                 out.append(Span(document, start, stop - start))
         return j, tuple(out)
 
+    def prefetch(self, samples: np.ndarray) -> None:
+        """Bring in, stage by stage and each stage in parallel, the pages that resolving
+        ``samples`` reads: shuffle, sample and document index entries, .idx entries, tokens."""
+        if not len(samples) or samples.min() < 0 or samples.max() >= len(self):
+            return  # spans() refuses those with the reason
+        will_need(self.shuffle_index, samples)
+        stream = np.asarray(self.shuffle_index[samples], dtype=np.int64)
+        will_need(self.sample_index, np.concatenate([stream, stream + 1]))
+        begin, end = self.sample_index[stream], self.sample_index[stream + 1]
+        will_need(self.document_index, begin[:, 0], None)
+        will_need(self.document_index, end[:, 0], None)
+        first = np.asarray(self.document_index[begin[:, 0]], dtype=np.int64)
+        will_need(self.lengths, first)
+        will_need(self.data.sequence_pointers, first)
+        # The first document's tokens from the sample's offset (most samples read one or two
+        # documents; the rest fault in as they are read).
+        size = np.minimum(
+            self.lengths[first].astype(np.int64) - begin[:, 1], self.seq_length + self.extra
+        )
+        self.data.will_need(first, begin[:, 1].astype(np.int64), np.maximum(size, 1))
+
+    def sample(self, index: int, member: int, dataset_sample: int, pad_id: int | None) -> Sample:
+        """Sample ``dataset_sample`` of this dataset (global ``index``, blend ``member``):
+        its checked spans and its model-input tokens, as ``GPTDataset.__getitem__``."""
+        stream, spans = self.spans(dataset_sample)
+        tokens = self.read(spans)[: self.seq_length].copy()
+        if pad_id is not None:
+            tokens[tokens == pad_id] = 0
+        return Sample(index, member, self.path, dataset_sample, stream, spans, tokens)
+
     def read_document(self, document: int) -> np.ndarray:
         """A whole document's tokens (int64), e.g. for a blocklist's content hash."""
         return np.asarray(self.data.get(int(document)), dtype=np.int64)
@@ -316,11 +296,25 @@ class TrainIndex:
         blend: tuple[np.ndarray, np.ndarray] | None,
         description_hash: str,
         kind: str,
+        blend_files: tuple[str, str] | None = None,
     ) -> None:
         self.mids, self.blend, self.hash, self.kind = mids, blend, description_hash, kind
+        self.blend_files = blend_files  # (dataset_index, dataset_sample_index) .npy, for scans
 
     def __len__(self) -> int:
         return len(self.mids[0]) if self.blend is None else int(self.blend[0].shape[0])
+
+    def prefetch(self, indices: np.ndarray) -> None:
+        """Prefetch what resolving global samples ``indices`` reads (see MidIndex.prefetch)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if not len(indices) or indices.min() < 0 or indices.max() >= len(self):
+            return  # route() refuses those with the reason
+        if self.blend is not None:
+            will_need(self.blend[0], indices)
+            will_need(self.blend[1], indices)
+        members, within = self.route(indices)
+        for member, mid in enumerate(self.mids):
+            mid.prefetch(within[members == member])
 
     def route(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(blend member, sample within it) of global sample indices."""
@@ -343,14 +337,9 @@ class TrainIndex:
         ``pad_id``: the tokenizer's pad id as GPTDataset resolves it; its occurrences become 0
         in the model input, as ``GPTDataset.__getitem__`` does. None when no tokenizer is known.
         """
+        self.prefetch(np.asarray(indices, dtype=np.int64))
         members, within = self.route(np.asarray(indices, dtype=np.int64))
-        out = []
-        for index, member, sample in zip(indices, members.tolist(), within.tolist()):
-            mid = self.mids[member]
-            stream, spans = mid.spans(sample)
-            raw = mid.read(spans)
-            tokens = raw[: mid.seq_length].copy()
-            if pad_id is not None:
-                tokens[tokens == pad_id] = 0
-            out.append(Sample(int(index), member, mid.path, sample, stream, spans, tokens))
-        return out
+        return [
+            self.mids[member].sample(int(index), member, sample, pad_id)
+            for index, member, sample in zip(indices, members.tolist(), within.tolist())
+        ]

@@ -4,16 +4,21 @@
 ``sample_index`` (binary search, no copy) the stream samples whose token range touches them;
 one pass over ``shuffle_index`` finds the dataset samples that are those stream samples, and,
 for blends, one pass over ``dataset_index``/``dataset_sample_index`` the global samples. The
-passes read the memory-mapped caches in chunks, so memory stays bounded at any index size.
+passes read the cache files in chunks (not through their mappings, whose touched pages would
+stay resident), so memory stays at a few chunks at any index size; progress goes to stderr
+when a pass takes more than a moment (a 50 M-document run scans ~5 GB).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+from tqdm import tqdm
 
 from megatron_ext.lookup.errors import PositionError
+from megatron_ext.lookup.formats import array_chunks
 from megatron_ext.lookup.indices import MidIndex, TrainIndex
 
 CHUNK = 1 << 22  # entries per pass step: large enough to amortise numpy calls, small in RAM
@@ -75,8 +80,7 @@ def _stream_samples(mid: MidIndex, document: int) -> tuple[np.ndarray, np.ndarra
     """Stream samples reading ``document``: (stream sample, offset, count), entries scanned."""
     positions = []
     entries = len(mid.document_index)
-    for start in range(0, entries, CHUNK):
-        chunk = np.asarray(mid.document_index[start : start + CHUNK])
+    for start, chunk in _progress(mid.files["document_index"], entries, "document_index"):
         positions.append(np.flatnonzero(chunk == document) + start)
     found = np.concatenate(positions) if positions else np.empty(0, dtype=np.int64)
     rows = mid.sample_index
@@ -102,18 +106,28 @@ def _stream_samples(mid: MidIndex, document: int) -> tuple[np.ndarray, np.ndarra
     return as_array(streams), as_array(offsets), as_array(counts), entries
 
 
+def _progress(path: str, entries: int, what: str) -> Iterator[tuple[int, np.ndarray]]:
+    """Chunks of a cache file, with a progress bar on stderr after the first two seconds."""
+    with tqdm(
+        total=entries, desc=f"scanning {what}", unit="entry", unit_scale=True, delay=2
+    ) as bar:
+        for start, chunk in array_chunks(path, CHUNK):
+            yield start, chunk
+            bar.update(len(chunk))
+
+
 def _scan(
-    arrays: tuple[np.ndarray, ...], targets: np.ndarray, keep: int | None = None
+    paths: tuple[str, ...], entries: int, targets: np.ndarray, keep: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One chunked pass: rows whose last array's value is in ``targets`` (and whose first
-    array equals ``keep`` when given). Returns (row numbers, matched values)."""
+    """One chunked pass: rows whose last file's value is in ``targets`` (and whose first
+    file's value equals ``keep`` when given). Returns (row numbers, matched values)."""
     wanted, low, table = _matcher(targets)
     rows, values = [], []
-    for start in range(0, len(arrays[-1]), CHUNK):
-        chunk = np.asarray(arrays[-1][start : start + CHUNK])
+    first = array_chunks(paths[0], CHUNK) if keep is not None else None
+    for start, chunk in _progress(paths[-1], entries, paths[-1].rsplit("-", 1)[-1]):
         mask = _members(chunk, wanted, low, table)
-        if keep is not None:
-            mask &= np.asarray(arrays[0][start : start + CHUNK]) == keep
+        if first is not None:
+            mask &= next(first)[1] == keep
         hits = np.flatnonzero(mask)
         rows.append(hits + start)
         values.append(chunk[hits].astype(np.int64))
@@ -135,7 +149,9 @@ def find_document(index: TrainIndex, member: int, document: int) -> DocumentHits
         reads.setdefault(stream, []).append((offset, count))
     # shuffle_index[i] is a stream sample that reads the document -> dataset sample i.
     samples, sample_streams = (
-        _scan((mid.shuffle_index,), streams) if streams.size else (streams, streams)
+        _scan((mid.files["shuffle_index"],), len(mid), streams)
+        if streams.size
+        else (streams, streams)
     )
     scanned += len(mid.shuffle_index)
     via: dict[int, int] = dict(zip(samples.tolist(), sample_streams.tolist()))
@@ -143,8 +159,11 @@ def find_document(index: TrainIndex, member: int, document: int) -> DocumentHits
         owners, owned = samples, samples
     else:
         # dataset_index[g] == member and dataset_sample_index[g] is such a sample -> global g.
+        assert index.blend_files is not None
         owners, owned = (
-            _scan(index.blend, samples, keep=member) if samples.size else (samples, samples)
+            _scan(index.blend_files, len(index), samples, keep=member)
+            if samples.size
+            else (samples, samples)
         )
         scanned += len(index.blend[0])
     rows = [

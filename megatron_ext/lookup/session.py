@@ -164,7 +164,7 @@ class Session:
         except CacheMissing:
             if not self.options.rebuild_caches:
                 raise
-        from megatron_ext.lookup.adapter import rebuild_caches
+        from megatron_ext.lookup.rebuild import rebuild_caches
 
         rebuild_caches(self.config, phase, self.options.cache_dir)
         return open_index()
@@ -185,31 +185,43 @@ class Session:
 def batch_records(
     session: Session, batch: Batch, microbatch: int | None = None, dp_rank: int | None = None
 ) -> tuple[TrainIndex, list[dict[str, Any]]]:
-    """The samples of one iteration (optionally one micro-batch / DP rank), as records."""
-    schedule = session.config.schedule
+    """The samples of one iteration (optionally one micro-batch / DP rank), as records.
+
+    The whole path from a batch to its tokens, top to bottom: each step is one call into the
+    module of its concept (named in the comment), which calls no further out.
+    """
+    schedule, topology = session.config.schedule, session.config.topology
+    # Index files (caches, indices): the phase's caches, found by description, checked, mapped.
     index = session.index(session.phase(batch.phase))
+    # Sample position (position): the stream positions each (micro-batch, DP rank) slot read.
     microbatches = [microbatch] if microbatch is not None else range(batch.num_microbatches)
     ranks = [dp_rank] if dp_rank is not None else range(schedule.data_parallel_size)
-    slots = [(m, r, schedule.positions(batch, m, r)) for m in microbatches for r in ranks]
-    positions = np.concatenate([p for _, _, p in slots])
-    samples = index.resolve(session.sampler_indices(index, positions).tolist(), session.pad_id())
-    decode = session.decode()
-    records, cursor = [], iter(samples)
-    for m, r, slot_positions in slots:
-        readers = session.config.topology.readers(r)
-        for _ in slot_positions:
-            sample = next(cursor)
-            records.append(
-                sample_record(
-                    sample,
-                    iteration=batch.iteration,
-                    dp_rank=r,
-                    microbatch=m,
-                    skipped=batch.skipped,
-                    readers=readers,
-                    text=None if decode is None else decode(sample.tokens.tolist()),
-                )
+    slots = [(m, r) for m in microbatches for r in ranks]
+    per_slot = [schedule.positions(batch, m, r) for m, r in slots]
+    # The sampler (cyclic): stream positions -> global sample indices.
+    indices = session.sampler_indices(index, np.concatenate(per_slot)).tolist()
+    # Index files (indices): the pages the batch reads, requested at once (cold caches).
+    index.prefetch(np.asarray(indices, dtype=np.int64))
+    # The blend (indices): global sample -> (dataset, sample within that GPTDataset).
+    members, within = index.route(np.asarray(indices, dtype=np.int64))
+    pad_id, decode = session.pad_id(), session.decode()
+    records = []
+    for k, (m, r) in enumerate(slot for slot, p in zip(slots, per_slot) for _ in p):
+        # The sample (indices): its documents, checked against today's .idx, and its tokens.
+        member = int(members[k])
+        sample = index.mids[member].sample(indices[k], member, int(within[k]), pad_id)
+        # Rendering (render): one record, as --json, --out and the table show it.
+        records.append(
+            sample_record(
+                sample,
+                iteration=batch.iteration,
+                dp_rank=r,
+                microbatch=m,
+                skipped=batch.skipped,
+                readers=topology.readers(r),
+                text=None if decode is None else decode(sample.tokens.tolist()),
             )
+        )
     return index, records
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.files import SAMPLE_LOG_GLOB
-from megatron_ext.io import from_json, read_jsonl
 from megatron_ext.lookup.errors import ConfigError, DataChanged, PositionError
 from megatron_ext.records.sample_log import SampleRecord
+from megatron_ext.records.sample_log_reader import latest, read_iteration
 
 
 @dataclass(frozen=True)
@@ -45,22 +45,30 @@ def ranked_samples(
     """Every sample trained at ``iteration`` (one DP rank, or all), highest loss first.
 
     A rollback replay appends records for the same iteration again: the last one per
-    (rank, micro-batch) is what the run finally trained on.
+    (rank, micro-batch) is what the run finally trained on. Only the asked rank's file is
+    opened, and in each file only the iteration's records are read.
     """
-    latest: dict[tuple[int, int], SampleRecord] = {}
-    for path in sorted(Path(directory).glob(SAMPLE_LOG_GLOB)):
-        for raw in read_jsonl(path, iterations=(iteration, iteration)).records:
-            record = SampleRecord(**from_json(raw))
-            if record.iteration == iteration and dp_rank in (None, record.dp_rank):
-                latest[(record.dp_rank, record.microbatch)] = record
-    if not latest:
+    if dp_rank is None:
+        ranks = sorted(
+            int(p.stem.removeprefix("samples-dp"))
+            for p in Path(directory).glob(SAMPLE_LOG_GLOB)
+            if p.stem.removeprefix("samples-dp").isdigit()
+        )
+    else:
+        ranks = [dp_rank]
+    trained: dict[tuple[int, int], SampleRecord] = {}
+    for rank, groups in read_iteration(directory, iteration, ranks).items():
+        for microbatch, record in latest(groups).items():
+            if record.dp_rank == rank:
+                trained[(rank, microbatch)] = record
+    if not trained:
         raise PositionError(
             f"the sample log in {directory} has no record of iteration {iteration}"
             + (f" on DP rank {dp_rank}" if dp_rank is not None else "")
             + " (was it trained with --sample-log-dir, and not skipped?)"
         )
     out = []
-    for (rank, microbatch), record in latest.items():
+    for (rank, microbatch), record in trained.items():
         if len(record.sample_losses) != len(record.sample_ids):
             raise ConfigError(
                 f"the sample log in {directory} has no per-sample losses for iteration "

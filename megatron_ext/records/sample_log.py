@@ -7,6 +7,13 @@ the documents that drove a spike, not just the batch. The format is JSON Lines, 
 and flushed per record, so a kill -9 leaves at most one torn last line, which
 :func:`read_records` drops. No Megatron imports here.
 
+``attempts-dp{rank}.jsonl`` next to each rank's file has one line per writer (attempt): the
+byte offset where its records start, its first iteration, job, host, pid and start time. Each
+attempt appends its iterations in order, but a restart from an older checkpoint appends lower
+iterations again; with these offsets a reader bisects each attempt's sorted run for one
+iteration instead of parsing a log of millions of lines
+(:mod:`megatron_ext.records.sample_log_reader`).
+
 ``layout.jsonl`` next to the per-rank files has one line per attempt: the DP size, micro and
 global batch sizes, skips, first iteration and consumed samples the attempt started with.
 Sample ids alone do not say which layout produced them; after a resize (DP=2 then DP=1) the
@@ -16,14 +23,17 @@ lookup needs the layout in force at each iteration, also once old checkpoints ar
 from __future__ import annotations
 
 import os
+import socket
+import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.files import LAYOUT_FILE, sample_log_file
+from megatron_ext.files import LAYOUT_FILE, sample_log_attempts_file, sample_log_file
 from megatron_ext.gap_log import GapLog, is_gap
-from megatron_ext.io import from_json, read_jsonl
+from megatron_ext.io import JsonlAppender, from_json, read_jsonl
 
 
 @dataclass(frozen=True)
@@ -46,14 +56,55 @@ class SampleRecord:
 class SampleLog:
     """Append-only JSONL writer, one file per DP rank (``samples-dp{rank}.jsonl``)."""
 
-    def __init__(self, directory: str | os.PathLike[str], dp_rank: int) -> None:
+    def __init__(self, directory: str | os.PathLike[str], dp_rank: int, job_id: str = "") -> None:
         self._out = GapLog(sample_log_file(directory, dp_rank), "sample log")
         self.path = self._out.path
+        self.attempts_path = sample_log_attempts_file(directory, dp_rank)
+        self.job_id = job_id
+        self._indexed = False
 
     def write(self, record: SampleRecord) -> bool:
         """Append one record, so it survives the process being killed; False when the write
-        failed (a full disk: warned, and named by a gap line once writing works again)."""
+        failed (a full disk: warned, and named by a gap line once writing works again).
+
+        Before this writer's first record, its attempt line, so every record lies in a run
+        whose start the attempt index names. If the disk is full then, the line is left out
+        with a warning: the reader reads an attempt it cannot place line by line.
+        """
+        if not self._indexed:
+            self._indexed = True
+            try:
+                index = JsonlAppender(self.attempts_path)
+                index.append(
+                    {
+                        "offset": _next_line_start(self.path),
+                        "first_iteration": record.iteration,
+                        "job_id": self.job_id,
+                        "host": socket.gethostname(),
+                        "pid": os.getpid(),
+                        "wall_time": time.time(),
+                    }
+                )
+                index.close()
+            except OSError as exc:
+                warnings.warn(
+                    f"megatron-ext: the sample log's attempt index {self.attempts_path} could "
+                    f"not be written ({exc}); lookup reads this attempt's records line by line",
+                    stacklevel=2,
+                )
         return self._out.append(asdict(record), record.iteration)
+
+
+def _next_line_start(path: Path) -> int:
+    """Where the next record will start: the end of ``path``, past the newline the writer
+    adds first when a torn tail (kill -9) left the last line open."""
+    if not path.exists():
+        return 0
+    with open(path, "rb") as raw:
+        size = raw.seek(0, os.SEEK_END)
+        if size and (raw.seek(size - 1), raw.read(1))[1] != b"\n":
+            return size + 1
+    return size
 
 
 def read_records(path: str | os.PathLike[str]) -> Iterator[SampleRecord]:

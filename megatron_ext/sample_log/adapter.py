@@ -67,6 +67,10 @@ class SampleIdDataset(torch.utils.data.Dataset):
         return getattr(self.dataset, name)
 
 
+def _job_id() -> str:
+    return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
 class SampleLogFeature(Feature):
     """Writes ``samples-dp{rank}.jsonl``: one line per trained micro-batch."""
 
@@ -106,7 +110,7 @@ class SampleLogFeature(Feature):
 
     def on_setup(self, model: list[Any], optimizer: Any) -> None:
         if dist.get_rank() == 0:
-            job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+            job = _job_id()
             # Megatron set the resume iteration and consumed samples on these args (its
             # global args: the entry point checks they are the ones the features hold).
             append_layout(self.args.sample_log_dir, layout_record(self.args, job, time.time()))
@@ -141,7 +145,7 @@ class SampleLogFeature(Feature):
         if not pending:
             return
         if self.log is None:
-            self.log = SampleLog(self.args.sample_log_dir, pending[0][0].dp_rank)
+            self.log = SampleLog(self.args.sample_log_dir, pending[0][0].dp_rank, _job_id())
         # One device->host transfer per iteration for every scalar of every micro-batch.
         scalars = torch.stack([values for *_, values in pending]).tolist()
         for index, ((micro_batch, ids, digests, _), values) in enumerate(zip(pending, scalars)):

@@ -78,7 +78,7 @@ CORE_IN_RECORDS = {"sample_log": "sample_log.py"}
 
 
 def test_every_feature_folder_has_a_core_and_an_adapter() -> None:
-    for folder in ("zloss", "weight_decay", "telemetry", "spikes", "sample_log", "lookup"):
+    for folder in ("zloss", "weight_decay", "telemetry", "spikes", "sample_log"):
         files = {p.name for p in (PACKAGE / folder).glob("*.py")}
         assert "adapter.py" in files, folder
         if folder in CORE_IN_RECORDS:
