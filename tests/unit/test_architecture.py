@@ -101,7 +101,8 @@ def _names_cpu(node: ast.AST) -> bool:
             or module.startswith(CPU + ".")
             or (module == "megatron_ext" and any(a.name == "cpu" for a in node.names))
         )
-    return isinstance(node, ast.Constant) and isinstance(node.value, str) and CPU in node.value
+    spec = node.value if isinstance(node, ast.Constant) else None  # import_module, registry
+    return isinstance(spec, str) and (spec == CPU or spec.startswith((CPU + ".", CPU + ":")))
 
 
 def test_nothing_but_the_cpu_runner_imports_megatron_ext_cpu() -> None:
