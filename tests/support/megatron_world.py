@@ -54,12 +54,20 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def megatron_world() -> Iterator[None]:
-    """World size 1 on gloo with Megatron's parallel state (TP=PP=DP=1) and its RNG tracker."""
+    """World size 1 on gloo with Megatron's parallel state (TP=PP=DP=1) and its RNG tracker;
+    on exit none of it is left (process group, parallel state, tracker, torch's CPU RNG)."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        model_parallel_cuda_manual_seed,
+    )
 
     assert not dist.is_initialized(), "another test left a process group behind"
-    with pytest.MonkeyPatch.context() as patch, _CudaToCpuMode():
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        torch.random.fork_rng(devices=[]),  # the seeds set here stay here
+        _CudaToCpuMode(),
+    ):
         for name, value in _CUDA.items():
             patch.setattr(torch.cuda, name, value)
         patch.setattr(torch.cuda.random, "get_rng_state", _CUDA["get_rng_state"])
@@ -72,6 +80,7 @@ def megatron_world() -> Iterator[None]:
             model_parallel_cuda_manual_seed(SEED)
             yield
         finally:
+            get_cuda_rng_tracker().reset()
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
 
