@@ -73,7 +73,7 @@ def prepare_skips(argv: list[str]) -> list[str]:
 
 CPU_HINT = (
     "megatron-ext: no CUDA device: Megatron requires CUDA. To train on CPU (a small model on "
-    "your own data, through the CPU harness of a source checkout), run the same flags with "
+    "your own data, through the package's CPU runner), run the same flags with "
     "`megatron-ext train --cpu [--nproc-per-node N] -- <flags>`; `megatron-ext demo` shows it "
     "end to end."
 )
@@ -82,7 +82,7 @@ CPU_HINT = (
 def _require_cuda() -> None:
     """Refuse early, with the CPU command, instead of Megatron's bare "requires CUDA" assert.
 
-    The CPU harness (``tests/cpu_harness``) marks ``torch.cuda`` when its shims stand in.
+    The CPU runner (:mod:`megatron_ext.cpu`) marks ``torch.cuda`` when its shims stand in.
     """
     import torch
 

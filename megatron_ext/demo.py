@@ -1,9 +1,9 @@
 """``megatron-ext demo``: a tiny corpus and model made on the fly, trained by the real loop.
 
 On a GPU machine it runs ``pretrain_gpt_ext.py`` directly. Without a GPU it runs the same
-entry point through the repository's CPU harness (``tests/cpu_harness/run.py``), which the
-installed package never imports: the demo only points ``torchrun`` at it, so the CPU demo
-needs a source checkout (as ``megatron-ext train --cpu`` does).
+entry point through the package's CPU runner (``megatron_ext/cpu/run.py``, as
+``megatron-ext train --cpu`` does): the demo only points ``torchrun`` at it and never imports
+:mod:`megatron_ext.cpu` itself.
 
 Each mode has its own work directory (``runs/demo``, ``runs/demo-drill``). A plain demo resumes
 from its checkpoints and says when nothing is left to train; ``--fresh`` starts over. The drill
@@ -91,7 +91,7 @@ def prepare_tiny_dataset(workdir: Path) -> tuple[Path, list[str]]:
 
 
 def training_command(workdir: Path, nproc: int, iters: int, extra: list[str]) -> list[str]:
-    """The torchrun command the demo runs (GPU: entry point; CPU: through the harness)."""
+    """The torchrun command the demo runs (GPU: entry point; CPU: through the CPU runner)."""
     document, tokenizer_args = prepare_tiny_dataset(workdir)
     on_gpu = torch.cuda.is_available()
     script = ENTRY_POINT if on_gpu else cpu_runner("demo")

@@ -317,7 +317,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         reason="The --help fix tells docstring help from metadata help by this dict.",
     ),
     # Megatron pieces that tools re-read without importing megatron-core (5 s of imports
-    # for an answer in milliseconds); tests/unit/test_lookup_formats.py and
+    # for an answer in milliseconds); tests/unit/lookup/test_lookup_formats.py and
     # test_checkpoint_state.py prove the same results on the same inputs.
     Assumption(
         name="checkpoint-common-state",

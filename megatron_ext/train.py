@@ -1,19 +1,19 @@
-"""``megatron-ext train --cpu``: train on your own data on CPU, through the CPU harness.
+"""``megatron-ext train --cpu``: train on your own data on CPU, through the CPU runner.
 
-Megatron requires CUDA. The repository's CPU harness (``tests/cpu_harness/``: counted shims for
+Megatron requires CUDA. The package's CPU runner (:mod:`megatron_ext.cpu`: counted shims for
 the handful of CUDA calls megatron-core makes on the training path, gloo instead of NCCL) runs
 the real ``pretrain_gpt_ext.py`` and Megatron loop on CPU, which is how the test suite and the
-demo train. This command points ``torchrun`` at that harness with the flags CPU training needs
+demo train. This command points ``torchrun`` at that runner with the flags CPU training needs
 (:data:`CPU_FLAGS`) followed by yours, so a tiny model on your own ``.bin/.idx`` data trains
 anywhere::
 
     megatron-ext train --cpu --nproc-per-node 2 -- --data-path data/corpus_text_document \\
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model data/corpus_tokenizer ...
 
-The installed package never imports the harness (it is test code); like the demo, this command
-needs the source checkout the package was installed from (``pip install -e .``) and says so
-elsewhere. On GPUs there is nothing to wrap: ``torchrun pretrain_gpt_ext.py ...``,
-``launch/run_single_node.sh`` or ``launch/pretrain_gpt_ext.sbatch``.
+This command only names the runner's file (:data:`CPU_RUNNER`); it never imports
+:mod:`megatron_ext.cpu`, so the shims exist only in the processes the runner starts. On GPUs
+there is nothing to wrap: ``torchrun pretrain_gpt_ext.py ...``, ``launch/run_single_node.sh``
+or ``launch/pretrain_gpt_ext.sbatch``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CPU_RUNNER = REPO / "tests" / "cpu_harness" / "run.py"
+# By path, not imported: torchrun runs it; only the processes it starts load the shims.
+CPU_RUNNER = Path(__file__).resolve().parent / "cpu" / "run.py"
 ENTRY_POINT = REPO / "pretrain_gpt_ext.py"
 GPU_HINT = (
     "on GPUs run `torchrun --nproc-per-node N pretrain_gpt_ext.py <flags>` or "
@@ -54,12 +55,12 @@ CPU_FLAGS = [
 
 
 def cpu_runner(command: str) -> Path:
-    """The harness's runner script, or a clear refusal outside a source checkout."""
+    """The package's CPU runner script, or a clear refusal when the installation lacks it."""
     if not CPU_RUNNER.is_file():
         raise SystemExit(
-            f"megatron-ext {command}: CPU training runs through the CPU harness of a source "
-            f"checkout ({CPU_RUNNER.relative_to(REPO)}), which is not next to this installation "
-            f"({REPO}): git clone the repository and `pip install -e .` it; {GPU_HINT}"
+            f"megatron-ext {command}: CPU training runs through the package's CPU runner "
+            f"({CPU_RUNNER}), which this installation ({REPO}) lacks: reinstall megatron-ext "
+            f"(`pip install -e .` in the repository); {GPU_HINT}"
         )
     return CPU_RUNNER
 
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cpu",
         action="store_true",
-        help="train on CPU through the CPU harness (required: on GPUs use the entry point)",
+        help="train on CPU through the CPU runner (required: on GPUs use the entry point)",
     )
     parser.add_argument(
         "--nproc-per-node",

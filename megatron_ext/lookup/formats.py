@@ -3,7 +3,7 @@
 Importing any ``megatron.core`` module runs its package ``__init__``, which loads torch's
 compiler stack and probes Transformer Engine: ~5 s before a lookup could answer in
 milliseconds. The lookup needs only four small pieces of Megatron, implemented here on numpy
-and checked against megatron-core 0.19.2 by ``tests/unit/test_lookup_formats.py`` (same
+and checked against megatron-core 0.19.2 by ``tests/unit/lookup/test_lookup_formats.py`` (same
 results on the same inputs) and by the registry (``lookup-*`` assumptions: the targets still
 exist with these signatures):
 

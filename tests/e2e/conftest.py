@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import SKIPPED, TELEMETRY, Run, launch
-from layouts import Matrix
+from tests.support.harness import SKIPPED, TELEMETRY, Run, launch
+from tests.support.layouts import Matrix
 
 
 def ok(run: Run) -> Run:

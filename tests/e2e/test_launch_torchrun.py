@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from launcher_fakes import REPO, SBATCH, SINGLE, TORCHRUN, Harness, free_port, wait_ready
+from tests.support.launcher_fakes import (
+    REPO,
+    SBATCH,
+    SINGLE,
+    TORCHRUN,
+    Harness,
+    free_port,
+    wait_ready,
+)
 
 
 @pytest.fixture

@@ -27,9 +27,15 @@ from megatron_ext.lookup import cli
 from megatron_ext.records.ledger import read_ledger
 from megatron_ext.records.sample_log import SampleRecord
 from megatron_ext.records.signals import SignalRecord, latest_per_iteration, read_signals
-
-from harness import GLOBAL_BATCH, MICRO_BATCH, RUNNER, TINY_TRAINING, Run, checkpoint_args
-from layouts import (
+from tests.support.harness import (
+    GLOBAL_BATCH,
+    MICRO_BATCH,
+    RUNNER,
+    TINY_TRAINING,
+    Run,
+    checkpoint_args,
+)
+from tests.support.layouts import (
     BAD,
     BY_NAME,
     EXIT_CODE_SPIKE,

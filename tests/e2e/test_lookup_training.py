@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.lookup import cli
-
-from harness import checkpoint_args, launch
+from tests.support.harness import checkpoint_args, launch
 
 SKIPS = (13, 14)
 

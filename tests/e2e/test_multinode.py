@@ -48,8 +48,7 @@ import pytest
 
 from megatron_ext.demo import TINY_DETECTOR
 from megatron_ext.files import SKIPPED_ITERATIONS_FILE, incident_stem, rolled_back_dir
-
-from multinode import (
+from tests.support.multinode import (
     PREFIX,
     TWO_NODES,
     TwoNodeSlurm,
@@ -59,11 +58,18 @@ from multinode import (
     start_two_node_training,
     worker_reports,
 )
-from netns import ETC_NETNS, IFACE, sh
-from netns_slurm import ClusterUnavailable
-from netns_slurm import start as start_netns_cluster
-from netns_slurm import stop as stop_netns_cluster
-from slurm import REPO, JobResult, PendingJob, free_port, latest_checkpoint, sample_records
+from tests.support.netns import ETC_NETNS, IFACE, sh
+from tests.support.netns_slurm import ClusterUnavailable
+from tests.support.netns_slurm import start as start_netns_cluster
+from tests.support.netns_slurm import stop as stop_netns_cluster
+from tests.support.slurm import (
+    REPO,
+    JobResult,
+    PendingJob,
+    free_port,
+    latest_checkpoint,
+    sample_records,
+)
 
 pytestmark = pytest.mark.timeout(900)
 

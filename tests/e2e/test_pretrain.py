@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from harness import EXPECTED_SHIMS, GLOBAL_BATCH, MICRO_BATCH, SKIPPED, Run, checkpoint_args
+from tests.support.harness import (
+    EXPECTED_SHIMS,
+    GLOBAL_BATCH,
+    MICRO_BATCH,
+    SKIPPED,
+    Run,
+    checkpoint_args,
+)
 
 pytestmark = pytest.mark.timeout(1800)
 

@@ -6,7 +6,7 @@ comes from ``sbatch --wait``'s exit code, ``scontrol show job`` (``JobState``, `
 ``Restarts``) and the job's output file.
 
 * The real training jobs run the real launch script with torchrun, 2 processes on the node
-  (DP=2), training ``tests/cpu_harness/run.py`` (the real Megatron loop on CPU) on the tiny model.
+  (DP=2), training ``megatron_ext/cpu/run.py`` (the real Megatron loop on CPU) on the tiny model.
 * Preemption: ``scancel --signal=USR1 --batch`` (what ``--signal=B:USR1@300`` delivers before
   the time limit, sent once the first checkpoint exists so that it lands mid-run).
 * Exit codes: a real 17 from Megatron's rerun state machine (``--error-injection-type
@@ -25,8 +25,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.demo import TINY_DETECTOR
-
-from slurm import (
+from tests.support.slurm import (
     SBATCH_SCRIPT,
     JobResult,
     PendingJob,

@@ -21,8 +21,14 @@ import pytest
 
 from megatron_ext.files import SAMPLE_LOG_GLOB
 from megatron_ext.records.signals import read_signals
-
-from harness import GLOBAL_BATCH, MICRO_BATCH, Run, checkpoint_args, launch, run_skiplist
+from tests.support.harness import (
+    GLOBAL_BATCH,
+    MICRO_BATCH,
+    Run,
+    checkpoint_args,
+    launch,
+    run_skiplist,
+)
 
 TRAIN_ITERS = 50
 

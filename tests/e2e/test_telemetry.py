@@ -9,8 +9,7 @@ import re
 import pytest
 
 from megatron_ext.records.signals import SignalRecord, latest_per_iteration, read_signals
-
-from harness import Run
+from tests.support.harness import Run
 
 
 def _console(run: Run, key: str) -> dict[int, float]:

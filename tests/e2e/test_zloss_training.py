@@ -9,8 +9,7 @@ import pytest
 
 from megatron_ext.files import SIGNALS_FILE
 from megatron_ext.records.signals import read_signals
-
-from harness import Run
+from tests.support.harness import Run
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
 

@@ -21,10 +21,9 @@ from megatron_ext.data.corpus import write_tiny_corpus
 from megatron_ext.data.preprocess import main as preprocess_main
 from megatron_ext.io import KILL_AT_STEP_ENV
 from megatron_ext.records.pair import PairError, check_pair
-
-from faults import fault
-from harness import REPO, launch
-from sandbox import run_with_mount
+from tests.support.faults import fault
+from tests.support.harness import REPO, launch
+from tests.support.sandbox import run_with_mount
 
 PREPROCESS = [sys.executable, "-m", "megatron_ext.cli", "preprocess"]
 

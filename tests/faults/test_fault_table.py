@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import faults
+from tests.support import faults
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "faults.md"
 

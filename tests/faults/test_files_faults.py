@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 from megatron_ext.io import atomic_write
-
-from faults import fault
-from harness import REPO
-from incident_run import make_run, rerun
-from sandbox import run_with_mount
+from tests.support.faults import fault
+from tests.support.harness import REPO
+from tests.support.incident_run import make_run, rerun
+from tests.support.sandbox import run_with_mount
 
 
 def _mode(path: Path) -> int:

@@ -14,9 +14,8 @@ from megatron_ext import loop
 from megatron_ext.features import FeatureError, FeatureSet
 from megatron_ext.supervise import commands, policy
 from megatron_ext.supervise.knobs import KnobError
-
-from faults import fault
-from harness import launch
+from tests.support.faults import fault
+from tests.support.harness import launch
 
 
 def _args(tmp_path, *flags: str) -> argparse.Namespace:

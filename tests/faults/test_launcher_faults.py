@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from faults import fault
-from launcher_fakes import FAKE_PYTHON, SBATCH, SINGLE, Harness, write_exe
+from tests.support.faults import fault
+from tests.support.launcher_fakes import FAKE_PYTHON, SBATCH, SINGLE, Harness, write_exe
 
 
 @pytest.fixture

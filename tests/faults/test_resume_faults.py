@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.lookup import cli
-
-from faults import fault
-from harness import Run, checkpoint_args, launch
+from tests.support.faults import fault
+from tests.support.harness import Run, checkpoint_args, launch
 
 pytestmark = pytest.mark.e2e
 

@@ -16,10 +16,9 @@ import pytest
 from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
 from megatron_ext.files import RUN_LOCK_FILE
 from megatron_ext.run_lock import liveness, read_holder
-
-from faults import fault
-from harness import RUNNER, TINY_TRAINING, kill_tree, launch, run_skiplist
-from launcher_fakes import SINGLE, TORCHRUN, Harness, wait_ready
+from tests.support.faults import fault
+from tests.support.harness import RUNNER, TINY_TRAINING, kill_tree, launch, run_skiplist
+from tests.support.launcher_fakes import SINGLE, TORCHRUN, Harness, wait_ready
 
 
 def _start(work: Path, args: list[str]) -> subprocess.Popen:

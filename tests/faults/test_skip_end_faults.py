@@ -7,9 +7,8 @@ import tracemalloc
 import pytest
 
 from megatron_ext.records.skip_ranges import MAX_SKIPPED, resolve_argv
-
-from faults import fault
-from harness import checkpoint_args, launch
+from tests.support.faults import fault
+from tests.support.harness import checkpoint_args, launch
 
 
 @pytest.mark.e2e

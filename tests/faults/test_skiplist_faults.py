@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.io import KILL_AT_STEP_ENV
-
-from faults import fault
-from incident_run import (
+from tests.support.faults import fault
+from tests.support.incident_run import (
     APPLY_STEPS,
     CHECKPOINTS,
     make_run,

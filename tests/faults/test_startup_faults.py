@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_ext.lookup import cli
-
-from faults import fault
-from harness import launch
+from tests.support.faults import fault
+from tests.support.harness import launch
 
 
 @pytest.mark.e2e

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-FAULTS = Path(__file__).resolve().parents[1] / "faults"
+REPO = Path(__file__).resolve().parents[2]
+FAULTS = REPO / "tests" / "faults"
 F = TypeVar("F", bound=Callable[..., object])
 _ATTRIBUTE = "__megatron_ext_fault__"
 
@@ -35,7 +36,7 @@ def fault(what: str, outcome: str, *, area: str = "") -> Callable[[F], F]:
 def collect() -> list[tuple[str, str, str, str]]:
     """(area, fault, outcome, test id) for every marked test, in file and definition order."""
     rows = []
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(REPO))  # run as a script: the tests import ``tests.support``
     for path in sorted(FAULTS.glob("test_*.py")):
         spec = importlib.util.spec_from_file_location(f"faults_{path.stem}", path)
         assert spec and spec.loader

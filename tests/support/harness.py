@@ -20,9 +20,10 @@ import psutil
 
 from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
 from megatron_ext.records.sample_log import SampleRecord, read_records
+from megatron_ext.train import CPU_RUNNER
 
 REPO = Path(__file__).resolve().parents[2]
-RUNNER = REPO / "tests" / "cpu_harness" / "run.py"
+RUNNER = CPU_RUNNER  # the package's CPU runner, as `megatron-ext train --cpu` runs it
 
 TINY_TRAINING = [
     "--micro-batch-size",

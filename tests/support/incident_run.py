@@ -9,8 +9,7 @@ from pathlib import Path
 
 from megatron_ext.incidents.cli import main as skiplist_main
 from megatron_ext.io import JsonlAppender
-
-from spike_curves import events, records
+from tests.support.spike_curves import events, records
 
 CHECKPOINTS = list(range(5, 50, 5))
 SPIKE = {i: (5.0, 6.0 if i == 40 else 1.0) for i in range(40, 60)}

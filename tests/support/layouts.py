@@ -27,8 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from megatron_ext.demo import TINY_MODEL
-
-from harness import TELEMETRY, Run, launch, run_skiplist
+from tests.support.harness import TELEMETRY, Run, launch, run_skiplist
 
 TRAIN_ITERS = 25
 FIRST = 10  # the layouts' first iteration; the base saves FIRST - 1

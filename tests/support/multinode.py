@@ -24,10 +24,9 @@ from pathlib import Path
 import psutil
 
 from megatron_ext.records.sample_log import SampleRecord
-
-from netns_slurm import ClusterUnavailable, NetnsSlurm
-from netns_slurm import start as start_netns_cluster
-from slurm import (
+from tests.support.netns_slurm import ClusterUnavailable, NetnsSlurm
+from tests.support.netns_slurm import start as start_netns_cluster
+from tests.support.slurm import (
     FINAL_STATES,
     REPO,
     RUNNER,

@@ -26,12 +26,12 @@ later than MessageTimeout makes slurmctld resend it ~60 s later, and with cred_e
 requeued job already runs again by then, under the same step id, and gets killed. Clients
 (sbatch, scontrol) run in the root namespace with ``SLURM_CONF`` (:attr:`NetnsSlurm.env`).
 
-CLI (root)::
+CLI (root, from the repository root)::
 
-    python tests/support/netns_slurm.py start DIR [--nodes 2]   # prints export SLURM_CONF=...
-    python tests/support/netns_slurm.py exec DIR n2 -- hostname -I  # as a task on n2 would
-    python tests/support/netns_slurm.py status DIR
-    python tests/support/netns_slurm.py stop DIR
+    python -m tests.support.netns_slurm start DIR [--nodes 2]   # prints export SLURM_CONF=...
+    python -m tests.support.netns_slurm exec DIR n2 -- hostname -I  # as a task on n2 would
+    python -m tests.support.netns_slurm status DIR
+    python -m tests.support.netns_slurm stop DIR
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from netns import (
+from tests.support.netns import (
     ClusterError,
     ClusterUnavailable,
     Node,

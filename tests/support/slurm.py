@@ -16,7 +16,7 @@ launch script appends). :meth:`SlurmCluster.start` does the same without blockin
 that act on a running job (signals, ``scontrol``) and then call :meth:`PendingJob.result`.
 
 :func:`start_training` submits the real ``launch/pretrain_gpt_ext.sbatch`` with
-``tests/cpu_harness/run.py`` as the training script and the tiny model, under torchrun with 2
+``megatron_ext/cpu/run.py`` as the training script and the tiny model, under torchrun with 2
 processes on the one node (DP=2); :func:`training_env` is the environment it uses. The
 ``slurm`` fixture lives in ``test_slurm.py``; tests that need the cluster (e.g. the incident
 drill) belong there, or the fixture moves to ``conftest.py`` when a second module needs it.
@@ -36,13 +36,13 @@ from pathlib import Path
 
 from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
 from megatron_ext.records.sample_log import SampleRecord, read_records
-
-from harness import TINY_TRAINING
+from megatron_ext.train import CPU_RUNNER
+from tests.support.harness import TINY_TRAINING
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO / "tests" / "support" / "slurm_local_cluster.sh"
 SBATCH_SCRIPT = REPO / "launch" / "pretrain_gpt_ext.sbatch"
-RUNNER = REPO / "tests" / "cpu_harness" / "run.py"
+RUNNER = CPU_RUNNER  # the package's CPU runner, as `megatron-ext train --cpu` runs it
 SBIN_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 
 # The #SBATCH defaults of launch/pretrain_gpt_ext.sbatch are for H100 nodes (--nodes=2,
@@ -360,7 +360,7 @@ def training_env(
     **overrides: str,
 ) -> dict[str, str]:
     """Environment for ``launch/pretrain_gpt_ext.sbatch``: torchrun with 2 processes on one
-    node running ``tests/cpu_harness/run.py``. Arguments must not contain whitespace (the
+    node running ``megatron_ext/cpu/run.py``. Arguments must not contain whitespace (the
     script splits MODEL_ARGS/DATA_ARGS/EXTRA_ARGS on it)."""
     for arg in (*model_args, *data_args, *extra_args):
         if not arg or any(c.isspace() for c in arg):

@@ -422,3 +422,69 @@ def test_every_megatron_ext_error_is_raised_with_a_message() -> None:
                 if name in ours and (isinstance(call, ast.Name) or not call.args):
                     bare.append(f"{path.relative_to(REPO)}:{node.lineno} raises {name}")
     assert not bare, bare
+
+
+# -- the CPU runner (megatron_ext/cpu/) ------------------------------------------------------
+
+CPU = "megatron_ext.cpu"
+
+
+def _names_cpu(node: ast.AST) -> bool:
+    """Whether an AST node imports, or names for a lazy import, the CPU runner package."""
+    if isinstance(node, ast.Import):
+        return any(a.name == CPU or a.name.startswith(CPU + ".") for a in node.names)
+    if isinstance(node, ast.ImportFrom):
+        module = node.module or ""
+        return (
+            module == CPU
+            or module.startswith(CPU + ".")
+            or (module == "megatron_ext" and any(a.name == "cpu" for a in node.names))
+        )
+    spec = node.value if isinstance(node, ast.Constant) else None  # import_module, registry
+    return isinstance(spec, str) and (spec == CPU or spec.startswith((CPU + ".", CPU + ":")))
+
+
+def test_nothing_but_the_cpu_runner_imports_megatron_ext_cpu() -> None:
+    """A GPU run never loads the shims: no module outside megatron_ext/cpu/ imports it (lazy
+    imports and import_module strings included); the CLI only names the runner's file."""
+    sources = [p for p in PACKAGE.rglob("*.py") if (PACKAGE / "cpu") not in p.parents] + [
+        REPO / "pretrain_gpt_ext.py",
+        *REPO.glob("tools/*.py"),
+    ]
+    offenders = [
+        f"{p.relative_to(REPO)}:{node.lineno}"
+        for p in sources
+        for node in ast.walk(ast.parse(p.read_text()))
+        if _names_cpu(node)
+    ]
+    assert not offenders, offenders
+    # ... and at run time: the entry point, the loop and every feature load without it.
+    gpu_run = ["pretrain_gpt_ext", *(m for m in _modules() if not m.startswith(CPU))]
+    code = (
+        "import importlib, sys, torch\n"
+        f"for name in {gpu_run!r}:\n"
+        "    importlib.import_module(name)\n"
+        f"loaded = [m for m in sys.modules if m.startswith({CPU!r})]\n"
+        "assert not loaded, loaded\n"
+        "assert not getattr(torch.cuda, '_megatron_ext_cpu_harness', False)\n"
+        "assert torch.cuda.current_device.__module__ == 'torch.cuda'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_cpu_runner_is_importable_from_the_package() -> None:
+    """The demo and ``train --cpu`` launch a file that ships with the package."""
+    import importlib
+
+    from setuptools import find_packages
+
+    from megatron_ext.train import CPU_RUNNER
+
+    run = importlib.import_module(f"{CPU}.run")  # nothing runs outside ``__main__``
+    shims = importlib.import_module(f"{CPU}.shims")
+    assert Path(run.__file__).resolve() == CPU_RUNNER
+    assert callable(shims.install)
+    assert not getattr(sys.modules["torch"].cuda, "_megatron_ext_cpu_harness", False)
+    assert 'include=["megatron_ext", "megatron_ext.*"]' in (REPO / "setup.py").read_text()
+    assert CPU in find_packages(str(REPO), include=["megatron_ext", "megatron_ext.*"])

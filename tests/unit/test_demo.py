@@ -101,9 +101,16 @@ def test_train_cpu_runs_the_harness_with_cpu_flags_first(monkeypatch, capsys) ->
         assert message in capsys.readouterr().err
 
 
-def test_train_cpu_outside_a_source_checkout_says_how_to_get_one(monkeypatch) -> None:
+def test_train_cpu_runs_the_packages_cpu_runner() -> None:
+    from megatron_ext import train
+
+    assert train.CPU_RUNNER == train.REPO / "megatron_ext" / "cpu" / "run.py"
+    assert train.CPU_RUNNER.is_file()
+
+
+def test_train_cpu_without_its_runner_says_how_to_reinstall(monkeypatch) -> None:
     from megatron_ext import train
 
     monkeypatch.setattr(train, "CPU_RUNNER", train.REPO / "no" / "run.py")
-    with pytest.raises(SystemExit, match="git clone the repository"):
+    with pytest.raises(SystemExit, match="reinstall megatron-ext"):
         train.main(["--cpu", "--", "--num-layers", "2"])

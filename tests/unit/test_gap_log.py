@@ -14,8 +14,7 @@ from megatron_ext.io import atomic_write
 from megatron_ext.records.ledger import read_ledger
 from megatron_ext.records.sample_log import read_records
 from megatron_ext.records.signals import read_signals
-
-from sandbox import run_with_mount
+from tests.support.sandbox import run_with_mount
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,7 +24,7 @@ from megatron_ext.checkpoint_state import Opaque
 from megatron_ext.lookup import flagspec, formats
 from megatron_ext.lookup.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _opaque(value: object) -> bool:

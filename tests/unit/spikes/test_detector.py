@@ -6,10 +6,9 @@ import pytest
 
 from megatron_ext.records.spike_config import SpikeConfig
 from megatron_ext.spikes.detector import SpikeDetector, replay
-
-from spike_curves import CONFIG
-from spike_curves import events as _events
-from spike_curves import records as _records
+from tests.support.spike_curves import CONFIG
+from tests.support.spike_curves import events as _events
+from tests.support.spike_curves import records as _records
 
 
 def _kinds(events) -> list[tuple[str, int, int]]:

@@ -1,4 +1,4 @@
-"""Test-only shims that let megatron-core's real ``pretrain`` loop run on CPU with gloo.
+"""Counted shims that let megatron-core's real ``pretrain`` loop run on CPU with gloo.
 
 Why this exists: megatron-core 0.19.2 assumes CUDA in a handful of places (device queries,
 streams, RNG state, ``device='cuda'`` allocations, ``Tensor.type()`` string asserts). These
@@ -10,7 +10,8 @@ Rules, enforced here:
   assert which CUDA touch points the loop hit;
 - strict: every *other* public ``torch.cuda`` callable is replaced by a tripwire that records
   ``unexpected:<name>`` and raises, so a new CUDA dependency fails the suite loudly;
-- never imported by the ``megatron_ext`` package (a test checks this).
+- loaded only by the CPU runner (:mod:`megatron_ext.cpu.run`): nothing else in the package
+  imports it, so a GPU run never does (tests/unit/test_architecture.py checks this).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _tripwire(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         _count(f"unexpected:{name}")
         raise RuntimeError(
             f"CPU harness: unexpected CUDA call torch.cuda.{name}; add a counted shim in "
-            "tests/cpu_harness/shims.py only if megatron-core really needs it on this path"
+            "megatron_ext/cpu/shims.py only if megatron-core really needs it on this path"
         )
 
     return wrapper

@@ -11,10 +11,9 @@ import pytest
 from megatron_ext.incidents.planner import PlanConfig, PlanError, make_plan, tracker_lines
 from megatron_ext.records.signals import SignalRecord
 from megatron_ext.records.skip_ranges import format_ranges, parse_item, resolve_argv
-
-from harness import run_skiplist
-from spike_curves import events as _events
-from spike_curves import records as _records
+from tests.support.harness import run_skiplist
+from tests.support.spike_curves import events as _events
+from tests.support.spike_curves import records as _records
 
 
 def _ledger(records: list[SignalRecord]) -> list[dict]:

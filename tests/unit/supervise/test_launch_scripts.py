@@ -12,8 +12,15 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.supervise.commands import expand_hostlist
-
-from launcher_fakes import REPO, SBATCH, SINGLE, Harness, dry_run_words, follows, write_exe
+from tests.support.launcher_fakes import (
+    REPO,
+    SBATCH,
+    SINGLE,
+    Harness,
+    dry_run_words,
+    follows,
+    write_exe,
+)
 
 
 @pytest.fixture

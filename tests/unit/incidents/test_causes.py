@@ -11,8 +11,7 @@ from pathlib import Path
 from megatron_ext.incidents.causes import LOOKBACK, diagnose
 from megatron_ext.incidents.planner import PlanConfig, make_plan
 from megatron_ext.incidents.report import build_report, culprit_first
-
-from spike_curves import records as _records
+from tests.support.spike_curves import records as _records
 
 ONSET = 1200
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher_fakes import REPO, SBATCH, SINGLE, Harness, follows, wait_ready
+from tests.support.launcher_fakes import REPO, SBATCH, SINGLE, Harness, follows, wait_ready
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """Run ``pretrain_gpt_ext.py`` on CPU: install the counted CUDA shims, then the real entry point.
 
 Usage (world size 2): ``python -m torch.distributed.run --nproc-per-node 2
-tests/cpu_harness/run.py <megatron and megatron-ext args>``.
+megatron_ext/cpu/run.py <megatron and megatron-ext args>`` (what ``megatron-ext train --cpu``
+runs, with the CPU flags first).
 
 Besides the shim counters, each rank records what tests cannot read from the run's own files:
 how many micro-batches it read from the data iterator, per DP rank it read them for, and the
@@ -12,7 +13,6 @@ exits on its own is told apart from one torchrun terminated after a peer exited 
 import atexit
 import os
 import sys
-from pathlib import Path
 
 _EXIT_CODE = [1]  # what the interpreter would exit with; set where the run ends
 
@@ -37,8 +37,7 @@ def _code(exit_code: object) -> int:
 
 if __name__ == "__main__":  # checkpoint saving spawns helper processes that re-import main
     atexit.register(_skip_interpreter_teardown)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import shims
+    from megatron_ext.cpu import shims
 
     shims.install()
 

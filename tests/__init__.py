@@ -1,0 +1,1 @@
+"""The test suite, a package so that its support code is imported by name (``tests.support``)."""

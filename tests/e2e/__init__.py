@@ -1,0 +1,1 @@
+"""Real launches (marked ``e2e`` by tests/conftest.py)."""

@@ -1,0 +1,1 @@
+"""Unit tests of megatron_ext/cpu/."""

@@ -1,0 +1,101 @@
+"""The telemetry feature's hooks on real megatron-core objects (GPTModel, DDP buckets,
+get_megatron_optimizer), in process: bucket views and norms equal a direct computation over
+the parameters' gradients and Megatron's own grad norm, and the signals record is written."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ext.features import LossInputs, MicroBatch, StepRecord
+from megatron_ext.files import SIGNALS_FILE
+from megatron_ext.io import read_jsonl
+from megatron_ext.telemetry.adapter import TelemetryFeature
+from tests.support import megatron_world as mw
+
+
+@pytest.fixture(scope="module")
+def world():
+    with mw.megatron_world():
+        yield
+
+
+def _args(signals_dir: Path) -> object:
+    return mw.args(
+        log_bucket_grad_norms=True,
+        signals_dir=str(signals_dir),
+        signals_update_ratio=True,
+        num_experts=None,
+        log_interval=1,
+        consumed_train_samples=2,
+        skipped_train_samples=0,
+        log_max_attention_logit=False,
+    )
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["ddp", "distopt"])
+def test_bucket_norms_equal_the_gradients_and_megatrons_grad_norm(
+    world, tmp_path: Path, distributed_optimizer: bool
+) -> None:
+    chunk = mw.ddp(mw.tiny_gpt(), distributed_optimizer=distributed_optimizer)
+    optimizer = mw.optimizer([chunk])
+    feature = TelemetryFeature()
+    feature.install(_args(tmp_path))
+    feature.on_setup([chunk], optimizer)
+
+    # Bucket views: every gradient element of the model exactly once, in bucket order.
+    assert feature.normer is not None and len(feature.reductions) == 1
+    names = feature.reductions[0].names
+    assert len(names) == len(chunk.buffers[0].buckets) > 1, names
+    assert [n.split(":")[0] for n in names] == [f"b{i}" for i in range(len(names))]
+    assert any(n.startswith("b") and "[decoder.layers." in n for n in names), names
+
+    loss = mw.backward(chunk, mw.batch())
+    feature.before_grad_norm(optimizer)
+
+    expected = {}
+    for name, bucket in zip(names, chunk.buffers[0].buckets):
+        squares = sum(p.main_grad.double().square().sum() for p in bucket.params_list)
+        expected[name] = math.sqrt(float(squares))
+    mask = torch.ones(loss.numel())
+    feature.on_loss(
+        LossInputs(MicroBatch(1, True, 0, True), loss, mask, loss.sum(), mask.sum().int())
+    )
+    updated, grad_norm, _ = optimizer.step()  # Megatron's own norm, after the hook
+    assert updated
+    record = StepRecord(
+        iteration=1,
+        losses={"lm loss": loss.mean()},
+        learning_rate=1e-3,
+        loss_scale=1.0,
+        skipped_iter=False,
+        grad_norm=grad_norm,
+        params_norm=1.0,
+        num_zeros=None,
+        max_attention_logit=None,
+    )
+    feature.after_step(record)
+
+    signals = record.signals
+    assert signals is not None and set(signals.bucket_grad_norms) == set(expected)
+    for name, value in expected.items():
+        assert signals.bucket_grad_norms[name] == pytest.approx(value, rel=1e-6), name
+    total = sum(v * v for v in signals.bucket_grad_norms.values())
+    assert total == pytest.approx(grad_norm**2, rel=1e-5)
+    assert signals.max_local_loss == pytest.approx(float(loss.mean()), rel=1e-6)
+    assert signals.max_loss_dp_rank == 0
+    assert signals.update_ratio is not None and 0 < signals.update_ratio < 1
+    written = read_jsonl(tmp_path / SIGNALS_FILE).records
+    assert [r["iteration"] for r in written] == [1]
+    assert written[0]["bucket_grad_norms"] == pytest.approx(signals.bucket_grad_norms)
+
+
+def test_a_foreign_optimizer_is_refused_at_setup(world, tmp_path: Path) -> None:
+    chunk = mw.ddp(mw.tiny_gpt())
+    feature = TelemetryFeature()
+    feature.install(_args(tmp_path))
+    with pytest.raises(RuntimeError, match="expects Megatron's ChainedOptimizer"):
+        feature.on_setup([chunk], torch.optim.SGD(chunk.parameters(), lr=0.1))
