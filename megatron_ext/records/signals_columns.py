@@ -52,7 +52,7 @@ def _line_pattern(wanted: tuple[str, ...]) -> re.Pattern[bytes]:
         if f.name == "job_id":
             value = r'"(?:[^"\\\n]|\\.)*"'
         elif f.name == "bucket_grad_norms":
-            value = r'\{[^{}\n]*\}'
+            value = r"\{[^{}\n]*\}"
         else:  # a number, null, true/false, or "nan"/"inf" (json_safe's non-finite floats)
             value = r'[-+.\w]*|"[-\w]*"'
         parts.append(f'"{f.name}":' + (f"({value})" if f.name in wanted else f"(?:{value})"))
@@ -128,15 +128,63 @@ def _floats(name: str, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return values, ~null
 
 
+_NAMES = [f.name for f in fields(SignalRecord)]
+_NESTED = _NAMES.index("bucket_grad_norms")  # its keys add colons: count later keys from the end
+WIDTH = 24  # bytes of the longest number token (a float's repr: -2.2250738585072014e-308)
+
+
+def _vectorised(data: bytes) -> dict[str, np.ndarray] | None:
+    """The columns' tokens (NUL-padded, ``S24``) of a block whose every line is the writer's,
+    found with array operations only; None when any line is not (then lines are matched one
+    by one). A line qualifies when each column's key sits where the field order puts it
+    (the k-th ``":`` of the line, counted from the end after the nested bucket norms) and its
+    value ends within WIDTH bytes; anything else (a torn line, a string holding a key, a
+    foreign line) fails that check."""
+    if not data.endswith(b"\n"):
+        return None
+    buf = np.frombuffer(data + bytes(WIDTH + 1), dtype=np.uint8)
+    ends = np.flatnonzero(buf == 10)
+    colons = np.flatnonzero(buf == ord(":"))
+    colons = colons[buf[colons - 1] == ord('"')]
+    counts = np.bincount(np.searchsorted(ends, colons), minlength=len(ends))
+    if len(counts) != len(ends) or (counts < len(_NAMES)).any():
+        return None
+    first = np.r_[0, np.cumsum(counts)[:-1]]
+    rows = np.lib.stride_tricks.sliding_window_view(buf, WIDTH + 1)  # a view: no copy
+    steps = np.arange(WIDTH + 1)
+    tokens = {}
+    for index, name in enumerate(_NAMES):
+        if name not in COLUMNS:
+            continue
+        at = first + index if index <= _NESTED else first + counts - (len(_NAMES) - index)
+        colon = colons[at]
+        key = f'"{name}"'.encode()
+        if not (rows[colon - len(key), : len(key)] == np.frombuffer(key, np.uint8)).all():
+            return None
+        window = rows[colon + 1]  # a copy: WIDTH + 1 bytes per line
+        stops = (window == ord(",")) | (window == ord("}"))
+        if not stops.any(axis=1).all():
+            return None
+        window[steps >= stops.argmax(axis=1)[:, None]] = 0
+        tokens[name] = np.ascontiguousarray(window[:, :WIDTH]).view(f"S{WIDTH}").ravel()
+    return tokens
+
+
 def parse_block(data: bytes, offset: int) -> Block:
     """Parse whole lines ``data`` (read from byte ``offset``) into columns, in line order."""
     block = Block({}, {})
-    rows = _PATTERN.findall(data)
-    if len(rows) != data.count(b"\n") + (not data.endswith(b"\n") and bool(data)):
-        rows = _slow(data, offset, block)  # some line is not the writer's shape
-    columns = list(zip(*rows)) if rows else [() for _ in _ORDER]
-    for name, column in zip(_ORDER, columns):
-        tokens = np.array(column, dtype=np.bytes_) if column else np.array([], dtype="S1")
+    found = _vectorised(data)
+    if found is None:
+        rows = _PATTERN.findall(data)
+        if len(rows) != data.count(b"\n") + (not data.endswith(b"\n") and bool(data)):
+            rows = _slow(data, offset, block)  # some line is not the writer's shape
+        columns = list(zip(*rows)) if rows else [() for _ in _ORDER]
+        found = {
+            name: np.array(column, dtype=np.bytes_) if column else np.array([], dtype="S1")
+            for name, column in zip(_ORDER, columns)
+        }
+    for name in _ORDER:
+        tokens = found[name]
         if name in INTEGERS:
             block.values[name] = tokens.astype(np.int64)
             block.present[name] = np.ones(len(tokens), dtype=bool)

@@ -286,9 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     try:
-        series, stats = build_series(
-            path, options.attempts, config, ledger, flags_given(options)
-        )
+        series, stats = build_series(path, options.attempts, config, ledger, flags_given(options))
         if not stats.records:
             raise ValueError(f"{path} holds no signals records (did the run reach iteration 1?)")
     except ValueError as exc:
