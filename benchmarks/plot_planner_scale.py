@@ -136,7 +136,7 @@ def measure(
     env = {**os.environ, "PYTHONPATH": str(code)}
     start = time.perf_counter()
     process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command, env=env, cwd=code, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     output = process.stdout.read()  # type: ignore[union-attr]
     _, status, usage = os.wait4(process.pid, 0)
@@ -176,7 +176,9 @@ def main() -> int:
     parser.add_argument("--old-plot-max", type=int, default=1_000_000, help="old plot sizes <=")
     parser.add_argument("--old-limit-gib", type=float, default=8.0, help="prlimit --as, old")
     parser.add_argument("--new-limit-gib", type=float, default=4.0, help="prlimit --as, new")
-    parser.add_argument("--workdir", type=Path, help="default: a temporary directory")
+    parser.add_argument(
+        "--workdir", type=Path, help="kept, and its runs reused (default: a temporary one)"
+    )
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="plot-planner-scale-"))
     arms = {"new": REPO}
@@ -195,9 +197,13 @@ def main() -> int:
             arms = {args.compare: old, "new": REPO}
         for size in [int(s) for s in args.sizes.split(",")]:
             root = work / f"run-{size}"
-            shutil.rmtree(root, ignore_errors=True)
             start = time.perf_counter()
-            log = write_run(root, size)
+            if (root / "written").exists():  # a --workdir kept from an earlier run
+                log = root / "signals" / "signals.jsonl"
+            else:
+                shutil.rmtree(root, ignore_errors=True)
+                log = write_run(root, size)
+                (root / "written").touch()
             mib = log.stat().st_size / 2**20
             print(
                 f"{size:,} iterations: {mib:,.0f} MiB log, "

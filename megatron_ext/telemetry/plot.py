@@ -7,8 +7,9 @@
 
 Panels: LM loss, grad norm (pre-clip), params norm, max attention logit. With ``--attempts all``
 (the default) every attempt (launch, requeue, rollback) is its own coloured line, so a replay
-after a rollback is seen next to what it replaced; ``latest`` plots one line, the latest attempt
-per iteration. Marks:
+after a rollback is seen next to what it replaced; ``latest`` plots one line, what the run
+finally trained (the last attempt, and before its restart the attempt it resumed from, and so
+on back; records past a later restart were rolled back). Marks:
 
 - **what the tracker did**: the spike ledger's events (spike, recovered, divergence, rollback)
   of each attempt that ran ``--spike-detect``; the incident plans of ``megatron-ext skiplist``
@@ -16,11 +17,16 @@ per iteration. Marks:
   rollback target of each incident (dashed line) and its skip window (shaded);
 - **what a detector would flag**, for attempts without a ledger, or for every attempt when a
   ``--spike-*`` flag is given: a replay of the training-time detector
-  (:func:`megatron_ext.spikes.detector.spike_candidates`) with the thresholds the run recorded
-  in its ledger, overridden by the flags given (defaults when nothing was recorded).
+  (:class:`megatron_ext.spikes.detector.SpikeDetector`, primed after a restart as the tracker
+  primes itself) with the thresholds the run recorded in its ledger, overridden by the flags
+  given (defaults when nothing was recorded).
 
-Non-finite values (NaN/Inf) are drawn as crosses on the panel's top edge, since they have no
-height. Exit status: 0 written, 1 refused (the message says why), 2 usage error.
+The log is read once, in blocks (:mod:`megatron_ext.telemetry.plot_stream`): memory does not
+grow with it. Each line keeps, per pixel column, its first, lowest, highest and last point
+(:mod:`megatron_ext.telemetry.envelope`), so no spike is averaged away; a log shorter than the
+column count is drawn point for point. Non-finite values (NaN/Inf) are drawn as crosses on the
+panel's top edge, since they have no height, and break the line. Exit status: 0 written, 1
+refused (the message says why), 2 usage error.
 """
 
 from __future__ import annotations
