@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -133,7 +134,7 @@ _NESTED = _NAMES.index("bucket_grad_norms")  # its keys add colons: count later 
 WIDTH = 24  # bytes of the longest number token (a float's repr: -2.2250738585072014e-308)
 
 
-def _vectorised(data: bytes) -> dict[str, np.ndarray] | None:
+def _vectorised(data: bytes, names: Collection[str]) -> dict[str, np.ndarray] | None:
     """The columns' tokens (NUL-padded, ``S24``) of a block whose every line is the writer's,
     found with array operations only; None when any line is not (then lines are matched one
     by one). A line qualifies when each column's key sits where the field order puts it
@@ -154,7 +155,7 @@ def _vectorised(data: bytes) -> dict[str, np.ndarray] | None:
     steps = np.arange(WIDTH + 1)
     tokens = {}
     for index, name in enumerate(_NAMES):
-        if name not in COLUMNS:
+        if name not in names:
             continue
         at = first + index if index <= _NESTED else first + counts - (len(_NAMES) - index)
         colon = colons[at]
@@ -170,10 +171,12 @@ def _vectorised(data: bytes) -> dict[str, np.ndarray] | None:
     return tokens
 
 
-def parse_block(data: bytes, offset: int) -> Block:
-    """Parse whole lines ``data`` (read from byte ``offset``) into columns, in line order."""
+def parse_block(data: bytes, offset: int, names: Collection[str] = COLUMNS) -> Block:
+    """Parse whole lines ``data`` (read from byte ``offset``) into the columns ``names`` (some
+    of :data:`COLUMNS`; the iteration and attempt always), in line order."""
     block = Block({}, {})
-    found = _vectorised(data)
+    names = {"iteration", "attempt", *names}
+    found = _vectorised(data, names)
     if found is None:
         rows = _PATTERN.findall(data)
         if len(rows) != data.count(b"\n") + (not data.endswith(b"\n") and bool(data)):
@@ -183,7 +186,7 @@ def parse_block(data: bytes, offset: int) -> Block:
             name: np.array(column, dtype=np.bytes_) if column else np.array([], dtype="S1")
             for name, column in zip(_ORDER, columns)
         }
-    for name in _ORDER:
+    for name in [n for n in _ORDER if n in names]:
         tokens = found[name]
         if name in INTEGERS:
             block.values[name] = tokens.astype(np.int64)

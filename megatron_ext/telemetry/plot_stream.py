@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_ext.io import from_json
+from megatron_ext.records.signals_columns import COLUMNS as FIELDS
 from megatron_ext.records.signals_columns import Block, parse_block, replay_records
 from megatron_ext.records.signals_seek import BLOCK, OrderError, Segment, SignalsLog, report
 from megatron_ext.spikes.config import SpikeConfig
@@ -205,14 +206,14 @@ def _whole_lines(log: SignalsLog, offset: int, end: int) -> bytes:
         size *= 2  # one line longer than a block
 
 
-def _blocks(log: SignalsLog, segment: Segment, stats: Stats) -> Iterator[Block]:
+def _blocks(log: SignalsLog, segment: Segment, stats: Stats, names: set[str]) -> Iterator[Block]:
     """The segment's blocks, in order, duplicates of an iteration resolved to the later line
     (across blocks too: a block's last row is held back), the writer's order checked."""
     carry: Block | None = None
     offset, previous = segment.start, None
     while offset < segment.end:
         data = _whole_lines(log, offset, segment.end)
-        block = parse_block(data, offset)
+        block = parse_block(data, offset, names)
         stats.slow_lines += block.slow_lines
         stats.problems += block.problems
         stats.gaps += [(segment.attempt, gap) for _, gap in block.gaps]
@@ -262,9 +263,11 @@ def stream(log: SignalsLog, lines: list[Series]) -> Stats:
         for line in lines
     }
     segments = log.segments() or [Segment(0, 0, -1, 0, log.size)]  # no record: still report
+    replays = any(line.detector is not None for line in lines)
+    names = set(FIELDS) if replays else set(PANEL_FIELDS)  # a replay reads more fields
     for segment in segments:
         takers = [(line, p) for line in lines for p in line.pieces if p[0] == segment.attempt]
-        for block in _blocks(log, segment, stats):
+        for block in _blocks(log, segment, stats, names):
             for line, (_, first, last) in takers:
                 rows = np.flatnonzero(
                     (block.values["iteration"] >= first) & (block.values["iteration"] <= last)
