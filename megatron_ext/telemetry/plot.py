@@ -159,13 +159,29 @@ def _draw_plans(axes: list, plans: list[dict]) -> None:
         )
 
 
-def render(series: list[Series], title: str, plans: list[dict] | None = None) -> Figure:
-    """The four-panel figure (drawn on an Agg canvas; :func:`save_png` writes it)."""
+def _draw_gaps(axes: list, gaps: list[tuple[int, dict]]) -> None:
+    """Iterations trained but not logged (a full disk's gap lines): hatched, on every panel."""
+    for _, gap in gaps:
+        first, last = gap.get("first_iteration"), gap.get("last_iteration")
+        if isinstance(first, int) and isinstance(last, int):
+            for axis in axes:
+                axis.axvspan(first - 0.5, last + 0.5, color="red", alpha=0.12, hatch="//", lw=0)
+
+
+def render(
+    series: list[Series],
+    title: str,
+    plans: list[dict] | None = None,
+    gaps: list[tuple[int, dict]] | None = None,
+) -> Figure:
+    """The four-panel figure (drawn on an Agg canvas; :func:`save_png` writes it); ``gaps``:
+    the log's gap lines (attempt, gap), iterations whose records a write failure kept out."""
     figure = Figure(figsize=(12, 11), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(len(PANELS), 1, sharex=True)
     colours = rcParams["axes.prop_cycle"].by_key()["color"]
     _draw_plans(list(axes), plans or [])
+    _draw_gaps(list(axes), gaps or [])
     for axis, (name, panel_title, missing) in zip(axes, PANELS):
         axis.set_title(panel_title, loc="left", fontsize=10)
         axis.grid(True, alpha=0.3)
@@ -241,6 +257,8 @@ def render(series: list[Series], title: str, plans: list[dict] | None = None) ->
     handles.append(
         Line2D([], [], linestyle="none", marker="x", color="0.5", label="NaN/Inf (top edge)")
     )
+    if gaps:
+        handles.append(Patch(color="red", alpha=0.12, hatch="//", label="not logged (gap)"))
     if plans:
         handles += [
             Line2D([], [], color="black", linestyle="--", label="rollback target"),
@@ -302,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{path}  |  {stats.records} records, attempts {sorted(stats.attempts)}, "
         f"iterations {stats.first}-{stats.last}"
     )
-    save_png(render(series, title, plans), out)
+    save_png(render(series, title, plans, stats.gaps), out)
     tracked = [e for s in series if s.source == "ledger" for e in s.candidates]
     candidates = [e for s in series if s.source == "replay" for e in s.candidates]
     print(

@@ -14,7 +14,7 @@ from megatron_ext.records.signals_seek import SignalsLog
 from megatron_ext.spikes.config import SpikeConfig
 from megatron_ext.spikes.ledger import Ledger
 from megatron_ext.telemetry import plot_stream
-from megatron_ext.telemetry.plot import build_series
+from megatron_ext.telemetry.plot import build_series, render
 from megatron_ext.telemetry.signals import SignalRecord, SignalsWriter
 
 CONFIG = SpikeConfig(window=20, warmup=20, patience=5)
@@ -100,3 +100,14 @@ def test_memory_does_not_grow_with_the_log(tmp_path: Path, monkeypatch: pytest.M
     long, _ = _log(tmp_path / "long", 8000)
     # Holding the records (the old plot) makes it ~4x; columns and blocks keep it flat.
     assert _peak(long) < 1.5 * _peak(short)
+
+
+def test_a_gap_line_is_drawn_as_a_missing_stretch(tmp_path: Path) -> None:
+    path, _ = _log(tmp_path, 1000)
+    with open(path, "a") as handle:  # what a full disk leaves, once writing works again
+        handle.write('{"gap": {"first_iteration": 1001, "last_iteration": 1020}}\n')
+    lines, stats = build_series(path, "all", CONFIG)
+    assert stats.gaps == [(2, {"first_iteration": 1001, "last_iteration": 1020})]
+    figure = render(lines, "t", None, stats.gaps)
+    for axis in figure.axes:
+        assert [(p.get_x(), p.get_width()) for p in axis.patches] == [(1000.5, 20)]
