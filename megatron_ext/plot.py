@@ -7,8 +7,9 @@
 
 Panels: LM loss, grad norm (pre-clip), params norm, max attention logit. With ``--attempts all``
 (the default) every attempt (launch, requeue, rollback) is its own coloured line, so a replay
-after a rollback is seen next to what it replaced; ``latest`` plots one line, the latest attempt
-per iteration. Marks:
+after a rollback is seen next to what it replaced; ``latest`` plots one line, what the run
+finally trained (the last attempt, and before its restart the attempt it resumed from, and so
+on back; records past a later restart were rolled back). Marks:
 
 - **what the tracker did**: the spike ledger's events (spike, recovered, divergence, rollback)
   of each attempt that ran ``--spike-detect``; the incident plans of ``megatron-ext skiplist``
@@ -16,11 +17,16 @@ per iteration. Marks:
   rollback target of each incident (dashed line) and its skip window (shaded);
 - **what a detector would flag**, for attempts without a ledger, or for every attempt when a
   ``--spike-*`` flag is given: a replay of the training-time detector
-  (:func:`megatron_ext.spikes.detector.spike_candidates`) with the thresholds the run recorded
-  in its ledger, overridden by the flags given (defaults when nothing was recorded).
+  (:class:`megatron_ext.spikes.detector.SpikeDetector`, primed after a restart as the tracker
+  primes itself) with the thresholds the run recorded in its ledger, overridden by the flags
+  given (defaults when nothing was recorded).
 
-Non-finite values (NaN/Inf) are drawn as crosses on the panel's top edge, since they have no
-height. Exit status: 0 written, 1 refused (the message says why), 2 usage error.
+The log is read once, in blocks (:mod:`megatron_ext.plot_stream`): memory does not
+grow with it. Each line keeps, per pixel column, its first, lowest, highest and last point
+(:mod:`megatron_ext.plot_envelope`), so no spike is averaged away; a log shorter than the
+column count is drawn point for point. Non-finite values (NaN/Inf) are drawn as crosses on the
+panel's top edge, since they have no height, and break the line. Exit status: 0 written, 1
+refused (the message says why), 2 usage error.
 """
 
 from __future__ import annotations
@@ -28,7 +34,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 # A bare Figure on an Agg canvas, not pyplot: no display needed on cluster nodes, and no global
@@ -40,22 +45,19 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from megatron_ext.files import SIGNALS_FILE, SIGNALS_PLOT_FILE, SPIKE_LEDGER_FILE
-from megatron_ext.io import atomic_write, from_json
-from megatron_ext.plot_gaps import mark_gaps
+from megatron_ext.gap_log import Gap
+from megatron_ext.io import atomic_write
+from megatron_ext.plot_envelope import COLUMNS
+from megatron_ext.plot_stream import MARKERS, Series, Stats, plan_series, stream
 from megatron_ext.records.ledger import Ledger, read_incidents, read_ledger
-from megatron_ext.records.signals import (
-    SignalRecord,
-    latest_per_iteration,
-    read_gaps,
-    read_signals,
-)
+from megatron_ext.records.signals_seek import SignalsLog
 from megatron_ext.records.spike_config import (
     SpikeConfig,
     add_detector_args,
     config_from_args,
     flags_given,
 )
-from megatron_ext.spikes.detector import SpikeEvent, spike_candidates
+from megatron_ext.spikes.detector import SpikeEvent
 
 # (record field, panel title, the note shown when no iteration recorded it)
 PANELS: tuple[tuple[str, str, str], ...] = (
@@ -68,19 +70,8 @@ PANELS: tuple[tuple[str, str, str], ...] = (
         "not recorded (enable --log-max-attention-logit)",
     ),
 )
-MARKERS = {"spike": "^", "divergence": "X", "recovered": "v", "rollback": "s"}
 MARKED_PANELS = {"lm_loss", "grad_norm"}  # what the detector reads; other panels get the line
 MAX_LISTED = 20  # candidates printed; a run stuck at NaN has one per iteration
-
-
-@dataclass
-class Series:
-    """One line per panel: an attempt (or the latest-per-iteration view) and its marks."""
-
-    label: str
-    records: list[SignalRecord]  # sorted by iteration, one per iteration
-    candidates: list[SpikeEvent]  # the ledger's events, or a replay's spike/divergence
-    source: str = "replay"  # "ledger": what the tracker did; "replay": what it would flag
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,65 +117,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _ledger_events(ledger: Ledger, attempt: int) -> list[SpikeEvent]:
-    names = set(SpikeEvent.__dataclass_fields__)
-    return [
-        SpikeEvent(**{k: v for k, v in from_json(e).items() if k in names})
-        for e in ledger.events
-        if e.get("attempt") == attempt and e.get("kind") in MARKERS
-    ]
-
-
 def build_series(
-    records: list[SignalRecord],
+    path: str | Path,
     attempts: str,
     config: SpikeConfig,
     ledger: Ledger | None = None,
     replay: bool = False,
-) -> list[Series]:
-    """The lines to draw and the marks on them (raises ValueError on a bad spec).
+    columns: int = COLUMNS,
+) -> tuple[list[Series], Stats]:
+    """The lines to draw and their marks, from one pass over the log at ``path`` (raises
+    ValueError on a bad spec or a log out of the writer's order).
 
     An attempt whose ledger holds a config line ran the tracker: its marks are the ledger's
     events, unless ``replay``. Otherwise the detector is replayed with ``config`` over the
-    attempt's records. An attempt that starts mid-run (requeue, rollback) resumed the timeline
-    of the attempts before it, so its replay is first fed their latest records before its first
-    iteration: it is armed as the training-time tracker was, instead of re-learning a baseline
-    from the restart on. Only marks inside the attempt itself are kept.
+    attempt's records, primed as the tracker primes itself after a restart (see
+    :mod:`megatron_ext.plot_stream`). Only marks inside the attempt are kept.
     """
-    ledger = ledger or Ledger()
-    if attempts == "latest":
-        latest = latest_per_iteration(records)
-        last = max(r.attempt for r in latest)
-        if last in ledger.configs and not replay:
-            marks = [e for a in sorted(ledger.configs) for e in _ledger_events(ledger, a)]
-            mine = {(r.iteration, r.attempt) for r in latest}
-            kept = [e for e in marks if (e.iteration, e.attempt) in mine]
-            return [Series("latest per iteration", latest, kept, "ledger")]
-        return [Series("latest per iteration", latest, spike_candidates(latest, config))]
-    present = sorted({r.attempt for r in records})
-    if attempts == "all":
-        chosen = present
-    else:
-        try:
-            chosen = sorted({int(a) for a in attempts.split(",")})
-        except ValueError:
-            raise ValueError(f"--attempts takes all, latest or N[,M], got {attempts!r}") from None
-        missing = [a for a in chosen if a not in present]
-        if missing:
-            raise ValueError(f"no attempt {missing} in the log (attempts present: {present})")
-    series = []
-    for attempt in chosen:
-        own = latest_per_iteration([r for r in records if r.attempt == attempt])
-        label = f"attempt {attempt}"
-        if attempt in ledger.configs and not replay:
-            series.append(Series(label, own, _ledger_events(ledger, attempt), "ledger"))
-            continue
-        history = latest_per_iteration(
-            [r for r in records if r.attempt < attempt and r.iteration < own[0].iteration]
-        )
-        found = spike_candidates(history + own, config)
-        series.append(Series(label, own, [e for e in found if e.attempt == attempt]))
-    return series
+    with SignalsLog(path) as log:
+        lines = plan_series(log, attempts, config, ledger or Ledger(), replay, columns)
+        return lines, stream(log, lines)
 
 
 def _finite(value: float | None) -> bool:
@@ -209,17 +160,33 @@ def _draw_plans(axes: list, plans: list[dict]) -> None:
         )
 
 
-def render(series: list[Series], title: str, plans: list[dict] | None = None) -> Figure:
-    """The four-panel figure (drawn on an Agg canvas; :func:`save_png` writes it)."""
+def _draw_gaps(axes: list, gaps: list[tuple[int, dict]]) -> None:
+    """Iterations trained but not logged (a full disk's gap lines): hatched, on every panel."""
+    for _, gap in gaps:
+        first, last = gap.get("first_iteration"), gap.get("last_iteration")
+        if isinstance(first, int) and isinstance(last, int):
+            for axis in axes:
+                axis.axvspan(first - 0.5, last + 0.5, color="red", alpha=0.12, hatch="//", lw=0)
+
+
+def render(
+    series: list[Series],
+    title: str,
+    plans: list[dict] | None = None,
+    gaps: list[tuple[int, dict]] | None = None,
+) -> Figure:
+    """The four-panel figure (drawn on an Agg canvas; :func:`save_png` writes it); ``gaps``:
+    the log's gap lines (attempt, gap), iterations whose records a write failure kept out."""
     figure = Figure(figsize=(12, 11), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(len(PANELS), 1, sharex=True)
     colours = rcParams["axes.prop_cycle"].by_key()["color"]
     _draw_plans(list(axes), plans or [])
+    _draw_gaps(list(axes), gaps or [])
     for axis, (name, panel_title, missing) in zip(axes, PANELS):
         axis.set_title(panel_title, loc="left", fontsize=10)
         axis.grid(True, alpha=0.3)
-        if all(getattr(r, name) is None for line in series for r in line.records):
+        if all(line.envelopes[name].recorded == 0 for line in series):
             axis.text(
                 0.5,
                 0.5,
@@ -231,20 +198,16 @@ def render(series: list[Series], title: str, plans: list[dict] | None = None) ->
                 color="0.4",
             )
             axis.set_yticks([])
-        finite_values = []
+        lowest = []
         for index, line in enumerate(series):
             colour = colours[index % len(colours)]
-            points = [
-                (r.iteration, getattr(r, name))
-                for r in line.records
-                if getattr(r, name) is not None
-            ]
-            xs = [i for i, _ in points]
-            ys = [v if math.isfinite(v) else math.nan for _, v in points]  # NaN: a gap
-            finite_values += [v for v in ys if math.isfinite(v)]
+            envelope = line.envelopes[name]
+            xs, ys = envelope.points()  # NaN: a gap
+            if (low := envelope.finite_min()) is not None:
+                lowest.append(low)
             axis.plot(xs, ys, color=colour, linewidth=1.0, label=line.label)
-            bad = [i for i, v in points if not math.isfinite(v)]
-            if bad:  # an empty line in axes coordinates collapses the constrained layout
+            bad = envelope.bad()
+            if len(bad):  # an empty line in axes coordinates collapses the constrained layout
                 axis.plot(
                     bad,
                     [0.97] * len(bad),
@@ -255,12 +218,16 @@ def render(series: list[Series], title: str, plans: list[dict] | None = None) ->
                     transform=axis.get_xaxis_transform(),
                     clip_on=False,
                 )
-            values = dict(points)
+            values = line.marks.get(name, {})
+            drawn = set()  # one mark of a kind per envelope column (all of them at demo scale)
             for event in line.candidates:
-                if event.kind in ("spike", "divergence"):
+                column = (event.iteration - envelope.start) // envelope.width
+                if event.kind in ("spike", "divergence") and ("|", column) not in drawn:
+                    drawn.add(("|", column))
                     axis.axvline(event.iteration, color=colour, linestyle=":", linewidth=1.0)
                 value = values.get(event.iteration)
-                if name in MARKED_PANELS and _finite(value):
+                if name in MARKED_PANELS and _finite(value) and (event.kind, column) not in drawn:
+                    drawn.add((event.kind, column))
                     axis.plot(
                         [event.iteration],
                         [value],
@@ -270,7 +237,7 @@ def render(series: list[Series], title: str, plans: list[dict] | None = None) ->
                         color=colour,
                         markeredgecolor="black",
                     )
-        if name == "grad_norm" and finite_values and min(finite_values) > 0:
+        if name == "grad_norm" and lowest and min(lowest) > 0:
             axis.set_yscale("log")  # spikes are orders of magnitude; the baseline stays legible
     axes[-1].set_xlabel("iteration")
     shown = {e.kind for line in series for e in line.candidates} | {"spike", "divergence"}
@@ -291,6 +258,8 @@ def render(series: list[Series], title: str, plans: list[dict] | None = None) ->
     handles.append(
         Line2D([], [], linestyle="none", marker="x", color="0.5", label="NaN/Inf (top edge)")
     )
+    if gaps:
+        handles.append(Patch(color="red", alpha=0.12, hatch="//", label="not logged (gap)"))
     if plans:
         handles += [
             Line2D([], [], color="black", linestyle="--", label="rollback target"),
@@ -342,23 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     try:
-        records = read_signals(path)
-        if not records:
+        series, stats = build_series(path, options.attempts, config, ledger, flags_given(options))
+        if not stats.records:
             raise ValueError(f"{path} holds no signals records (did the run reach iteration 1?)")
-        series = build_series(records, options.attempts, config, ledger, flags_given(options))
     except ValueError as exc:
         print(f"megatron-ext plot: {exc}", file=sys.stderr)
         return 1
-    attempts = sorted({r.attempt for r in records})
     title = (
-        f"{path}  |  {len(records)} records, attempts {attempts}, "
-        f"iterations {min(r.iteration for r in records)}-"
-        f"{max(r.iteration for r in records)}"
+        f"{path}  |  {stats.records} records, attempts {sorted(stats.attempts)}, "
+        f"iterations {stats.first}-{stats.last}"
     )
-    figure = render(series, title, plans)
-    gaps = read_gaps(path)
-    mark_gaps(figure, gaps)
-    save_png(figure, out)
+    save_png(render(series, title, plans, stats.gaps), out)
     tracked = [e for s in series if s.source == "ledger" for e in s.candidates]
     candidates = [e for s in series if s.source == "replay" for e in s.candidates]
     print(
@@ -375,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  incident {plan['number']}: onset {plan['onset']}, rollback to "
             f"{plan['rollback_to']}, skip window {plan.get('skip_window')}"
         )
-    for gap in gaps:
-        print(f"  logging gap: {gap.describe()}")
+    for _, gap in stats.gaps:
+        print(f"  logging gap: {Gap(**gap).describe()}")
     return 0
 
 

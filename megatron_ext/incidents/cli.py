@@ -56,7 +56,7 @@ from megatron_ext.incidents.planner import (
 )
 from megatron_ext.incidents.report import DEFAULT_WORST, build_report
 from megatron_ext.io import atomic_write, atomic_write_json, read_jsonl
-from megatron_ext.records.signals import read_signals
+from megatron_ext.records.signals_seek import read_window
 from megatron_ext.records.skip_ranges import format_ranges, read_file
 from megatron_ext.run_lock import RunLockHeld, held
 
@@ -272,12 +272,19 @@ def _plan(args: argparse.Namespace) -> int:
                     f"{path} not found: was the run started with --signals-dir and --spike-detect?"
                 )
         ledger: list[dict[str, Any]] = read_jsonl(ledger_path).records
-        checkpoints = complete_checkpoints(args.ckpt_dir)
         incident = latest_incident(ledger)
         ident = incident_id(incident)
+        applied = transaction.applied_records(args.ckpt_dir)
+        # The onset search looks back from the incident: read only that stretch of the log,
+        # and check only the checkpoints a plan can use (the rollback target and those after).
+        last = int(incident["iteration"])
+        first = max(1, last - ONSET_LOOKBACK)
+        floors = [min(int(incident["onset"]), first) - args.rollback_iters]
+        floors += [int(r["rollback_to"]) for r in applied if r.get("incident_id") == ident]
+        checkpoints = complete_checkpoints(args.ckpt_dir, down_to=min(floors))
         done = check_unhandled(
             incident,
-            transaction.applied_records(args.ckpt_dir),
+            applied,
             checkpoints,
             read_checkpoint_tracker(args.ckpt_dir),
         )
@@ -296,9 +303,7 @@ def _plan(args: argparse.Namespace) -> int:
         train_iters = args.train_iters or (
             _train_iters(args.ckpt_dir, checkpoints[-1]) if checkpoints else None
         )
-        # The onset search looks back from the incident; read only that stretch of the log.
-        last = int(incident["iteration"])
-        history = read_signals(signals_path, iterations=(max(1, last - ONSET_LOOKBACK), last))
+        history = read_window(signals_path, first, last)
         plan = make_plan(
             ledger,
             history,

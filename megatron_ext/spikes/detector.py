@@ -371,8 +371,3 @@ def replay(records: list[SignalRecord], config: SpikeConfig) -> list[SpikeEvent]
         if detector.state == "rollback":
             detector.resume()
     return events
-
-
-def spike_candidates(records: list[SignalRecord], config: SpikeConfig) -> list[SpikeEvent]:
-    """Offline: the spike and divergence events of :func:`replay` (what training flags)."""
-    return [e for e in replay(records, config) if e.kind in ("spike", "divergence")]
