@@ -1,4 +1,5 @@
-"""The z-loss feature (:mod:`megatron_ext.zloss.core`) in Megatron: ``--z-loss-coeff``.
+"""The z-loss feature (:mod:`megatron_ext.zloss.core`) in Megatron: ``--z-loss-coeff``, and
+the fused output layer + loss (:mod:`megatron_ext.zloss.fused_adapter`): ``--fused-output-loss``.
 
 With a coefficient ``c > 0`` the ``zloss-output-layer`` patch replaces
 ``LanguageModule.compute_language_model_loss`` (what ``GPTModel`` calls for the main head and
@@ -40,6 +41,7 @@ class ZLossFeature(Feature):
 
     def __init__(self) -> None:
         self.coeff = 0.0
+        self.chunk_tokens: int | None = None  # --fused-output-loss-chunk-tokens (None: auto)
         # (training loss returned, per-token CE, per-token log²Z) of the calls since the last
         # loss function; MTP heads' calls come first, the main head's last.
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -54,15 +56,33 @@ class ZLossFeature(Feature):
             "OLMo 2/3 1e-5). Applies to MTP heads too. 'lm loss' stays pure cross entropy; "
             "'z loss' logs the mean log²Z. 0 (default) is off.",
         )
+        group.add_argument(
+            "--fused-output-loss",
+            action="store_true",
+            help="Compute the output layer's matmul, the vocab-parallel cross entropy and the "
+            "z-loss together over chunks of tokens, so that the [s*b, V/TP] logits and their "
+            "softmax are never materialised (the last stage's largest buffers). Main head "
+            "only; MTP heads, inference and evaluation without labels use the plain path.",
+        )
+        group.add_argument(
+            "--fused-output-loss-chunk-tokens",
+            type=int,
+            default=0,
+            help="Tokens per chunk of --fused-output-loss: memory O(chunk * V/TP). 0 (default) "
+            "picks 2^25 / (V/TP) rounded down to a power of two, in [64, 4096] (~128 MiB of "
+            "fp32 logits per chunk).",
+        )
 
     def enabled(self, args: Any) -> bool:
-        return args.z_loss_coeff != 0
+        return args.z_loss_coeff != 0 or args.fused_output_loss
 
     def validate(self, args: Any) -> None:
         coeff = args.z_loss_coeff
         if not math.isfinite(coeff) or coeff < 0:
             raise FeatureError(f"--z-loss-coeff must be a finite number >= 0, got {coeff}.")
-        if args.cross_entropy_loss_fusion:
+        if args.fused_output_loss:
+            _validate_fused(args)
+        if coeff != 0 and args.cross_entropy_loss_fusion:
             raise FeatureError(
                 "--z-loss-coeff cannot be combined with --cross-entropy-loss-fusion: the "
                 "z-loss replaces Megatron's cross entropy with its own one-pass CE + z kernel, "
@@ -72,9 +92,13 @@ class ZLossFeature(Feature):
 
     def install(self, args: Any) -> None:
         self.coeff = float(args.z_loss_coeff)
+        self.chunk_tokens = args.fused_output_loss_chunk_tokens or None
         global _FEATURE
         _FEATURE = self
-        patch("zloss-output-layer").apply()
+        if self.coeff != 0:  # the MTP heads' loss, and the main head's without fusion
+            patch("zloss-output-layer").apply()
+        if args.fused_output_loss:
+            patch("fused-output-loss").apply()
 
     def on_loss(self, inputs: LossInputs) -> dict[str, torch.Tensor]:
         """``lm loss`` (pure CE) and ``z loss`` (mean log²Z) report entries; the per-token CE
@@ -83,6 +107,8 @@ class ZLossFeature(Feature):
         Same ``[masked sum, token count]`` form as the loss function's own ``lm loss``, so
         Megatron averages them over micro-batches and data-parallel ranks exactly as the CE.
         """
+        if self.coeff == 0:  # --fused-output-loss alone: the loss is the pure CE already
+            return {}
         pending, self.pending = self.pending, []
         terms = [(ce, z) for loss, ce, z in pending if loss is inputs.per_token]
         if not terms:
@@ -100,6 +126,32 @@ class ZLossFeature(Feature):
             )
             for name, term in (("lm loss", cross_entropy), ("z loss", z_loss))
         }
+
+
+def _validate_fused(args: Any) -> None:
+    """Refuse what cannot work with ``--fused-output-loss``, saying why."""
+    if args.fused_output_loss_chunk_tokens < 0:
+        raise FeatureError(
+            "--fused-output-loss-chunk-tokens must be >= 1 (or 0 for the automatic size), got "
+            f"{args.fused_output_loss_chunk_tokens}."
+        )
+    refused = {
+        "cross_entropy_loss_fusion": (
+            "--cross-entropy-loss-fusion",
+            "the fused output loss replaces Megatron's cross entropy, fused or not, so it "
+            "would be silently ignored",
+        ),
+        "defer_embedding_wgrad_compute": (
+            "--defer-embedding-wgrad-compute",
+            "it defers the output layer's weight-gradient GEMM, which the fused output loss "
+            "computes during the forward: there is no deferred GEMM left to overlap",
+        ),
+    }
+    for attr, (flag, why) in refused.items():
+        if getattr(args, attr, False):
+            raise FeatureError(
+                f"--fused-output-loss cannot be combined with {flag}: {why}. Drop {flag}."
+            )
 
 
 _FEATURE: ZLossFeature | None = None  # the installed instance, for the patched method
