@@ -85,16 +85,21 @@ def _methods(group: dist.ProcessGroup, chunk: int | None) -> dict[str, Callable[
     from megatron_ext.zloss import cross_entropy_and_z_loss
     from megatron_ext.zloss.fused import fused_output_loss
 
-    def unfused(hidden, weight, labels, mask):  # noqa: ANN001, ANN202
+    def unfused(hidden, weight, labels, mask):
         config = ModelParallelConfig(use_cpu_initialization=True, params_dtype=weight.dtype)
         layer = ColumnParallelLinear(
-            weight.size(1), weight.size(0), config=config, init_method=torch.nn.init.zeros_,
-            bias=False, skip_weight_param_allocation=True, tp_group=group,
+            weight.size(1),
+            weight.size(0),
+            config=config,
+            init_method=torch.nn.init.zeros_,
+            bias=False,
+            skip_weight_param_allocation=True,
+            tp_group=group,
         )
         logits, _ = layer(hidden, weight=weight)
         return cross_entropy_and_z_loss(logits, labels, COEFF, group, overwrite_logits=True)
 
-    def fused(hidden, weight, labels, mask):  # noqa: ANN001, ANN202
+    def fused(hidden, weight, labels, mask):
         return fused_output_loss(
             hidden, weight, labels, mask, z_loss_coeff=COEFF, tp_group=group, chunk_tokens=chunk
         )
@@ -140,15 +145,19 @@ def bench(hidden_size: int, vocab: int, dtype: torch.dtype, args: argparse.Names
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.abs().max())
     base, base_best, base_peak = (
-        statistics.median(times["unfused"]), min(times["unfused"]), peaks["unfused"]
+        statistics.median(times["unfused"]),
+        min(times["unfused"]),
+        peaks["unfused"],
     )
     print(
         f"\n[{seq}x{batch} tokens, hidden {hidden_size}, V/TP {vocab}, {dtype}, c={COEFF}, "
         f"chunk {args.chunk_tokens or 'auto'}, {args.clock} time, "
         f"{torch.get_num_threads()} thread(s), {args.reps} reps]"
     )
-    print(f"{'method':8} {'median s':>9} {'x unfused':>9} {'best s':>7} {'x unfused':>9} "
-          f"{'peak MiB':>9} {'x unfused':>9}")
+    print(
+        f"{'method':8} {'median s':>9} {'x unfused':>9} {'best s':>7} {'x unfused':>9} "
+        f"{'peak MiB':>9} {'x unfused':>9}"
+    )
     for name in runs:
         median, best = statistics.median(times[name]), min(times[name])
         print(

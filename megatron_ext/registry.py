@@ -159,6 +159,22 @@ FEATURE_PATCHES: tuple[Patch, ...] = (
         "vocab-parallel logits with the cross entropy's own all-reduces.",
     ),
     Patch(
+        name="fused-output-loss",
+        target="megatron.core.models.gpt.gpt_model:GPTModel._postprocess",
+        signature="(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, "
+        "rotary_pos_cos, rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, "
+        "decoder_input=None, attention_mask=None, padding_mask=None, inference_params=None, "
+        "packed_seq_params=None, sequence_len_offset=None, runtime_gather_output=None, "
+        "extra_block_kwargs=None, inference_context=None, output_processor=None, "
+        "output_processor_context=None)",
+        wrap="megatron_ext.zloss.fused_adapter:with_fused_output_loss",
+        reason="--fused-output-loss: the main head's logits are computed before any loss "
+        "method runs, so the loss method is too late to avoid them. _postprocess's own "
+        "output_processor hook (handed hidden states, output layer and weight, labels, loss "
+        "mask) is filled with the chunked output layer + CE + z-loss when labels are given "
+        "outside inference; MTP heads, inference and label-less calls stay Megatron's.",
+    ),
+    Patch(
         name="weight-decay-overrides",
         target=f"{_TRAINING}:get_megatron_optimizer_config",
         signature="(args: Any) -> megatron.core.optimizer.optimizer_config.OptimizerConfig",
@@ -246,6 +262,15 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         used_by="megatron_ext.zloss.adapter",
         reason="The z-loss reduces over the output layer's tensor-parallel group, as "
         "Megatron's own compute_language_model_loss does.",
+    ),
+    Assumption(
+        name="output-layer-modes",
+        target="megatron.core.tensor_parallel.layers:ColumnParallelLinear",
+        assigned=("sequence_parallel", "gradient_accumulation_fusion", "tp_group", "weight"),
+        used_by="megatron_ext.zloss.fused_adapter",
+        reason="The fused output loss delivers gradients as the output layer would: it reads "
+        "the layer's weight, TP group, sequence-parallel and gradient-accumulation-fusion "
+        "modes.",
     ),
     Assumption(
         name="ckpt-results-queue",
