@@ -54,10 +54,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class PeakBytes(TorchDispatchMode):
     """Live bytes of the storages that ops create under this mode, and their peak."""
 
-    def __init__(self) -> None:
+    def __init__(self, inputs: tuple[torch.Tensor, ...]) -> None:
         super().__init__()
         self.live = self.peak = 0
         self._tracked: dict[int, int] = {}
+        self._inputs = {id(t.untyped_storage()) for t in inputs}  # kept alive by the caller
 
     def _free(self, key: int) -> None:
         self.live -= self._tracked.pop(key, 0)
@@ -69,7 +70,7 @@ class PeakBytes(TorchDispatchMode):
                 continue
             storage = tensor.untyped_storage()
             key = id(storage)
-            if key in self._tracked or storage.nbytes() == 0:
+            if key in self._tracked or key in self._inputs or storage.nbytes() == 0:
                 continue
             self._tracked[key] = storage.nbytes()
             self.live += storage.nbytes()
@@ -117,62 +118,89 @@ def _step(method: Callable[..., Any], inputs: tuple[torch.Tensor, ...], train: b
     return terms.loss.detach(), h.grad, w.grad
 
 
-def bench(hidden_size: int, vocab: int, dtype: torch.dtype, args: argparse.Namespace) -> None:
+def _inputs(hidden_size: int, vocab: int, dtype: torch.dtype, device: str) -> tuple:
     seq, batch = TOKENS
+    if device == "meta":  # the same ops on shapes only: exact bytes, no arithmetic
+        return (
+            torch.empty(seq, batch, hidden_size, dtype=dtype, device="meta"),
+            torch.empty(vocab, hidden_size, dtype=dtype, device="meta"),
+            torch.zeros(seq, batch, dtype=torch.long, device="meta"),
+            torch.empty(seq, batch, device="meta"),
+        )
     gen = torch.Generator().manual_seed(0)
-    inputs = (
+    return (
         torch.randn(seq, batch, hidden_size, generator=gen).to(dtype),
         (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).to(dtype),
         torch.randint(0, vocab, (seq, batch), generator=gen),
         (torch.rand(seq, batch, generator=gen) > 0.1).float(),
     )
+
+
+def bench(hidden_size: int, vocab: int, dtype: torch.dtype, timed: bool, args: Any) -> None:
+    """One cell: peaks (meta device) and, if ``timed``, CPU times and a value check."""
     methods = _methods(dist.group.WORLD, args.chunk_tokens)
     runs = {**{name: (m, True) for name, m in methods.items()}, "eval": (methods["fused"], False)}
-    clock = CLOCKS[args.clock]
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for rep in range(args.reps + 1):  # interleaved: machine noise hits every method alike
-        for name, (method, train) in runs.items():
-            start = clock()
-            _step(method, inputs, train)
-            if rep:
-                times[name].append(clock() - start)
-    peaks, results = {}, {}
+    peaks, above = {}, {}
     for name, (method, train) in runs.items():
-        with PeakBytes() as tracker:
-            results[name] = _step(method, inputs, train)
+        inputs = _inputs(hidden_size, vocab, dtype, "meta")
+        with PeakBytes(inputs) as tracker:
+            _, *grads = _step(method, inputs, train)
         peaks[name] = tracker.peak
-    for a, b in zip(results["fused"], results["unfused"], strict=True):  # same numbers
+        # What is left once the two gradients every path must return are set aside.
+        above[name] = tracker.peak - sum(
+            g.untyped_storage().nbytes() for g in grads if g is not None
+        )
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    if timed:
+        inputs, clock, results = _inputs(hidden_size, vocab, dtype, "cpu"), CLOCKS[args.clock], {}
+        for _ in range(args.reps):  # interleaved: machine noise hits every method alike
+            for name, (method, train) in runs.items():
+                start = clock()
+                results[name] = _step(method, inputs, train)
+                times[name].append(clock() - start)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.abs().max())
-    base, base_best, base_peak = (
-        statistics.median(times["unfused"]),
-        min(times["unfused"]),
-        peaks["unfused"],
-    )
+        for a, b in zip(results["fused"], results["unfused"], strict=True):  # same numbers
+            torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.abs().max())
+    seq, batch = TOKENS
     print(
         f"\n[{seq}x{batch} tokens, hidden {hidden_size}, V/TP {vocab}, {dtype}, c={COEFF}, "
-        f"chunk {args.chunk_tokens or 'auto'}, {args.clock} time, "
-        f"{torch.get_num_threads()} thread(s), {args.reps} reps]"
+        f"chunk {args.chunk_tokens or 'auto'}; "
+        + (
+            f"{args.clock} time, {torch.get_num_threads()} thread(s), {args.reps} reps]"
+            if timed
+            else "not timed]"
+        )
     )
     print(
-        f"{'method':8} {'median s':>9} {'x unfused':>9} {'best s':>7} {'x unfused':>9} "
-        f"{'peak MiB':>9} {'x unfused':>9}"
+        f"{'method':8} {'median s':>9} {'x unfused':>9} {'peak MiB':>9} {'x unfused':>9} "
+        f"{'- grads MiB':>11} {'x unfused':>9}"
     )
     for name in runs:
-        median, best = statistics.median(times[name]), min(times[name])
+        timing = f"{'-':>9} {'-':>9}"
+        if timed:
+            median = statistics.median(times[name])
+            timing = f"{median:9.2f} {median / statistics.median(times['unfused']):9.2f}"
         print(
-            f"{name:8} {median:9.2f} {median / base:9.2f} {best:7.2f} {best / base_best:9.2f} "
-            f"{peaks[name] / 2**20:9.1f} {peaks[name] / base_peak:9.3f}"
+            f"{name:8} {timing} {peaks[name] / 2**20:9.1f} {peaks[name] / peaks['unfused']:9.3f} "
+            f"{above[name] / 2**20:11.1f} {above[name] / above['unfused']:9.3f}"
         )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--vocab", type=int, nargs="+", default=[16384, 32768], help="V/TP")
     parser.add_argument("--dtype", choices=tuple(DTYPES), nargs="+", default=list(DTYPES))
     parser.add_argument("--chunk-tokens", type=int, default=None, help="default: automatic")
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument(
+        "--time-hidden",
+        type=int,
+        nargs="*",
+        default=[1024],
+        help="hidden sizes also timed on CPU (fp32 only unless --time-bf16)",
+    )
+    parser.add_argument("--time-bf16", action="store_true", help="also time the bf16 cells")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
@@ -185,7 +213,10 @@ def main() -> None:
             for dtype in args.dtype:
                 for hidden_size in args.hidden:
                     for vocab in args.vocab:
-                        bench(hidden_size, vocab, DTYPES[dtype], args)
+                        timed = hidden_size in args.time_hidden and (
+                            dtype == "fp32" or args.time_bf16
+                        )
+                        bench(hidden_size, vocab, DTYPES[dtype], timed, args)
         finally:
             dist.destroy_process_group()
 
