@@ -14,19 +14,21 @@ is the fused function under ``no_grad`` (the loss only): a recompute design (Cut
 Cross-Entropy) would add about that much to the fused time, since it redoes the forward's
 logits in backward.
 
-Peak memory: every tensor created from the first op of the head to the end of backward
-(saved tensors and transients alike, gradients included) is tracked by a
+Peak memory: every storage created from the first op of the head to the end of backward
+(saved tensors and transients alike, the two returned gradients included) is tracked by a
 ``TorchDispatchMode`` that adds a storage's bytes when an op first returns it and subtracts
 them when the storage is freed (a weak reference on the storage); the peak of that running sum
-is reported. Inputs (hidden states, weight) are not counted. On CPU this is exact where RSS
-is not (the allocator keeps freed pages).
+is reported, and again with the two gradients set aside (``- grads``). Inputs are not
+counted. It runs on the ``meta`` device: the same ops on the same shapes, so the bytes are
+exact (RSS is not: the allocator keeps freed pages) and the whole grid is cheap.
 
-Times are the process's CPU time with one intra-op thread (``--clock cpu --threads 1``; on a
+Times (the ``--time-hidden`` sizes, fp32 unless ``--time-bf16``) are the process's CPU time
+with one intra-op thread (``--clock cpu --threads 1``; on a
 shared machine wall time mostly measures the other jobs), median and best of ``--reps``
-interleaved repetitions after one warm-up. A TP group of one rank (gloo): a real TP group
+interleaved repetitions. A TP group of one rank (gloo): a real TP group
 adds the same all-reduces per token to both (the fused path: 2 per chunk instead of 3).
 
-    python benchmarks/fused_output_loss.py                   # the grid in BENCHMARKS.md
+    python benchmarks/fused_output_loss.py --reps 1          # the grid in BENCHMARKS.md
     python benchmarks/fused_output_loss.py --hidden 4096 --vocab 32768 --dtype bf16
 """
 
