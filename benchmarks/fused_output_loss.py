@@ -24,7 +24,7 @@ exact (RSS is not: the allocator keeps freed pages) and the whole grid is cheap.
 
 Times (the ``--time-hidden`` sizes, fp32 unless ``--time-bf16``) are the process's CPU time
 with one intra-op thread (``--clock cpu --threads 1``; on a
-shared machine wall time mostly measures the other jobs), median and best of ``--reps``
+shared machine wall time mostly measures the other jobs), median of ``--reps``
 interleaved repetitions. A TP group of one rank (gloo): a real TP group
 adds the same all-reduces per token to both (the fused path: 2 per chunk instead of 3).
 
