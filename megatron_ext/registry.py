@@ -167,7 +167,7 @@ FEATURE_PATCHES: tuple[Patch, ...] = (
         "packed_seq_params=None, sequence_len_offset=None, runtime_gather_output=None, "
         "extra_block_kwargs=None, inference_context=None, output_processor=None, "
         "output_processor_context=None)",
-        wrap="megatron_ext.zloss.fused_adapter:with_fused_output_loss",
+        wrap="megatron_ext.zloss.adapter:with_fused_output_loss",
         reason="--fused-output-loss: the main head's logits are computed before any loss "
         "method runs, so the loss method is too late to avoid them. _postprocess's own "
         "output_processor hook (handed hidden states, output layer and weight, labels, loss "
@@ -267,7 +267,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         name="output-layer-modes",
         target="megatron.core.tensor_parallel.layers:ColumnParallelLinear",
         assigned=("sequence_parallel", "gradient_accumulation_fusion", "tp_group", "weight"),
-        used_by="megatron_ext.zloss.fused_adapter",
+        used_by="megatron_ext.zloss.adapter",
         reason="The fused output loss delivers gradients as the output layer would: it reads "
         "the layer's weight, TP group, sequence-parallel and gradient-accumulation-fusion "
         "modes.",
