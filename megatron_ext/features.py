@@ -10,7 +10,7 @@ A feature (z-loss, weight decay, telemetry, spike detector, sample log, drill) i
    message that says what to do;
 4. ``install(args)``: keeps the args and opens its state (still before init); the installer
    (:func:`megatron_ext.loop.install`) then applies its registry patches, bound to it, when
-   ``needs_patches()``;
+   ``needs_patch(name)``;
 5. hooks, called on the installed features that override them, in
    :func:`megatron_ext.loop.all_features` order, by the registry's hook wrappers
    (:mod:`megatron_ext.hooks`) and the entry point's own functions
@@ -133,9 +133,9 @@ class Feature:
     def install(self, args: Any) -> None:
         """Set up this feature's state from the args it keeps (before distributed init)."""
 
-    def needs_patches(self) -> bool:
-        """After :meth:`install`: whether the registry's patches of this feature (its
-        ``feature=`` entries) are to be applied; they are bound to this instance."""
+    def needs_patch(self, name: str) -> bool:
+        """After :meth:`install`: whether the registry's patch ``name`` of this feature (one
+        of its ``feature=`` entries) is to be applied; it is bound to this instance."""
         return True
 
     # Hooks: the base versions are never called (see :meth:`implements`).

@@ -56,14 +56,20 @@ def install(args: Any, features: list[Feature] | None = None) -> FeatureSet:
     """Validate and install the enabled features (``all_features()`` unless given), then
     apply the patches they use, each bound to what its wrapper reads."""
     installed = FeatureSet.install(all_features() if features is None else features, args)
-    for patch in registry.FEATURE_PATCHES:
-        for feature in installed.features:
-            if type(feature) is patch.feature and feature.needs_patches():
-                patch.apply(feature)
+    for feature in installed.features:
+        apply_patches_of(feature)
     for patch in registry.HOOKS:
         if patch.hook is not None and installed.using(patch.hook):
             patch.apply(installed)
     return installed
+
+
+def apply_patches_of(feature: Feature) -> None:
+    """Apply the registry's patches of an installed ``feature`` that it asks for, bound to
+    it."""
+    for patch in registry.FEATURE_PATCHES:
+        if type(feature) is patch.feature and feature.needs_patch(patch.name):
+            patch.apply(feature)
 
 
 def attach(config: Any, features: FeatureSet) -> None:

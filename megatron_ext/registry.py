@@ -24,7 +24,7 @@ from megatron_ext.features import Feature
 from megatron_ext.patching import Assumption, Entry, HookCall, Patch
 from megatron_ext.spikes.adapter import SkipListFeature, save_after_a_skipped_end
 from megatron_ext.weight_decay.adapter import WeightDecayFeature, with_overrides, with_param_map
-from megatron_ext.zloss.adapter import ZLossFeature, with_z_loss
+from megatron_ext.zloss.adapter import ZLossFeature, with_fused_output_loss, with_z_loss
 
 _TRAINING = "megatron.training.training"
 _DISTOPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
@@ -188,6 +188,23 @@ FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed featu
         "vocab-parallel logits with the cross entropy's own all-reduces.",
     ),
     Patch(
+        name="fused-output-loss",
+        target="megatron.core.models.gpt.gpt_model:GPTModel._postprocess",
+        signature="(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, "
+        "rotary_pos_cos, rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, "
+        "decoder_input=None, attention_mask=None, padding_mask=None, inference_params=None, "
+        "packed_seq_params=None, sequence_len_offset=None, runtime_gather_output=None, "
+        "extra_block_kwargs=None, inference_context=None, output_processor=None, "
+        "output_processor_context=None)",
+        wrap=with_fused_output_loss,
+        feature=ZLossFeature,
+        reason="--fused-output-loss: the main head's logits are computed before any loss "
+        "method runs, so the loss method is too late to avoid them. _postprocess's own "
+        "output_processor hook (handed hidden states, output layer and weight, labels, loss "
+        "mask) is filled with the chunked output layer + CE + z-loss when labels are given "
+        "outside inference; MTP heads, inference and label-less calls stay Megatron's.",
+    ),
+    Patch(
         name="weight-decay-overrides",
         target=f"{_TRAINING}:get_megatron_optimizer_config",
         signature="(args: Any) -> megatron.core.optimizer.optimizer_config.OptimizerConfig",
@@ -286,6 +303,15 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         used_by="megatron_ext.zloss.adapter",
         reason="The z-loss reduces over the output layer's tensor-parallel group, as "
         "Megatron's own compute_language_model_loss does.",
+    ),
+    Assumption(
+        name="output-layer-modes",
+        target="megatron.core.tensor_parallel.layers:ColumnParallelLinear",
+        assigned=("sequence_parallel", "gradient_accumulation_fusion", "tp_group", "weight"),
+        used_by="megatron_ext.zloss.adapter",
+        reason="The fused output loss delivers gradients as the output layer would: it reads "
+        "the layer's weight, TP group, sequence-parallel and gradient-accumulation-fusion "
+        "modes.",
     ),
     Assumption(
         name="ckpt-results-queue",

@@ -34,6 +34,11 @@ ESTIMATES: dict[int, tuple[int, str]] = {
     ),
     5: (120, "two launches of 60 steps (spike exit, restart), the planner and a lookup"),
     6: (45, "rung 2's run with --transformer-impl transformer_engine"),
+    7: (
+        30,
+        "8192 tokens x 4096 hidden x 32k V/TP bf16 head: 3 methods x 9 fwd+bwd of ~3 x 2.2 "
+        "TFLOP (~10 ms each), plus torch.compile of the fused CE and ~15 s of imports",
+    ),
 }
 
 

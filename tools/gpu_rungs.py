@@ -99,6 +99,21 @@ def zloss(ctx: Context, rung: Rung) -> None:
         rung.fail("over target: <= 1.10x time and <= 1.0x peak memory of the faster Megatron CE")
 
 
+def fused_output_loss(ctx: Context, rung: Rung) -> None:
+    """tools/gpu_fused_loss.py: peak and time against Megatron's plain and fused CE."""
+    command = [
+        ctx.python,
+        str(REPO / "tools" / "gpu_fused_loss.py"),
+        *(["--cpu"] if ctx.cpu else []),
+    ]
+    result = ctx.run(command, timeout=420)
+    if result.returncode:
+        return rung.fail(_tail(result))
+    rung.figures.update(json.loads(result.stdout.strip().splitlines()[-1]))
+    if not ctx.cpu and rung.figures["memory_vs_megatron_ce"] > 0.25:
+        rung.fail("over target: peak <= 1/4 of Megatron's output layer + CE")
+
+
 def overhead(ctx: Context, rung: Rung) -> None:
     """Interleaved arms; the step times are Megatron's own per-iteration console figures."""
     model = (

@@ -1,7 +1,7 @@
 """The GPU check as a ladder of rungs, for a bare one-GPU Hopper machine, in about 10 minutes.
 
     bash tools/gpu_smoke.sh                    # on the GPU machine, from the repository root
-    bash tools/gpu_smoke.sh --cpu-rehearsal    # rungs 2, 4 and 5 through the CPU harness (CI)
+    bash tools/gpu_smoke.sh --cpu-rehearsal    # rungs 2, 4, 5 and 7 through the CPU harness (CI)
 
 Each rung prints one JSON line (rung, name, status pass|fail|skip, seconds, the estimate of its
 GPU time and the basis of that estimate, figures, detail); a failing rung does not stop the
@@ -18,7 +18,9 @@ any rung failed.
 4. overlay overhead: every instrument on vs off, interleaved, on a model whose step takes
    >= ~100 ms; the host syncs per step the overlay adds (``tools/gpu_sync_count.py``);
 5. the drill on one GPU (DP=1, bad batch on rank 0) -> plan -> apply -> restart -> lookup;
-6. Transformer Engine, only when it imports (its torch extension is source-only on PyPI).
+6. Transformer Engine, only when it imports (its torch extension is source-only on PyPI);
+7. ``--fused-output-loss`` against Megatron's output layer + CE, plain and fused
+   (``tools/gpu_fused_loss.py``): peak CUDA memory and time (CPU rehearsal: a tiny size).
 
 Only the standard library is imported here: this runs before the venv exists.
 """
@@ -36,9 +38,17 @@ sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(REPO / "tools"))
 from gpu_context import Context, Rung  # noqa: E402
-from gpu_rungs import drill, every_feature, overhead, setup, transformer_engine, zloss  # noqa: E402
+from gpu_rungs import (  # noqa: E402
+    drill,
+    every_feature,
+    fused_output_loss,
+    overhead,
+    setup,
+    transformer_engine,
+    zloss,
+)
 
-REHEARSAL = (2, 4, 5)  # what the CPU rehearsal runs (the others need CUDA or a fresh venv)
+REHEARSAL = (2, 4, 5, 7)  # what the CPU rehearsal runs (the others need CUDA or a fresh venv)
 
 
 # -- rungs ----------------------------------------------------------------------------------
@@ -51,6 +61,7 @@ RUNGS: dict[int, tuple[str, Callable[[Context, Rung], None]]] = {
     4: ("overlay overhead", overhead),
     5: ("drill on one GPU", drill),
     6: ("Transformer Engine", transformer_engine),
+    7: ("fused output loss vs Megatron CE on CUDA", fused_output_loss),
 }
 
 
@@ -61,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-rehearsal",
         action="store_true",
-        help="rungs 2, 4, 5 on the tiny model through the CPU harness",
+        help="rungs 2, 4, 5, 7 on the tiny model through the CPU harness",
     )
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "gpu-smoke")
     parser.add_argument(

@@ -124,14 +124,14 @@ class WeightDecayFeature(Feature):
 
     def install(self, args: Any) -> None:
         """Warn about ineffective settings; the installer then applies the two patches,
-        bound to this instance, when a flag is set (:meth:`needs_patches`)."""
+        bound to this instance, when a flag is set (:meth:`needs_patch`)."""
         policy = self._policy_of(args)
         if not policy.active:
             return
         for warning in policy.warnings():
             _print_once(f"megatron-ext: WARNING: {warning}")
 
-    def needs_patches(self) -> bool:
+    def needs_patch(self, name: str) -> bool:
         return self.policy is not None and self.policy.active
 
     def on_model_built(self, model: list[Any]) -> None:

@@ -1,4 +1,6 @@
-"""The z-loss feature (:mod:`megatron_ext.zloss.core`) in Megatron: ``--z-loss-coeff``.
+"""The z-loss feature (:mod:`megatron_ext.zloss.core`) in Megatron: ``--z-loss-coeff``, and
+the fused output layer + loss (:mod:`megatron_ext.zloss.fused`; the part at the end):
+``--fused-output-loss``.
 
 With a coefficient ``c > 0`` the ``zloss-output-layer`` patch replaces
 ``LanguageModule.compute_language_model_loss`` (what ``GPTModel`` calls for the main head and
@@ -22,14 +24,19 @@ measures, not the training loss.
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from megatron.core.inference.utils import InferenceMode
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from megatron_ext.features import LM_LOSS_PER_TOKEN, Feature, FeatureError, LossInputs
 from megatron_ext.zloss.core import cross_entropy_and_z_loss
+from megatron_ext.zloss.fused import fused_output_loss
 
 
 class ZLossFeature(Feature):
@@ -39,6 +46,7 @@ class ZLossFeature(Feature):
 
     def __init__(self) -> None:
         self.coeff = 0.0
+        self.chunk_tokens: int | None = None  # --fused-output-loss-chunk-tokens (None: auto)
         # (training loss returned, per-token CE, per-token log²Z) of the calls since the last
         # loss function; MTP heads' calls come first, the main head's last.
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -53,15 +61,33 @@ class ZLossFeature(Feature):
             "OLMo 2/3 1e-5). Applies to MTP heads too. 'lm loss' stays pure cross entropy; "
             "'z loss' logs the mean log²Z. 0 (default) is off.",
         )
+        group.add_argument(
+            "--fused-output-loss",
+            action="store_true",
+            help="Compute the output layer's matmul, the vocab-parallel cross entropy and the "
+            "z-loss together over chunks of tokens, so that the [s*b, V/TP] logits and their "
+            "softmax are never materialised (the last stage's largest buffers). Main head "
+            "only; MTP heads, inference and evaluation without labels use the plain path.",
+        )
+        group.add_argument(
+            "--fused-output-loss-chunk-tokens",
+            type=int,
+            default=0,
+            help="Tokens per chunk of --fused-output-loss: memory O(chunk * V/TP). 0 (default) "
+            "picks 2^25 / (V/TP) rounded down to a power of two, in [64, 4096] (~128 MiB of "
+            "fp32 logits per chunk).",
+        )
 
     def enabled(self, args: Any) -> bool:
-        return args.z_loss_coeff != 0
+        return args.z_loss_coeff != 0 or args.fused_output_loss
 
     def validate(self, args: Any) -> None:
         coeff = args.z_loss_coeff
         if not math.isfinite(coeff) or coeff < 0:
             raise FeatureError(f"--z-loss-coeff must be a finite number >= 0, got {coeff}.")
-        if args.cross_entropy_loss_fusion:
+        if args.fused_output_loss:
+            _validate_fused(args)
+        if coeff != 0 and args.cross_entropy_loss_fusion:
             raise FeatureError(
                 "--z-loss-coeff cannot be combined with --cross-entropy-loss-fusion: the "
                 "z-loss replaces Megatron's cross entropy with its own one-pass CE + z kernel, "
@@ -73,6 +99,13 @@ class ZLossFeature(Feature):
         """Keep the coefficient; the installer then applies ``zloss-output-layer`` bound to
         this instance."""
         self.coeff = float(args.z_loss_coeff)
+        self.chunk_tokens = args.fused_output_loss_chunk_tokens or None
+        self.fused = bool(args.fused_output_loss)
+
+    def needs_patch(self, name: str) -> bool:
+        """``zloss-output-layer`` with a coefficient (the MTP heads' loss, and the main
+        head's without fusion); ``fused-output-loss`` with its flag."""
+        return {"zloss-output-layer": self.coeff != 0, "fused-output-loss": self.fused}[name]
 
     def on_loss(self, inputs: LossInputs) -> dict[str, torch.Tensor]:
         """``lm loss`` (pure CE) and ``z loss`` (mean log²Z) report entries; the per-token CE
@@ -81,6 +114,8 @@ class ZLossFeature(Feature):
         Same ``[masked sum, token count]`` form as the loss function's own ``lm loss``, so
         Megatron averages them over micro-batches and data-parallel ranks exactly as the CE.
         """
+        if self.coeff == 0:  # --fused-output-loss alone: the loss is the pure CE already
+            return {}
         pending, self.pending = self.pending, []
         terms = [(ce, z) for loss, ce, z in pending if loss is inputs.per_token]
         if not terms:
@@ -98,6 +133,32 @@ class ZLossFeature(Feature):
             )
             for name, term in (("lm loss", cross_entropy), ("z loss", z_loss))
         }
+
+
+def _validate_fused(args: Any) -> None:
+    """Refuse what cannot work with ``--fused-output-loss``, saying why."""
+    if args.fused_output_loss_chunk_tokens < 0:
+        raise FeatureError(
+            "--fused-output-loss-chunk-tokens must be >= 1 (or 0 for the automatic size), got "
+            f"{args.fused_output_loss_chunk_tokens}."
+        )
+    refused = {
+        "cross_entropy_loss_fusion": (
+            "--cross-entropy-loss-fusion",
+            "the fused output loss replaces Megatron's cross entropy, fused or not, so it "
+            "would be silently ignored",
+        ),
+        "defer_embedding_wgrad_compute": (
+            "--defer-embedding-wgrad-compute",
+            "it defers the output layer's weight-gradient GEMM, which the fused output loss "
+            "computes during the forward: there is no deferred GEMM left to overlap",
+        ),
+    }
+    for attr, (flag, why) in refused.items():
+        if getattr(args, attr, False):
+            raise FeatureError(
+                f"--fused-output-loss cannot be combined with {flag}: {why}. Drop {flag}."
+            )
 
 
 def with_z_loss(
@@ -127,3 +188,100 @@ def with_z_loss(
         return loss
 
     return compute_language_model_loss
+
+
+# -- --fused-output-loss ----------------------------------------------------------------------
+# ``--fused-output-loss`` in Megatron: the main head's logits are never materialised.
+#
+# Patch point. megatron-core 0.19.2's ``GPTModel._postprocess`` computes
+# ``logits = output_layer(hidden, weight=...)`` and then ``compute_language_model_loss(labels,
+# logits)``; the logits exist before any loss method is called, so patching the loss method
+# (as the z-loss does) is too late, and replacing ``ColumnParallelLinear.forward`` would touch
+# every column-parallel layer. ``_postprocess`` has a public hook instead: an
+# ``output_processor`` keyword that, when given, is handed the hidden states, the output layer,
+# the output weight (the embedding when tied, also at PP>1), the labels and the loss mask, and
+# whose return value is the model's output, in place of the output layer and the loss. The
+# ``fused-output-loss`` patch only fills that keyword (when labels are given, outside
+# inference, and nobody else passed one) with :func:`fused_output_processor`; everything else in
+# ``_postprocess`` (MTP, the schedule, the pre/post-process split) is Megatron's.
+#
+# What stays on the plain path: inference and evaluation without labels (logits are the
+# output), and MTP heads (Megatron's ``process_mtp_loss`` computes their logits itself and also
+# takes their argmax for its acceptance counts). They run before the main head and are
+# unchanged; the main head's ``[s·b, V/tp]`` logits, the dominant buffer, are fused away.
+#
+# Gradients reach the weight as the output layer's own linear function delivers them: the
+# input gradient all-reduced over TP (or, with sequence parallelism, the hidden states are
+# gathered with Megatron's ``gather_from_sequence_parallel_region`` whose backward
+# reduce-scatters), the weight gradient as ``.grad`` for Megatron DDP's hook to add to
+# ``main_grad`` (or into ``main_grad`` directly with gradient-accumulation fusion).
+
+
+def fused_output_processor(
+    feature: ZLossFeature,
+    *,
+    hidden_states: torch.Tensor,
+    output_layer: Any,
+    output_weight: torch.Tensor | None,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+    config: Any,
+    **_: Any,
+) -> torch.Tensor:
+    """GPTModel's ``output_processor``: the main head's ``[b, s]`` per-token loss, fused.
+
+    Returns what ``compute_language_model_loss`` would (``CE + c·log²Z`` per token) and,
+    with a z-loss, leaves its CE and log²Z for the z-loss feature's report, like the patched
+    loss method does.
+    """
+    weight = output_layer.weight if output_weight is None else output_weight
+    tp_group = output_layer.tp_group
+    if output_layer.sequence_parallel:  # as ColumnParallelLinear: gather, reduce-scatter
+        hidden_states = gather_from_sequence_parallel_region(
+            hidden_states, tensor_parallel_output_grad=True, group=tp_group
+        )
+    if loss_mask is None:
+        loss_mask = torch.ones_like(labels, dtype=torch.float32)
+    terms = fused_output_loss(
+        hidden_states,
+        weight,
+        labels.transpose(0, 1).contiguous(),  # [b, s] -> [s, b], the hidden states' order
+        loss_mask.transpose(0, 1).contiguous(),
+        z_loss_coeff=feature.coeff,
+        tp_group=tp_group,
+        chunk_tokens=feature.chunk_tokens,
+        logit_scale=config.mup_output_mult if config.use_mup else 1.0,
+        reduce_grad_input=not output_layer.sequence_parallel,
+        accumulate_into_main_grad=output_layer.gradient_accumulation_fusion,
+    )
+    loss = terms.loss.transpose(0, 1).contiguous()
+    if feature.coeff != 0.0:
+        feature.pending.append(
+            (loss, terms.cross_entropy.transpose(0, 1), terms.z_loss.transpose(0, 1))
+        )
+    return loss
+
+
+def with_fused_output_loss(
+    postprocess: Callable[..., Any], feature: ZLossFeature
+) -> Callable[..., Any]:
+    """Wrapper of the ``fused-output-loss`` patch on ``GPTModel._postprocess``, bound to the
+    installed z-loss feature."""
+    processor = functools.partial(fused_output_processor, feature)
+    signature = inspect.signature(postprocess)
+
+    def _postprocess(*args: Any, **kwargs: Any) -> Any:
+        """Megatron's, with :func:`fused_output_processor` as its output processor when a
+        loss is computed (labels given, not inference, no other processor)."""
+        call = signature.bind(*args, **kwargs)
+        given = call.arguments
+        if (
+            given.get("labels") is not None
+            and given.get("output_processor") is None
+            and given.get("inference_context") is None
+            and not InferenceMode.is_active()
+        ):
+            given["output_processor"] = processor
+        return postprocess(*call.args, **call.kwargs)
+
+    return _postprocess

@@ -11,7 +11,9 @@ resume) are plain resumes of the layout's own checkpoints.
 
 Every layout run has z-loss, weight-decay multipliers, bucket norms, signals with the update
 ratio, the spike detector, the sample log and the drill (garbage tokens on the last DP rank
-at ``BAD``): its first launch ends with the detector's exit on every rank.
+at ``BAD``): its first launch ends with the detector's exit on every rank. The layouts marked
+``FUSED`` also run ``--fused-output-loss`` (the bases never do), so their first iteration is
+the fused head against the unfused one, and the kill -9 resume is proven with it on.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ OUTPUT_LAYER_MULT = 0.25  # --output-layer-weight-decay-mult, untied models only
 PLAN = ["--rollback-iters", "2", "--skip-batches", "7"]
 
 UNTIE = "--untie-embeddings-and-output-weights"
+FUSED = "--fused-output-loss"  # with a small chunk, so that every micro-batch has several
+FUSED_FLAGS = (FUSED, "--fused-output-loss-chunk-tokens", "48")
 MODELS = {
     # 4 layers: two per stage at PP=2, one per virtual stage at PP=2 x VP=2.
     "dense": [*TINY_MODEL, "--num-layers", "4"],
@@ -131,7 +135,7 @@ LAYOUTS = (
         "dp2-pp2-distopt-tied",
         "tied",
         4,
-        ("--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"),
+        ("--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", *FUSED_FLAGS),
         dp=2,
         pp=2,
         resume=True,
@@ -140,7 +144,7 @@ LAYOUTS = (
         "tp2-pp2",
         "dense",
         4,
-        ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"),
+        ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *FUSED_FLAGS),
         dp=1,
         tp=2,
         pp=2,
@@ -149,7 +153,13 @@ LAYOUTS = (
         "pp2-vp2",
         "dense",
         2,
-        ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
+        (
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            *FUSED_FLAGS,
+        ),
         dp=1,
         pp=2,
         vp=2,
@@ -159,7 +169,7 @@ LAYOUTS = (
         "bf16-distopt-overlap",
         "dense",
         2,
-        ("--bf16", "--use-distributed-optimizer", "--overlap-param-gather"),
+        ("--bf16", "--use-distributed-optimizer", "--overlap-param-gather", *FUSED_FLAGS),
         dp=2,
         bf16=True,
     ),

@@ -190,6 +190,14 @@ def backward(chunk: Any, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return loss
 
 
+# The z-loss feature's flags with the fused output loss off (Megatron's own output layer).
+PLAIN_OUTPUT_LOSS = {
+    "cross_entropy_loss_fusion": False,
+    "fused_output_loss": False,
+    "fused_output_loss_chunk_tokens": 0,
+}
+
+
 def args(**values: Any) -> SimpleNamespace:
     """A Megatron-like args namespace: only the fields the hook under test reads."""
     return SimpleNamespace(**values)

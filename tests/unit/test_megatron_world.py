@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_ext import registry
+from megatron_ext import loop, registry
 from megatron_ext.zloss.adapter import ZLossFeature
 from tests.support import megatron_world as mw
 
@@ -19,7 +19,9 @@ def test_the_world_is_undone_on_exit() -> None:
     with mw.megatron_world(), mw.patches_undone():
         assert dist.get_world_size() == 1 and parallel_state.model_parallel_is_initialized()
         assert torch.zeros(1, device="cuda").device.type == "cpu"
-        ZLossFeature().install(mw.args(z_loss_coeff=1e-4, cross_entropy_loss_fusion=False))
+        feature = ZLossFeature()
+        feature.install(mw.args(z_loss_coeff=1e-4, **mw.PLAIN_OUTPUT_LOSS))
+        loop.apply_patches_of(feature)
         assert registry.patch("zloss-output-layer").is_applied()
         mw.tiny_gpt()
     assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()

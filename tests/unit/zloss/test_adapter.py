@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_ext import loop
 from megatron_ext.features import LM_LOSS_PER_TOKEN, LossInputs, MicroBatch
 from megatron_ext.zloss.adapter import ZLossFeature
 from megatron_ext.zloss.core import cross_entropy_and_z_loss
@@ -30,7 +31,8 @@ def test_lm_loss_report_is_megatrons_cross_entropy(world) -> None:
         logits = model(*inputs)  # [b, s, v]
 
     feature = ZLossFeature()
-    feature.install(mw.args(z_loss_coeff=COEFF, cross_entropy_loss_fusion=False))
+    feature.install(mw.args(z_loss_coeff=COEFF, **mw.PLAIN_OUTPUT_LOSS))
+    loop.apply_patches_of(feature)
     with torch.no_grad():
         loss = model(*inputs, labels=micro["labels"])
     core = cross_entropy_and_z_loss(logits.transpose(0, 1).contiguous(), micro["labels"].T, COEFF)

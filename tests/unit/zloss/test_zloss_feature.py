@@ -19,7 +19,12 @@ ZLOSS = patch("zloss-output-layer")
 
 def _args(**overrides: object) -> SimpleNamespace:
     return SimpleNamespace(
-        **{"z_loss_coeff": 1e-4, "cross_entropy_loss_fusion": False, **overrides}
+        **{
+            "z_loss_coeff": 1e-4,
+            "cross_entropy_loss_fusion": False,
+            "fused_output_loss": False,
+            **overrides,
+        }
     )
 
 

@@ -1,0 +1,227 @@
+"""Output layer + CE + z-loss: fused (``--fused-output-loss``) against the unfused path, side
+by side in one run: peak memory of the head + loss and time, forward + backward.
+
+Methods, on the same hidden states, weight shard, labels and loss mask:
+
+- ``unfused``: Megatron's ``ColumnParallelLinear`` output layer (the weight passed in, as a
+  tied model does) then the overlay's CE + z-loss in training mode (what ``--z-loss-coeff``
+  runs without the flag);
+- ``fused``: :func:`megatron_ext.zloss.fused.fused_output_loss` at the automatic chunk size
+  (``--chunk-tokens`` to override), what ``--fused-output-loss`` runs.
+
+Both then apply Megatron's loss (``Σ loss · mask`` times a scale) and backpropagate. ``eval``
+is the fused function under ``no_grad`` (the loss only): a recompute design (Cut
+Cross-Entropy) would add about that much to the fused time, since it redoes the forward's
+logits in backward.
+
+Peak memory: every storage created from the first op of the head to the end of backward
+(saved tensors and transients alike, the two returned gradients included) is tracked by a
+``TorchDispatchMode`` that adds a storage's bytes when an op first returns it and subtracts
+them when the storage is freed (a weak reference on the storage); the peak of that running sum
+is reported, and again with the two gradients set aside (``- grads``). Inputs are not
+counted. It runs on the ``meta`` device: the same ops on the same shapes, so the bytes are
+exact (RSS is not: the allocator keeps freed pages) and the whole grid is cheap.
+
+Times (the ``--time-hidden`` sizes, fp32 unless ``--time-bf16``) are the process's CPU time
+with one intra-op thread (``--clock cpu --threads 1``; on a
+shared machine wall time mostly measures the other jobs), median of ``--reps``
+interleaved repetitions. A TP group of one rank (gloo): a real TP group
+adds the same all-reduces per token to both (the fused path: 2 per chunk instead of 3).
+
+    python benchmarks/fused_output_loss.py --reps 1          # the grid in BENCHMARKS.md
+    python benchmarks/fused_output_loss.py --hidden 4096 --vocab 32768 --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+COEFF = 1e-4
+TOKENS = (4096, 2)  # (sequence, micro-batch)
+CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.process_time, "wall": time.perf_counter}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class PeakBytes(TorchDispatchMode):
+    """Live bytes of the storages that ops create under this mode, and their peak."""
+
+    def __init__(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._tracked: dict[int, int] = {}
+        self._inputs = {id(t.untyped_storage()) for t in inputs}  # kept alive by the caller
+
+    def _free(self, key: int) -> None:
+        self.live -= self._tracked.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            if key in self._tracked or key in self._inputs or storage.nbytes() == 0:
+                continue
+            self._tracked[key] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key)
+        return out
+
+
+def _methods(group: dist.ProcessGroup, chunk: int | None) -> dict[str, Callable[..., Any]]:
+    from megatron.core import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from megatron_ext.zloss import cross_entropy_and_z_loss
+    from megatron_ext.zloss.fused import fused_output_loss
+
+    def unfused(hidden, weight, labels, mask):
+        config = ModelParallelConfig(use_cpu_initialization=True, params_dtype=weight.dtype)
+        layer = ColumnParallelLinear(
+            weight.size(1),
+            weight.size(0),
+            config=config,
+            init_method=torch.nn.init.zeros_,
+            bias=False,
+            skip_weight_param_allocation=True,
+            tp_group=group,
+        )
+        logits, _ = layer(hidden, weight=weight)
+        return cross_entropy_and_z_loss(logits, labels, COEFF, group, overwrite_logits=True)
+
+    def fused(hidden, weight, labels, mask):
+        return fused_output_loss(
+            hidden, weight, labels, mask, z_loss_coeff=COEFF, tp_group=group, chunk_tokens=chunk
+        )
+
+    return {"unfused": unfused, "fused": fused}
+
+
+def _step(method: Callable[..., Any], inputs: tuple[torch.Tensor, ...], train: bool) -> Any:
+    hidden, weight, labels, mask = inputs
+    h, w = hidden.detach().requires_grad_(train), weight.detach().requires_grad_(train)
+    with torch.set_grad_enabled(train):
+        terms = method(h, w, labels, mask)
+        if train:
+            (torch.sum(terms.loss.view(-1) * mask.view(-1)) * 0.5).backward()
+    return terms.loss.detach(), h.grad, w.grad
+
+
+def _inputs(hidden_size: int, vocab: int, dtype: torch.dtype, device: str) -> tuple:
+    seq, batch = TOKENS
+    if device == "meta":  # the same ops on shapes only: exact bytes, no arithmetic
+        return (
+            torch.empty(seq, batch, hidden_size, dtype=dtype, device="meta"),
+            torch.empty(vocab, hidden_size, dtype=dtype, device="meta"),
+            torch.zeros(seq, batch, dtype=torch.long, device="meta"),
+            torch.empty(seq, batch, device="meta"),
+        )
+    gen = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(seq, batch, hidden_size, generator=gen).to(dtype),
+        (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).to(dtype),
+        torch.randint(0, vocab, (seq, batch), generator=gen),
+        (torch.rand(seq, batch, generator=gen) > 0.1).float(),
+    )
+
+
+def bench(hidden_size: int, vocab: int, dtype: torch.dtype, timed: bool, args: Any) -> None:
+    """One cell: peaks (meta device) and, if ``timed``, CPU times and a value check."""
+    methods = _methods(dist.group.WORLD, args.chunk_tokens)
+    runs = {**{name: (m, True) for name, m in methods.items()}, "eval": (methods["fused"], False)}
+    peaks, above = {}, {}
+    for name, (method, train) in runs.items():
+        inputs = _inputs(hidden_size, vocab, dtype, "meta")
+        with PeakBytes(inputs) as tracker:
+            _, *grads = _step(method, inputs, train)
+        peaks[name] = tracker.peak
+        # What is left once the two gradients every path must return are set aside.
+        above[name] = tracker.peak - sum(
+            g.untyped_storage().nbytes() for g in grads if g is not None
+        )
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    if timed:
+        inputs, clock, results = _inputs(hidden_size, vocab, dtype, "cpu"), CLOCKS[args.clock], {}
+        for _ in range(args.reps):  # interleaved: machine noise hits every method alike
+            for name, (method, train) in runs.items():
+                start = clock()
+                results[name] = _step(method, inputs, train)
+                times[name].append(clock() - start)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for a, b in zip(results["fused"], results["unfused"], strict=True):  # same numbers
+            torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.abs().max())
+    seq, batch = TOKENS
+    print(
+        f"\n[{seq}x{batch} tokens, hidden {hidden_size}, V/TP {vocab}, {dtype}, c={COEFF}, "
+        f"chunk {args.chunk_tokens or 'auto'}; "
+        + (
+            f"{args.clock} time, {torch.get_num_threads()} thread(s), {args.reps} reps]"
+            if timed
+            else "not timed]"
+        )
+    )
+    print(
+        f"{'method':8} {'median s':>9} {'x unfused':>9} {'peak MiB':>9} {'x unfused':>9} "
+        f"{'- grads MiB':>11} {'x unfused':>9}"
+    )
+    for name in runs:
+        timing = f"{'-':>9} {'-':>9}"
+        if timed:
+            median = statistics.median(times[name])
+            timing = f"{median:9.2f} {median / statistics.median(times['unfused']):9.2f}"
+        print(
+            f"{name:8} {timing} {peaks[name] / 2**20:9.1f} {peaks[name] / peaks['unfused']:9.3f} "
+            f"{above[name] / 2**20:11.1f} {above[name] / above['unfused']:9.3f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--vocab", type=int, nargs="+", default=[16384, 32768], help="V/TP")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), nargs="+", default=list(DTYPES))
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="default: automatic")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument(
+        "--time-hidden",
+        type=int,
+        nargs="*",
+        default=[1024],
+        help="hidden sizes also timed on CPU (fp32 only unless --time-bf16)",
+    )
+    parser.add_argument("--time-bf16", action="store_true", help="also time the bf16 cells")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as rendezvous:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{rendezvous}/store", rank=0, world_size=1
+        )
+        try:
+            for dtype in args.dtype:
+                for hidden_size in args.hidden:
+                    for vocab in args.vocab:
+                        timed = hidden_size in args.time_hidden and (
+                            dtype == "fp32" or args.time_bf16
+                        )
+                        bench(hidden_size, vocab, DTYPES[dtype], timed, args)
+        finally:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
