@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.errors import Refusal
 from megatron_ext.io import from_json
 from megatron_ext.records.signals import SignalRecord, read_signals
 
@@ -40,7 +41,7 @@ _FIELDS = {f.name for f in fields(SignalRecord)}
 type Key = tuple[int, int]  # (attempt, iteration): the order of the file
 
 
-class OrderError(ValueError):
+class OrderError(Refusal, ValueError):
     """The log is not in the order its writer appends; a seek cannot trust its positions."""
 
 

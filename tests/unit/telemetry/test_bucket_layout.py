@@ -148,8 +148,9 @@ def _worker(rank: int, init_file: str) -> None:
 
 
 def test_bucket_layout_on_real_ddp_over_two_gloo_ranks(tmp_path: Path) -> None:
-    # Forked, not spawned: the ranks inherit this process's imports (megatron-core's alone take
-    # ~10 s per fresh interpreter).
+    # Spawned, not forked: a fork of a test process whose earlier tests started torch's and
+    # gloo's threads can crash in the child (SIGSEGV seen in the full unit run); a fresh
+    # interpreter per rank costs its imports (a few seconds) and inherits nothing.
     mp.start_processes(
-        _worker, args=(str(tmp_path / "rendezvous"),), nprocs=2, join=True, start_method="fork"
+        _worker, args=(str(tmp_path / "rendezvous"),), nprocs=2, join=True, start_method="spawn"
     )
