@@ -120,14 +120,11 @@ def _training(setting: Setting, tokenizer: list[str], work: Path, extra: list[st
     ]
 
 
-def build(setting: Setting) -> dict[str, object]:
+def build(setting: Setting, tokenizer: list[str]) -> dict[str, object]:
     """Everything an operation reads, from scratch; returns what was built."""
-    from megatron_ext.demo import prepare_tiny_dataset
-
     shutil.rmtree(setting.root, ignore_errors=True)
     setting.root.mkdir(parents=True)
     start = time.perf_counter()
-    _, tokenizer = prepare_tiny_dataset(setting.root / "tokenizer")
     built: dict[str, object] = {"tokenizer": tokenizer, **setting_mod.build_corpus(setting)}
     flags = setting_mod.training_flags(setting, tokenizer)
     args = setting_mod.write_checkpoint_args(
@@ -245,11 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scales", default="0.01,1", help="comma-separated, e.g. 0.01,0.1")
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     options = parser.parse_args(argv)
+    from megatron_ext.demo import prepare_tiny_dataset
+
+    _, tokenizer = prepare_tiny_dataset(options.root / "tokenizer")  # the demo's BPE, reused
     by_scale: dict[float, list[Measured]] = {}
     for scale in sorted(float(s) for s in options.scales.split(",")):
         setting = Setting(options.root / f"scale-{scale:g}", scale)
         print(f"scale {scale:g} in {setting.root}", flush=True)
-        by_scale[scale] = operations(setting, build(setting))
+        by_scale[scale] = operations(setting, build(setting, tokenizer))
     print(table(by_scale))
     if options.json:
         options.json.write_text(

@@ -163,7 +163,11 @@ def write_checkpoint_args(directory: Path, iteration: int, flags: list[str]) -> 
 
     from megatron_ext.lookup.config import megatron_namespace
 
-    args = argparse.Namespace(**vars(megatron_namespace(flags, None)))
+    parsed = vars(megatron_namespace(flags, None))
+    # Defaults the lookup's parser cannot name (stand-ins for Megatron objects) pickle as None.
+    args = argparse.Namespace(
+        **{k: None if type(v).__module__.startswith("megatron_ext") else v for k, v in parsed.items()}
+    )
     args.data_parallel_size = DP
     args.world_size = DP
     args.iteration = iteration
@@ -176,17 +180,19 @@ def write_checkpoint_args(directory: Path, iteration: int, flags: list[str]) -> 
 
 
 def planner_checkpoints(directory: Path, template: Path, last: int) -> int:
-    """Every ``CKPT_INTERVAL``-th iteration up to ``last`` as a checkpoint directory, each
+    """Every ``CKPT_INTERVAL``-th iteration up to ``last`` (every 100th in logs under 10 k
+    iterations) as a checkpoint directory, each
     ``common.pt`` a hard link to ``template`` (the planner reads directory names, and the
     saved args of the newest only)."""
+    interval = CKPT_INTERVAL if last >= 10 * CKPT_INTERVAL else 100
     count = 0
-    for iteration in range(CKPT_INTERVAL, last + 1, CKPT_INTERVAL):
+    for iteration in range(interval, last + 1, interval):
         target = directory / f"iter_{iteration:07d}"
         target.mkdir(parents=True, exist_ok=True)
         if not (target / "common.pt").exists():
             os.link(template, target / "common.pt")
         count += 1
-    (directory / "latest_checkpointed_iteration.txt").write_text(str(last // CKPT_INTERVAL * 1000))
+    (directory / "latest_checkpointed_iteration.txt").write_text(str(last // interval * interval))
     return count
 
 
