@@ -230,10 +230,26 @@ def table(by_scale: dict[float, list[Measured]]) -> str:
             last.minor_faults / max(1, first.minor_faults),
         )
         rows.append(
-            f"| {first.operation} | " + " | ".join(cells) + " | "
-            + " | ".join(f"{r:.2f}" for r in ratios) + " |"
+            f"| {first.operation} | "
+            + " | ".join(cells)
+            + " | "
+            + " | ".join(f"{r:.2f}" for r in ratios)
+            + " |"
         )
     return "\n".join(rows)
+
+
+def measure_scales(root: Path, scales: list[float]) -> dict[float, list[Measured]]:
+    """Build each scale under ``root`` and run every operation on it, smallest first."""
+    from megatron_ext.demo import prepare_tiny_dataset
+
+    _, tokenizer = prepare_tiny_dataset(root / "tokenizer")  # the demo's BPE, reused
+    by_scale: dict[float, list[Measured]] = {}
+    for scale in sorted(scales):
+        setting = Setting(root / f"scale-{scale:g}", scale)
+        print(f"scale {scale:g} in {setting.root}", flush=True)
+        by_scale[scale] = operations(setting, build(setting, tokenizer))
+    return by_scale
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,14 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scales", default="0.01,1", help="comma-separated, e.g. 0.01,0.1")
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     options = parser.parse_args(argv)
-    from megatron_ext.demo import prepare_tiny_dataset
-
-    _, tokenizer = prepare_tiny_dataset(options.root / "tokenizer")  # the demo's BPE, reused
-    by_scale: dict[float, list[Measured]] = {}
-    for scale in sorted(float(s) for s in options.scales.split(",")):
-        setting = Setting(options.root / f"scale-{scale:g}", scale)
-        print(f"scale {scale:g} in {setting.root}", flush=True)
-        by_scale[scale] = operations(setting, build(setting, tokenizer))
+    by_scale = measure_scales(options.root, [float(s) for s in options.scales.split(",")])
     print(table(by_scale))
     if options.json:
         options.json.write_text(

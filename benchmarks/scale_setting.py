@@ -166,7 +166,10 @@ def write_checkpoint_args(directory: Path, iteration: int, flags: list[str]) -> 
     parsed = vars(megatron_namespace(flags, None))
     # Defaults the lookup's parser cannot name (stand-ins for Megatron objects) pickle as None.
     args = argparse.Namespace(
-        **{k: None if type(v).__module__.startswith("megatron_ext") else v for k, v in parsed.items()}
+        **{
+            k: None if type(v).__module__.startswith("megatron_ext") else v
+            for k, v in parsed.items()
+        }
     )
     args.data_parallel_size = DP
     args.world_size = DP
