@@ -14,9 +14,9 @@ Operations (each needs the previous ones' files):
 - ``megatron cache build``: the first start-up of plain Megatron, which builds the blend's
   index caches (megatron-core's ``BlendedMegatronDatasetBuilder``), then one iteration;
 - ``start-up plain`` / ``start-up overlay``: the entry point with no megatron-ext flag, then
-  with every overlay flag, caches present, one iteration of global batch 16 (micro-batch 1:
+  with every overlay flag, caches present, one iteration of one sample (the
   the start-up, not the first iteration's compute; the 1024-sample iteration's memory is
-  ``benchmarks/microbatch_memory.py``). The overlay run resumes a signals log as long as the
+  ``tests/e2e/test_microbatch_memory.py`` and BENCHMARKS.md). The overlay run resumes a signals log as long as the
   benchmark's (a restart late in a run);
 - ``data checks``: the overlay's start-up checks alone (``.bin``/``.idx`` pair fingerprint
   and split sizes of the 3 prefixes), in both start-ups above;
@@ -99,7 +99,7 @@ def _cli(*args: str) -> list[str]:
 
 def _training(setting: Setting, tokenizer: list[str], work: Path, extra: list[str]) -> list[str]:
     """The entry point through the CPU harness, one rank: the run's data and sample count,
-    a tiny model, one iteration of global batch 16 (``--train-samples`` keeps the count)."""
+    a tiny model, one iteration of one sample (``--train-samples`` keeps the count)."""
     from megatron_ext.demo import TINY_MODEL
     from megatron_ext.train import CPU_FLAGS
 
@@ -107,7 +107,7 @@ def _training(setting: Setting, tokenizer: list[str], work: Path, extra: list[st
     at = flags.index("--train-iters")
     samples = setting.train_iters * setting_mod.GLOBAL_BATCH
     flags[at : at + 2] = ["--train-samples", str(samples)]
-    for name, value in (("--global-batch-size", "16"), ("--micro-batch-size", "1")):
+    for name, value in (("--global-batch-size", "1"), ("--micro-batch-size", "1")):
         flags[flags.index(name) + 1] = value
     return [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"),
