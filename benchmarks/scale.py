@@ -14,10 +14,10 @@ Operations (each needs the previous ones' files):
 - ``megatron cache build``: the first start-up of plain Megatron, which builds the blend's
   index caches (megatron-core's ``BlendedMegatronDatasetBuilder``), then one iteration;
 - ``start-up plain`` / ``start-up overlay``: the entry point with no megatron-ext flag, then
-  with every overlay flag, caches present, one iteration of one sample (the
-  the start-up, not the first iteration's compute; the 1024-sample iteration's memory is
-  ``tests/e2e/test_microbatch_memory.py`` and BENCHMARKS.md). The overlay run resumes a signals log as long as the
-  benchmark's (a restart late in a run);
+  with every overlay flag, caches present, one iteration of one sample (the start-up, not
+  the first iteration's compute; the 1024-sample iteration's memory is
+  ``tests/e2e/test_microbatch_memory.py`` and BENCHMARKS.md). The overlay run resumes a
+  signals log as long as the benchmark's (a restart late in a run);
 - ``data checks``: the overlay's start-up checks alone (``.bin``/``.idx`` pair fingerprint
   and split sizes of the 3 prefixes), in both start-ups above;
 - ``lookup``: ``--iteration N --dp-rank 17``; ``--sample-log`` for the whole batch;
