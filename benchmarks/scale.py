@@ -97,13 +97,10 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "megatron_ext.cli", *args]
 
 
-def _training(setting: Setting, tokenizer: list[str], work: Path, extra: list[str]) -> list[str]:
+def _training(setting: Setting, built: dict, extra: list[str]) -> list[str]:
     """The entry point through the CPU harness, one rank: the run's data and sample count,
     a tiny model, one iteration of one sample (``--train-samples`` keeps the count)."""
-    from megatron_ext.demo import TINY_MODEL
-    from megatron_ext.train import CPU_FLAGS
-
-    flags = setting_mod.training_flags(setting, tokenizer)
+    flags = setting_mod.training_flags(setting, built["tokenizer"])
     at = flags.index("--train-iters")
     samples = setting.train_iters * setting_mod.GLOBAL_BATCH
     flags[at : at + 2] = ["--train-samples", str(samples)]
@@ -112,8 +109,7 @@ def _training(setting: Setting, tokenizer: list[str], work: Path, extra: list[st
     return [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"),
         str(RUNNER),
-        *TINY_MODEL,
-        *CPU_FLAGS,
+        *built["model_flags"],
         *flags,
         *("--lr", "1e-4", "--seed", "1234", "--log-interval", "1", "--exit-interval", "1"),
         *extra,
@@ -137,7 +133,6 @@ def build(setting: Setting, tokenizer: list[str]) -> dict[str, object]:
         setting.root / "planner-ckpt", template, int(built["signals_iterations"]) - 100
     )
     built["build_seconds"] = round(time.perf_counter() - start, 1)
-    print(f"  built: {json.dumps({k: v for k, v in built.items() if k != 'tokenizer'})}")
     return built
 
 
@@ -155,18 +150,18 @@ def _data_checks(setting: Setting) -> list[str]:
 
 def operations(setting: Setting, built: dict[str, object]) -> list[Measured]:
     """Run every operation once at this scale."""
-    root, env, tokenizer = setting.root, _env(), list(built["tokenizer"])  # type: ignore[call-overload]
+    root, env = setting.root, _env()
     logs = root / "logs"
     results = [
         run_child(
             "megatron cache build",
-            _training(setting, tokenizer, root / "first", []),
+            _training(setting, built, []),
             logs / "cache-build.txt",
             env,
         ),
         run_child(
             "start-up plain",
-            _training(setting, tokenizer, root / "plain", []),
+            _training(setting, built, []),
             logs / "plain.txt",
             env,
         ),
@@ -180,7 +175,7 @@ def operations(setting: Setting, built: dict[str, object]) -> list[Measured]:
     results.append(
         run_child(
             "start-up overlay",
-            _training(setting, tokenizer, overlay, flags),
+            _training(setting, built, flags),
             logs / "overlay.txt",
             {**env, "MEGATRON_EXT_HARNESS_COUNTS": str(overlay / "counts")},
         )
@@ -189,8 +184,12 @@ def operations(setting: Setting, built: dict[str, object]) -> list[Measured]:
     ckpt = ["--from-checkpoint", str(root / "ckpt")]
     iteration = str(min(int(built["sample_log_iterations"]), setting.train_iters) // 2 + 1)
     samples = ["--sample-log", str(root / "samples")]
+    # Without the sample log's layout history the lookup asks for the layout.
+    layout = ["--data-parallel-size", str(setting_mod.DP)]
+    layout += ["--micro-batch-size", str(setting_mod.MICRO_BATCH)]
+    layout += ["--global-batch-size", str(setting_mod.GLOBAL_BATCH)]
     lookups = {
-        "lookup --iteration --dp-rank": ["--iteration", iteration, "--dp-rank", "17"],
+        "lookup --iteration --dp-rank": ["--iteration", iteration, "--dp-rank", "17", *layout],
         "lookup --sample-log (batch)": ["--iteration", iteration, *samples],
         "lookup --worst 8 --dp-rank": ["--iteration", iteration, "--worst", "8", "--dp-rank", "17"],
         "lookup inverse": ["--document", "1234", "--dataset", setting.prefixes[2]],
@@ -240,16 +239,33 @@ def table(by_scale: dict[float, list[Measured]]) -> str:
 
 
 def measure_scales(root: Path, scales: list[float]) -> dict[float, list[Measured]]:
-    """Build each scale under ``root`` and run every operation on it, smallest first."""
-    from megatron_ext.demo import prepare_tiny_dataset
+    """Build each scale under ``root`` and run every operation on it, smallest first.
 
-    _, tokenizer = prepare_tiny_dataset(root / "tokenizer")  # the demo's BPE, reused
+    Building runs in a child: a child's peak RSS includes the memory of the process it was
+    forked from (Linux records the pre-exec high-water mark), so this process stays small
+    (no torch) and every figure is the operation's own."""
     by_scale: dict[float, list[Measured]] = {}
     for scale in sorted(scales):
         setting = Setting(root / f"scale-{scale:g}", scale)
         print(f"scale {scale:g} in {setting.root}", flush=True)
-        by_scale[scale] = operations(setting, build(setting, tokenizer))
+        command = [sys.executable, __file__, "--root", str(root), "--build", str(root)]
+        command.append(f"{scale!r}")
+        output = subprocess.run(command, env=_env(), capture_output=True, text=True, check=True)
+        built = json.loads(output.stdout.splitlines()[-1])
+        shown = {k: v for k, v in built.items() if k not in ("tokenizer", "model_flags")}
+        print(f"  built: {json.dumps(shown)}", flush=True)
+        by_scale[scale] = operations(setting, built)
     return by_scale
+
+
+def _build_main(root: Path, scale: float) -> None:
+    """The ``--build`` child: the demo's BPE (reused), the setting, the model flags."""
+    from megatron_ext.demo import TINY_MODEL, prepare_tiny_dataset
+    from megatron_ext.train import CPU_FLAGS
+
+    _, tokenizer = prepare_tiny_dataset(root / "tokenizer")
+    built = build(Setting(root / f"scale-{scale:g}", scale), tokenizer)
+    print(json.dumps({**built, "model_flags": [*TINY_MODEL, *CPU_FLAGS]}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, required=True, help="where each scale is built")
     parser.add_argument("--scales", default="0.01,1", help="comma-separated, e.g. 0.01,0.1")
     parser.add_argument("--json", type=Path, help="also write every measurement here")
+    parser.add_argument("--build", nargs=2, metavar=("ROOT", "SCALE"), help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
+    if options.build:
+        _build_main(Path(options.build[0]), float(options.build[1]))
+        return 0
     by_scale = measure_scales(options.root, [float(s) for s in options.scales.split(",")])
     print(table(by_scale))
     if options.json:
