@@ -6,7 +6,7 @@ overlay: glibc raises its mmap threshold as large blocks are freed, after which 
 micro-batch's activations stayed in the heap (``shims.fix_mmap_threshold``). Plain Megatron
 grew the same way; what remains is megatron-core's own replay buffer (``RerunDataIterator``
 keeps every micro-batch of the iteration in ``--rerun-mode validate_results``, the default:
-here ~0.27 MiB per micro-batch, the attention mask built in the data loader included).
+here ~0.3 MiB per micro-batch, the attention mask built in the data loader included).
 
 One launch, 72 micro-batches of one iteration; the harness samples this rank's resident set
 at every micro-batch read (``MEGATRON_EXT_HARNESS_RSS``). The bound is on growth between
@@ -20,7 +20,7 @@ from harness import TELEMETRY, launch
 
 MICRO_BATCHES = 72
 SEQ_LENGTH = "512"
-# Megatron's replay buffer (~0.27 MiB per micro-batch at seq 512) plus allocator noise; a
+# Megatron's replay buffer (~0.3 MiB per micro-batch at seq 512) plus allocator noise; a
 # micro-batch's activations (~8 MiB) kept per micro-batch, by the overlay or the harness,
 # exceeds it several times over.
 GROWTH_BOUND = 64 << 20
