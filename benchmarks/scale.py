@@ -184,6 +184,7 @@ def operations(setting: Setting, built: dict[str, object]) -> list[Measured]:
     ckpt = ["--from-checkpoint", str(root / "ckpt")]
     iteration = str(min(int(built["sample_log_iterations"]), setting.train_iters) // 2 + 1)
     samples = ["--sample-log", str(root / "samples")]
+    document = str(round(setting.count("documents") * setting_mod.WEIGHTS[2]) // 2)
     # Without the sample log's layout history the lookup asks for the layout.
     layout = ["--data-parallel-size", str(setting_mod.DP)]
     layout += ["--micro-batch-size", str(setting_mod.MICRO_BATCH)]
@@ -192,7 +193,7 @@ def operations(setting: Setting, built: dict[str, object]) -> list[Measured]:
         "lookup --iteration --dp-rank": ["--iteration", iteration, "--dp-rank", "17", *layout],
         "lookup --sample-log (batch)": ["--iteration", iteration, *samples],
         "lookup --worst 8 --dp-rank": ["--iteration", iteration, "--worst", "8", "--dp-rank", "17"],
-        "lookup inverse": ["--document", "1234", "--dataset", setting.prefixes[2]],
+        "lookup inverse": ["--document", document, "--dataset", setting.prefixes[2]],
     }
     for name, query in lookups.items():
         command = _cli("lookup", *ckpt, *query, "--out", str(root / "lookup.jsonl"))
