@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import functools
 import importlib.metadata
 import json
@@ -194,6 +195,16 @@ def _dump_counts() -> None:
 
 # Micro-batches this rank read from the data iterator, per DP rank they were read for.
 READS: collections.Counter[int] = collections.Counter()
+# With MEGATRON_EXT_HARNESS_RSS set: [iteration, resident bytes] at every training micro-batch
+# read, so a test sees memory that grows with the micro-batches of one iteration.
+RSS: list[list[int]] = []
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now (one read of ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * _PAGE
 
 
 def record_batch_reads() -> None:
@@ -201,11 +212,14 @@ def record_batch_reads() -> None:
     from megatron_ext import gpt_step
 
     original = gpt_step.get_batch
+    sample_rss = bool(os.environ.get("MEGATRON_EXT_HARNESS_RSS"))
 
     def get_batch(data_iterator: Any, micro_batch: Any, *args: Any, **kwargs: Any) -> Any:
         batch = original(data_iterator, micro_batch, *args, **kwargs)
         if micro_batch.reads_data:
             READS[micro_batch.dp_rank] += 1
+        if sample_rss and micro_batch.training:
+            RSS.append([micro_batch.iteration, resident_bytes()])
         return batch
 
     gpt_step.get_batch = get_batch
@@ -213,7 +227,29 @@ def record_batch_reads() -> None:
 
 def record_exit(code: Any) -> None:
     """What this rank did: its batch reads and the exit code it chose (``exit-rankN.json``)."""
-    _dump("exit-rank", {"exit_code": code, "reads": {str(k): v for k, v in READS.items()}})
+    reads = {str(k): v for k, v in READS.items()}
+    _dump("exit-rank", {"exit_code": code, "reads": reads, "rss": RSS})
+
+
+# glibc's mallopt(M_MMAP_THRESHOLD, ...) parameter number (malloc.h).
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 128 << 10  # glibc's initial value
+
+
+def fix_mmap_threshold() -> bool:
+    """Give large host allocations back to the OS when freed, as the GPU path never has to.
+
+    On GPUs a micro-batch's activations live in CUDA's caching allocator; on CPU they are
+    glibc heap blocks. glibc starts by serving blocks of 128 KiB and more with mmap, but each
+    time such a block is freed it raises its mmap threshold to that size (up to 32 MiB): from
+    then on a micro-batch's attention scores and logits come from the heap, which then grows
+    by about one micro-batch's activations per micro-batch without being trimmed (tiny model,
+    seq 1024: +33 MiB per micro-batch, 9 GiB after 256; the "first iteration" growth of
+    issue #25). Setting the threshold explicitly turns that adjustment off (mallopt(3)).
+    Returns False where the C library has no ``mallopt`` (not glibc): nothing changed.
+    """
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    return bool(mallopt and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
 def install() -> None:
@@ -227,6 +263,7 @@ def install() -> None:
             "re-verify the shims before moving the pin"
         )
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    fix_mmap_threshold()
     cuda = torch.cuda
     for name in dir(cuda):
         if name.startswith("_") or name in _LEAVE_ALONE:

@@ -1,0 +1,295 @@
+"""Start-up, lookup, plot and planner at the size of a real run, side by side at two scales.
+
+Builds the setting of ``benchmarks/scale_setting.py`` from scratch at each ``--scales`` value
+(default 1/100 and 1, the full 50 M documents / 30 B tokens / 102.4 M samples), then runs
+each operation as a user runs it, a new process of the installed CLI or the real entry point
+through the CPU harness, and measures that child alone: wall time and peak RSS
+(``os.wait4``: the child's and its waited-for descendants' ``ru_maxrss``, so torchrun's worker
+is included) and minor page faults (pages the child touched, file mappings included: a
+count that does not depend on the machine's speed). The last table gives each operation's
+ratio between the largest and the smallest scale, so growth is visible.
+
+Operations (each needs the previous ones' files):
+
+- ``megatron cache build``: the first start-up of plain Megatron, which builds the blend's
+  index caches (megatron-core's ``BlendedMegatronDatasetBuilder``), then one iteration;
+- ``start-up plain`` / ``start-up overlay``: the entry point with no megatron-ext flag, then
+  with every overlay flag, caches present, one iteration of one sample (the start-up, not
+  the first iteration's compute; the 1024-sample iteration's memory is
+  ``tests/e2e/test_microbatch_memory.py`` and BENCHMARKS.md). The overlay run resumes a
+  signals log as long as the benchmark's (a restart late in a run);
+- ``data checks``: the overlay's start-up checks alone (``.bin``/``.idx`` pair fingerprint
+  and split sizes of the 3 prefixes), in both start-ups above;
+- ``lookup``: ``--iteration N --dp-rank 17``; ``--sample-log`` for the whole batch;
+  ``--worst 8 --dp-rank 17``; inverse (``--document D --dataset P``), each from the DP=64
+  checkpoint's args;
+- ``plot``: ``megatron-ext plot`` of the signals log; ``skiplist``: the planner's plan for
+  the spike at its end (``--no-lookup``).
+
+    python benchmarks/scale.py --root /tmp/scale                  # 1/100 and full scale
+    python benchmarks/scale.py --root /tmp/scale --scales 0.01,0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import scale_setting as setting_mod
+from scale_setting import Setting
+
+from megatron_ext.train import CPU_RUNNER
+
+REPO = Path(__file__).resolve().parents[1]
+RUNNER = CPU_RUNNER
+ALL_FLAGS = [
+    "--z-loss-coeff",
+    "1e-4",
+    "--embedding-weight-decay-mult",
+    "0",
+    "--output-layer-weight-decay-mult",
+    "0",
+    "--log-bucket-grad-norms",
+    "--signals-update-ratio",
+    "--spike-detect",
+]
+
+
+@dataclass
+class Measured:
+    operation: str
+    seconds: float
+    peak_rss: int  # bytes
+    minor_faults: int
+    returncode: int
+
+
+def run_child(operation: str, command: list[str], log: Path, env: dict[str, str]) -> Measured:
+    """Run one operation as its own process; wall time, peak RSS and faults of that child."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        start = time.perf_counter()
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - start
+    child.returncode = os.waitstatus_to_exitcode(status)
+    result = Measured(operation, seconds, usage.ru_maxrss * 1024, usage.ru_minflt, child.returncode)
+    print(
+        f"  {operation}: {seconds:.1f} s, {result.peak_rss / 2**30:.2f} GiB, rc {child.returncode}",
+        flush=True,
+    )
+    if child.returncode != 0:
+        print(f"    failed, see {log}:\n{log.read_text()[-1500:]}", flush=True)
+    return result
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "megatron_ext.cli", *args]
+
+
+def _training(setting: Setting, built: dict, extra: list[str]) -> list[str]:
+    """The entry point through the CPU harness, one rank: the run's data and sample count,
+    a tiny model, one iteration of one sample (``--train-samples`` keeps the count)."""
+    flags = setting_mod.training_flags(setting, built["tokenizer"])
+    at = flags.index("--train-iters")
+    samples = setting.train_iters * setting_mod.GLOBAL_BATCH
+    flags[at : at + 2] = ["--train-samples", str(samples)]
+    for name, value in (("--global-batch-size", "1"), ("--micro-batch-size", "1")):
+        flags[flags.index(name) + 1] = value
+    return [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"),
+        str(RUNNER),
+        *built["model_flags"],
+        *flags,
+        *("--lr", "1e-4", "--seed", "1234", "--log-interval", "1", "--exit-interval", "1"),
+        *extra,
+    ]
+
+
+def build(setting: Setting, tokenizer: list[str]) -> dict[str, object]:
+    """Everything an operation reads, from scratch; returns what was built."""
+    shutil.rmtree(setting.root, ignore_errors=True)
+    setting.root.mkdir(parents=True)
+    start = time.perf_counter()
+    built: dict[str, object] = {"tokenizer": tokenizer, **setting_mod.build_corpus(setting)}
+    flags = setting_mod.training_flags(setting, tokenizer)
+    args = setting_mod.write_checkpoint_args(
+        setting.root / "ckpt", setting.train_iters // 2, [*flags, "--micro-batch-size", "4"]
+    )
+    built["sample_log_iterations"] = setting_mod.build_sample_logs(setting, args)
+    built["signals_iterations"], built["onset"] = setting_mod.build_signals(setting)
+    template = setting.root / "ckpt" / f"iter_{setting.train_iters // 2:07d}" / "common.pt"
+    built["planner_checkpoints"] = setting_mod.planner_checkpoints(
+        setting.root / "planner-ckpt", template, int(built["signals_iterations"]) - 100
+    )
+    built["build_seconds"] = round(time.perf_counter() - start, 1)
+    return built
+
+
+def _data_checks(setting: Setting) -> list[str]:
+    code = (
+        "import sys\n"
+        "from megatron_ext.data.pair import check_pair\n"
+        "from megatron_ext.data.checks import split_sizes\n"
+        "for prefix in sys.argv[1:]:\n"
+        "    check_pair(prefix)\n"
+        "    split_sizes(prefix, [(0.0, 1.0), None, None])\n"
+    )
+    return [sys.executable, "-c", code, *setting.prefixes]
+
+
+def operations(setting: Setting, built: dict[str, object]) -> list[Measured]:
+    """Run every operation once at this scale."""
+    root, env = setting.root, _env()
+    logs = root / "logs"
+    results = [
+        run_child(
+            "megatron cache build",
+            _training(setting, built, []),
+            logs / "cache-build.txt",
+            env,
+        ),
+        run_child(
+            "start-up plain",
+            _training(setting, built, []),
+            logs / "plain.txt",
+            env,
+        ),
+    ]
+    overlay = root / "overlay"
+    shutil.rmtree(overlay, ignore_errors=True)
+    shutil.copytree(root / "signals", overlay / "signals")
+    (overlay / "signals" / "spikes.jsonl").unlink()
+    flags = [*ALL_FLAGS, "--signals-dir", str(overlay / "signals")]
+    flags += ["--sample-log-dir", str(overlay / "samples")]
+    results.append(
+        run_child(
+            "start-up overlay",
+            _training(setting, built, flags),
+            logs / "overlay.txt",
+            {**env, "MEGATRON_EXT_HARNESS_COUNTS": str(overlay / "counts")},
+        )
+    )
+    results.append(run_child("data checks", _data_checks(setting), logs / "checks.txt", env))
+    ckpt = ["--from-checkpoint", str(root / "ckpt")]
+    iteration = str(min(int(built["sample_log_iterations"]), setting.train_iters) // 2 + 1)
+    samples = ["--sample-log", str(root / "samples")]
+    document = str(round(setting.count("documents") * setting_mod.WEIGHTS[2]) // 2)
+    # Without the sample log's layout history the lookup asks for the layout.
+    layout = ["--data-parallel-size", str(setting_mod.DP)]
+    layout += ["--micro-batch-size", str(setting_mod.MICRO_BATCH)]
+    layout += ["--global-batch-size", str(setting_mod.GLOBAL_BATCH)]
+    lookups = {
+        "lookup --iteration --dp-rank": ["--iteration", iteration, "--dp-rank", "17", *layout],
+        "lookup --sample-log (batch)": ["--iteration", iteration, *samples],
+        "lookup --worst 8 --dp-rank": ["--iteration", iteration, "--worst", "8", "--dp-rank", "17"],
+        "lookup inverse": ["--document", document, "--dataset", setting.prefixes[2]],
+    }
+    for name, query in lookups.items():
+        command = _cli("lookup", *ckpt, *query, "--out", str(root / "lookup.jsonl"))
+        if "--worst" in query:
+            command = [*command, *samples]
+        results.append(run_child(name, command, logs / f"{name.replace(' ', '_')}.txt", env))
+    plot = ["plot", "--signals-dir", str(root / "signals"), "--out", str(root / "plot.png")]
+    results.append(run_child("plot", _cli(*plot), logs / "plot.txt", env))
+    planner_ckpt = root / "planner-ckpt"
+    shutil.rmtree(planner_ckpt / "megatron_ext_incidents", ignore_errors=True)
+    plan = ["skiplist", "--ckpt-dir", str(planner_ckpt), "--signals-dir", str(root / "signals")]
+    plan += ["--train-iters", str(int(built["signals_iterations"]) * 2), "--no-lookup"]
+    results.append(run_child("skiplist (plan)", _cli(*plan), logs / "skiplist.txt", env))
+    return results
+
+
+def table(by_scale: dict[float, list[Measured]]) -> str:
+    """Markdown: each operation's time and peak RSS per scale, and largest/smallest ratios."""
+    scales = sorted(by_scale)
+    head = "| operation | " + " | ".join(f"{s:g}: s | {s:g}: GiB" for s in scales)
+    head += " | time × | RSS × | faults × |"
+    rows = [head, "|---|" + "---:|" * (2 * len(scales) + 3)]
+    small, large = by_scale[scales[0]], by_scale[scales[-1]]
+    for index, first in enumerate(small):
+        cells = []
+        for scale in scales:
+            m = by_scale[scale][index]
+            failed = "" if m.returncode == 0 else f" (rc {m.returncode})"
+            cells += [f"{m.seconds:.1f}{failed}", f"{m.peak_rss / 2**30:.2f}"]
+        last = large[index]
+        ratios = (
+            last.seconds / first.seconds,
+            last.peak_rss / first.peak_rss,
+            last.minor_faults / max(1, first.minor_faults),
+        )
+        rows.append(
+            f"| {first.operation} | "
+            + " | ".join(cells)
+            + " | "
+            + " | ".join(f"{r:.2f}" for r in ratios)
+            + " |"
+        )
+    return "\n".join(rows)
+
+
+def measure_scales(root: Path, scales: list[float]) -> dict[float, list[Measured]]:
+    """Build each scale under ``root`` and run every operation on it, smallest first.
+
+    Building runs in a child: a child's peak RSS includes the memory of the process it was
+    forked from (Linux records the pre-exec high-water mark), so this process stays small
+    (no torch) and every figure is the operation's own."""
+    by_scale: dict[float, list[Measured]] = {}
+    for scale in sorted(scales):
+        setting = Setting(root / f"scale-{scale:g}", scale)
+        print(f"scale {scale:g} in {setting.root}", flush=True)
+        command = [sys.executable, __file__, "--root", str(root), "--build", str(root)]
+        command.append(f"{scale!r}")
+        output = subprocess.run(command, env=_env(), capture_output=True, text=True, check=True)
+        built = json.loads(output.stdout.splitlines()[-1])
+        shown = {k: v for k, v in built.items() if k not in ("tokenizer", "model_flags")}
+        print(f"  built: {json.dumps(shown)}", flush=True)
+        by_scale[scale] = operations(setting, built)
+    return by_scale
+
+
+def _build_main(root: Path, scale: float) -> None:
+    """The ``--build`` child: the demo's BPE (reused), the setting, the model flags."""
+    from megatron_ext.demo import TINY_MODEL, prepare_tiny_dataset
+    from megatron_ext.train import CPU_FLAGS
+
+    _, tokenizer = prepare_tiny_dataset(root / "tokenizer")
+    built = build(Setting(root / f"scale-{scale:g}", scale), tokenizer)
+    print(json.dumps({**built, "model_flags": [*TINY_MODEL, *CPU_FLAGS]}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, required=True, help="where each scale is built")
+    parser.add_argument("--scales", default="0.01,1", help="comma-separated, e.g. 0.01,0.1")
+    parser.add_argument("--json", type=Path, help="also write every measurement here")
+    parser.add_argument("--build", nargs=2, metavar=("ROOT", "SCALE"), help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    if options.build:
+        _build_main(Path(options.build[0]), float(options.build[1]))
+        return 0
+    by_scale = measure_scales(options.root, [float(s) for s in options.scales.split(",")])
+    print(table(by_scale))
+    if options.json:
+        options.json.write_text(
+            json.dumps({f"{s:g}": [vars(m) for m in ms] for s, ms in by_scale.items()}, indent=1)
+        )
+    return 1 if any(m.returncode for ms in by_scale.values() for m in ms) else 0
+
+
+if __name__ == "__main__":
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    sys.exit(main())

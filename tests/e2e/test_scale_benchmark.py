@@ -1,0 +1,45 @@
+"""``benchmarks/scale.py`` at two tiny scales (1/10,000 and 1/1,000 of a real run): every
+operation runs, and what must not grow with the data does not.
+
+No absolute times. What is asserted is relative, within one run: the overlay's start-up peak
+memory against plain Megatron's on the same data and args (issue #24's <= 5 % target), and,
+between two scales 10x apart, the peak RSS and the pages touched (minor faults) of the
+operations that must stay flat: the overlay's start-up data checks (a fingerprint of 16
+sampled blocks and two index reads per prefix, whatever the corpus size) and a one-rank
+``lookup --iteration``. Operations other work is making flat (plot, planner, sample-log
+checks) are measured and printed, not bounded here; their own tests count what they read.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import scale  # noqa: E402
+
+SCALES = (0.0001, 0.001)
+FLAT = ("data checks", "lookup --iteration --dp-rank")
+
+
+def test_scale_benchmark_runs_every_operation_and_flat_ones_stay_flat(tmp_path) -> None:
+    by_scale = scale.measure_scales(tmp_path, list(SCALES))
+    failed = [(s, m.operation) for s, ms in by_scale.items() for m in ms if m.returncode]
+    assert not failed, f"operations failed (logs under {tmp_path}/scale-*/logs): {failed}"
+    small, large = ({m.operation: m for m in by_scale[s]} for s in SCALES)
+    assert list(small) == list(large) and len(small) == 10, "every operation ran at both scales"
+    for measured in (small, large):
+        plain, overlay = measured["start-up plain"], measured["start-up overlay"]
+        assert overlay.peak_rss <= 1.05 * plain.peak_rss, (
+            f"the overlay's start-up peak RSS {overlay.peak_rss >> 20} MiB exceeds plain "
+            f"Megatron's {plain.peak_rss >> 20} MiB by more than 5 %"
+        )
+    for name in FLAT:
+        rss = large[name].peak_rss / small[name].peak_rss
+        faults = large[name].minor_faults / small[name].minor_faults
+        assert rss < 1.5 and faults < 1.5, (
+            f"{name} grew with the data: RSS x{rss:.2f}, faults x{faults:.2f}"
+        )
+    assert scale.table(by_scale).count("\n") == 1 + len(small), "one table row per operation"
