@@ -109,7 +109,7 @@ def long_tailed_lengths(documents: int, tokens: int, rng: np.random.Generator) -
 
 def build_corpus(setting: Setting, seed: int = 1234) -> dict[str, int]:
     """Real ``.idx`` files with their fingerprint, sparse ``.bin`` files; returns the sizes."""
-    from megatron_ext.data.pair import append_fingerprint
+    from megatron_ext.records.pair import append_fingerprint
 
     rng = np.random.default_rng(seed)
     (setting.root / "data").mkdir(parents=True, exist_ok=True)
@@ -200,7 +200,7 @@ def planner_checkpoints(directory: Path, template: Path, last: int) -> int:
 
 
 def _signal(iteration: int, loss: float, buckets: list[str], rng_value: float) -> dict:
-    from megatron_ext.telemetry.signals import SignalRecord
+    from megatron_ext.records.signals import SignalRecord
 
     return SignalRecord(
         iteration=iteration,
@@ -228,10 +228,10 @@ def build_signals(setting: Setting) -> tuple[int, int]:
     the last 80 iterations) and ``signals/spikes.jsonl`` written by the real detector fed the
     records around the spike; returns (iterations, onset)."""
     from megatron_ext.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
-    from megatron_ext.spikes.config import SpikeConfig
+    from megatron_ext.records.ledger import config_record
+    from megatron_ext.records.signals import SignalRecord
+    from megatron_ext.records.spike_config import SpikeConfig
     from megatron_ext.spikes.detector import SpikeDetector
-    from megatron_ext.spikes.ledger import config_record
-    from megatron_ext.telemetry.signals import SignalRecord
 
     directory = setting.root / "signals"
     directory.mkdir(parents=True, exist_ok=True)
@@ -264,7 +264,7 @@ def build_sample_logs(setting: Setting, args: Any) -> int:
     global sample ids Megatron's sampler gives that rank's micro-batch (``(i-1)·1024 +
     m·4·64 + r·4 + k``) and the SHA-1 of its tokens (all 0: the sparse ``.bin``)."""
     from megatron_ext.io import token_sha1
-    from megatron_ext.sample_log.core import append_layout, layout_record
+    from megatron_ext.records.sample_log import append_layout, layout_record
 
     directory = setting.root / "samples"
     directory.mkdir(parents=True, exist_ok=True)

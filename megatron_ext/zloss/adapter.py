@@ -234,6 +234,11 @@ def fused_output_processor(
     with a z-loss, leaves its CE and log²Z for the z-loss feature's report, like the patched
     loss method does.
     """
+    # The output layer's forward is not called, so run its forward pre-hooks as the call
+    # would: with --overlap-param-gather, Megatron DDP's hook finishes this layer's param
+    # all-gather there and starts the next bucket's (skipped, the next gather asserts).
+    for pre_hook in tuple(output_layer._forward_pre_hooks.values()):
+        pre_hook(output_layer, (hidden_states,))
     weight = output_layer.weight if output_weight is None else output_weight
     tp_group = output_layer.tp_group
     if output_layer.sequence_parallel:  # as ColumnParallelLinear: gather, reduce-scatter

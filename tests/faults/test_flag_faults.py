@@ -93,9 +93,7 @@ def test_bad_exit_codes_nan_thresholds_and_wrong_paths_are_refused(data_args, tm
 def test_feature_set_validates_before_installing(tmp_path) -> None:
     """A refused flag leaves nothing half-installed (validate runs for every feature first):
     no run lock taken, no skip list written."""
-    features = FeatureSet()
     args = _args(tmp_path, "--iterations-to-skip", "3", "--z-loss-coeff", "nan")
     with pytest.raises(FeatureError, match="--z-loss-coeff must be a finite number"):
-        features.install(loop.all_features(), args)
-    assert features.features == []
+        FeatureSet.install(loop.all_features(), args)
     assert not (tmp_path / "ckpt").exists()
