@@ -162,9 +162,8 @@ def test_resume_with_other_multipliers_is_refused_before_training(
 
 def test_resume_check_reads_the_real_checkpoint(decay_runs: dict[float, Run]) -> None:
     """The same check in-process on the saved args: equal flags pass, a changed one fails."""
-    from harness import checkpoint_args
-
     from megatron_ext.weight_decay.adapter import check_resume_compatible, policy_from_args
+    from tests.support.harness import checkpoint_args
 
     checkpoint = decay_runs[WD].workdir / "ckpt"
     args = checkpoint_args(checkpoint, 1)
