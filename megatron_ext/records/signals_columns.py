@@ -23,9 +23,10 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from megatron_ext.gap_log import GAP_KEY, is_gap
 from megatron_ext.io import json_safe
 from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.signals_seek import GAP_KEY, record_of
+from megatron_ext.records.signals_seek import record_of
 
 # What the plot and a detector replay read (a detector reads no other field).
 COLUMNS = (
@@ -103,7 +104,7 @@ def _slow(data: bytes, offset: int, block: Block) -> list[tuple[bytes, ...]]:
         except ValueError:
             block.problems.append(f"byte {where} (torn)")
             continue
-        if isinstance(raw, dict) and set(raw) == {GAP_KEY} and isinstance(raw[GAP_KEY], dict):
+        if isinstance(raw, dict) and is_gap(raw):
             block.gaps.append((len(rows), raw[GAP_KEY]))
             continue
         try:

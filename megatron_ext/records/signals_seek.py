@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.errors import Refusal
+from megatron_ext.gap_log import GAP_KEY
 from megatron_ext.io import from_json
 from megatron_ext.records.signals import SignalRecord, read_signals
 
 KEY = re.compile(rb'\{\s*"iteration"\s*:\s*(\d+)\s*,\s*"attempt"\s*:\s*(\d+)\s*,')
 PROBE = 2048  # bytes read per bisection probe: a line or two
 BLOCK = 1 << 20  # bytes read per step of a sequential read
-GAP_KEY = "gap"  # a full disk's gap line, {"gap": {...}} (no record: never parsed as one)
 _FIELDS = {f.name for f in fields(SignalRecord)}
 
 type Key = tuple[int, int]  # (attempt, iteration): the order of the file
