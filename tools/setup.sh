@@ -4,7 +4,7 @@
 #
 #   bash tools/setup.sh            # from the repository root
 #
-# Env: PYTHON (default: python3.12, via pyenv's 3.12.1 when pyenv is present), VENV (.venv).
+# Env: PYTHON (default: pyenv's 3.12 when pyenv is present, else python3.12), VENV (.venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,10 +27,19 @@ else
 fi
 
 if [ -z "${PYTHON:-}" ]; then
-    if command -v pyenv >/dev/null && pyenv versions --bare | grep -qx '3.12.1'; then
-        export PYENV_VERSION=3.12.1
-    fi
+    # pyenv's shims answer `python3.12` with "command not found" unless 3.12 is selected, so take
+    # the interpreter from pyenv's versions directory directly (no pipe into `grep -q`: under
+    # pipefail its early exit SIGPIPEs the producer and the test fails at random).
     PYTHON=python3.12
+    if command -v pyenv >/dev/null; then
+        for candidate in "$(pyenv root)"/versions/3.12*/bin/python3.12; do
+            if [ -x "$candidate" ]; then PYTHON=$candidate; fi
+        done
+    fi
+fi
+if ! "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+    echo "setup: $PYTHON is not a working Python 3.12; install one (pyenv install 3.12) or set PYTHON=/path/to/python3.12" >&2
+    exit 1
 fi
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
