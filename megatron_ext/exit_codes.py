@@ -15,6 +15,9 @@ USAGE = 2
 """A usage error: what argparse exits with, and the tools' refusals of their own arguments
 (skip-list planning, launcher knobs, a Megatron target the overlay was not verified on)."""
 
+NOT_TRAINED = 3
+"""``megatron-ext lookup`` of an iteration the run has not reached yet (no answer given)."""
+
 RESUME_TO_DISAMBIGUATE = 16
 """Megatron's ``EXIT_CODE_RESUME_TO_DISAMBIGUATE``: restart from the last checkpoint."""
 

@@ -22,17 +22,17 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from megatron_ext.errors import report
+from megatron_ext.lookup.attempts import Attempts
 from megatron_ext.lookup.crosscheck import check_against_log
 from megatron_ext.lookup.cyclic import CyclicOrder
 from megatron_ext.lookup.errors import ConfigError, Refused
 from megatron_ext.lookup.indices import TrainIndex
-from megatron_ext.lookup.inverse import find_document
+from megatron_ext.lookup.inverse import find_document, member_of
 from megatron_ext.lookup.position import Batch
 from megatron_ext.lookup.render import (
     document_record,
@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(sample log), with their documents (megatron_ext/lookup/worst.py)",
     )
     what.add_argument("--microbatch", type=int, help="only this micro-batch of the iteration")
+    what.add_argument(
+        "--attempt",
+        type=int,
+        help="with --iteration: what this attempt (1-based, in launch order) trained there "
+        "(default: the latest attempt that trained it, e.g. an incident's onset batch)",
+    )
     run = parser.add_argument_group("the run")
     run.add_argument(
         "--from-checkpoint",
@@ -170,7 +176,9 @@ def _usage(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None
         parser.error("--data-root takes OLD=NEW")
 
 
-def _batch_lines(session: Session, batch: Batch, index: TrainIndex) -> list[str]:
+def _batch_lines(
+    session: Session, batch: Batch, index: TrainIndex, attempts: Attempts | None
+) -> list[str]:
     schedule = session.config.schedule
     lines = [
         f"iteration {batch.iteration}"
@@ -182,6 +190,7 @@ def _batch_lines(session: Session, batch: Batch, index: TrainIndex) -> list[str]
     if batch.skipped:
         lines.append(
             "SKIPPED (--iterations-to-skip): the batch was read and discarded, not trained on"
+            + (" by any attempt" if attempts else "")
         )
     lines.append(
         f"data: {index.kind} {index.hash[:12]} over {len(index.mids)} dataset(s), "
@@ -227,22 +236,42 @@ def _emit(
 def forward(session: Session) -> int:
     """Iteration (or consumed samples) [+ rank / micro-batch] -> samples, documents, tokens."""
     options = session.options
+    attempts = chosen = None
     if options.iteration is not None:
-        session.use_layout_of(options.iteration)
+        attempts = session.attempts_at(options.iteration)
+        if attempts is not None:
+            chosen = attempts.answer(options.attempt)
+            session.use_segment(chosen.segment)
+        elif options.attempt is not None:
+            raise ConfigError("--attempt needs the run's layout history (--from-checkpoint)")
         batch = session.config.schedule.batch(options.iteration)
     else:
         iteration = session.iteration_at_consumed(options.consumed_samples)
         batch = session.config.schedule.batch_at_consumed(options.consumed_samples)
         assert batch.iteration == iteration
     index, records = batch_records(session, batch, options.microbatch, options.dp_rank)
-    lines = _batch_lines(session, batch, index)
+    lines = _batch_lines(session, batch, index, attempts)
+    if attempts is not None and chosen is not None:
+        lines += attempts.lines(chosen)
+        for record in records:
+            record["attempt"] = chosen.number
+    elif session.checkpoint is None:
+        lines.append(
+            "note: no checkpoint: nothing here says whether the run trained this batch yet"
+        )
     if options.sample_log:
-        lines.append(check_against_log(options.sample_log, records))
+        answers = None if chosen is None else session.answers_by_attempt(attempts, chosen, records)
+        history = session.history.attempts() if session.history else ()
+        number = None if chosen is None else chosen.number
+        lines.append(check_against_log(options.sample_log, records, answers, history, number))
     if options.worst is not None:
         directory = sample_log_dir(options, session.config.args)
-        ranked = ranked_samples(directory, batch.iteration, options.dp_rank)
+        history = session.history.attempts() if session.history else ()
+        number = None if chosen is None else chosen.number
+        ranked = ranked_samples(directory, batch.iteration, options.dp_rank, number, history)
         records, changed = attach(ranked[: options.worst], records)
-        lines += worst_lines(records, changed, len(ranked), f"sample log {directory}")
+        by = "" if chosen is None else f", attempt {chosen.number}: {chosen.fate}"
+        lines += worst_lines(records, changed, len(ranked), f"sample log {directory}{by}")
     if options.emit_blocklist:
         _blocklist(session, index, spans_of(records))
     extra = {
@@ -254,6 +283,12 @@ def forward(session: Session) -> int:
             "num_microbatches": batch.num_microbatches,
             "skipped": batch.skipped,
         },
+        "attempt": None if chosen is None else chosen.number,
+        "attempts": [
+            {"attempt": a.number, "first_iteration": a.segment.first, "trained": a.trained}
+            | {"fate": a.fate, "job_id": a.segment.job_id}
+            for a in (attempts.at if attempts else [])
+        ],
         "data": {"kind": index.kind, "cache": index.hash, "datasets": [m.path for m in index.mids]},
     }
     table = (
@@ -263,24 +298,6 @@ def forward(session: Session) -> int:
     )
     _emit(session, lines, records, "samples", table, extra)
     return 0
-
-
-def _member(index: TrainIndex, dataset: str) -> int:
-    """Which blend member ``--dataset`` names: a recorded or on-disk prefix, a name, a number."""
-    paths = [m.path for m in index.mids]
-    named = [i for i, m in enumerate(index.mids) if dataset in (m.path, m.prefix)] or [
-        i for i, p in enumerate(paths) if Path(p).name == dataset
-    ]
-    if len(named) == 1:
-        return named[0]
-    if dataset.isdigit() and int(dataset) < len(paths):
-        return int(dataset)
-    if named:
-        raise ConfigError(
-            f"--dataset {dataset!r} is in the blend {len(named)} times "
-            f"(positions {named}); pass its position"
-        )
-    raise ConfigError(f"--dataset {dataset!r} is not one of the run's datasets: {paths}")
 
 
 def inverse(session: Session) -> int:
@@ -295,7 +312,7 @@ def inverse(session: Session) -> int:
         )
     phase = session.phase(None)
     index = session.index(phase)
-    member = _member(index, options.dataset)
+    member = member_of(index, options.dataset)
     hits = find_document(index, member, options.document)
     before, last = schedule.phase_bounds(phase)
     if last is None:

@@ -6,6 +6,7 @@ on-call engineer acting on a wrong "rank 17 trained on document 83" would block 
 
 from __future__ import annotations
 
+from megatron_ext import exit_codes
 from megatron_ext.errors import Refusal
 
 
@@ -27,3 +28,13 @@ class CacheMissing(Refused):
 
 class DataChanged(Refused):
     """The .bin/.idx or cache files on disk are not what the caches were built from."""
+
+
+class NotTrained(PositionError):
+    """The run has not reached the iteration: no batch is shown as if it had been trained."""
+
+    exit_code = exit_codes.NOT_TRAINED
+
+
+class TwoWriters(Refused):
+    """One attempt's sample log holds two records of one micro-batch: two trainings wrote it."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,8 @@ class Segment:
     skips: frozenset[int]
     data: dict[str, Any]  # DATA_FIELDS values
     source: str  # for humans: where this segment comes from
+    started: float | None = None  # the layout line's wall time (places sample-log attempts)
+    job_id: str = ""
 
     def describe(self) -> str:
         layout = self.layout
@@ -72,6 +74,8 @@ def log_segments(path: Path) -> list[Segment]:
                     skips=frozenset(int(i) for i in record.get("iterations_to_skip") or ()),
                     data=_pick(record, DATA_FIELDS),
                     source=f"{path} line {number}",
+                    started=record.get("wall_time"),
+                    job_id=str(record.get("job_id") or ""),
                 )
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -115,6 +119,17 @@ class History:
     from_log: tuple[Segment, ...]
     from_checkpoints: tuple[Segment, ...]
     log_path: Path | None
+    # iteration -> saved args of every checkpoint in the --save directory: the data
+    # configuration of each stage (a resume that changed the blend) is read from them.
+    checkpoint_args: dict[int, argparse.Namespace] = field(default_factory=dict)
+
+    def attempts(self) -> tuple[Segment, ...]:
+        """One segment per attempt, in the order they ran: the layout log's lines, else (no
+        log) the checkpoint segments, oldest start first."""
+        return self.from_log or self.from_checkpoints
+
+    def newest_checkpoint(self) -> int | None:
+        return max(self.checkpoint_args, default=None)
 
     def segment_for(self, iteration: int) -> Segment:
         logged = [s for s in self.from_log if s.first <= iteration]
@@ -158,26 +173,63 @@ def read_history(save_dir: Path, sample_log_dirs: list[str], load: Any) -> Histo
         tuple(log_segments(log_path)) if log_path else (),
         tuple(checkpoint_segments(checkpoints)),
         log_path,
+        dict(checkpoints),
     )
 
 
-def segment_args(
-    base: argparse.Namespace, segment: Segment, check_data: bool = True
-) -> argparse.Namespace:
+def stage_args(
+    history: History, base: argparse.Namespace, segment: Segment
+) -> tuple[argparse.Namespace, str | None]:
+    """The args of the data stage ``segment`` was trained under, and a note saying where they
+    come from when that is not ``base`` (the checkpoint read).
+
+    A resume may change the blend or the data (a new stage of the mixture). The stage's own
+    configuration is, in order: the saved args of a checkpoint whose data fields are the
+    segment's (one the segment's own attempt saved first: every flag of that stage, not only
+    the recorded fields), else the layout log's recorded data fields on top of ``base``. The
+    caches (found by the md5 of their description) and ``--sample-log`` then prove it. Refused
+    only when neither survives.
+    """
+    changed = {k: v for k, v in segment.data.items() if v != getattr(base, k, None)}
+    if not changed:
+        return base, None
+    what = ", ".join(
+        f"{k}: {v!r} then, {getattr(base, k, None)!r} in the checkpoint read"
+        for k, v in changed.items()
+    )
+    saved = [
+        (n, a)
+        for n, a in sorted(history.checkpoint_args.items())
+        if _pick(a, DATA_FIELDS) == segment.data
+    ]
+    own = [(n, a) for n, a in saved if int(getattr(a, "iteration", 0) or 0) == segment.first - 1]
+    if own or saved:
+        n, args = (own or saved)[0]
+        return args, (
+            f"the data changed at a resume ({what}); iteration {segment.first}'s stretch is "
+            f"answered with its own data configuration, from checkpoint iter_{n:07d}"
+        )
+    if all(v is None for v in segment.data.values()):
+        raise ConfigError(
+            f"the data changed at a resume, and no record of the data configuration of "
+            f"{segment.describe()} survives: no checkpoint of that stage remains and its "
+            "layout-log line has no data fields (written by an older version). Pass that "
+            "stage's data flags (--data-path ..., --split, --seed, --seq-length) to answer for it"
+        )
+    args = copy.copy(base)
+    for name, value in segment.data.items():
+        setattr(args, name, value)
+    return args, (
+        f"the data changed at a resume ({what}); iteration {segment.first}'s stretch is "
+        f"answered with its own data configuration, from {segment.source} (no checkpoint of "
+        "that stage remains; other data flags as in the checkpoint read)"
+    )
+
+
+def segment_args(base: argparse.Namespace, segment: Segment) -> argparse.Namespace:
     """The run's args as they were during ``segment``: its layout and skips, and
     ``iteration``/``consumed_train_samples`` at its start (the anchor the schedule walks
-    from). Refuses a segment whose data differs from ``base``'s (unless the data flags were
-    given explicitly: ``check_data=False``)."""
-    changed = {k: (v, getattr(base, k, None)) for k, v in segment.data.items() if check_data}
-    changed = {k: pair for k, pair in changed.items() if pair[0] != pair[1]}
-    if changed:
-        detail = ", ".join(
-            f"{k}: {a!r} then, {b!r} in the checkpoint read" for k, (a, b) in changed.items()
-        )
-        raise ConfigError(
-            f"the data changed at a resume ({detail}); {segment.describe()}. Read a checkpoint "
-            "of that stretch (--ckpt-step) so the lookup uses the data it was trained on"
-        )
+    from). ``base`` carries the segment's data configuration (:func:`stage_args`)."""
     if segment.consumed is None:
         raise PositionError(
             f"{segment.describe()}, but the consumed samples at its start are unknown (the "

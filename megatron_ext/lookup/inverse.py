@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from megatron_ext.lookup.errors import PositionError
+from megatron_ext.lookup.errors import ConfigError, PositionError
 from megatron_ext.lookup.formats import array_chunks
 from megatron_ext.lookup.indices import MidIndex, TrainIndex
 
@@ -173,3 +174,21 @@ def find_document(index: TrainIndex, member: int, document: int) -> DocumentHits
     ]
     columns = np.asarray(rows, dtype=np.int64).reshape(-1, 4).T
     return DocumentHits(columns[0], columns[1], columns[2], columns[3], scanned)
+
+
+def member_of(index: TrainIndex, dataset: str) -> int:
+    """Which blend member ``--dataset`` names: a recorded or on-disk prefix, a name, a number."""
+    paths = [m.path for m in index.mids]
+    named = [i for i, m in enumerate(index.mids) if dataset in (m.path, m.prefix)] or [
+        i for i, p in enumerate(paths) if Path(p).name == dataset
+    ]
+    if len(named) == 1:
+        return named[0]
+    if dataset.isdigit() and int(dataset) < len(paths):
+        return int(dataset)
+    if named:
+        raise ConfigError(
+            f"--dataset {dataset!r} is in the blend {len(named)} times "
+            f"(positions {named}); pass its position"
+        )
+    raise ConfigError(f"--dataset {dataset!r} is not one of the run's datasets: {paths}")

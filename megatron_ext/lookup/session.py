@@ -13,6 +13,7 @@ import numpy as np
 
 from megatron_ext.checkpoint_state import CheckpointUnreadable, load_common_state
 from megatron_ext.files import CHECKPOINT_DIR
+from megatron_ext.lookup.attempts import AttemptAt, Attempts, attempts_at
 from megatron_ext.lookup.caches import open_train_index
 from megatron_ext.lookup.config import (
     TOKENIZER_PATH_ARGS,
@@ -26,7 +27,7 @@ from megatron_ext.lookup.config import (
 )
 from megatron_ext.lookup.cyclic import CyclicOrder
 from megatron_ext.lookup.errors import CacheMissing, ConfigError, PositionError
-from megatron_ext.lookup.history import History, read_history, segment_args
+from megatron_ext.lookup.history import History, Segment, read_history, segment_args, stage_args
 from megatron_ext.lookup.indices import TrainIndex, remap
 from megatron_ext.lookup.position import Batch
 from megatron_ext.lookup.render import sample_record
@@ -72,11 +73,16 @@ class Session:
 
     def use_layout_of(self, iteration: int) -> None:
         """Answer ``iteration`` with the layout the run had when it trained it last."""
-        if self.history is None:
-            return
-        segment = self.history.segment_for(iteration)
-        args = segment_args(self.args, segment, check_data=self.data_from_checkpoint)
-        assert self.checkpoint is not None
+        if self.history is not None:
+            self.use_segment(self.history.segment_for(iteration))
+
+    def use_segment(self, segment: Segment) -> None:
+        """Answer with the layout, skips and data stage of one attempt's stretch."""
+        assert self.history is not None and self.checkpoint is not None
+        base, stage = self.args, None
+        if self.data_from_checkpoint:
+            base, stage = stage_args(self.history, self.args, segment)
+        args = segment_args(base, segment)
         config = run_config(
             args,
             data_parallel_size=int(segment.layout["data_parallel_size"]),
@@ -85,10 +91,36 @@ class Session:
             add_extra_token=not self.options.no_add_extra_token_to_sequence,
             segment=True,
         )
-        notes = config.notes
+        notes = config.notes + ((stage,) if stage else ())
         if self.history.distinct_layouts() > 1:
             notes = (*notes, f"layout changed at resumes; {segment.describe()}")
         self.config = dataclasses.replace(config, notes=notes)
+
+    def attempts_at(self, iteration: int) -> Attempts | None:
+        """The attempts at ``iteration`` (None without a layout history), judged with the
+        asked rank's (else rank 0's) sample log: ``--sample-log``, else the run's own."""
+        if self.history is None:
+            return None
+        directory = self.options.sample_log or getattr(self.args, "sample_log_dir", None)
+        return attempts_at(self.history, iteration, directory, self.options.dp_rank or 0)
+
+    def answers_by_attempt(
+        self, attempts: Attempts, chosen: AttemptAt, records: list[dict[str, Any]]
+    ) -> dict[int, list[dict[str, Any]]]:
+        """Each attempt that trained the iteration -> its answer, under its own layout and
+        data stage (computed once per distinct one); the config is left at ``chosen``'s."""
+        answers, computed = {chosen.number: records}, {_stage_key(chosen.segment): records}
+        for attempt in attempts.at:
+            key = _stage_key(attempt.segment)
+            if attempt.trained and key not in computed:
+                self.use_segment(attempt.segment)
+                batch = self.config.schedule.batch(attempts.iteration)
+                opts = self.options
+                computed[key] = batch_records(self, batch, opts.microbatch, opts.dp_rank)[1]
+            if attempt.trained:
+                answers[attempt.number] = computed[key]
+        self.use_segment(chosen.segment)
+        return answers
 
     def iteration_at_consumed(self, consumed: int) -> int:
         """The iteration that starts at ``consumed`` samples, under the layout in force there."""
@@ -223,6 +255,11 @@ def batch_records(
             )
         )
     return index, records
+
+
+def _stage_key(segment: Segment) -> str:
+    """What decides which slot read which sample: the layout and the data stage."""
+    return repr((sorted(segment.layout.items()), sorted(segment.data.items())))
 
 
 def _history(

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.files import SAMPLE_LOG_GLOB
+from megatron_ext.lookup.attempts import attempt_number
 from megatron_ext.lookup.errors import ConfigError, DataChanged, PositionError
+from megatron_ext.lookup.history import Segment
 from megatron_ext.records.sample_log import SampleRecord
 from megatron_ext.records.sample_log_reader import latest, read_iteration
 
@@ -40,13 +42,19 @@ class Ranked:
 
 
 def ranked_samples(
-    directory: str | Path, iteration: int, dp_rank: int | None = None
+    directory: str | Path,
+    iteration: int,
+    dp_rank: int | None = None,
+    attempt: int | None = None,
+    segments: tuple[Segment, ...] = (),
 ) -> list[Ranked]:
     """Every sample trained at ``iteration`` (one DP rank, or all), highest loss first.
 
-    A rollback replay appends records for the same iteration again: the last one per
-    (rank, micro-batch) is what the run finally trained on. Only the asked rank's file is
-    opened, and in each file only the iteration's records are read.
+    A rollback replay appends records for the same iteration again. With ``attempt`` (placed
+    among the layout history's ``segments``), that attempt's records are ranked; else, or in
+    a log whose attempts cannot be placed, the last one per (rank, micro-batch), which is
+    what the run finally trained on. Only the asked rank's file is opened, and in each file
+    only the iteration's records are read.
     """
     if dp_rank is None:
         ranks = sorted(
@@ -58,6 +66,9 @@ def ranked_samples(
         ranks = [dp_rank]
     trained: dict[tuple[int, int], SampleRecord] = {}
     for rank, groups in read_iteration(directory, iteration, ranks).items():
+        placed = [attempt_number(segments, g.attempt) for g in groups]
+        if attempt is not None and any(n is not None for n in placed):
+            groups = [g for g, n in zip(groups, placed) if n == attempt]
         for microbatch, record in latest(groups).items():
             if record.dp_rank == rank:
                 trained[(rank, microbatch)] = record
@@ -65,6 +76,7 @@ def ranked_samples(
         raise PositionError(
             f"the sample log in {directory} has no record of iteration {iteration}"
             + (f" on DP rank {dp_rank}" if dp_rank is not None else "")
+            + (f" by attempt {attempt}" if attempt is not None else "")
             + " (was it trained with --sample-log-dir, and not skipped?)"
         )
     out = []

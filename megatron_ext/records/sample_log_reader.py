@@ -52,7 +52,9 @@ class Attempt:
     ordinal: int  # 1-based, in file order (a scanned stretch's runs share its number)
     start: int  # byte offsets [start, end) of its records
     end: int
-    indexed: bool  # False: no attempt line names it (older log, or a broken index); scanned
+    # False: no attempt line names it (older log, or a broken index), so it was scanned. The
+    # runs an indexed attempt splits into when it is not sorted (two writers) stay True.
+    indexed: bool
     info: dict[str, Any] = field(default_factory=dict)  # the attempt line: job, host, pid, time
 
 
@@ -186,6 +188,12 @@ class RankLog:
             attempts.append(Attempt(len(attempts) + 1, offset, end, True, info))
         return attempts
 
+    def last_iteration(self) -> int | None:
+        """The highest iteration the file's attempts end with (a few tail reads): how far the
+        run got, as this rank recorded it."""
+        keys = [key for attempt in self.attempts if (key := self._last_key(attempt))]
+        return max(key[0] for key in keys) if keys else None
+
     # -- one iteration ---------------------------------------------------------------------
 
     def _first_at_least(self, attempt: Attempt, target: tuple[int, int]) -> int:
@@ -215,16 +223,17 @@ class RankLog:
         previous = self._last_key(attempt)
         if previous is None:
             return found, True  # nothing whole in it
-        last, previous = previous, None
+        last, previous, past = previous, None, False
         for line in self._lines(start, attempt.end):
             if line.key is None:
                 self.torn_lines += bool(line.text.strip())
                 continue
             if previous is not None and line.key <= previous:
                 return found, False
-            previous = line.key
-            if line.key[0] > iteration:
+            if past:  # one line past the iteration, still rising: sorted here
                 break
+            previous = line.key
+            past = line.key[0] > iteration
             if line.key[0] == iteration:
                 found.append(line)
         return found, previous is None or previous <= last
@@ -245,7 +254,9 @@ class RankLog:
                 runs[-1][1].append(record)
         ends = [start for start, _ in runs[1:]] + [stretch.end]
         return [
-            AttemptRecords(Attempt(stretch.ordinal, start, end, False, stretch.info), records)
+            AttemptRecords(
+                Attempt(stretch.ordinal, start, end, stretch.indexed, stretch.info), records
+            )
             for (start, records), end in zip(runs, ends)
             if records
         ]
