@@ -1,4 +1,5 @@
-"""Shared fixtures: one tiny real corpus, tokenized once per session; the e2e marker."""
+"""Shared fixtures: one tiny real corpus, tokenized once per session; the real-shaped spike
+drill; the e2e marker."""
 
 from __future__ import annotations
 
@@ -32,3 +33,12 @@ def data_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         "--data-cache-path",
         str(root / "index-cache"),
     ]
+
+
+@pytest.fixture(scope="session")
+def real_shaped(tmp_path_factory: pytest.TempPathFactory, data_args: list[str]) -> dict:
+    """The real-shaped spike drill (tests/support/drill.py): its e2e tests and the lookup's
+    attempt faults read the same two launches."""
+    from tests.support.drill import real_shaped_drill
+
+    return real_shaped_drill(tmp_path_factory.mktemp("real-shaped"), data_args)

@@ -126,7 +126,13 @@ def attempts_at(history: History, iteration: int, sample_log: str | None, rank: 
             at.append(AttemptAt(number, segment, False, "skipped it (--iterations-to-skip)"))
             continue
         if later is None:
-            at.append(AttemptAt(number, segment, True, "trained it; kept (the run went on)"))
+            newest = history.newest_checkpoint()
+            kept = (
+                f"kept (checkpoint {newest} holds it)"
+                if newest is not None and newest >= iteration
+                else f"no checkpoint holds it yet (newest: {newest})"
+            )
+            at.append(AttemptAt(number, segment, True, f"trained it; {kept}"))
             continue
         if log_read and number not in logged and None not in logged:
             fate = "did not get this far (no record of it in the sample log)"

@@ -12,8 +12,10 @@ The run's configuration comes from a checkpoint's saved Megatron args (``--from-
 ... --global-batch-size ... --train-iters ... --data-cache-path ...``, parsed by Megatron's own
 parser; explicit flags override the checkpoint). The answer is read from the run's index caches
 (memory-mapped, never rebuilt unless ``--rebuild-caches``) after checking that the data on disk
-is the data they were built from. Exit status: 0 answered, 1 refused (the message says why),
-2 usage error.
+is the data they were built from. An iteration is answered per attempt (what the latest
+attempt that trained it read; rolled back or skipped afterwards is said), with the data stage
+in force then (megatron_ext/lookup/attempts.py, history.py). Exit status: 0 answered,
+1 refused (the message says why), 2 usage error, 3 not yet trained.
 """
 
 from __future__ import annotations

@@ -16,8 +16,10 @@ What it does not trust:
 - an attempt index that does not fit the file (an offset past the end or not at a line start:
   a truncated or replaced log) is ignored, and so are records written before the index
   existed (older versions): those parts are scanned line by line, with progress on stderr;
-- a run that turns out not to be sorted where it is read, or whose last record is not its
-  highest (two writers on one file), is scanned line by line.
+- a run that turns out not to be sorted where it is read (the scan reads one line past the
+  iteration to see it), or whose last record is not its highest (two writers on one file), is
+  scanned line by line and split where its keys stop rising; those runs keep their attempt,
+  so the lookup can name two records of one micro-batch in one attempt (two writers).
 
 The counters ``bytes_read`` and ``records_parsed`` are what the tests check to prove that an
 answer did not come from reading everything.

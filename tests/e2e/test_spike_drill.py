@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.files import SAMPLE_LOG_GLOB
 from megatron_ext.records.signals import read_signals
+from tests.support.drill import BAD, TRAIN_ITERS, drill_args
 from tests.support.harness import (
     GLOBAL_BATCH,
     MICRO_BATCH,
@@ -30,55 +30,11 @@ from tests.support.harness import (
     run_skiplist,
 )
 
-TRAIN_ITERS = 50
-
-
-BAD = (32, 36)  # garbage tokens on DP rank 1 for these iterations (inclusive)
-
-
-def _drill_args(
-    data_args: list[str],
-    work: Path,
-    bad: str,
-    patience: int,
-    save_interval: int = 5,
-    corruption: str = "garbage",
-) -> list[str]:
-    ckpt = str(work / "ckpt")
-    return [
-        *data_args,
-        "--train-iters",
-        str(TRAIN_ITERS),
-        "--save",
-        ckpt,
-        "--load",
-        ckpt,
-        "--save-interval",
-        str(save_interval),
-        "--signals-dir",
-        str(work / "signals"),
-        "--spike-detect",
-        "--spike-window",
-        "10",
-        "--spike-warmup",
-        "20",
-        "--spike-grad-factor",
-        "1.5",
-        "--spike-mad-k",
-        "3",
-        "--spike-patience",
-        str(patience),
-        "--drill-corrupt-batch",
-        bad,
-        "--drill-corruption",
-        corruption,
-    ]
-
 
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory, data_args) -> dict:
     work = tmp_path_factory.mktemp("drill")
-    args = _drill_args(data_args, work, f"{BAD[0]}-{BAD[1]}:1", patience=3)
+    args = drill_args(data_args, work, f"{BAD[0]}-{BAD[1]}:1", patience=3)
     first = launch(work, args, nproc=2)
     plan = run_skiplist(work, "--rollback-iters", "5", "--skip-batches", "12", "--apply")
     shutil.move(str(work / "samples"), str(work / "samples-attempt1"))
@@ -159,7 +115,7 @@ def _read(path: Path):
 
 def test_transient_spike_causes_no_exit_and_no_skip(tmp_path_factory, data_args) -> None:
     work = tmp_path_factory.mktemp("transient")
-    run = launch(work, _drill_args(data_args, work, "32:1", patience=8, save_interval=2), nproc=2)
+    run = launch(work, drill_args(data_args, work, "32:1", patience=8, save_interval=2), nproc=2)
     assert run.returncode == 0, run.log[-3000:]
     # While the spike was watched, the checkpoint guard skipped the save of iteration 32.
     assert "spike in progress, not saving iteration 32" in run.log
@@ -173,21 +129,7 @@ def test_transient_spike_causes_no_exit_and_no_skip(tmp_path_factory, data_args)
 # -- the real-shaped drill -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def real_shaped(tmp_path_factory, data_args) -> dict:
-    """Mis-encoded documents on DP rank 1 at 32-36; plan with the report's top 4; restart."""
-    work = tmp_path_factory.mktemp("real-shaped")
-    args = _drill_args(
-        data_args, work, f"{BAD[0]}-{BAD[1]}:1", patience=3, corruption="mis-encoded"
-    )
-    first = launch(work, args, nproc=2)
-    logs = (work / "samples").glob(SAMPLE_LOG_GLOB)
-    trained = {int(p.stem.removeprefix("samples-dp")): _read(p) for p in logs}
-    plan = run_skiplist(
-        work, "--rollback-iters", "5", "--skip-batches", "12", "--worst", "4", "--apply"
-    )
-    second = launch(work, args, nproc=2)
-    return {"work": work, "first": first, "trained": trained, "plan": plan, "second": second}
+# ``real_shaped``: the session fixture of tests/conftest.py (tests/support/drill.py).
 
 
 def test_real_shaped_spike_is_flagged_at_onset_by_one_rank_over_the_average(real_shaped) -> None:

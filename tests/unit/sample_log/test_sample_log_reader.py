@@ -16,6 +16,7 @@ import pytest
 
 from megatron_ext.files import sample_log_attempts_file, sample_log_file
 from megatron_ext.lookup.crosscheck import check_against_log
+from megatron_ext.lookup.errors import TwoWriters
 from megatron_ext.lookup.worst import ranked_samples
 from megatron_ext.records.sample_log import SampleLog, SampleRecord, read_records
 from megatron_ext.records.sample_log_reader import RankLog, latest
@@ -200,3 +201,40 @@ def test_the_check_and_worst_read_only_the_asked_iteration(tmp_path: Path) -> No
     ranked = ranked_samples(tmp_path, 1200)
     assert len(ranked) == ranks * 2 * MICROBATCHES
     assert _rchar() - before < ranks * bound
+
+
+def test_two_writers_interleaved_in_one_file_are_found_and_refused(tmp_path: Path) -> None:
+    """Two trainings resumed from iteration 40 on one run directory: A (this data) runs three
+    iterations ahead of B (another seed's samples), their lines interleaved as the two
+    processes append. The asked iteration's records of both are found, wherever the
+    bisection lands (the scan reads one line past the iteration: a reader that stopped at the
+    first line past it missed them at a third of these iterations), and the check refuses them."""
+    _attempt(tmp_path, 0, range(1, 41), 1)
+    first, second = SampleLog(tmp_path, 0, "jobA"), SampleLog(tmp_path, 0, "jobB")
+    for iteration in range(41, 101):
+        for microbatch in range(MICROBATCHES):
+            first.write(_record(iteration, 0, microbatch, 1))
+            if iteration > 43:
+                second.write(_record(iteration - 3, 0, microbatch, 7))
+    path = sample_log_file(tmp_path, 0)
+    for iteration in range(41, 98):  # B trained 41..97
+        with RankLog(path) as log, pytest.warns(UserWarning, match="two writers"):
+            groups = log.iteration(iteration)
+        writers = {r.sample_ids[0] // 10_000 for g in groups for r in g.records}
+        assert writers == {1, 7}, iteration
+    for iteration in (45, 60, 90):
+        answered = [
+            {
+                "iteration": iteration,
+                "dp_rank": 0,
+                "microbatch": m,
+                "sample_index": s,
+                "token_sha1": f"{s:040x}",
+                "skipped": False,
+            }
+            for m in range(MICROBATCHES)
+            for s in _record(iteration, 0, m, 1).sample_ids
+        ]
+        with warnings.catch_warnings(), pytest.raises(TwoWriters, match="two different records"):
+            warnings.simplefilter("ignore")
+            check_against_log(tmp_path, answered, {2: answered}, answered=2)

@@ -1,0 +1,81 @@
+"""The spike drills' flags and the real-shaped drill, shared by the e2e drill tests and the
+lookup's attempt faults (one launch pair per session serves both).
+
+The real-shaped drill: DP=2, 50 iterations; DP rank 1's real documents mis-encoded at 32-36;
+the detector flags the onset (32) and every rank exits 42 at 35; ``skiplist --worst 4
+--apply`` rolls back to 25 and skips 26-37; the restart (attempt 2) trains 38-50. Both
+attempts write one sample log (``samples/``). Before the plan, a copy of what the first
+attempt left (its sample log and newest checkpoint, 30) is kept under ``first/``: a run that
+has not reached iteration 36 yet.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from megatron_ext.files import SAMPLE_LOG_GLOB
+from megatron_ext.records.sample_log import read_records
+from tests.support.harness import launch, run_skiplist
+
+TRAIN_ITERS = 50
+BAD = (32, 36)  # garbage tokens on DP rank 1 for these iterations (inclusive)
+
+
+def drill_args(
+    data_args: list[str],
+    work: Path,
+    bad: str,
+    patience: int,
+    save_interval: int = 5,
+    corruption: str = "garbage",
+) -> list[str]:
+    ckpt = str(work / "ckpt")
+    return [
+        *data_args,
+        "--train-iters",
+        str(TRAIN_ITERS),
+        "--save",
+        ckpt,
+        "--load",
+        ckpt,
+        "--save-interval",
+        str(save_interval),
+        "--signals-dir",
+        str(work / "signals"),
+        "--spike-detect",
+        "--spike-window",
+        "10",
+        "--spike-warmup",
+        "20",
+        "--spike-grad-factor",
+        "1.5",
+        "--spike-mad-k",
+        "3",
+        "--spike-patience",
+        str(patience),
+        "--drill-corrupt-batch",
+        bad,
+        "--drill-corruption",
+        corruption,
+    ]
+
+
+def real_shaped_drill(work: Path, data_args: list[str]) -> dict:
+    """Mis-encoded documents on DP rank 1 at 32-36; plan with the report's top 4; restart."""
+    args = drill_args(data_args, work, f"{BAD[0]}-{BAD[1]}:1", patience=3, corruption="mis-encoded")
+    first = launch(work, args, nproc=2)
+    logs = (work / "samples").glob(SAMPLE_LOG_GLOB)
+    trained = {int(p.stem.removeprefix("samples-dp")): list(read_records(p)) for p in logs}
+    shutil.copytree(work / "samples", work / "first" / "samples")
+    newest = (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip()
+    shutil.copytree(
+        work / "ckpt" / f"iter_{int(newest):07d}",
+        work / "first" / "ckpt" / f"iter_{int(newest):07d}",
+    )
+    (work / "first" / "ckpt" / "latest_checkpointed_iteration.txt").write_text(newest)
+    plan = run_skiplist(
+        work, "--rollback-iters", "5", "--skip-batches", "12", "--worst", "4", "--apply"
+    )
+    second = launch(work, args, nproc=2)
+    return {"work": work, "first": first, "trained": trained, "plan": plan, "second": second}
