@@ -12,7 +12,9 @@ incident is about. So an iteration is answered per attempt:
   it; a later attempt that started at or before ``k`` rolled that training back, and it then
   either trained ``k`` again or skipped it. Whether a rolled-back attempt got as far as ``k``
   only its records in the sample log can tell: one rank's records of ``k`` are read (a few
-  8 KiB reads, :mod:`megatron_ext.records.sample_log_reader`);
+  8 KiB reads, :mod:`megatron_ext.records.sample_log_reader`). One that stopped before ``k``
+  (a plain resume, a rollback from before ``k``) is left out; without a sample log it is
+  listed as one that may have trained it, and not chosen as the answer;
 - a sample-log attempt (one ``attempts-dp{rank}.jsonl`` line, written at its first record) is
   the layout-log attempt that started last before it, by wall time;
 - the default answer is the latest attempt that *trained* ``k`` (the onset batch, not the
@@ -30,8 +32,6 @@ from megatron_ext.files import sample_log_file
 from megatron_ext.lookup.errors import ConfigError, NotTrained
 from megatron_ext.lookup.history import History, Segment
 from megatron_ext.records.sample_log_reader import Attempt, AttemptRecords, RankLog
-
-CLOCK_SLACK_S = 1.0  # a rank's attempt line vs. rank 0's layout line: different node clocks
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,10 @@ def attempt_number(segments: tuple[Segment, ...], attempt: Attempt) -> int | Non
     wall = attempt.info.get("wall_time") if attempt.indexed else None
     if not isinstance(wall, int | float):
         return None
+    # No slack for node clocks: a rank writes its attempt line after its first step, seconds
+    # after rank 0's layout line, and NTP keeps nodes milliseconds apart.
     started = [
-        n
-        for n, s in enumerate(segments, start=1)
-        if s.started is not None and s.started <= wall + CLOCK_SLACK_S
+        n for n, s in enumerate(segments, start=1) if s.started is not None and s.started <= wall
     ]
     return started[-1] if started else None
 
@@ -135,7 +135,13 @@ def attempts_at(history: History, iteration: int, sample_log: str | None, rank: 
             at.append(AttemptAt(number, segment, True, f"trained it; {kept}"))
             continue
         if log_read and number not in logged and None not in logged:
-            fate = "did not get this far (no record of it in the sample log)"
+            continue  # it stopped, or was rolled back, before this iteration: not an answer
+        if not log_read:
+            fate = (
+                f"may have trained it before attempt {later[0]} resumed from iteration "
+                f"{later[1].first - 1} (no sample log to tell; --attempt {number} shows what "
+                "it read if it did)"
+            )
             at.append(AttemptAt(number, segment, False, fate))
             continue
         then = "skipped afterwards" if iteration in final.skips else "trained again"

@@ -109,25 +109,35 @@ def test_lookup_answers_the_onset_and_the_rolled_back_iterations_per_attempt(
 
 @fault(
     "after the drill, `lookup` of 36 (skipped; attempt 1 stopped at 35) and 40 (trained by "
-    "attempt 2 only), with --sample-log",
-    "36: SKIPPED by every attempt, attempt 1 named as not having got that far; 40: attempt "
-    "2's batch, equal to its sample log",
+    "attempt 2 only), with --sample-log; 33 with no sample log at hand",
+    "36: SKIPPED by every attempt, attempt 1 left out (its log ends before); 40: attempt 2's "
+    "batch, equal to its sample log; 33: attempt 1 named as one that may have trained it",
     area="lookup",
 )
 def test_lookup_names_attempts_that_did_not_reach_or_skipped_an_iteration(
-    real_shaped, capsys
+    real_shaped, tmp_path, capsys
 ) -> None:
     work = real_shaped["work"]
     samples = str(work / "samples")
     skipped = _json(capsys, work, "--iteration", "36", "--dp-rank", "0", "--sample-log", samples)
     assert skipped["batch"]["skipped"] and skipped["attempt"] == 2
-    assert [a["trained"] for a in skipped["attempts"]] == [False, False]
-    assert "did not get this far" in skipped["attempts"][0]["fate"]
+    # Attempt 1 stopped at 35: its sample log says it never got to 36, so it is no answer.
+    assert [(a["attempt"], a["trained"]) for a in skipped["attempts"]] == [(2, False)]
     assert any("not trained on by any attempt" in line for line in skipped["lines"])
+    # Without a sample log (nor its layout log: attempts from the checkpoints) nothing says
+    # how far attempt 1 got before the rollback.
+    (work / "samples").rename(tmp_path / "samples")
+    try:
+        hidden = _json(capsys, work, "--iteration", "33")
+    finally:
+        (tmp_path / "samples").rename(work / "samples")
+    assert hidden["batch"]["skipped"] and hidden["attempt"] == 2
+    assert hidden["attempts"][0]["fate"].startswith("may have trained it before attempt 2")
     later = _json(capsys, work, "--iteration", "40", "--sample-log", samples)
     assert later["attempt"] == 2 and not later["batch"]["skipped"]
     assert "sample log: 4 micro-batches match the training record (attempt 2: 4)" in later["lines"]
-    assert later["attempts"][1]["fate"] == "trained it; kept (checkpoint 50 holds it)"
+    assert [a["attempt"] for a in later["attempts"]] == [2]
+    assert later["attempts"][0]["fate"] == "trained it; kept (checkpoint 50 holds it)"
 
 
 @fault(

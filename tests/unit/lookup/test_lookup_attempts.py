@@ -1,0 +1,75 @@
+"""Which attempts trained an iteration and what became of it, judged from the layout history
+and a sample log written by the real writer (one ``SampleLog`` per attempt, as each launch
+opens one): a rollback that skipped the onset, then a second rollback that trained it again.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.lookup.attempts import attempts_at
+from megatron_ext.lookup.errors import NotTrained
+from megatron_ext.lookup.history import History, Segment
+from megatron_ext.records.sample_log import SampleLog, SampleRecord
+
+LAYOUT = {"data_parallel_size": 1, "micro_batch_size": 2, "global_batch_size": 2}
+
+
+def _segment(first: int, skips: range = range(0)) -> Segment:
+    return Segment(
+        first, 2 * (first - 1), LAYOUT, frozenset(skips), {}, f"line {first}", time.time()
+    )
+
+
+def _train(directory: Path, iterations: range, skips: range = range(0)) -> None:
+    log = SampleLog(directory, 0, job_id="job")
+    for k in iterations:
+        if k not in skips:
+            log.write(SampleRecord(k, 0, 0, [2 * k - 2, 2 * k - 1], ["0" * 40] * 2, 1.0, 8))
+
+
+def _fates(history: History, iteration: int, directory: Path | None) -> list[tuple]:
+    found = attempts_at(history, iteration, None if directory is None else str(directory), 0)
+    return [(a.number, a.trained, a.fate) for a in found.at]
+
+
+def test_rolled_back_skipped_and_retrained_iterations_are_told_apart(tmp_path: Path) -> None:
+    # attempt 1: 1..35 (spike at 32); attempt 2: from 26, skipping 26-37, to 40;
+    # attempt 3: rolled back again to 30 with no skips, to 45.
+    segments = [_segment(1)]
+    _train(tmp_path, range(1, 36))
+    segments.append(_segment(26, range(26, 38)))
+    _train(tmp_path, range(26, 41), range(26, 38))
+    segments.append(_segment(31))
+    _train(tmp_path, range(31, 46))
+    history = History(tuple(segments), (), None, {})
+    rolled_back = "trained it; rolled back (attempt 2 resumed from iteration 25)"
+    assert _fates(history, 28, tmp_path) == [
+        (1, True, f"{rolled_back}, skipped afterwards by attempt 2"),
+        (2, False, "skipped it (--iterations-to-skip)"),
+    ]
+    found = attempts_at(history, 28, str(tmp_path), 0)
+    assert found.answer(None).number == 1  # what was trained there, not the skip
+    assert found.answer(2).number == 2
+    with pytest.raises(Exception, match="--attempt 3: the attempts that started"):
+        found.answer(3)
+    assert _fates(history, 32, tmp_path) == [
+        (1, True, f"{rolled_back}, trained again by attempt 3"),
+        (2, False, "skipped it (--iterations-to-skip)"),
+        (3, True, "trained it; no checkpoint holds it yet (newest: None)"),
+    ]
+    assert attempts_at(history, 32, str(tmp_path), 0).answer(None).number == 3
+    # 39: attempt 1 never got there (its records end at 35): no answer of it.
+    assert [n for n, *_ in _fates(history, 39, tmp_path)] == [2, 3]
+    with pytest.raises(
+        NotTrained, match=r"iteration 46 is not yet trained: .* ends at iteration 45"
+    ):
+        attempts_at(history, 46, str(tmp_path), 0)
+    # No sample log: attempts that were rolled back may have trained it; none chosen blindly.
+    blind = attempts_at(history, 32, None, 0)
+    assert [a.trained for a in blind.at] == [False, False, True]
+    assert blind.at[0].fate.startswith("may have trained it before attempt 2")
+    assert blind.answer(None).number == 3 and blind.caveat is not None
