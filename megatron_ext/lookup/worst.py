@@ -145,6 +145,7 @@ def worst_table(lines: list[str], records: list[dict[str, Any]], snippet: int = 
             f"#{r['rank_by_loss']:<3} loss {r['loss']:.4f}  dp {r['dp_rank']} mb "
             f"{r['microbatch']}  sample {r['sample_index']}  {Path(r['dataset_path']).name}"
             f"#{r['dataset_sample']}  documents {documents}"
+            + (f"  attempt {r['attempt']}" if r.get("attempt") is not None else "")
             + ("  [trained tokens differ]" if r["trained_tokens_differ"] else "")
         )
         if "text" in r:

@@ -105,6 +105,11 @@ def test_lookup_answers_the_onset_and_the_rolled_back_iterations_per_attempt(
     injected = {i for ids in _trained({1: trained[1]}, ONSET).values() for i in ids}
     assert {s["sample_index"] for s in worst["samples"]} == injected
     assert {(s["attempt"], s["dp_rank"]) for s in worst["samples"]} == {(1, 1)}
+    code, out, err = _lookup(
+        capsys, work, "--iteration", str(ONSET), "--dp-rank", "1", "--worst", "2"
+    )
+    assert code == 0 and "SKIPPED" not in out, err
+    assert out.count("  attempt 1  [trained tokens differ]") == 2, out
 
 
 @fault(
