@@ -172,6 +172,8 @@ def _usage(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None
         options.document is not None or options.microbatch is not None or options.worst < 1
     ):
         parser.error("--worst K (K >= 1) ranks one iteration's samples; not with --microbatch")
+    if options.attempt is not None and (options.iteration is None or options.attempt < 1):
+        parser.error("--attempt N (N >= 1) chooses whose training of an --iteration to answer")
     if options.consumed_samples is not None and options.consumed_samples < 0:
         parser.error(f"--consumed-samples must be >= 0, got {options.consumed_samples}")
     if any("=" not in item for item in options.data_root):
@@ -261,15 +263,13 @@ def forward(session: Session) -> int:
         lines.append(
             "note: no checkpoint: nothing here says whether the run trained this batch yet"
         )
+    history = session.history.attempts() if session.history else ()
+    number = None if chosen is None else chosen.number
     if options.sample_log:
         answers = None if chosen is None else session.answers_by_attempt(attempts, chosen, records)
-        history = session.history.attempts() if session.history else ()
-        number = None if chosen is None else chosen.number
         lines.append(check_against_log(options.sample_log, records, answers, history, number))
     if options.worst is not None:
         directory = sample_log_dir(options, session.config.args)
-        history = session.history.attempts() if session.history else ()
-        number = None if chosen is None else chosen.number
         ranked = ranked_samples(directory, batch.iteration, options.dp_rank, number, history)
         records, changed = attach(ranked[: options.worst], records)
         by = "" if chosen is None else f", attempt {chosen.number}: {chosen.fate}"
