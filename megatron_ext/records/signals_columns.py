@@ -45,6 +45,8 @@ COLUMNS = (
     "skipped_iter",
 )
 INTEGERS = {"iteration", "attempt", "consumed_samples"}
+# The fields holding a flat JSON object (name -> number); adjacent in SignalRecord's order.
+NESTED = ("bucket_grad_norms", "lm_loss_by_dataset", "tokens_by_dataset")
 BOOLEANS = {"skipped_iter"}
 
 
@@ -53,7 +55,7 @@ def _line_pattern(wanted: tuple[str, ...]) -> re.Pattern[bytes]:
     for f in fields(SignalRecord):
         if f.name == "job_id":
             value = r'"(?:[^"\\\n]|\\.)*"'
-        elif f.name == "bucket_grad_norms":
+        elif f.name in NESTED:
             value = r"\{[^{}\n]*\}"
         else:  # a number, null, true/false, or "nan"/"inf" (json_safe's non-finite floats)
             value = r'[-+.\w]*|"[-\w]*"'
@@ -131,7 +133,9 @@ def _floats(name: str, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 _NAMES = [f.name for f in fields(SignalRecord)]
-_NESTED = _NAMES.index("bucket_grad_norms")  # its keys add colons: count later keys from the end
+# The nested objects' keys add colons: count the keys after them from the end of the line.
+_NESTED = _NAMES.index(NESTED[0])
+assert _NAMES[_NESTED : _NESTED + len(NESTED)] == list(NESTED), "nested fields must be adjacent"
 WIDTH = 24  # bytes of the longest number token (a float's repr: -2.2250738585072014e-308)
 
 
@@ -139,7 +143,7 @@ def _vectorised(data: bytes, names: Collection[str]) -> dict[str, np.ndarray] | 
     """The columns' tokens (NUL-padded, ``S24``) of a block whose every line is the writer's,
     found with array operations only; None when any line is not (then lines are matched one
     by one). A line qualifies when each column's key sits where the field order puts it
-    (the k-th ``":`` of the line, counted from the end after the nested bucket norms) and its
+    (the k-th ``":`` of the line, counted from the end after the nested objects) and its
     value ends within WIDTH bytes; anything else (a torn line, a string holding a key, a
     foreign line) fails that check."""
     if not data.endswith(b"\n"):
