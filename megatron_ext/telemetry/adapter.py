@@ -45,6 +45,7 @@ from megatron_ext.features import (
     is_writing_rank,
 )
 from megatron_ext.records.signals import SignalRecord, SignalsWriter
+from megatron_ext.records.sources import member_names, train_blend
 from megatron_ext.telemetry.bucket_layout import (
     Reduction,
     assign_slots,
@@ -53,7 +54,7 @@ from megatron_ext.telemetry.bucket_layout import (
     params_by_group,
 )
 from megatron_ext.telemetry.bucket_norms import BucketNormer
-from megatron_ext.telemetry.sources import SourceAccumulator, format_sources, member_names
+from megatron_ext.telemetry.sources import SourceAccumulator, format_sources
 from megatron_ext.validation import check_directory
 
 # Σ bucket² must equal grad-norm² to this relative tolerance (fp32 summation-order noise).
@@ -68,10 +69,7 @@ def train_members(args: Any) -> list[str]:
     """The names of the train split's blend members (``--data-path``, or ``--train-data-path``
     / a per-split blend); none with mock data. Taken from this launch's flags, so a resume
     under another blend (a new stage) names its own members."""
-    blend, blend_per_split = get_blend_and_blend_per_split(args)
-    if blend_per_split is not None and blend_per_split[0] is not None:
-        blend = blend_per_split[0]
-    return member_names(list(blend[0])) if blend is not None else []
+    return member_names(train_blend(*get_blend_and_blend_per_split(args)))
 
 
 def _counted(param: torch.Tensor, optimizer: Any) -> bool:

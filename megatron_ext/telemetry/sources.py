@@ -13,28 +13,10 @@ No Megatron imports here (the adapter hands in the blend's prefixes and the proc
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-
-def member_names(prefixes: list[str]) -> list[str]:
-    """Each blend member's name: its ``--data-path`` prefix, shortened to the basename where
-    no other member has the same basename (two ``.../en/web`` and ``.../de/web`` keep their
-    full prefixes; the same prefix twice in a blend is named ``#2``, ``#3`` after the first)."""
-    bases = [os.path.basename(p.rstrip("/")) or p for p in prefixes]
-    owners: dict[str, set[str]] = {}
-    for base, prefix in zip(bases, prefixes):
-        owners.setdefault(base, set()).add(prefix)
-    names = [b if len(owners[b]) == 1 else p for b, p in zip(bases, prefixes)]
-    seen: dict[str, int] = {}
-    for i, name in enumerate(names):
-        seen[name] = seen.get(name, 0) + 1
-        if seen[name] > 1:
-            names[i] = f"{name}#{seen[name]}"
-    return names
 
 
 class SourceAccumulator:

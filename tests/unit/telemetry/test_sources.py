@@ -19,8 +19,8 @@ from megatron_ext.features import LossInputs, MicroBatch, StepRecord
 from megatron_ext.files import SIGNALS_FILE
 from megatron_ext.gpt_step import DATASET_ID_KEY
 from megatron_ext.records.signals import read_signals
+from megatron_ext.records.sources import member_names
 from megatron_ext.telemetry.adapter import TelemetryFeature, train_members
-from megatron_ext.telemetry.sources import member_names
 from tests.support import megatron_world as mw
 
 DATA_FLAGS = dict.fromkeys(
