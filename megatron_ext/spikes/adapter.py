@@ -169,7 +169,13 @@ class SpikeFeature(Feature):
                     print(
                         f"megatron-ext spike detector: {event.kind} at iteration "
                         f"{event.iteration} (onset {event.onset}, culprit DP rank "
-                        f"{event.culprit_dp_rank}): {event.classification}",
+                        f"{event.culprit_dp_rank}"
+                        + (
+                            f", culprit source {event.culprit_source}"
+                            if event.culprit_source
+                            else ""
+                        )
+                        + f"): {event.classification}",
                         flush=True,
                     )
             code = _DECISIONS.index(self.detector.state)
