@@ -122,6 +122,14 @@ class TelemetryFeature(Feature):
             "and attempt.",
         )
         group.add_argument(
+            "--no-signals-by-dataset",
+            dest="signals_by_dataset",
+            action="store_false",
+            help="Leave the per-source fields (lm_loss_by_dataset, tokens_by_dataset: each "
+            "train blend member's loss and tokens) out of the signals, and their one small "
+            "all-reduce per step (recorded by default with --signals-dir).",
+        )
+        group.add_argument(
             "--signals-update-ratio",
             action="store_true",
             help="Also record ||Δθ||/||θ|| per step. Keeps an fp32 copy of "
@@ -143,7 +151,7 @@ class TelemetryFeature(Feature):
 
     def install(self, args: Any) -> None:
         self.args = args
-        if args.signals_dir:
+        if args.signals_dir and args.signals_by_dataset:
             self.members = train_members(args)
 
     # -- on_setup -----------------------------------------------------------------------

@@ -90,7 +90,7 @@ def _train_dataset(tmp_path: Path, prefixes: list[str], weights: list[float] | N
     return BlendedMegatronDatasetBuilder(GPTDataset, [64, 0, 0], lambda: True, config).build()[0]
 
 
-def _feature(tmp_path: Path, data_path: list[str]):
+def _feature(tmp_path: Path, data_path: list[str], by_dataset: bool = True):
     chunk = mw.ddp(mw.tiny_gpt())
     feature = TelemetryFeature()
     feature.install(
@@ -104,6 +104,7 @@ def _feature(tmp_path: Path, data_path: list[str]):
             consumed_train_samples=8,
             skipped_train_samples=0,
             log_max_attention_logit=False,
+            signals_by_dataset=by_dataset,
         )
     )
     feature.on_setup([chunk], mw.optimizer([chunk]))
@@ -181,3 +182,74 @@ def test_a_blend_batch_without_dataset_ids_is_refused(world, tmp_path: Path) -> 
     inputs = LossInputs(MicroBatch(1, True, 0, True), per_token, mask, mask.sum(), mask.sum())
     with pytest.raises(RuntimeError, match="without dataset_id"):
         feature.on_loss(inputs)
+
+
+class _Writer:
+    """Stands in for Megatron's TensorBoard writer (tensorboard is not installed here)."""
+
+    def __init__(self) -> None:
+        self.scalars: dict[str, float] = {}
+
+    def add_scalar(self, key: str, value: float, iteration: int) -> None:
+        self.scalars[key] = value
+
+
+def test_one_all_reduce_per_step_no_host_sync_and_tensorboard_keys(
+    world, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """on_loss reads nothing back to the host; after_step adds exactly one all-reduce of 2K
+    float64 values for the sources; TensorBoard gets lm-loss-by-dataset/<name> and
+    tokens-by-dataset/<name>; --no-signals-by-dataset leaves it all out."""
+    import megatron_ext.telemetry.adapter as adapter
+    import megatron_ext.telemetry.sources as sources
+
+    prefixes = [_prefix(tmp_path, "web", 1, 40, seed=4), _prefix(tmp_path, "code", 60, 120, 5)]
+    dataset = _train_dataset(tmp_path, prefixes, [0.5, 0.5])
+    writer = _Writer()
+    monkeypatch.setattr(adapter, "get_tensorboard_writer", lambda: writer)
+    reduced: list[tuple[int, torch.dtype]] = []
+    real = sources.dist.all_reduce
+    monkeypatch.setattr(
+        sources.dist,
+        "all_reduce",
+        lambda t, **k: (reduced.append((t.numel(), t.dtype)), real(t, **k))[1],
+    )
+    feature, chunk = _feature(tmp_path, ["0.5", prefixes[0], "0.5", prefixes[1]])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4)
+    batch = next(iter(loader))
+    with torch.no_grad():
+        per_token = chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = batch["loss_mask"].reshape(-1).float()
+    micro = MicroBatch(1, True, 0, True, dataset_ids=batch[DATASET_ID_KEY])
+    inputs = LossInputs(
+        micro, per_token, mask, (per_token.reshape(-1) * mask).sum(), mask.sum().int()
+    )
+    synced: list[str] = []
+    reduced.clear()  # building the model and optimizer reduced too
+    for name in ("item", "tolist"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda t, _o=original, _n=name: (synced.append(_n), _o(t))[1]
+        )
+    feature.on_loss(inputs)
+    assert synced == [] and reduced == []
+    monkeypatch.undo()  # the record's own reads (worst rank, bucket norms) are not ours
+    monkeypatch.setattr(adapter, "get_tensorboard_writer", lambda: writer)
+    monkeypatch.setattr(
+        sources.dist,
+        "all_reduce",
+        lambda t, **k: (reduced.append((t.numel(), t.dtype)), real(t, **k))[1],
+    )
+    record = StepRecord(1, {"lm loss": torch.tensor(1.0)}, 1e-3, 1.0, False, 1.0, 1.0, None, None)
+    reduced.clear()
+    feature.after_step(record)
+    assert reduced == [(4, torch.float64)]
+    tokens = {k.split("/")[1]: v for k, v in writer.scalars.items() if k.startswith("tokens-")}
+    assert set(tokens) == {"web", "code"}
+    losses = {k for k in writer.scalars if k.startswith("lm-loss-by-dataset/")}
+    assert losses == {f"lm-loss-by-dataset/{n}" for n, t in tokens.items() if t} != set()
+    assert sum(v for k, v in writer.scalars.items() if k.startswith("tokens")) == mask.sum()
+    assert "| lm loss by dataset | web: " in capsys.readouterr().out
+
+    off, _ = _feature(tmp_path / "off", ["0.5", prefixes[0], "0.5", prefixes[1]], False)
+    assert off.sources is None
