@@ -170,7 +170,8 @@ def test_a_stage_change_moves_the_average_and_starts_no_incident(stage1, stage2)
 
 def test_a_bad_source_at_10_percent_is_flagged_named_rolled_back_and_skipped(bad_source) -> None:
     work, first, plan, restart = bad_source
-    assert first.returncode == 42, first.log[-4000:]
+    exits = first.exits()
+    assert {e["exit_code"] for e in exits.values()} == {42} and len(exits) == 2, first.log[-4000:]
     events = _events(work)
     assert events[0]["kind"] == "spike" and events[0]["onset"] == BAD[0]
     assert events[0]["culprit_source"] == CODE
