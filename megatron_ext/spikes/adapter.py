@@ -338,7 +338,7 @@ class DrillFeature(Feature):
             parse_spec(args.drill_corrupt_batch)
         except ValueError as exc:
             raise FeatureError(str(exc)) from None
-        names = _train_members(args)
+        names = _train_members(args) if args.drill_corrupt_source else []
         if args.drill_corrupt_source and args.drill_corrupt_source not in names:
             raise FeatureError(
                 f"--drill-corrupt-source {args.drill_corrupt_source!r} is not a member of the "

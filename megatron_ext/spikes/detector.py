@@ -17,6 +17,11 @@ Rules, chosen on real curves (``benchmarks/detector.py``, README "Spike detector
   and their grad norm is not a measurement (an fp16 skip re-prints the last one), so it is
   neither learned nor used. ``skip_streak`` consecutive skips start an incident by themselves.
 - **Divergence**: a non-finite loss or grad norm: rollback at once.
+- **Per-source** (blend records with ``lm_loss_by_dataset``; ``SpikeConfig.per_source``): each
+  member has its own baseline (:mod:`megatron_ext.spikes.sources`) and the average is judged
+  mixture-adjusted, so a changed mixture alone flags nothing; a member's own large jump flags
+  (a small-share bad source), its moderate jump corroborates a moderate jump of the average,
+  and the event names it (``culprit_source``); recovery also waits for that member.
 - A flag starts an incident ("watching": no checkpoint is written); its onset is the first
   iteration of the rise that led to it. It **recovers** when the loss and the excess are back
   under their (frozen) moderate thresholds, the grad norm under ``grad_factor`` × its median

@@ -188,8 +188,10 @@ def test_a_bad_source_at_10_percent_is_flagged_named_rolled_back_and_skipped(bad
     _ok(restart)
     final = _records(work)
     assert [r.iteration for r in final] == list(range(1, END + 1))
-    replayed = [r for r in final if r.iteration > BAD[0] - 1]
-    assert all(r.attempt == replayed[0].attempt for r in replayed)
+    after = [r for r in final if r.iteration > BAD[1]]  # trained by the restart
+    assert {r.attempt for r in after} == {events[0]["attempt"] + 1}
+    retrained = [r.iteration for r in read_signals(work / "signals" / SIGNALS_FILE)]
+    assert retrained.count(BAD[0]) == 1, "the skipped iterations are not trained again"
     assert _events(work)[len(events) :] == []  # the restart is clean
-    clean = [r.lm_loss_by_dataset.get(CODE) for r in replayed if r.iteration > BAD[1]]
+    clean = [r.lm_loss_by_dataset.get(CODE) for r in after]
     assert max(v for v in clean if v is not None) < events[0]["source_loss"]
