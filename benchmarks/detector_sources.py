@@ -141,7 +141,16 @@ def _mix(base: list[SignalRecord], share, scale=lambda i: 1.0) -> list[SignalRec
         s = share(r.iteration)
         tokens = {PROSE: round(2048 * (1 - s)), CODE: round(2048 * s)}
         mean = sum(losses[n] * t for n, t in tokens.items()) / sum(tokens.values())
-        out.append(replace(r, lm_loss=mean, lm_loss_by_dataset=losses, tokens_by_dataset=tokens))
+        worst = None if r.max_local_loss is None else mean + r.max_local_loss - r.lm_loss
+        out.append(
+            replace(
+                r,
+                lm_loss=mean,
+                max_local_loss=worst,  # the real worst-rank excess over the re-mixed average
+                lm_loss_by_dataset=losses,
+                tokens_by_dataset=tokens,
+            )
+        )
     return out
 
 
@@ -200,6 +209,31 @@ def observe_cost(base: list[SignalRecord], reps: int) -> None:
         print(f"| {'on' if on else 'off'} | {best[on]:.2f} | {best[on] / best[False]:.2f} |")
 
 
+def accumulator_cost(reps: int) -> None:
+    """The per-source work of one step in isolation, on the step's shapes (4 micro-batches of
+    4 x 64 tokens per rank, 2 members): on_loss's index_add per micro-batch and the read at
+    the end (single process: the all-reduce of 4 float64 is not included)."""
+    import torch
+
+    from megatron_ext.telemetry.sources import SourceAccumulator
+
+    accumulator = SourceAccumulator([PROSE, CODE], "cpu")
+    per_token, mask = torch.rand(4, 64), torch.ones(4 * 64)
+    ids = torch.tensor([0, 0, 1, 0])
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(200):
+            for _ in range(4):
+                accumulator.add(per_token, mask, ids)
+            accumulator.reduce(None)
+        best = min(best, (time.perf_counter() - start) / 200 * 1e6)
+    print("\n### Per-source work per training step, isolated (CPU, best of reps)\n")
+    print(f"{best:.1f} µs per step (4 x add + 1 read); collectives: 1 all-reduce of 2K float64")
+    print("per step on the last stage's TP x DP x CP group; host syncs of its own: 0 (the read")
+    print("is after Megatron's own logging has synchronised)")
+
+
 def step_cost(root: Path, reps: int, iters: int) -> None:
     """Median training step with and without the per-source fields, launches interleaved."""
     prefixes, tokenizer = prepare_sources(root / "data")
@@ -207,6 +241,7 @@ def step_cost(root: Path, reps: int, iters: int) -> None:
     common = [*data, *tokenizer, "--global-batch-size", "32", "--micro-batch-size", "4"]
     common += ["--train-iters", str(iters), "--log-interval", "1"]
     times: dict[str, list[float]] = {"on": [], "off": []}
+    medians: dict[str, list[float]] = {"on": [], "off": []}
     for rep in range(reps):
         for arm in ("off", "on"):
             work = root / f"step-{arm}-{rep}"
@@ -216,13 +251,16 @@ def step_cost(root: Path, reps: int, iters: int) -> None:
                 extra.append("--no-signals-by-dataset")
             run = launch(work, [*common, *extra], nproc=2, sample_log=False)
             assert run.returncode == 0, run.log[-2000:]
-            times[arm] += [float(ms) for it, ms in ELAPSED.findall(run.log) if int(it) > 3]
+            steps = [float(ms) for it, ms in ELAPSED.findall(run.log) if int(it) > 3]
+            times[arm] += steps
+            medians[arm].append(statistics.median(steps))
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     print(f"\n### Training step (CPU harness, DP=2, {reps} interleaved launches per arm)\n")
-    print("| per-source signals | median ms/step | ratio |")
-    print("|---|---:|---:|")
-    print(f"| off (--no-signals-by-dataset) | {off:.1f} | 1.00 |")
-    print(f"| on | {on:.1f} | {on / off:.3f} |")
+    print("| per-source signals | median ms/step | ratio | per-launch medians |")
+    print("|---|---:|---:|---|")
+    for arm, value in (("off (--no-signals-by-dataset)", off), ("on", on)):
+        launches = ", ".join(f"{m:.0f}" for m in medians[arm.split()[0]])
+        print(f"| {arm} | {value:.1f} | {value / off:.3f} | {launches} |")
 
 
 def main() -> None:
@@ -237,6 +275,7 @@ def main() -> None:
     judge_real(runs)
     sweep(runs["stage change"])
     observe_cost(runs["stage change"], args.reps)
+    accumulator_cost(args.reps)
     if args.step_reps:
         step_cost(args.workdir, args.step_reps, args.step_iters)
 
