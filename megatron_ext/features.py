@@ -74,6 +74,9 @@ class MicroBatch:
     training: bool
     dp_rank: int
     reads_data: bool = False  # this rank read the batch (TP rank 0 of the first/last stage)
+    # [micro-batch] blend member of each sample (megatron-core's BlendedDataset returns it;
+    # Megatron's own get_batch drops it): set where reads_data, None when not a blend.
+    dataset_ids: Any = None
     extras: dict[str, Any] = field(default_factory=dict)
 
 

@@ -39,6 +39,9 @@ from megatron_ext.features import Feature, FeatureSet, LossInputs, MicroBatch
 # Megatron-LM pretrain_gpt.py: a loss 10x the max of the first losses is "spiky".
 SPIKY_LOSS_FACTOR = 10
 
+# What megatron-core's BlendedDataset adds to every sample: the index of its blend member.
+DATASET_ID_KEY = "dataset_id"
+
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 UNSUPPORTED_FLAGS = {
@@ -106,6 +109,7 @@ def get_batch(
     if tp_rank == 0:
         batch = next(data_iterator)  # type: ignore[arg-type]
         micro_batch.reads_data = True
+        micro_batch.dataset_ids = batch.get(DATASET_ID_KEY)
         for feature in features.using(Feature.on_batch):
             feature.on_batch(batch, micro_batch)
         for key in BATCH_KEYS:

@@ -5,7 +5,9 @@
     megatron-ext plot --signals FILE.jsonl --attempts 2,3 --out spike.png
     megatron-ext plot --signals-dir DIR --spike-large-rel 0.5    # what those thresholds flag
 
-Panels: LM loss, grad norm (pre-clip), params norm, max attention logit. With ``--attempts all``
+Panels: LM loss, grad norm (pre-clip), params norm, max attention logit, and for a blend run
+the loss of each data source with the stage changes marked (:mod:`megatron_ext.plot_sources`).
+With ``--attempts all``
 (the default) every attempt (launch, requeue, rollback) is its own coloured line, so a replay
 after a rollback is seen next to what it replaced; ``latest`` plots one line, what the run
 finally trained (the last attempt, and before its restart the attempt it resumed from, and so
@@ -44,6 +46,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from megatron_ext import plot_sources
 from megatron_ext.files import SIGNALS_FILE, SIGNALS_PLOT_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.gap_log import Gap
 from megatron_ext.io import atomic_write
@@ -177,9 +180,10 @@ def render(
 ) -> Figure:
     """The four-panel figure (drawn on an Agg canvas; :func:`save_png` writes it); ``gaps``:
     the log's gap lines (attempt, gap), iterations whose records a write failure kept out."""
-    figure = Figure(figsize=(12, 11), dpi=100, layout="constrained")
+    by_source = any(line.sources is not None and line.sources.envelopes for line in series)
+    figure = Figure(figsize=(12, 13 if by_source else 11), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplots(len(PANELS), 1, sharex=True)
+    axes = figure.subplots(len(PANELS) + by_source, 1, sharex=True)
     colours = rcParams["axes.prop_cycle"].by_key()["color"]
     _draw_plans(list(axes), plans or [])
     _draw_gaps(list(axes), gaps or [])
@@ -239,6 +243,8 @@ def render(
                     )
         if name == "grad_norm" and lowest and min(lowest) > 0:
             axis.set_yscale("log")  # spikes are orders of magnitude; the baseline stays legible
+    if by_source:
+        plot_sources.draw(axes[-1], series, colours)
     axes[-1].set_xlabel("iteration")
     shown = {e.kind for line in series for e in line.candidates} | {"spike", "divergence"}
     tracker = any(line.source == "ledger" for line in series)

@@ -27,6 +27,7 @@ import numpy as np
 
 from megatron_ext.io import from_json
 from megatron_ext.plot_envelope import COLUMNS, Envelope, column_width
+from megatron_ext.plot_sources import SourceLines
 from megatron_ext.records.ledger import Ledger
 from megatron_ext.records.signals_columns import COLUMNS as FIELDS
 from megatron_ext.records.signals_columns import Block, parse_block, replay_records
@@ -53,6 +54,7 @@ class Series:
     records: int = 0
     detector: SpikeDetector | None = None  # replays: fed in the pass
     hit: set[tuple[int, int]] = field(default_factory=set)  # (iteration, attempt) of marks
+    sources: SourceLines | None = None  # the per-source panel's lines
 
 
 @dataclass
@@ -140,7 +142,9 @@ def plan_series(
     def new(label: str, pieces: list[tuple[int, int, int]], tracked: bool) -> Series:
         envelopes = {name: Envelope(start, width) for name in PANEL_FIELDS}
         source = "ledger" if tracked and not replay else "replay"
-        return Series(label, pieces, envelopes, source=source)
+        line = Series(label, pieces, envelopes, source=source)
+        line.sources = SourceLines(start, width)
+        return line
 
     chosen = choose(attempts, sorted({s.attempt for s in segments}))
     if chosen is None:
@@ -168,6 +172,8 @@ def plan_series(
 def _feed(line: Series, block: Block, rows: np.ndarray, wanted: np.ndarray) -> None:
     it = block.values["iteration"][rows]
     line.records += len(rows)
+    if line.sources is not None:
+        line.sources.add(block, rows)
     for name, envelope in line.envelopes.items():
         envelope.add(it, block.values[name][rows], block.present[name][rows])
     if line.detector is not None:
@@ -213,7 +219,7 @@ def _blocks(log: SignalsLog, segment: Segment, stats: Stats, names: set[str]) ->
     offset, previous = segment.start, None
     while offset < segment.end:
         data = _whole_lines(log, offset, segment.end)
-        block = parse_block(data, offset, names)
+        block = parse_block(data, offset, names, sources=True)
         stats.slow_lines += block.slow_lines
         stats.problems += block.problems
         stats.gaps += [(segment.attempt, gap) for _, gap in block.gaps]
@@ -241,16 +247,21 @@ def _blocks(log: SignalsLog, segment: Segment, stats: Stats, names: set[str]) ->
 
 
 def _take(block: Block, rows: np.ndarray) -> Block:
-    return Block(
+    taken = Block(
         {k: v[rows] for k, v in block.values.items()},
         {k: v[rows] for k, v in block.present.items()},
     )
+    if block.sources:  # only the rows' own: a held-back row must not carry a whole block's
+        keys = zip(taken.values["iteration"].tolist(), taken.values["attempt"].tolist())
+        taken.sources = {k: block.sources[k] for k in keys if k in block.sources}
+    return taken
 
 
 def _join(first: Block, second: Block) -> Block:
     return Block(
         {k: np.concatenate([v, second.values[k]]) for k, v in first.values.items()},
         {k: np.concatenate([v, second.present[k]]) for k, v in first.present.items()},
+        sources={**first.sources, **second.sources},
     )
 
 

@@ -404,6 +404,15 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "(the earliest point parameter names exist: checks fail before DDP and optimizer).",
     ),
     Assumption(
+        name="blended-dataset-id",
+        target="megatron.core.datasets.blended_dataset:BlendedDataset",
+        assigned=("datasets", "dataset_index"),
+        used_by="megatron_ext.telemetry.adapter",
+        reason="BlendedDataset.__getitem__ returns dataset_id = dataset_index[idx], the position "
+        "of the sample's member in the blend's prefixes; the GPT step carries it to the "
+        "per-source signals (a blend batch without it stops the run loudly).",
+    ),
+    Assumption(
         name="idx-trailing-bytes",
         target="megatron.core.datasets.indexed_dataset:_IndexReader",
         assigned=("sequence_lengths", "sequence_pointers", "document_indices"),

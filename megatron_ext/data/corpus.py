@@ -3,10 +3,12 @@
 Real corpora need downloads and licences; a tiny GPT trained for a few dozen iterations only
 needs text with learnable structure (recurring words, grammar-like templates, punctuation,
 digits, some non-ASCII bytes). Output depends only on ``num_docs`` and ``seed``.
+:func:`write_code_corpus` adds a real second source (Python's standard library) for blends.
 """
 
 import json
 import random
+import sysconfig
 from pathlib import Path
 
 _WORDS: dict[str, tuple[str, ...]] = {
@@ -185,4 +187,29 @@ def write_tiny_corpus(path: str | Path, num_docs: int = 400, seed: int = 1234) -
     with path.open("w", encoding="utf-8") as f:
         for _ in range(num_docs):
             f.write(json.dumps({"text": _document(rng)}, ensure_ascii=False) + "\n")
+    return path
+
+
+def write_code_corpus(path: str | Path, num_docs: int = 400, lines_per_doc: int = 30) -> Path:
+    """Write real Python source as JSONL documents (``{"text": ...}``) and return the path.
+
+    A second, really different source for blend tests next to the prose above: the
+    interpreter's own standard library (shipped with every Python, no download), its
+    top-level modules in name order, cut into ``lines_per_doc``-line documents. Output depends
+    only on the arguments and the Python version.
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = 0
+    with path.open("w", encoding="utf-8") as f:
+        for module in sorted(stdlib.glob("*.py")):
+            lines = module.read_text(encoding="utf-8", errors="replace").splitlines()
+            for start in range(0, len(lines), lines_per_doc):
+                text = "\n".join(lines[start : start + lines_per_doc]).strip()
+                if text and written < num_docs:
+                    f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+                    written += 1
+            if written >= num_docs:
+                return path
     return path

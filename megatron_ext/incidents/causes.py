@@ -12,7 +12,9 @@ earliest visible":
    norm was already rising;
 3. single-rank bad data?  the worst DP rank's loss jumped much more than the DP average (a
    bad batch on one rank is diluted in the average); reproduced at the same onset after a
-   rollback (``--policy confirm``) makes it certain;
+   rollback (``--policy confirm``) makes it certain. Or one blend member's own loss
+   (``lm_loss_by_dataset``) jumped while the others did not: bad data in that source, which
+   a small share hides in the average (then the cause is ``bad-source``, the source named);
 4. optimizer-state timing?  the grad norm sat on a plateau below its normal level before the
    spike (Adam's v shrank, so a normal gradient becomes a large step);
 5. bf16 sporadic?  no precursor, loss and grad norm back the next step, ``num_zeros`` off its
@@ -43,6 +45,7 @@ PARAMS_ACCEL = 2.0  # params-norm growth rate before the onset / the rate before
 GRAD_RISE = 1.3  # grad-norm median of the last RECENT/4 iterations / earlier median: "rising"
 SINGLE_RANK = 0.8  # worst rank's rise over the average / the average's rise: one rank
 ONE_RANK_FLOOR = 0.1  # ... and that extra rise is at least 10 % of the loss
+ONE_SOURCE = 0.2  # a member's loss this far above its own median before the onset: its jump
 PLATEAU = 0.7  # grad-norm median just before the onset / earlier median: "below normal"
 ZEROS_K = 6.0  # robust sigmas of num_zeros that make it anomalous
 GRAD_BACK = 2.0  # grad norm under this many times its baseline the next step: "back"
@@ -61,6 +64,11 @@ CAUSES = {
         "single-rank bad data",
         "look up the culprit rank's batch (top documents below), roll back + skip, add the "
         "documents to the data filter",
+    ),
+    "bad-source": (
+        "bad data in one source",
+        "look up the batch's documents of the culprit source (top documents below), roll back "
+        "+ skip, fix or filter that source",
     ),
     "optimizer-state": (
         "optimizer-state timing",
@@ -101,6 +109,7 @@ class Diagnosis:
     culprit_dp_rank: int | None
     steps: list[Question]
     missing: list[str]  # every signal a question needed and the run did not record
+    culprit_source: str | None = None  # the blend member whose own loss jumped
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -246,6 +255,37 @@ def _bad_data(
     )
 
 
+def _bad_source(
+    named: str | None, before: list[SignalRecord], at: list[SignalRecord]
+) -> tuple[str, str] | None:
+    """(culprit member, evidence) when one member's own loss rose ``ONE_SOURCE`` over its
+    median before the onset and more than twice as much as any other member's."""
+    rises: dict[str, tuple[float, float, SignalRecord]] = {}
+    for name in {n for r in at for n in r.lm_loss_by_dataset}:
+        base = [r.lm_loss_by_dataset[name] for r in before if name in r.lm_loss_by_dataset]
+        if not base:
+            continue
+        median = statistics.median(base)
+        values = [r for r in at if name in r.lm_loss_by_dataset]
+        peak = max(values, key=lambda r: r.lm_loss_by_dataset[name])
+        rises[name] = (peak.lm_loss_by_dataset[name] / median - 1 if median else 0.0, median, peak)
+    if not rises:
+        return None
+    name = named if named in rises else max(rises, key=lambda n: rises[n][0])
+    rise, median, peak = rises[name]
+    others = [r for n, (r, _, _) in rises.items() if n != name]
+    if rise < ONE_SOURCE or any(2 * o > rise for o in others):
+        return None
+    tokens = peak.tokens_by_dataset
+    share = tokens.get(name, 0) / max(sum(tokens.values()), 1)
+    rest = ", ".join(f"{n} {r:+.0%}" for n, (r, _, _) in rises.items() if n != name) or "none"
+    return name, (
+        f"source {name}: {peak.lm_loss_by_dataset[name]:.4g} at iteration {peak.iteration}, "
+        f"{rise:+.0%} over its own median {median:.4g} (other sources: {rest}); its share "
+        f"{share:.0%} of the tokens dilutes it in the average"
+    )
+
+
 def _plateau(before: list[SignalRecord]) -> Question:
     q = "grad norm on a plateau below normal before the spike?"
     grads = _values(before, "grad_norm")
@@ -322,6 +362,10 @@ def diagnose(
     nxt = next((r for r in records if r.iteration == onset + 1), None)
     steps = [_divergence(incident, after), _logit(before), _learning_rate(before)]
     bad, culprit = _bad_data(before, at, reproduced)
+    source = _bad_source(incident.get("culprit_source"), before, at)
+    if source is not None:  # one blend member's own jump: evidence of bad data
+        bad.evidence += f"; {source[1]}"
+        bad.answer = "yes"
     steps += [bad, _plateau(before)]
     precursor = any(s.answer == "yes" for s in steps[1:])
     bf16 = _bf16(before, at[:1], nxt, incident.get("grad_baseline"), incident.get("loss_threshold"))
@@ -329,6 +373,8 @@ def diagnose(
         bf16.answer, bf16.evidence = "no", bf16.evidence + "; but a precursor was found"
     steps.append(bf16)
     cause = next((s.name for s in steps[1:] if s.answer == "yes"), "transient")
+    if cause == "bad-data" and culprit is None and source is not None:
+        cause = "bad-source"
     label, action = CAUSES[cause]
     if steps[0].answer == "yes":
         action = "roll back first, then: " + action
@@ -341,4 +387,5 @@ def diagnose(
         culprit_dp_rank=culprit if culprit is not None else incident.get("culprit_dp_rank"),
         steps=steps,
         missing=missing,
+        culprit_source=source[0] if source is not None else None,
     )

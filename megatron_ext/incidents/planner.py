@@ -281,7 +281,12 @@ def make_plan(
     summary = (
         f"{incident['kind']} requested at iteration {incident['iteration']} (onset {onset}, "
         f"{incident.get('classification')}, culprit DP rank {incident.get('culprit_dp_rank')}, "
-        f"loss {rounded(incident.get('loss'))} vs baseline "
+        + (
+            f"culprit source {incident['culprit_source']}, "
+            if incident.get("culprit_source")
+            else ""
+        )
+        + f"loss {rounded(incident.get('loss'))} vs baseline "
         f"{rounded(incident.get('loss_baseline'))}). "
         f"Roll back to checkpoint {target}"
         + (

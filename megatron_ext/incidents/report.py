@@ -77,6 +77,8 @@ class Report:
                 f"- action: **{plan.action}**",
                 f"- onset: {plan.onset}",
                 f"- culprit DP rank (max local loss): {incident.get('culprit_dp_rank')}",
+                f"- culprit source (its own loss jumped): "
+                f"{d.culprit_source or incident.get('culprit_source')}",
                 f"- classification: {incident.get('classification')}",
                 f"- likely cause: **{d.label}**{' (diverged)' if d.diverged else ''}: {d.action}",
                 f"- rollback to checkpoint: {plan.rollback_to} (moved aside: "

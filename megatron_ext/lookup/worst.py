@@ -143,8 +143,8 @@ def worst_table(lines: list[str], records: list[dict[str, Any]], snippet: int = 
         documents = " ".join(f"{d['document']}@{d['offset']}+{d['count']}" for d in r["documents"])
         out.append(
             f"#{r['rank_by_loss']:<3} loss {r['loss']:.4f}  dp {r['dp_rank']} mb "
-            f"{r['microbatch']}  sample {r['sample_index']}  {Path(r['dataset_path']).name}"
-            f"#{r['dataset_sample']}  documents {documents}"
+            f"{r['microbatch']}  sample {r['sample_index']}  source "
+            f"{Path(r['dataset_path']).name}#{r['dataset_sample']}  documents {documents}"
             + (f"  attempt {r['attempt']}" if r.get("attempt") is not None else "")
             + ("  [trained tokens differ]" if r["trained_tokens_differ"] else "")
         )

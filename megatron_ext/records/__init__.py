@@ -13,6 +13,7 @@ library and the lower layer (``io``, ``files``) only; no Megatron import.
   entry point reads it at start-up);
 - ``sample_log``: the per-rank sample log and the layout log (``--sample-log-dir``; read by
   the lookup);
+- ``sources``: how the per-source records (signals, ledger, drill) name a blend member;
 - ``pair``: the fingerprinted ``.bin``/``.idx`` pair (preprocess writes it; training start-up
   and the lookup check it).
 """

@@ -41,6 +41,11 @@ class SignalRecord:
     max_loss_dp_rank: int | None = None
     grad_norm: float | None = None  # pre-clip, as Megatron computes it
     bucket_grad_norms: dict[str, float] = field(default_factory=dict)
+    # Per blend member (named by its --data-path prefix, the basename when unambiguous): the
+    # token-weighted pure-CE loss of its samples in this global batch (members with tokens
+    # only; the token-weighted mean is lm_loss) and its loss-mask tokens.
+    lm_loss_by_dataset: dict[str, float] = field(default_factory=dict)
+    tokens_by_dataset: dict[str, int] = field(default_factory=dict)
     params_norm: float | None = None
     update_ratio: float | None = None  # ||Δθ|| / ||θ||
     lr: float | None = None

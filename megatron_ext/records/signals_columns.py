@@ -45,6 +45,8 @@ COLUMNS = (
     "skipped_iter",
 )
 INTEGERS = {"iteration", "attempt", "consumed_samples"}
+# The fields holding a flat JSON object (name -> number); adjacent in SignalRecord's order.
+NESTED = ("bucket_grad_norms", "lm_loss_by_dataset", "tokens_by_dataset")
 BOOLEANS = {"skipped_iter"}
 
 
@@ -53,7 +55,7 @@ def _line_pattern(wanted: tuple[str, ...]) -> re.Pattern[bytes]:
     for f in fields(SignalRecord):
         if f.name == "job_id":
             value = r'"(?:[^"\\\n]|\\.)*"'
-        elif f.name == "bucket_grad_norms":
+        elif f.name in NESTED:
             value = r"\{[^{}\n]*\}"
         else:  # a number, null, true/false, or "nan"/"inf" (json_safe's non-finite floats)
             value = r'[-+.\w]*|"[-\w]*"'
@@ -77,6 +79,9 @@ class Block:
     gaps: list[tuple[int, dict]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     slow_lines: int = 0  # lines that went through json.loads
+    # (iteration, attempt) -> (lm_loss_by_dataset, tokens_by_dataset), for the records that
+    # have per-source fields (parse_block(sources=True)); a later line wins, as in the columns.
+    sources: dict[tuple[int, int], tuple[dict, dict]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.values["iteration"])
@@ -131,7 +136,9 @@ def _floats(name: str, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 _NAMES = [f.name for f in fields(SignalRecord)]
-_NESTED = _NAMES.index("bucket_grad_norms")  # its keys add colons: count later keys from the end
+# The nested objects' keys add colons: count the keys after them from the end of the line.
+_NESTED = _NAMES.index(NESTED[0])
+assert _NAMES[_NESTED : _NESTED + len(NESTED)] == list(NESTED), "nested fields must be adjacent"
 WIDTH = 24  # bytes of the longest number token (a float's repr: -2.2250738585072014e-308)
 
 
@@ -139,7 +146,7 @@ def _vectorised(data: bytes, names: Collection[str]) -> dict[str, np.ndarray] | 
     """The columns' tokens (NUL-padded, ``S24``) of a block whose every line is the writer's,
     found with array operations only; None when any line is not (then lines are matched one
     by one). A line qualifies when each column's key sits where the field order puts it
-    (the k-th ``":`` of the line, counted from the end after the nested bucket norms) and its
+    (the k-th ``":`` of the line, counted from the end after the nested objects) and its
     value ends within WIDTH bytes; anything else (a torn line, a string holding a key, a
     foreign line) fails that check."""
     if not data.endswith(b"\n"):
@@ -172,10 +179,40 @@ def _vectorised(data: bytes, names: Collection[str]) -> dict[str, np.ndarray] | 
     return tokens
 
 
-def parse_block(data: bytes, offset: int, names: Collection[str] = COLUMNS) -> Block:
+# A writer's line with per-source fields: its iteration, attempt and the two objects (the
+# nested objects hold no braces; empty ones do not match: nothing to read).
+_SOURCES = re.compile(
+    rb'^\{"iteration":(\d+),"attempt":(\d+),[^\n]*?"lm_loss_by_dataset":(\{"[^{}\n]*\}),'
+    rb'"tokens_by_dataset":(\{[^{}\n]*\})',
+    re.MULTILINE,
+)
+
+
+def parse_sources(data: bytes) -> dict[tuple[int, int], tuple[dict, dict]]:
+    """The per-source fields of the lines in ``data`` that have them (a torn or foreign line
+    does not match, as it does not in the columns)."""
+    found = {}
+    for match in _SOURCES.finditer(data):
+        try:
+            losses, tokens = json.loads(match[3]), json.loads(match[4])
+        except ValueError:
+            continue
+        found[int(match[1]), int(match[2])] = (
+            {k: float(v) for k, v in losses.items() if v is not None},
+            {k: int(v) for k, v in tokens.items()},
+        )
+    return found
+
+
+def parse_block(
+    data: bytes, offset: int, names: Collection[str] = COLUMNS, sources: bool = False
+) -> Block:
     """Parse whole lines ``data`` (read from byte ``offset``) into the columns ``names`` (some
-    of :data:`COLUMNS`; the iteration and attempt always), in line order."""
+    of :data:`COLUMNS`; the iteration and attempt always), in line order; ``sources``: also
+    the per-source fields (:attr:`Block.sources`)."""
     block = Block({}, {})
+    if sources:
+        block.sources = parse_sources(data)
     names = {"iteration", "attempt", *names}
     found = _vectorised(data, names)
     if found is None:
@@ -201,7 +238,8 @@ def parse_block(data: bytes, offset: int, names: Collection[str] = COLUMNS) -> B
 
 
 def replay_records(block: Block, rows: np.ndarray) -> list[SignalRecord]:
-    """Records of ``rows`` with the fields a detector reads (a replay's input); the others
+    """Records of ``rows`` with the fields a detector reads (a replay's input: the columns and
+    the per-source fields when the block has them); the others
     (job id, wall time, bucket norms, ...) are not read by it and are left empty."""
     lists = {}
     for name in _ORDER:
@@ -213,7 +251,13 @@ def replay_records(block: Block, rows: np.ndarray) -> list[SignalRecord]:
             if name == "max_loss_dp_rank":
                 values = [None if v is None else int(v) for v in values]
         lists[name] = values
-    return [
+    records = [
         SignalRecord(job_id="", wall_time=0.0, skipped_samples=0, **dict(zip(_ORDER, row)))
         for row in zip(*(lists[n] for n in _ORDER))
     ]
+    if block.sources:  # the detector's per-source baselines read them
+        for record in records:
+            found = block.sources.get((record.iteration, record.attempt))
+            if found is not None:
+                record.lm_loss_by_dataset, record.tokens_by_dataset = found
+    return records

@@ -27,6 +27,9 @@ class SpikeConfig:
     skip_streak: int = 5  # consecutive skipped iterations that start an incident
     patience: int = 50  # iterations a flagged spike may take to recover
     context: int = 20  # signal records kept in each ledger event
+    # Per-source baselines (lm_loss_by_dataset): the average judged under the baseline's
+    # mixture, a member's own jump corroborates or flags (spikes/sources.py).
+    per_source: bool = True
 
     def __post_init__(self) -> None:
         for name in ("loss_rel", "mad_k", "large_rel", "large_mad_k", "grad_factor"):

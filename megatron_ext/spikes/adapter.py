@@ -43,6 +43,7 @@ from megatron_ext.io import atomic_write
 from megatron_ext.records.ledger import config_record
 from megatron_ext.records.signals import latest_per_iteration, read_signals
 from megatron_ext.records.skip_ranges import format_ranges
+from megatron_ext.records.sources import member_names, train_blend
 from megatron_ext.records.spike_config import add_detector_args, config_from_args
 from megatron_ext.spikes.detector import SpikeDetector
 from megatron_ext.spikes.drill import (
@@ -169,7 +170,13 @@ class SpikeFeature(Feature):
                     print(
                         f"megatron-ext spike detector: {event.kind} at iteration "
                         f"{event.iteration} (onset {event.onset}, culprit DP rank "
-                        f"{event.culprit_dp_rank}): {event.classification}",
+                        f"{event.culprit_dp_rank}"
+                        + (
+                            f", culprit source {event.culprit_source}"
+                            if event.culprit_source
+                            else ""
+                        )
+                        + f"): {event.classification}",
                         flush=True,
                     )
             code = _DECISIONS.index(self.detector.state)
@@ -250,6 +257,12 @@ class SkipListFeature(Feature):
         )
 
 
+def _train_members(args: Any) -> list[str]:
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    return member_names(train_blend(*get_blend_and_blend_per_split(args)))
+
+
 def save_after_a_skipped_end(
     original: Callable[..., Any], feature: SkipListFeature
 ) -> Callable[..., Any]:
@@ -290,6 +303,7 @@ class DrillFeature(Feature):
     def __init__(self) -> None:
         self.args: Any = None
         self.spec: CorruptionSpec | None = None
+        self.source: int | None = None  # blend member whose samples alone are corrupted
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -298,6 +312,14 @@ class DrillFeature(Feature):
             default=None,
             help="Drill only: corrupt one DP rank's batch at START[-END] (1-indexed), "
             "reproducibly across replays (see --drill-corruption).",
+        )
+        group.add_argument(
+            "--drill-corrupt-source",
+            type=str,
+            default=None,
+            metavar="NAME",
+            help="Drill only: corrupt only the samples of this train blend member (its name "
+            "in lm_loss_by_dataset: the --data-path prefix's basename when unambiguous).",
         )
         group.add_argument(
             "--drill-corruption",
@@ -316,10 +338,18 @@ class DrillFeature(Feature):
             parse_spec(args.drill_corrupt_batch)
         except ValueError as exc:
             raise FeatureError(str(exc)) from None
+        names = _train_members(args) if args.drill_corrupt_source else []
+        if args.drill_corrupt_source and args.drill_corrupt_source not in names:
+            raise FeatureError(
+                f"--drill-corrupt-source {args.drill_corrupt_source!r} is not a member of the "
+                f"train blend; members: {', '.join(names) or 'none (mock data)'}"
+            )
 
     def install(self, args: Any) -> None:
         self.args = args
         self.spec = parse_spec(args.drill_corrupt_batch)
+        if args.drill_corrupt_source:
+            self.source = _train_members(args).index(args.drill_corrupt_source)
 
     def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None:
         assert self.spec is not None
@@ -329,13 +359,19 @@ class DrillFeature(Feature):
             return
         # padded_vocab_size is set by Megatron's initialisation, after install.
         if self.args.drill_corruption == "mis-encoded":
-            batch["tokens"], batch["labels"] = misencode(
+            tokens, labels = misencode(
                 batch["tokens"], batch["labels"], self.args.padded_vocab_size
             )
         else:
-            batch["tokens"], batch["labels"] = garbage_batch(
+            tokens, labels = garbage_batch(
                 batch["tokens"],
                 micro_batch.iteration,
                 micro_batch.dp_rank,
                 self.args.padded_vocab_size,
             )
+        if self.source is not None:  # only that member's rows (a 1-member run has no ids)
+            ids = micro_batch.dataset_ids
+            rows = torch.ones(len(tokens), dtype=torch.bool) if ids is None else ids == self.source
+            tokens = torch.where(rows[:, None], tokens, batch["tokens"])
+            labels = torch.where(rows[:, None], labels, batch["labels"])
+        batch["tokens"], batch["labels"] = tokens, labels

@@ -17,6 +17,11 @@ Rules, chosen on real curves (``benchmarks/detector.py``, README "Spike detector
   and their grad norm is not a measurement (an fp16 skip re-prints the last one), so it is
   neither learned nor used. ``skip_streak`` consecutive skips start an incident by themselves.
 - **Divergence**: a non-finite loss or grad norm: rollback at once.
+- **Per-source** (blend records with ``lm_loss_by_dataset``; ``SpikeConfig.per_source``): each
+  member has its own baseline (:mod:`megatron_ext.spikes.sources`) and the average is judged
+  mixture-adjusted, so a changed mixture alone flags nothing; a member's own large jump flags
+  (a small-share bad source), its moderate jump corroborates a moderate jump of the average,
+  and the event names it (``culprit_source``); recovery also waits for that member.
 - A flag starts an incident ("watching": no checkpoint is written); its onset is the first
   iteration of the rise that led to it. It **recovers** when the loss and the excess are back
   under their (frozen) moderate thresholds, the grad norm under ``grad_factor`` × its median
@@ -28,7 +33,6 @@ is only computed when a value is already above its relative threshold.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -37,10 +41,10 @@ from typing import Any, Literal
 from megatron_ext.io import json_safe
 from megatron_ext.records.signals import SignalRecord
 from megatron_ext.records.spike_config import SpikeConfig
+from megatron_ext.spikes.sources import SourceBaselines
+from megatron_ext.spikes.windows import RollingWindow
 
 EventKind = Literal["spike", "recovered", "divergence", "rollback"]
-
-MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 
 
 @dataclass
@@ -61,55 +65,16 @@ class SpikeEvent:
     attempt: int = 0
     max_local_loss: float | None = None
     max_local_baseline: float | None = None
+    # The blend member whose own loss jumped (per-source baselines), its loss and median,
+    # and the mixture-adjusted average the thresholds were applied to.
+    culprit_source: str | None = None
+    source_loss: float | None = None
+    source_baseline: float | None = None
+    adjusted_loss: float | None = None
     window: list[dict[str, Any]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         return json_safe(self)
-
-
-class RollingWindow:
-    """Fixed-size window with O(log n) median (sorted mirror of a deque)."""
-
-    __slots__ = ("_order", "size", "values")
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._order: deque[float] = deque()
-        self.values: list[float] = []  # sorted; read directly on the per-step path
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def push(self, value: float) -> None:
-        order, ordered = self._order, self.values
-        order.append(value)
-        bisect.insort(ordered, value)
-        if len(ordered) > self.size:
-            del ordered[bisect.bisect_left(ordered, order.popleft())]
-
-    def median(self) -> float:
-        s = self.values
-        n = len(s)
-        return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
-
-    def mad(self) -> float:
-        med = self.median()
-        deviations = sorted(abs(v - med) for v in self.values)
-        n = len(deviations)
-        return deviations[n // 2] if n % 2 else 0.5 * (deviations[n // 2 - 1] + deviations[n // 2])
-
-    def above(self, value: float, rel: float, k: float, scale: float | None = None) -> bool:
-        """``value`` above both ``median + rel·scale`` (scale: the median itself unless given)
-        and ``median + k·σ``; the cheap test first."""
-        median = self.median()
-        if value <= median + abs(median if scale is None else scale) * rel:
-            return False
-        return value > median + k * MAD_TO_SIGMA * self.mad()
-
-    def threshold(self, rel: float, k: float, scale: float | None = None) -> float:
-        median = self.median()
-        relative = median + abs(median if scale is None else scale) * rel
-        return max(relative, median + k * MAD_TO_SIGMA * self.mad())
 
 
 def _finite(value: float | None) -> bool:
@@ -125,6 +90,7 @@ class _Step:
     grad: float | None  # None when not measured, or not a measurement (skipped step)
     excess: float | None  # worst DP rank's loss - the DP average: one rank's own trouble
     skipped: bool
+    source: str | None = None  # the member whose own jump flagged or corroborated it
 
 
 class SpikeDetector:
@@ -149,6 +115,8 @@ class SpikeDetector:
         self.last_scale: float | None = None
         self.incident: SpikeEvent | None = None
         self.frozen: tuple[float | None, float | None] = (None, None)  # loss, excess thresholds
+        self.sources = SourceBaselines(config.window)
+        self.frozen_source: tuple[str, float] | None = None  # culprit member, its threshold
         self.recent: deque[SignalRecord] = deque(maxlen=config.context)
 
     def resume(self) -> None:
@@ -205,21 +173,27 @@ class SpikeDetector:
         if not self._armed:
             self._armed = self.armed()
             if not self._armed:
-                self._learn(loss, grad, excess)
+                self._learn(record, loss, grad, excess)
                 return []
+        median = self.loss.median()
+        by_source = self.config.per_source and bool(record.lm_loss_by_dataset)
+        if by_source:  # judge the average the batch would have had under the baseline's mix
+            adjusted = self.sources.adjusted(record, median)
+            loss = loss if adjusted is None else adjusted
         if self.state == "watching":
             return self._watch(_Step(record, loss, grad, excess, skipped))
-        median = self.loss.median()
         margin = abs(median) * self.config.loss_rel
         one_rank = excess is not None and bool(self.excess.values)
-        rising = loss > median + margin or (
-            one_rank and excess > self.excess.median() + margin  # type: ignore[operator]
+        rising = (
+            loss > median + margin
+            or (one_rank and excess > self.excess.median() + margin)  # type: ignore[operator]
+            or (by_source and self.sources.rising(record, self.config.loss_rel))
         )
         if not rising and self.skips < self.config.skip_streak:  # most iterations stop here
             if self.raised_since is not None:
                 self.elevated = self.suspicious = 0
                 self.raised_since = None
-            self._learn(loss, grad, excess)
+            self._learn(record, loss, grad, excess)
             return []
         return self._rising(_Step(record, loss, grad, excess, skipped), rising, one_rank)
 
@@ -234,6 +208,9 @@ class SpikeDetector:
             self.incident = self._event("spike", step, why)
             self.incident.onset = self.raised_since
             self.frozen = (self.incident.loss_threshold, self._excess_threshold())
+            name = self.incident.culprit_source
+            limit = None if name is None else self.sources.threshold(name, c.loss_rel, c.mad_k)
+            self.frozen_source = None if limit is None else (name, limit)  # type: ignore[assignment]
             self.state, self.elevated, self.suspicious = "watching", 0, 0
             return [self.incident]
         if self.loss.above(step.loss, c.loss_rel, c.mad_k):
@@ -248,7 +225,7 @@ class SpikeDetector:
         self.elevated = 0
         self.suspicious += 1
         if self.suspicious > c.patience:
-            self._learn(step.loss, step.grad, step.excess)
+            self._learn(step.record, step.loss, step.grad, step.excess)
         return []
 
     def _flag_reason(self, step: _Step, one_rank: bool) -> str | None:
@@ -257,12 +234,18 @@ class SpikeDetector:
         scale = self.loss.median()
         if self.loss.above(step.loss, c.large_rel, c.large_mad_k):
             return "large loss jump"
+        step.source = self._source_jump(step, c.large_rel, c.large_mad_k)
+        if step.source is not None:  # a bad source with a small share: the average hides it
+            return f"large loss jump of source {step.source}"
         if one_rank and self.excess.above(step.excess, c.large_rel, c.large_mad_k, scale):  # type: ignore[arg-type]
             return "large jump of one DP rank's loss over the average"
         if self.skips >= c.skip_streak:
             return f"{self.skips} consecutive skipped iterations"
         if not self.loss.above(step.loss, c.loss_rel, c.mad_k):
             return None
+        step.source = self._source_jump(step, c.loss_rel, c.mad_k)
+        if step.source is not None:
+            return f"loss jump corroborated by source {step.source}"
         if self._grad_high(step.grad):
             return "loss jump corroborated by grad norm"
         if step.skipped:
@@ -270,6 +253,11 @@ class SpikeDetector:
         if one_rank and self.excess.above(step.excess, c.loss_rel, c.mad_k, scale):  # type: ignore[arg-type]
             return "loss jump corroborated by one DP rank's loss over the average"
         return None
+
+    def _source_jump(self, step: _Step, rel: float, k: float) -> str | None:
+        if not (self.config.per_source and step.record.lm_loss_by_dataset):
+            return None
+        return self.sources.jump(step.record, rel, k)
 
     def _grad_high(self, grad: float | None) -> bool:
         return (
@@ -284,7 +272,11 @@ class SpikeDetector:
         c = self.config
         return self.excess.threshold(c.loss_rel, c.mad_k, self.loss.median())
 
-    def _learn(self, loss: float, grad: float | None, excess: float | None) -> None:
+    def _learn(
+        self, record: SignalRecord, loss: float, grad: float | None, excess: float | None
+    ) -> None:
+        if self.config.per_source:
+            self.sources.learn(record)
         self.loss.push(loss)
         if grad is not None:  # finite: observe() diverges on a non-finite one
             self.grad.push(grad)
@@ -299,9 +291,16 @@ class SpikeDetector:
             and (excess_limit is None or step.excess is None or step.excess <= excess_limit)
             and not self._grad_high(step.grad)
             and not step.skipped
+            and (
+                self.frozen_source is None
+                or step.record.lm_loss_by_dataset.get(self.frozen_source[0], -math.inf)
+                <= self.frozen_source[1]
+            )
         )
         if back:
-            recovered = self._event("recovered", step, "loss, worst rank and grad norm back")
+            recovered = self._event(
+                "recovered", step, "loss, worst rank, culprit source and grad norm back"
+            )
             recovered.onset = self.incident.onset
             self.state, self.incident, self.raised_since = "healthy", None, None
             return [recovered]
@@ -309,6 +308,7 @@ class SpikeDetector:
             event = self._event("rollback", step, "spike did not recover within patience")
             event.onset = self.incident.onset
             event.culprit_dp_rank = self.incident.culprit_dp_rank
+            event.culprit_source = self.incident.culprit_source
             event.classification = f"{self.incident.classification}; not recovered"
             self.state = "rollback"
             return [event]
@@ -324,6 +324,10 @@ class SpikeDetector:
     def _event(self, kind: EventKind, step: _Step, why: str) -> SpikeEvent:
         armed = self.armed() and len(self.loss) > 0
         record = step.record
+        c = self.config
+        source = step.source
+        if source is None and kind != "recovered":
+            source = self._source_jump(step, c.loss_rel, c.mad_k)
         return SpikeEvent(
             kind=kind,
             iteration=record.iteration,
@@ -341,6 +345,10 @@ class SpikeDetector:
             max_local_baseline=(
                 self.loss.median() + self.excess.median() if armed and len(self.excess) else None
             ),
+            culprit_source=source,
+            source_loss=record.lm_loss_by_dataset.get(source) if source else None,
+            source_baseline=self.sources.median(source) if source else None,
+            adjusted_loss=step.loss if record.lm_loss_by_dataset and armed else None,
             window=[_summary(r) for r in self.recent],
         )
 
@@ -353,6 +361,7 @@ def _summary(record: SignalRecord) -> dict[str, Any]:
         "grad_norm": record.grad_norm,
         "max_local_loss": record.max_local_loss,
         "max_loss_dp_rank": record.max_loss_dp_rank,
+        "lm_loss_by_dataset": record.lm_loss_by_dataset,
         "update_ratio": record.update_ratio,
         "lr": record.lr,
         "skipped_iter": record.skipped_iter,

@@ -4,7 +4,9 @@ Why: the spike pipeline must be proven end to end on a reproducible bad batch. T
 is a pure function of (iteration, DP rank), injected where TP rank 0 reads the batch, so a
 replay from a checkpoint reproduces it exactly and ``--iterations-to-skip`` removes it
 (skipped iterations never reach the batch code). Flag: ``--drill-corrupt-batch
-START[-END]:DP_RANK``, with ``--drill-corruption``:
+START[-END]:DP_RANK`` (``*``: every rank), with ``--drill-corruption``, and
+``--drill-corrupt-source NAME`` to corrupt only that blend member's samples (a bad source at its
+share of the mixture, on every rank it is read on):
 
 - ``garbage``: every sample of the rank is replaced by uniform random tokens (the loss jumps
   towards ln V on that rank);
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-_SPEC = re.compile(r"^(\d+)(?:-(\d+))?:(\d+)$")
+_SPEC = re.compile(r"^(\d+)(?:-(\d+))?:(\d+|\*)$")
 CORRUPTIONS = ("garbage", "mis-encoded")
 
 
@@ -32,20 +34,23 @@ CORRUPTIONS = ("garbage", "mis-encoded")
 class CorruptionSpec:
     first: int
     last: int
-    dp_rank: int
+    dp_rank: int | None  # None: every DP rank (``*``)
 
     def hits(self, iteration: int, dp_rank: int) -> bool:
-        return self.first <= iteration <= self.last and dp_rank == self.dp_rank
+        return self.first <= iteration <= self.last and self.dp_rank in (None, dp_rank)
 
 
 def parse_spec(text: str) -> CorruptionSpec:
-    """``"40:1"`` or ``"40-45:1"`` (1-indexed iterations, inclusive) on DP rank 1."""
+    """``"40:1"`` or ``"40-45:1"`` (1-indexed iterations, inclusive) on DP rank 1; ``"40:*"``
+    on every DP rank (with ``--drill-corrupt-source``: one source's samples everywhere)."""
     match = _SPEC.match(text.strip())
     if not match:
         raise ValueError(
-            f"--drill-corrupt-batch {text!r}: expected START[-END]:DP_RANK, e.g. 40-45:1"
+            f"--drill-corrupt-batch {text!r}: expected START[-END]:DP_RANK (or :* for every "
+            "rank), e.g. 40-45:1"
         )
-    first, last, rank = int(match[1]), int(match[2] or match[1]), int(match[3])
+    first, last = int(match[1]), int(match[2] or match[1])
+    rank = None if match[3] == "*" else int(match[3])
     if first < 1 or last < first:
         raise ValueError(f"--drill-corrupt-batch {text!r}: need 1 <= START <= END")
     return CorruptionSpec(first, last, rank)

@@ -7,7 +7,8 @@ Flags: ``--log-bucket-grad-norms``, ``--signals-dir DIR``, ``--signals-update-ra
 - ``before_grad_norm``: computes the squared bucket norms and launches one all-reduce per
   grad-stats group (no host sync; the values are read after Megatron's own ``.item()`` on the
   norm);
-- ``on_loss``: accumulates this rank's token-summed lm loss (worst DP rank);
+- ``on_loss``: accumulates this rank's token-summed lm loss (worst DP rank) and, on the
+  rank that read the batch, each blend member's loss and tokens (:mod:`.sources`);
 - ``after_step``: builds the iteration's :class:`SignalRecord` (put on the step record for
   the spike detector), logs bucket norms to console/TensorBoard/W&B and checks Σ bucket²
   against Megatron's grad norm².
@@ -33,7 +34,7 @@ from megatron.core import mpu
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.training import get_tensorboard_writer, get_wandb_writer
-from megatron.training.utils import calc_params_l2_norm
+from megatron.training.utils import calc_params_l2_norm, get_blend_and_blend_per_split
 
 from megatron_ext.features import (
     LM_LOSS_PER_TOKEN,
@@ -44,6 +45,7 @@ from megatron_ext.features import (
     is_writing_rank,
 )
 from megatron_ext.records.signals import SignalRecord, SignalsWriter
+from megatron_ext.records.sources import member_names, train_blend
 from megatron_ext.telemetry.bucket_layout import (
     Reduction,
     assign_slots,
@@ -52,6 +54,7 @@ from megatron_ext.telemetry.bucket_layout import (
     params_by_group,
 )
 from megatron_ext.telemetry.bucket_norms import BucketNormer
+from megatron_ext.telemetry.sources import SourceAccumulator, format_sources
 from megatron_ext.validation import check_directory
 
 # Σ bucket² must equal grad-norm² to this relative tolerance (fp32 summation-order noise).
@@ -60,6 +63,13 @@ NORM_CHECK_RTOL = 1e-5
 
 def _is_writer() -> bool:
     return is_writing_rank(dist.get_rank(), dist.get_world_size())
+
+
+def train_members(args: Any) -> list[str]:
+    """The names of the train split's blend members (``--data-path``, or ``--train-data-path``
+    / a per-split blend); none with mock data. Taken from this launch's flags, so a resume
+    under another blend (a new stage) names its own members."""
+    return member_names(train_blend(*get_blend_and_blend_per_split(args)))
 
 
 def _counted(param: torch.Tensor, optimizer: Any) -> bool:
@@ -91,6 +101,8 @@ class TelemetryFeature(Feature):
         self.loss_sum: torch.Tensor | float = 0.0
         self.loss_tokens: torch.Tensor | float = 0.0
         self.writer: SignalsWriter | None = None
+        self.members: list[str] = []
+        self.sources: SourceAccumulator | None = None
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -108,6 +120,14 @@ class TelemetryFeature(Feature):
             "(written by the last rank every step): losses, worst DP rank, "
             "grad/bucket/params norms, lr, loss scale, zeros, flags, job id "
             "and attempt.",
+        )
+        group.add_argument(
+            "--no-signals-by-dataset",
+            dest="signals_by_dataset",
+            action="store_false",
+            help="Leave the per-source fields (lm_loss_by_dataset, tokens_by_dataset: each "
+            "train blend member's loss and tokens) out of the signals, and their one small "
+            "all-reduce per step (recorded by default with --signals-dir).",
         )
         group.add_argument(
             "--signals-update-ratio",
@@ -131,6 +151,8 @@ class TelemetryFeature(Feature):
 
     def install(self, args: Any) -> None:
         self.args = args
+        if args.signals_dir and args.signals_by_dataset:
+            self.members = train_members(args)
 
     # -- on_setup -----------------------------------------------------------------------
     def on_setup(self, model: list[Any], optimizer: Any) -> None:
@@ -146,6 +168,9 @@ class TelemetryFeature(Feature):
             self._layout_buckets()
         if self.args.signals_dir and _is_writer():
             self.writer = SignalsWriter(self.args.signals_dir)
+        if self.members and mpu.is_pipeline_last_stage():
+            device = next(p.device for chunk in model for p in chunk.parameters())
+            self.sources = SourceAccumulator(self.members, device)
 
     def _layout_buckets(self) -> None:
         """Bucket views and reduction slots (:mod:`megatron_ext.telemetry.bucket_layout`),
@@ -197,6 +222,9 @@ class TelemetryFeature(Feature):
                 loss = torch.sum(per_token.reshape(-1).float() * inputs.mask)
             self.loss_sum = self.loss_sum + loss
             self.loss_tokens = self.loss_tokens + inputs.num_tokens.detach().float()
+            if self.sources is not None and inputs.micro_batch.reads_data:
+                lm = per_token if per_token is not None else inputs.per_token
+                self.sources.add(lm.detach(), inputs.mask, inputs.micro_batch.dataset_ids)
         return {}
 
     # -- after_step ---------------------------------------------------------------------
@@ -239,6 +267,10 @@ class TelemetryFeature(Feature):
             self._check(record.iteration, sum(bucket_sq), grad_norm)
         worst_loss, worst_rank = self._worst_rank()
         self.loss_sum, self.loss_tokens = 0.0, 0.0
+        by_dataset: tuple[dict[str, float], dict[str, int]] = ({}, {})
+        if self.sources is not None:  # the last stage; TP ranks > 0 add zeros
+            group = mpu.get_tensor_and_data_parallel_group(with_context_parallel=True)
+            by_dataset = self.sources.reduce(group)
         update_ratio = self._update_ratio()
         params_norm = record.params_norm
         if self.args.signals_dir and params_norm is None:
@@ -246,6 +278,7 @@ class TelemetryFeature(Feature):
         if not _is_writer():
             return
         self._log_buckets(record.iteration, buckets)
+        self._log_sources(record.iteration, *by_dataset)
         if self.writer is None:
             return
         args = self.args
@@ -263,6 +296,8 @@ class TelemetryFeature(Feature):
             max_loss_dp_rank=worst_rank,
             grad_norm=grad_norm,
             bucket_grad_norms=buckets,
+            lm_loss_by_dataset=by_dataset[0],
+            tokens_by_dataset=by_dataset[1],
             params_norm=params_norm,
             update_ratio=update_ratio,
             lr=record.learning_rate,
@@ -298,3 +333,20 @@ class TelemetryFeature(Feature):
         if iteration % self.args.log_interval == 0:
             shown = " | ".join(f"{n}: {v:.4g}" for n, v in buckets.items())
             print(f" iteration {iteration:8d} | bucket grad norms | {shown}", flush=True)
+
+    def _log_sources(
+        self, iteration: int, losses: dict[str, float], tokens: dict[str, int]
+    ) -> None:
+        if not tokens:
+            return
+        scalars = {f"lm-loss-by-dataset/{n}": v for n, v in losses.items()}
+        scalars |= {f"tokens-by-dataset/{n}": float(v) for n, v in tokens.items()}
+        writer, wandb = get_tensorboard_writer(), get_wandb_writer()
+        if writer is not None:
+            for key, value in scalars.items():
+                writer.add_scalar(key, value, iteration)
+        if wandb is not None:
+            wandb.log(scalars, iteration)
+        if iteration % self.args.log_interval == 0:
+            shown = format_sources(losses, tokens)
+            print(f" iteration {iteration:8d} | lm loss by dataset | {shown}", flush=True)

@@ -55,6 +55,7 @@ from tests.support.layouts import (
 pytestmark = [pytest.mark.layouts, pytest.mark.timeout(1800)]
 
 NAMES = [layout.name for layout in LAYOUTS]
+SEQ_LENGTH = int(TINY_MODEL[TINY_MODEL.index("--seq-length") + 1])
 FP32 = [layout.name for layout in LAYOUTS if not layout.bf16]
 BF16_RTOL = 2.0**-8  # one bf16 unit roundoff
 _BUCKET = re.compile(r"^(?:pp(\d+)\.)?(?:ep(\d+)\.)?b\d+:(?:layers(\d+)-(\d+)|no-layers)\[")
@@ -192,6 +193,11 @@ def test_signals_one_record_per_iteration_with_the_worst_dp_rank(matrix: Matrix,
         if BAD[0] <= r.iteration <= BAD[1]:
             assert worst == layout.dp - 1, "the drill's garbage is on the last DP rank"
         assert r.update_ratio > 0 and r.params_norm > 0 and math.isfinite(r.lm_loss)
+        # One dataset is one blend member, with every loss token of the global batch (the
+        # per-source path at this layout: read on TP rank 0, reduced over TP x DP).
+        (member,) = r.tokens_by_dataset
+        assert r.tokens_by_dataset[member] == GLOBAL_BATCH * SEQ_LENGTH, r.iteration
+        assert r.lm_loss_by_dataset[member] == pytest.approx(r.lm_loss, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -240,3 +240,39 @@ def test_rollback_target_and_skip_window_are_drawn(log: Path, tmp_path: Path) ->
         assert len(spans) == 1 and spans[0].get_width() == 12  # iterations 35..46
         assert 34 in [line.get_xdata()[0] for line in axis.lines if line.get_linestyle() == "--"]
     assert "rollback to 34, skip 35-46" in figure.axes[0].texts[-1].get_text()
+
+
+def _blend_log(directory: Path) -> Path:
+    """Stage 1 (attempt 1, 1-40): prose 90 %, code 10 %; stage 2 (attempt 2, resumed at 41):
+    the weights inverted. Each source keeps its own loss; the average moves."""
+    for attempt, (prose, code) in enumerate(((900, 100), (100, 900)), start=1):
+        writer = SignalsWriter(directory)
+        for i in range(1 + 40 * (attempt - 1), 41 + 40 * (attempt - 1)):
+            losses = {"prose": 2.0 + 0.01 * math.sin(i), "code": 3.0 + 0.01 * math.cos(i)}
+            record = _record(i, (2.0 * prose + 3.0 * code) / 1000, 1.0)
+            record.lm_loss_by_dataset = losses
+            record.tokens_by_dataset = {"prose": prose, "code": code}
+            writer.write(record)
+    return directory / "signals.jsonl"
+
+
+def test_the_per_source_panel_has_a_line_per_source_and_marks_the_stage_change(
+    tmp_path: Path,
+) -> None:
+    from megatron_ext.plot_sources import stage_changes
+
+    path = _blend_log(tmp_path)
+    (line,) = build_series(path, "latest", CONFIG)[0]
+    assert sorted(line.sources.envelopes) == ["code", "prose"]
+    xs, ys = line.sources.envelopes["code"].points()
+    assert list(xs) == list(range(1, 81)) and all(abs(y - 3.0) < 0.02 for y in ys)
+    assert stage_changes(line.pieces, line.sources.mixtures) == [(41, "stage: code 90%, prose 10%")]
+    # The replayed detector reads the sources too: the stage change flags nothing.
+    assert [e for e in line.candidates if e.kind == "spike"] == []
+    figure = render([line], "blend")
+    assert len(figure.axes) == len(PANELS) + 1
+    assert figure.axes[-1].get_title(loc="left") == "LM loss by data source"
+    assert [t.get_text() for t in figure.axes[-1].texts] == ["stage: code 90%, prose 10%"]
+    # A log without per-source fields keeps the four panels.
+    (plain,) = build_series(_write_log(tmp_path / "plain"), "latest", CONFIG)[0]
+    assert len(render([plain], "plain").axes) == len(PANELS)

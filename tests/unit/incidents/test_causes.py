@@ -119,3 +119,25 @@ def test_the_report_shows_the_walk_and_orders_the_culprit_first(tmp_path: Path) 
     assert "--worst 8 --text --emit-blocklist" in report.blocklist_command()
     samples = [{"dp_rank": r, "rank_by_loss": k} for k, r in enumerate([0, 3, 1, 3], start=1)]
     assert [s["dp_rank"] for s in culprit_first(samples, 3)] == [3, 3, 0, 1]
+
+
+def test_one_sources_own_jump_is_bad_data_in_that_source() -> None:
+    """A 10 % source jumps +60 % at the onset; every rank alike (no single-rank excess)."""
+    records = _run({ONSET: (3.2, 1.1)})
+    for r in records:
+        code = 4.0 * (1.6 if ONSET <= r.iteration <= ONSET + 2 else 1.0)
+        r.lm_loss_by_dataset = {"prose": 3.0, "code": code}
+        r.tokens_by_dataset = {"prose": 900, "code": 100}
+    d = diagnose({**_incident("spike"), "culprit_source": "code"}, records)
+    assert _answers(d)["bad-data"] == "yes"
+    assert d.cause == "bad-source" and d.culprit_source == "code"
+    (step,) = [s for s in d.steps if s.name == "bad-data"]
+    assert "source code: 6.4 at iteration" in step.evidence and "+60%" in step.evidence
+    assert "its share 10% of the tokens" in step.evidence
+    # Both sources up alike: a general rise, not one source's bad data.
+    for r in records:
+        r.lm_loss_by_dataset = {k: v * 1.5 for k, v in r.lm_loss_by_dataset.items()}
+        if ONSET <= r.iteration <= ONSET + 2:
+            r.lm_loss_by_dataset["prose"] *= 1.6
+    d = diagnose(_incident("spike"), records)
+    assert d.culprit_source is None and d.cause != "bad-source"

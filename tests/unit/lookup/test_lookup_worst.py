@@ -110,6 +110,8 @@ def test_the_ranked_samples_get_their_documents_and_a_changed_id_is_refused(
     assert "worst 3 of 8 samples by token-averaged loss (sample log X)" in table
     assert "#1   loss 7.0000  dp 1 mb 1  sample 713" in table and "[trained tokens differ]" in table
     assert "text: some text with spaces" in table
+    name = Path(top[0]["dataset_path"]).name
+    assert f"sample 713  source {name}#{top[0]['dataset_sample']}" in table  # its blend member
     records[2]["sample_index"] = 999  # the indices no longer give what training read
     with pytest.raises(DataChanged, match="training logged sample 710, the indices give 999"):
         attach(ranked_samples(tmp_path, 7), records)

@@ -33,6 +33,13 @@ def _args(signals_dir: Path) -> object:
         consumed_train_samples=2,
         skipped_train_samples=0,
         log_max_attention_logit=False,
+        signals_by_dataset=True,
+        data_path=None,
+        data_args_path=None,
+        train_data_path=None,
+        valid_data_path=None,
+        test_data_path=None,
+        per_split_data_args_path=None,
     )
 
 

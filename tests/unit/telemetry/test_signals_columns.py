@@ -10,7 +10,7 @@ import numpy as np
 
 from megatron_ext.io import json_safe
 from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.signals_columns import COLUMNS, parse_block
+from megatron_ext.records.signals_columns import COLUMNS, parse_block, replay_records
 
 ODD = [0.1, 1e-308, 5e-324, -2.2250738585072014e-308, 1.7976931348623157e308, 123456789.0]
 
@@ -37,6 +37,12 @@ def _records(n: int) -> list[SignalRecord]:
                 max_loss_dp_rank=None if i % 7 == 0 else i % 64,
                 grad_norm=value,
                 bucket_grad_norms={f"b{j}:layers{j}": rng.random() for j in range(i % 3)},
+                lm_loss_by_dataset=(
+                    {"web": rng.random(), "code:py": 1.0 if value is None else value}
+                    if i % 4
+                    else {}
+                ),
+                tokens_by_dataset={"web": i, "code:py": 2 * i} if i % 4 else {},
                 params_norm=rng.choice(ODD),
                 lr=rng.random() * 1e-3,
                 max_attention_logit=None if i % 2 else 30.0,
@@ -88,3 +94,18 @@ def test_torn_foreign_gap_and_reordered_lines_are_parsed_as_json_loads_does() ->
     ]
     assert block.gaps == [(29, {"first_iteration": 5, "last_iteration": 9})]
     _check(block, records)
+
+
+def test_per_source_fields_are_read_with_the_columns_and_reach_a_replay() -> None:
+    records = _records(200)
+    block = parse_block(b"".join(_line(r) for r in records), 0, sources=True)
+    assert block.slow_lines == 0
+    _check(block, records)  # keys with colons inside the nested objects move no column
+    with_sources = [r for r in records if r.lm_loss_by_dataset]
+    assert len(block.sources) == len(with_sources) == 150
+    for record in with_sources:
+        losses, tokens = block.sources[record.iteration, record.attempt]
+        assert json.dumps(json_safe(losses)) == json.dumps(json_safe(record.lm_loss_by_dataset))
+        assert tokens == record.tokens_by_dataset
+    replayed = replay_records(block, np.arange(len(block)))
+    assert [r.tokens_by_dataset for r in replayed] == [r.tokens_by_dataset for r in records]

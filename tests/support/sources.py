@@ -1,0 +1,44 @@
+"""Two real, different text sources for blend runs: the demo's prose and Python's standard
+library source code, tokenized with the same BPE (the prose's), as real ``.bin``/``.idx``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_ext.data import preprocess
+from megatron_ext.data.corpus import write_code_corpus, write_tiny_corpus
+from megatron_ext.demo import prepare_tiny_dataset
+
+PROSE, CODE = "prose_text_document", "code_text_document"  # the members' names
+
+
+def prepare_sources(root: Path) -> tuple[dict[str, str], list[str]]:
+    """({member name: data prefix}, tokenizer flags); reused when present."""
+    _, tokenizer_args = prepare_tiny_dataset(root)
+    tokenizer_dir = root / "data" / "tiny_tokenizer"
+    prefixes = {}
+    for name, write in ((PROSE, write_tiny_corpus), (CODE, write_code_corpus)):
+        stem = name.removesuffix("_text_document")
+        prefix = root / "sources" / stem
+        if not Path(f"{prefix}_text_document.idx").exists():
+            corpus = write(root / "sources" / f"{stem}.jsonl")
+            status = preprocess.main(
+                [
+                    "--input",
+                    str(corpus),
+                    "--output-prefix",
+                    str(prefix),
+                    "--tokenizer-dir",
+                    str(tokenizer_dir),
+                ]
+            )
+            if status != 0:
+                raise RuntimeError(f"preprocessing the {stem} source failed")
+        prefixes[name] = f"{prefix}_text_document"
+    return prefixes, tokenizer_args
+
+
+def blend_args(prefixes: dict[str, str], weights: dict[str, float], cache: Path) -> list[str]:
+    """``--data-path W1 P1 W2 P2`` with a shared index cache (all in the train split)."""
+    data = [x for name, w in weights.items() for x in (str(w), prefixes[name])]
+    return ["--data-path", *data, "--split", "100,0,0", "--data-cache-path", str(cache)]
