@@ -14,7 +14,7 @@ setup(
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
     # Megatron's training flags as data, generated from its parser (the lookup's fast path).
-    package_data={"megatron_ext.lookup": ["megatron_flags.json"]},
+    package_data={"megatron_ext.lookup": ["megatron_flags/*.json"]},
     py_modules=["pretrain_gpt_ext"],
     install_requires=[
         f"megatron-core=={MEGATRON_CORE_VERSION}",

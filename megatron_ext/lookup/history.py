@@ -91,7 +91,9 @@ def checkpoint_segments(checkpoints: list[tuple[int, argparse.Namespace]]) -> li
             continue
         layout = _pick(args, LAYOUT_FIELDS)
         consumed = 0 if resumed == 0 else consumed_at.get(resumed)
-        if consumed is None and not layout["step_batch_size_schedule"]:
+        # 0.17's args have no step_batch_size_schedule, and 0.17 ramps the batch up.
+        ramped = layout["rampup_batch_size"] and "step_batch_size_schedule" not in vars(args)
+        if consumed is None and not layout["step_batch_size_schedule"] and not ramped:
             unit = layout["micro_batch_size"] * layout["data_parallel_size"]
             size = layout["global_batch_size"]
             if layout["decrease_batch_size_if_needed"]:

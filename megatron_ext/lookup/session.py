@@ -18,6 +18,7 @@ from megatron_ext.lookup.config import (
     TOKENIZER_PATH_ARGS,
     Checkpoint,
     RunConfig,
+    honours_rampup,
     load_checkpoint,
     megatron_namespace,
     pad_token_id,
@@ -50,6 +51,12 @@ class Session:
         elif options.ckpt_step is not None:
             raise ConfigError("--ckpt-step needs --from-checkpoint")
         self.source = f"checkpoint {checkpoint.directory}" if checkpoint else "flags"
+        # Which megatron-core trained the run decides what --rampup-batch-size did; the
+        # checkpoint's own args tell (read before the flags fill in the installed defaults).
+        self.rampup_honoured = honours_rampup(
+            checkpoint.args if checkpoint else argparse.Namespace(),
+            from_checkpoint=checkpoint is not None,
+        )
         args = megatron_namespace(megatron_flags, checkpoint.args if checkpoint else None)
         self.data_from_checkpoint = not _given(megatron_flags, DATA_FLAGS)
         self.config: RunConfig = run_config(
@@ -58,6 +65,7 @@ class Session:
             checkpoint=checkpoint,
             data_from_checkpoint=self.data_from_checkpoint,
             add_extra_token=not options.no_add_extra_token_to_sequence,
+            rampup_honoured=self.rampup_honoured,
         )
         self.args = args
         self.checkpoint = checkpoint
@@ -84,6 +92,7 @@ class Session:
             data_from_checkpoint=self.data_from_checkpoint,
             add_extra_token=not self.options.no_add_extra_token_to_sequence,
             segment=True,
+            rampup_honoured=self.rampup_honoured,
         )
         notes = config.notes
         if self.history.distinct_layouts() > 1:
