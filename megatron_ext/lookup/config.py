@@ -10,13 +10,9 @@ exactly what it meant to the training job. What the lookup needs is then distill
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from megatron_ext.checkpoint_state import CheckpointUnreadable, load_common_state
 from megatron_ext.files import (
@@ -28,7 +24,7 @@ from megatron_ext.files import (
 from megatron_ext.lookup import flagspec
 from megatron_ext.lookup.errors import ConfigError
 from megatron_ext.lookup.formats import blend_and_blend_per_split
-from megatron_ext.lookup.indices import DataSpec, remap
+from megatron_ext.lookup.indices import DataSpec
 from megatron_ext.lookup.position import (
     Anchor,
     Schedule,
@@ -357,58 +353,3 @@ def eval_sizes(args: argparse.Namespace) -> tuple[int | None, int]:
     if args.start_eval_at_iter is not None:
         points = max(0, points - args.start_eval_at_iter // args.eval_interval)
     return points * args.eval_iters * eval_batch, test
-
-
-TOKENIZER_PATH_ARGS = ("tokenizer_model", "vocab_file", "merge_file")
-
-
-def tokenizer_from_args(args: argparse.Namespace, data_root: Sequence[tuple[str, str]] = ()) -> Any:
-    """The run's tokenizer, built by Megatron from the same flags training used; its files
-    are read through the ``--data-root`` remapping, like the data (they usually move with it).
-    """
-    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-
-    if args.tokenizer_type is None:
-        raise ConfigError("no tokenizer in the run's args; pass --tokenizer-type/--tokenizer-model")
-    args = copy.copy(args)
-    args.rank = 0
-    for name in TOKENIZER_PATH_ARGS:
-        value = getattr(args, name, None)
-        if not isinstance(value, str) or not os.path.isabs(value):
-            continue  # unset, or a hub name such as "gpt2"
-        moved = remap(value, data_root)
-        if not os.path.exists(moved):
-            hint = (
-                f" (mapped from {value} by --data-root)"
-                if moved != value
-                else "; if it moved with the data, map the old location with --data-root OLD=NEW"
-            )
-            raise ConfigError(f"--text: the run's tokenizer file {moved} is not there{hint}")
-        setattr(args, name, moved)
-    try:
-        return build_tokenizer(args)
-    except Exception as exc:  # any failure of the tokenizer library: say which tokenizer
-        raise ConfigError(
-            f"--text: cannot build the run's tokenizer ({args.tokenizer_type} "
-            f"{getattr(args, 'tokenizer_model', None)}): {type(exc).__name__}: {exc}"
-        ) from None
-
-
-def pad_token_id(tokenizer: Any, allow_ambiguous: bool) -> int:
-    """The pad id GPTDataset uses (MegatronDataset.__init__): the tokenizer's, or -1 when it
-    is missing or collides with another special token."""
-    try:
-        pad = tokenizer.pad
-    except Exception:  # Megatron's own fallback is this broad: any failure means "no pad"
-        return -1
-    try:
-        specials = [v for k, v in tokenizer.special_tokens_dict.items() if k != "pad_token"]
-    except (AttributeError, IndexError, ValueError):
-        specials = []
-    if not specials:
-        for name in ("eos", "eod"):
-            with contextlib.suppress(AttributeError, NotImplementedError):
-                specials.append(getattr(tokenizer, name))
-    if pad in specials and not allow_ambiguous:
-        return -1
-    return pad

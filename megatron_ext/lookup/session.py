@@ -15,15 +15,12 @@ from megatron_ext.checkpoint_state import CheckpointUnreadable, load_common_stat
 from megatron_ext.files import CHECKPOINT_DIR
 from megatron_ext.lookup.caches import open_train_index
 from megatron_ext.lookup.config import (
-    TOKENIZER_PATH_ARGS,
     Checkpoint,
     RunConfig,
     honours_rampup,
     load_checkpoint,
     megatron_namespace,
-    pad_token_id,
     run_config,
-    tokenizer_from_args,
 )
 from megatron_ext.lookup.cyclic import CyclicOrder
 from megatron_ext.lookup.errors import CacheMissing, ConfigError, PositionError
@@ -31,6 +28,7 @@ from megatron_ext.lookup.history import History, read_history, segment_args
 from megatron_ext.lookup.indices import TrainIndex, remap
 from megatron_ext.lookup.position import Batch
 from megatron_ext.lookup.render import sample_record
+from megatron_ext.lookup.tokenizer import TOKENIZER_PATH_ARGS, pad_token_id, tokenizer_from_args
 
 LAYOUT_FLAGS = ("--micro-batch-size", "--global-batch-size", "--data-parallel-size")
 DATA_FLAGS = ("--data-path", "--train-data-path", "--data-args-path", "--per-split-data-args-path")

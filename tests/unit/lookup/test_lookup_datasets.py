@@ -26,11 +26,11 @@ from megatron_ext import cli as megatron_ext_cli
 from megatron_ext.io import token_sha1
 from megatron_ext.lookup import cli
 from megatron_ext.lookup.caches import open_train_index
-from megatron_ext.lookup.config import pad_token_id
 from megatron_ext.lookup.errors import CacheMissing, DataChanged
 from megatron_ext.lookup.indices import DataSpec
 from megatron_ext.lookup.inverse import find_document
 from megatron_ext.lookup.position import Schedule
+from megatron_ext.lookup.tokenizer import pad_token_id
 
 VOCAB = 512
 SURPLUS = 0.005
