@@ -26,11 +26,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.parallel_state import get_context_parallel_group
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-from megatron.core.utils import (
-    get_attr_wrapped_model,
-    get_batch_on_this_cp_rank,
-    get_batch_on_this_tp_rank,
-)
+from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank
 from megatron.training import get_args, get_timers, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
@@ -111,6 +107,8 @@ def get_batch(
         for key in BATCH_KEYS:
             value = batch.get(key)
             batch[key] = value.cuda(non_blocking=True) if value is not None else None
+    from megatron.core.utils import get_batch_on_this_tp_rank
+
     batch = get_batch_on_this_tp_rank(
         batch,
         broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),

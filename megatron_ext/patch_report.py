@@ -13,7 +13,7 @@ import argparse
 import textwrap
 from collections.abc import Callable
 
-from megatron_ext import MEGATRON_CORE_VERSION, registry
+from megatron_ext import registry, versions
 from megatron_ext.features import HOOKS, Feature
 from megatron_ext.loop import all_features
 from megatron_ext.patching import Assumption, Entry, Patch, PatchTargetError, installed_version
@@ -25,6 +25,21 @@ def _status(entry: Entry) -> tuple[str, bool]:
     except PatchTargetError as exc:
         return f"TARGET CHANGED: {exc}", False
     return "ok", True
+
+
+def _form(entry: Entry) -> tuple[Entry, str]:
+    """The entry's form for the installed megatron-core and the line saying which it is."""
+    try:
+        variant = entry.variant_for()
+    except PatchTargetError as exc:
+        return entry, f"variant: NONE ({exc})"
+    if variant is None:
+        label = "this entry's own" if entry.variants else "one form for all"
+        return entry.selected(), f"variant: {label} [verified on {', '.join(entry.verified_on)}]"
+    note = textwrap.fill(variant.note, 86, subsequent_indent="      ")
+    return entry.selected(), (
+        f"variant: [verified on {', '.join(variant.verified_on)}] {note}".rstrip()
+    )
 
 
 def _why(text: str) -> str:
@@ -41,8 +56,10 @@ def _section(
     for entry in entries:
         status, ok = _status(entry)
         failed += not ok
-        out.append(f"  {entry.name}  [verified on {entry.verified_on}]  {status}")
-        out.append(f"    {detail(entry)}")
+        form, which = _form(entry)
+        out.append(f"  {entry.name}  [verified on {', '.join(entry.covers())}]  {status}")
+        out.append(f"    {which}")
+        out.append(f"    {detail(form)}")
         out.append(_why(entry.reason))
     out.append("")
     return failed
@@ -59,11 +76,16 @@ def _assumed(entry: Entry) -> str:
     what = (
         f" assigns {', '.join(entry.assigned)}"
         if entry.assigned
+        else f" has {', '.join(entry.names)}"
+        if entry.names
         else f"{entry.signature}"
         if entry.signature
         else " exists"
     )
-    return f"relies on: {entry.target}{what}\n    used by: {entry.used_by}"
+    used = entry.used_by
+    if entry.wrap is not None:
+        used += f" (through {entry.wrap.__module__}.{entry.wrap.__qualname__})"
+    return f"relies on: {entry.target}{what}\n    used by: {used}"
 
 
 def hook_users(features: list[Feature]) -> dict[str, list[str]]:
@@ -80,11 +102,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-ext patches", description=__doc__)
     parser.parse_args(argv)
     users = hook_users(all_features())
+    found = installed_version()
+    supported = f"{versions.MIN_VERSION} to {versions.MAX_VERSION}"
     out = [
-        f"megatron-core installed: {installed_version()} (megatron-ext verified on "
-        f"{MEGATRON_CORE_VERSION})",
+        f"megatron-core installed: {found} (megatron-ext supports {supported}, verified on "
+        f"{', '.join(versions.VERIFIED)}; variants below are {versions.nearest_verified(found)}'s)",
         "",
     ]
+    try:
+        warning = versions.check(found)
+    except versions.UnsupportedVersion as exc:
+        out[1:1] = [f"REFUSED: {exc}", ""]
+        failed_version = 1
+    else:
+        failed_version = 0
+        if warning:
+            out[1:1] = [warning, ""]
     failed = _section("upstream bug fixes (always applied)", registry.BUGFIXES, _patch_target, out)
     failed += _section(
         "loop hooks (applied when an installed feature uses the hook)",
@@ -110,4 +143,4 @@ def main(argv: list[str] | None = None) -> int:
         "assumptions (private names read, not replaced)", registry.ASSUMPTIONS, _assumed, out
     )
     print("\n".join(out).rstrip())
-    return 1 if failed else 0
+    return 1 if failed or failed_version else 0
