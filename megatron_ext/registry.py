@@ -19,9 +19,10 @@ verifies all of them at start-up and refuses to run if any target changed.
 
 from __future__ import annotations
 
-from megatron_ext import fixes, gpt_step, hooks
+from megatron_ext import copies, fixes, gpt_step, hooks
 from megatron_ext.features import Feature
 from megatron_ext.patching import Assumption, Entry, HookCall, Patch, Variant
+from megatron_ext.registry_copies import COPIES
 from megatron_ext.spikes.adapter import SkipListFeature, save_after_a_skipped_end
 from megatron_ext.versions import VERIFIED
 from megatron_ext.weight_decay.adapter import WeightDecayFeature, with_overrides, with_param_map
@@ -440,9 +441,8 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         used_by="megatron_ext.fixes",
         reason="The --help fix tells docstring help from metadata help by this dict.",
     ),
-    # Megatron pieces that tools re-read without importing megatron-core (5 s of imports
-    # for an answer in milliseconds); tests/unit/lookup/test_lookup_formats.py and
-    # test_checkpoint_state.py prove the same results on the same inputs.
+    # Megatron pieces read without importing megatron-core (5 s of imports for an answer in
+    # milliseconds); test_checkpoint_state.py proves the same results on the same inputs.
     Assumption(
         name="checkpoint-common-state",
         verified_on=ALL,
@@ -452,51 +452,6 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         reason="Read as it reads it: legacy common.pt, else the bytes of the "
         "'common_state/shard_0_1' ShardedObject in the DCP files (torch.save of [state]); "
         "any other layout is handed to this function.",
-    ),
-    Assumption(
-        name="lookup-megatron-flags",
-        verified_on=ALL,
-        target="megatron.training.arguments:add_megatron_arguments",
-        signature="(parser: argparse.ArgumentParser)",
-        used_by="megatron_ext.lookup.flagspec",
-        reason="The lookup parses a run's flags with this parser rebuilt from "
-        "megatron_flags.json, generated from it, for the megatron-core version it names.",
-    ),
-    Assumption(
-        name="lookup-indexed-dataset-format",
-        verified_on=ALL,
-        target="megatron.core.datasets.indexed_dataset:_IndexReader",
-        assigned=("sequence_lengths", "sequence_pointers", "document_indices"),
-        used_by="megatron_ext.lookup.formats",
-        reason="The lookup reads .idx/.bin as this reader does: header, version 1, dtype "
-        "code, counts, then these three arrays; tokens as IndexedDataset.get slices them.",
-    ),
-    Assumption(
-        name="lookup-blend-rules",
-        verified_on=ALL,
-        target="megatron.core.datasets.utils:get_blend_from_list",
-        signature="(blend: Optional[List[str]]) -> Optional[Tuple[List[str], "
-        "Optional[List[float]]]]",
-        used_by="megatron_ext.lookup.formats",
-        reason="--data-path weights/prefixes are split by this function's rules.",
-    ),
-    Assumption(
-        name="lookup-blend-per-split-rules",
-        verified_on=ALL,
-        target="megatron.training.utils:get_blend_and_blend_per_split",
-        signature="(args)",
-        used_by="megatron_ext.lookup.formats",
-        reason="Which data flag wins (--data-path, --data-args-path, per-split paths).",
-    ),
-    Assumption(
-        name="lookup-split-rules",
-        verified_on=ALL,
-        target="megatron.core.datasets.blended_megatron_dataset_config:"
-        "convert_split_vector_to_split_matrix",
-        signature="(vector_a: List[float], vector_b: Optional[List[float]] = None) -> "
-        "List[Optional[Tuple[float, float]]]",
-        used_by="megatron_ext.lookup.formats",
-        reason="--split -> the train split's [begin, end), after parse_and_normalize_split.",
     ),
     Assumption(
         name="model-pre-wrap-hooks",
@@ -541,9 +496,16 @@ def patch(name: str) -> Patch:
 
 
 def verify_all() -> None:
-    """Verify every entry (start-up, before any patch is applied)."""
+    """Verify every entry training relies on (start-up, before any patch is applied): a copy
+    only the tools use (scope "tools") is theirs to check, and never blocks training."""
     for entry in ENTRIES:
         entry.verify()
+    copies.verify(COPIES, scope="training")
+
+
+def verify_tools() -> None:
+    """Verify the copies the offline tools rely on (the lookup, when it runs)."""
+    copies.verify(COPIES)
 
 
 def applied() -> list[Patch]:
