@@ -108,6 +108,11 @@ def train(argv: list[str]) -> None:
     else:
         _require_cuda()
         argv = _default_transformer_impl(argv)
+    from megatron_ext import patching
+
+    # Before any Megatron import: a version outside the supported range is refused with the
+    # range and how to install a supported one (megatron_ext.versions), not an ImportError.
+    patching.check_version()
     sys.argv = [sys.argv[0], *prepare_skips(argv)]
 
     from megatron.core.enums import ModelType
@@ -118,11 +123,10 @@ def train(argv: list[str]) -> None:
     )
     from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_ext import gpt_step, loop, patching, registry
+    from megatron_ext import gpt_step, loop, registry
     from megatron_ext.errors import StartupError
 
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
-    patching.check_version()
     registry.verify_all()
     for fix in registry.BUGFIXES:
         fix.apply()

@@ -13,9 +13,8 @@ import argparse
 import textwrap
 from collections.abc import Callable
 
-from megatron_ext import registry, versions
+from megatron_ext import versions
 from megatron_ext.features import HOOKS, Feature
-from megatron_ext.loop import all_features
 from megatron_ext.patching import Assumption, Entry, Patch, PatchTargetError, installed_version
 
 
@@ -101,7 +100,6 @@ def _hook_name(entry: Entry) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-ext patches", description=__doc__)
     parser.parse_args(argv)
-    users = hook_users(all_features())
     found = installed_version()
     supported = f"{versions.MIN_VERSION} to {versions.MAX_VERSION}"
     out = [
@@ -111,13 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     ]
     try:
         warning = versions.check(found)
-    except versions.UnsupportedVersion as exc:
-        out[1:1] = [f"REFUSED: {exc}", ""]
-        failed_version = 1
-    else:
-        failed_version = 0
-        if warning:
-            out[1:1] = [warning, ""]
+    except versions.UnsupportedVersion as exc:  # before importing anything of Megatron's
+        print("\n".join([*out, str(exc)]))
+        return 1
+    if warning:
+        out[1:1] = [warning, ""]
+    # Imported here, after the version check: the registry imports the adapters (Megatron).
+    from megatron_ext import registry
+    from megatron_ext.loop import all_features
+
+    users = hook_users(all_features())
     failed = _section("upstream bug fixes (always applied)", registry.BUGFIXES, _patch_target, out)
     failed += _section(
         "loop hooks (applied when an installed feature uses the hook)",
@@ -143,4 +144,4 @@ def main(argv: list[str] | None = None) -> int:
         "assumptions (private names read, not replaced)", registry.ASSUMPTIONS, _assumed, out
     )
     print("\n".join(out).rstrip())
-    return 1 if failed or failed_version else 0
+    return 1 if failed else 0
