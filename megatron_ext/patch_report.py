@@ -66,6 +66,9 @@ def _section(
 
 def _patch_target(entry: Entry) -> str:
     assert isinstance(entry, Patch)
+    variant = entry.variant_for() if entry.variants else None
+    if variant is not None and not variant.available:
+        return "target: none on this version (not available; see the variant)"
     wrapper = f"{entry.wrap.__module__}.{entry.wrap.__qualname__}"
     return f"target: {entry.target}{entry.signature}\n    wrapper: {wrapper}"
 
@@ -143,5 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     failed += _section(
         "assumptions (private names read, not replaced)", registry.ASSUMPTIONS, _assumed, out
     )
+    failed += _section(
+        "entry point (pretrain_gpt_ext.py's runner, batch helpers, per version)",
+        (*registry.ENTRY_POINT, registry.CLASSIC_INIT),
+        lambda e: _patch_target(e) if isinstance(e, Patch) else _assumed(e),
+        out,
+    )
+    failed += _section("megatron names the training side imports", registry.IMPORTS, _assumed, out)
     print("\n".join(out).rstrip())
     return 1 if failed else 0
