@@ -13,9 +13,8 @@ import argparse
 import textwrap
 from collections.abc import Callable
 
-from megatron_ext import registry, versions
+from megatron_ext import versions
 from megatron_ext.features import HOOKS, Feature
-from megatron_ext.loop import all_features
 from megatron_ext.patching import Assumption, Entry, Patch, PatchTargetError, installed_version
 
 
@@ -67,6 +66,9 @@ def _section(
 
 def _patch_target(entry: Entry) -> str:
     assert isinstance(entry, Patch)
+    variant = entry.variant_for() if entry.variants else None
+    if variant is not None and not variant.available:
+        return "target: none on this version (not available; see the variant)"
     wrapper = f"{entry.wrap.__module__}.{entry.wrap.__qualname__}"
     return f"target: {entry.target}{entry.signature}\n    wrapper: {wrapper}"
 
@@ -101,7 +103,6 @@ def _hook_name(entry: Entry) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-ext patches", description=__doc__)
     parser.parse_args(argv)
-    users = hook_users(all_features())
     found = installed_version()
     supported = f"{versions.MIN_VERSION} to {versions.MAX_VERSION}"
     out = [
@@ -111,13 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     ]
     try:
         warning = versions.check(found)
-    except versions.UnsupportedVersion as exc:
-        out[1:1] = [f"REFUSED: {exc}", ""]
-        failed_version = 1
-    else:
-        failed_version = 0
-        if warning:
-            out[1:1] = [warning, ""]
+    except versions.UnsupportedVersion as exc:  # before importing anything of Megatron's
+        print("\n".join([*out, str(exc)]))
+        return 1
+    if warning:
+        out[1:1] = [warning, ""]
+    # Imported here, after the version check: the registry imports the adapters (Megatron).
+    from megatron_ext import registry
+    from megatron_ext.loop import all_features
+
+    users = hook_users(all_features())
     failed = _section("upstream bug fixes (always applied)", registry.BUGFIXES, _patch_target, out)
     failed += _section(
         "loop hooks (applied when an installed feature uses the hook)",
@@ -142,5 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     failed += _section(
         "assumptions (private names read, not replaced)", registry.ASSUMPTIONS, _assumed, out
     )
+    failed += _section(
+        "entry point (pretrain_gpt_ext.py's runner, batch helpers, per version)",
+        (*registry.ENTRY_POINT, registry.CLASSIC_INIT),
+        lambda e: _patch_target(e) if isinstance(e, Patch) else _assumed(e),
+        out,
+    )
+    failed += _section("megatron names the training side imports", registry.IMPORTS, _assumed, out)
     print("\n".join(out).rstrip())
-    return 1 if failed or failed_version else 0
+    return 1 if failed else 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -40,7 +41,7 @@ from megatron_ext.errors import Refusal, StartupError
 
 _MARK = "__megatron_ext_patch__"
 
-Kind = Literal["bugfix", "feature", "hook"]
+Kind = Literal["bugfix", "feature", "hook", "entry"]
 
 
 class PatchTargetError(Refusal, RuntimeError):
@@ -345,7 +346,11 @@ class Assumption(_Versioned):
             raise _target_error(
                 self.name, self.target, self.verified_on, f"not found ({exc})"
             ) from exc
-        missing = [n for n in self.names if not hasattr(module, n)]
+        missing = [
+            n
+            for n in self.names
+            if not hasattr(module, n) and importlib.util.find_spec(f"{self.target}.{n}") is None
+        ]
         if missing:
             raise _target_error(
                 self.name, self.target, self.verified_on, f"no longer has {', '.join(missing)}"

@@ -4,7 +4,9 @@
 - **hook** patches are the four places where :mod:`megatron_ext.loop` calls the installed
   features' hooks (applied only when an installed feature uses the hook);
 - **feature** patches change Megatron's behaviour for one feature's flag;
-- **assumptions** are private names read without being replaced.
+- **assumptions** are private names read without being replaced;
+- the **entry point**'s runner per version, its batch helpers and every megatron name the
+  training side imports (:mod:`megatron_ext.registry_entry`).
 
 Wrappers live next to the feature or fix they belong to and are named here as the imported
 functions (go to definition follows them); :func:`megatron_ext.loop.install` applies a
@@ -23,6 +25,7 @@ from megatron_ext import copies, fixes, gpt_step, hooks
 from megatron_ext.features import Feature
 from megatron_ext.patching import Assumption, Entry, HookCall, Patch, Variant
 from megatron_ext.registry_copies import COPIES
+from megatron_ext.registry_entry import CLASSIC_INIT, ENTRY_POINT, IMPORTS
 from megatron_ext.spikes.adapter import SkipListFeature, save_after_a_skipped_end
 from megatron_ext.versions import VERIFIED
 from megatron_ext.weight_decay.adapter import WeightDecayFeature, with_overrides, with_param_map
@@ -454,16 +457,6 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "any other layout is handed to this function.",
     ),
     Assumption(
-        name="model-pre-wrap-hooks",
-        verified_on=ALL,
-        target="megatron.training.models.base:ModelConfig",
-        assigned=("pre_wrap_hooks",),
-        used_by="megatron_ext.loop",
-        reason="on_model_built runs as one of the config container's pre_wrap_hooks, which "
-        "the model builder calls on the built chunks before mixed-precision and DDP wrapping "
-        "(the earliest point parameter names exist: checks fail before DDP and optimizer).",
-    ),
-    Assumption(
         name="idx-trailing-bytes",
         verified_on=ALL,
         target="megatron.core.datasets.indexed_dataset:_IndexReader",
@@ -477,14 +470,18 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
 
 _READERS = "TP rank 0 of a data-reading stage"
 ENTRY_POINT_HOOKS: tuple[HookCall, ...] = (
-    HookCall(Feature.on_model_built, hooks.pre_wrap_hook, "the config container's pre_wrap_hooks"),
+    HookCall(
+        Feature.on_model_built,
+        hooks.pre_wrap_hook,
+        "the config container's pre_wrap_hooks; 0.17/0.18: megatron_ext.gpt_model.model_provider",
+    ),
     HookCall(Feature.on_train_dataset, gpt_step.train_valid_test_datasets_provider, _READERS),
     HookCall(Feature.on_batch, gpt_step.get_batch, _READERS),
     HookCall(Feature.on_loss, gpt_step.loss_func, "last pipeline stage"),
 )
 
-PATCHES: tuple[Patch, ...] = (*BUGFIXES, *HOOKS, *FEATURE_PATCHES)
-ENTRIES: tuple[Entry, ...] = (*PATCHES, *ASSUMPTIONS)
+PATCHES: tuple[Patch, ...] = (*BUGFIXES, *HOOKS, *FEATURE_PATCHES, CLASSIC_INIT)
+ENTRIES: tuple[Entry, ...] = (*PATCHES, *ASSUMPTIONS, *ENTRY_POINT, *IMPORTS)
 
 
 def patch(name: str) -> Patch:
@@ -493,6 +490,14 @@ def patch(name: str) -> Patch:
         if entry.name == name:
             return entry
     raise KeyError(f"no megatron-ext patch named {name!r}")
+
+
+def assumption(name: str) -> Assumption:
+    """The registered assumption called ``name``."""
+    for entry in (*ASSUMPTIONS, *ENTRY_POINT, *IMPORTS):
+        if entry.name == name:
+            return entry
+    raise KeyError(f"no megatron-ext assumption named {name!r}")
 
 
 def verify_all() -> None:
