@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import Callable
 
 from megatron_ext import versions
+from megatron_ext.copies import Copy, CopyChanged
 from megatron_ext.features import HOOKS, Feature
 from megatron_ext.patching import Assumption, Entry, Patch, PatchTargetError, installed_version
 
@@ -90,6 +91,30 @@ def _assumed(entry: Entry) -> str:
     return f"relies on: {entry.target}{what}\n    used by: {used}"
 
 
+def _copies(entries: tuple[Copy, ...], out: list[str]) -> int:
+    """The copies section: a changed "tools" copy makes its tool refuse, not training (so it
+    does not fail this command); a changed "training" copy does."""
+    out.append("== copies of Megatron logic (checked by the tool that holds them, no import)")
+    failed = 0
+    for entry in entries:
+        try:
+            entry.verify()
+            status = "ok"
+        except CopyChanged as exc:
+            blocks = entry.scope == "training"
+            failed += blocks
+            status = f"COPY CHANGED ({'training refuses' if blocks else 'its tool refuses'}): {exc}"
+        source = entry.source_for()
+        out.append(f"  {entry.name}  [verified on {', '.join(entry.covers())}]  {status}")
+        note = f" {source.note}" if source.note else ""
+        out.append(f"    variant: [verified on {', '.join(source.verified_on)}]{note}")
+        out.append(f"    copies: {', '.join(source.targets or entry.targets)}")
+        out.append(f"    used by: {', '.join(entry.used_by)} (scope {entry.scope})")
+        out.append(_why(entry.reason))
+    out.append("")
+    return failed
+
+
 def hook_users(features: list[Feature]) -> dict[str, list[str]]:
     """Hook name -> the features overriding it."""
     return {hook.__name__: [f.name for f in features if f.implements(hook)] for hook in HOOKS}
@@ -153,5 +178,6 @@ def main(argv: list[str] | None = None) -> int:
         out,
     )
     failed += _section("megatron names the training side imports", registry.IMPORTS, _assumed, out)
+    failed += _copies(registry.COPIES, out)
     print("\n".join(out).rstrip())
     return 1 if failed else 0

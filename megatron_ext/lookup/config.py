@@ -187,21 +187,22 @@ def honours_rampup(args: argparse.Namespace, *, from_checkpoint: bool) -> bool:
 def _train_iters(
     args: argparse.Namespace, step_schedule: tuple[tuple[int, int], ...], rampup: bool
 ) -> int:
-    """Megatron's update_train_iters for sample-based runs (0.17's under a ramp-up)."""
-    if args.train_iters:
-        if rampup:
+    """Megatron's update_train_iters for sample-based runs (0.17's under a ramp-up). A
+    checkpoint's args hold the train_iters Megatron derived; the rule gives the same."""
+    if rampup:
+        if not args.train_samples:
             raise ConfigError(
                 "--rampup-batch-size with --train-iters: megatron-core 0.17 asserts 'expected "
                 "no batch-size rampup for iteration-based training', so no such run exists"
             )
-        return int(args.train_iters)
-    if not args.train_samples:
-        raise ConfigError("pass --train-iters or --train-samples (or use a checkpoint)")
-    if rampup:
         unit = int(args.micro_batch_size) * int(args.data_parallel_size)
         return rampup_train_iters(
             args.rampup_batch_size, int(args.global_batch_size), int(args.train_samples), unit
         )
+    if args.train_iters:
+        return int(args.train_iters)
+    if not args.train_samples:
+        raise ConfigError("pass --train-iters or --train-samples (or use a checkpoint)")
     if not step_schedule:
         return int(args.train_samples) // int(args.global_batch_size)
     iterations = consumed = 0

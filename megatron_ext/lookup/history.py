@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,8 @@ class History:
         )
 
     def distinct_layouts(self) -> int:
-        return len({tuple(s.layout.items()) for s in (*self.from_log, *self.from_checkpoints)})
+        segments = (*self.from_log, *self.from_checkpoints)
+        return len({json.dumps(s.layout, sort_keys=True) for s in segments})  # lists inside
 
 
 def read_history(save_dir: Path, sample_log_dirs: list[str], load: Any) -> History:

@@ -18,6 +18,10 @@ from megatron_ext.lookup import cli
 from megatron_ext.registry_copies import COPIES
 from megatron_ext.versions import VERIFIED
 
+# The compatibility tier runs this module on every supported megatron-core (tests/compat).
+pytestmark = pytest.mark.compat
+
+
 REPO = Path(__file__).resolve().parents[2]
 
 

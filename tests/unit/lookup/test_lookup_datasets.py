@@ -32,6 +32,9 @@ from megatron_ext.lookup.inverse import find_document
 from megatron_ext.lookup.position import Schedule
 from megatron_ext.lookup.tokenizer import pad_token_id
 
+# The compatibility tier runs this module on every supported megatron-core (tests/compat).
+pytestmark = pytest.mark.compat
+
 VOCAB = 512
 SURPLUS = 0.005
 

@@ -25,6 +25,10 @@ from megatron_ext.lookup import flagspec, formats
 from megatron_ext.lookup.errors import ConfigError
 from megatron_ext.versions import VERIFIED
 
+# The compatibility tier runs this module on every supported megatron-core (tests/compat).
+pytestmark = pytest.mark.compat
+
+
 REPO = Path(__file__).resolve().parents[3]
 
 

@@ -27,6 +27,10 @@ from megatron_ext.lookup.position import (
 )
 from megatron_ext.lookup.topology import Topology
 
+# The compatibility tier runs this module on every supported megatron-core (tests/compat).
+pytestmark = pytest.mark.compat
+
+
 # megatron-core 0.17 ramps the batch up; 0.18 replaced that with the step schedule.
 RAMPUP_CALCULATOR = getattr(nmc, "RampupBatchsizeNumMicroBatchesCalculator", None)
 STEP_CALCULATOR = getattr(nmc, "StepBatchsizeNumMicroBatchesCalculator", None)

@@ -29,6 +29,9 @@ from megatron_ext.lookup.indices import DataSpec
 from megatron_ext.lookup.tokenizer import comparable, tokenizer_from_args
 from megatron_ext.versions import VERIFIED, nearest_verified
 
+# The compatibility tier runs this module on every supported megatron-core (tests/compat).
+pytestmark = pytest.mark.compat
+
 _TEXT = "megatron.core.tokenizers.text.models.default_tokenizer.DefaultTokenizerText"
 _HF_017 = {
     "class": _TEXT,
