@@ -351,6 +351,6 @@ def eval_sizes(args: argparse.Namespace) -> tuple[int | None, int]:
     if not args.eval_interval:
         return 0, test
     points = args.train_iters // args.eval_interval + 1
-    if args.start_eval_at_iter is not None:
+    if getattr(args, "start_eval_at_iter", None) is not None:  # 0.18 on
         points = max(0, points - args.start_eval_at_iter // args.eval_interval)
     return points * args.eval_iters * eval_batch, test

@@ -30,6 +30,7 @@ from megatron_ext.lookup.errors import CacheMissing, DataChanged
 from megatron_ext.lookup.indices import DataSpec
 from megatron_ext.lookup.inverse import find_document
 from megatron_ext.lookup.position import Schedule
+from megatron_ext.lookup.rebuild import process_group
 from megatron_ext.lookup.tokenizer import pad_token_id
 
 # The compatibility tier runs this module on every supported megatron-core (tests/compat).
@@ -91,7 +92,8 @@ def _build(
         add_extra_token_to_sequence=extra,
     )
     sizes = [target, 0 if per_split else 3, 0]
-    return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()[0]
+    with process_group():  # 0.17's BlendedDataset asks torch.distributed for the rank
+        return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()[0]
 
 
 def _spec(prefixes, weights, *, per_split, split, seed, seq, target, cache, extra) -> DataSpec:

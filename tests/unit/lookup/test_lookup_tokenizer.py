@@ -26,6 +26,7 @@ from megatron_ext.lookup.caches import open_train_index
 from megatron_ext.lookup.config import megatron_namespace
 from megatron_ext.lookup.errors import ConfigError
 from megatron_ext.lookup.indices import DataSpec
+from megatron_ext.lookup.rebuild import process_group
 from megatron_ext.lookup.tokenizer import comparable, tokenizer_from_args
 from megatron_ext.versions import VERIFIED, nearest_verified
 
@@ -108,7 +109,8 @@ def test_caches_any_version_described_match_the_installed_tokenizer(
         eod_mask_loss=False,
         mid_level_dataset_surplus=0.005,
     )
-    BlendedMegatronDatasetBuilder(GPTDataset, [40, 0, 0], lambda: True, config).build()
+    with process_group():
+        BlendedMegatronDatasetBuilder(GPTDataset, [40, 0, 0], lambda: True, config).build()
     (described,) = cache.glob("*-GPTDataset-train-description.txt")
     content = json.loads(described.read_text())
     content["tokenizer"] = _filled(RECORDED[trained_on]["hf"], bpe)
