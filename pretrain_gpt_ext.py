@@ -108,49 +108,27 @@ def train(argv: list[str]) -> None:
     else:
         _require_cuda()
         argv = _default_transformer_impl(argv)
+    from megatron_ext import patching
+
+    # Before any Megatron import: a version outside the supported range is refused with the
+    # range and how to install a supported one (megatron_ext.versions), not an ImportError.
+    patching.check_version()
     sys.argv = [sys.argv[0], *prepare_skips(argv)]
 
-    from megatron.core.enums import ModelType
-    from megatron.training import get_args, inprocess_restart, pretrain, set_startup_timestamps
-    from megatron.training.argument_utils import (
-        gpt_config_from_args,
-        pretrain_cfg_container_from_args,
-    )
-    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training import set_startup_timestamps
 
-    from megatron_ext import gpt_step, loop, patching, registry
-    from megatron_ext.errors import StartupError
+    from megatron_ext import registry
 
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
-    patching.check_version()
     registry.verify_all()
     for fix in registry.BUGFIXES:
         fix.apply()
-
-    # Parse before Megatron's in-process-restart wrapper: it parses sys.argv without the
-    # megatron-ext group, so `--help` would print (and exit) without the overlay's flags.
-    args = parse_and_validate_args(
-        extra_args_provider=loop.add_megatron_ext_args,
-        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-    )
-    # The features keep these args, and Megatron fills them as it goes (resume iteration,
-    # consumed samples, padded vocab): they must be the global args Megatron reads.
-    if get_args() is not args:
-        raise StartupError("Megatron's global args are not the ones it parsed; re-verify")
-    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
-    gpt_step.check_supported(args)
-    features = loop.install(args)
-    config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
-    loop.attach(config, features)
-    forward_step, datasets_provider = gpt_step.bind(features)
-    run(
-        config,
-        datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-        store=store,
-        get_embedding_ranks=gpt_step.get_embedding_ranks,
-    )
+    # The runner, batch helper and model provider verified for the installed megatron-core
+    # (megatron_ext.entry; registry entries entry-point, batch-on-this-rank).
+    run = registry.assumption("entry-point").selected().wrap
+    broadcast = registry.assumption("batch-on-this-rank").selected().wrap
+    assert run is not None and broadcast is not None, "registry entry without its runner"
+    run(broadcast, registry.CLASSIC_INIT)
 
 
 if __name__ == "__main__":

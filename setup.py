@@ -1,8 +1,13 @@
 """megatron-ext: a thin overlay on NVIDIA Megatron Core for stable, debuggable pretraining."""
 
+import runpy
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
-MEGATRON_CORE_VERSION = "0.19.2"
+# The supported range is declared once, in megatron_ext/versions.py (standard library only):
+# read as a file, so that building never imports the package or Megatron.
+VERSIONS = runpy.run_path(str(Path(__file__).parent / "megatron_ext" / "versions.py"))
 
 setup(
     name="megatron-ext",
@@ -14,10 +19,10 @@ setup(
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
     # Megatron's training flags as data, generated from its parser (the lookup's fast path).
-    package_data={"megatron_ext.lookup": ["megatron_flags.json"]},
+    package_data={"megatron_ext.lookup": ["megatron_flags/*.json"]},
     py_modules=["pretrain_gpt_ext"],
     install_requires=[
-        f"megatron-core=={MEGATRON_CORE_VERSION}",
+        VERSIONS["REQUIREMENT"],
         "torch>=2.6",
         "matplotlib",  # `megatron-ext plot` (Agg backend, no display needed)
         "numpy",

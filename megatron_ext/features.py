@@ -168,6 +168,16 @@ HOOKS: tuple[Callable[..., Any], ...] = (
 )
 
 
+@dataclass
+class ModelBuilt:
+    """``on_model_built``'s progress: the chunks the overlay's own model provider built so far
+    (megatron-core 0.17/0.18) and whether the hook ran, so that a version whose builder skips
+    it fails loudly (:meth:`FeatureSet.check_model_built`)."""
+
+    chunks: list[Any] = field(default_factory=list)
+    hook_ran: bool = False
+
+
 @dataclass(frozen=True)
 class FeatureSet:
     """The features installed for one run, in hook order; the hook wrappers and the entry
@@ -175,6 +185,7 @@ class FeatureSet:
 
     args: Any
     features: tuple[Feature, ...]
+    built: ModelBuilt = field(default_factory=lambda: ModelBuilt())
 
     @classmethod
     def install(cls, features: list[Feature], args: Any) -> FeatureSet:
@@ -189,3 +200,13 @@ class FeatureSet:
     def using(self, hook: Callable[..., Any]) -> list[Feature]:
         """The installed features overriding ``hook`` (e.g. ``Feature.after_step``)."""
         return [f for f in self.features if f.implements(hook)]
+
+    def check_model_built(self) -> None:
+        """Fail loudly when ``on_model_built`` never ran though a feature uses it (a
+        megatron-core whose model builder skips the hook): its checks would otherwise
+        silently not run (registry ``model-pre-wrap-hooks``)."""
+        if self.using(Feature.on_model_built) and not self.built.hook_ran:
+            raise StartupError(
+                "on_model_built never ran: this megatron-core's model builder did not call "
+                "the overlay's hook (registry model-pre-wrap-hooks); re-verify its variant"
+            )

@@ -26,11 +26,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.parallel_state import get_context_parallel_group
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-from megatron.core.utils import (
-    get_attr_wrapped_model,
-    get_batch_on_this_cp_rank,
-    get_batch_on_this_tp_rank,
-)
+from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, get_timers, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
@@ -98,10 +94,11 @@ def get_batch(
     micro_batch: MicroBatch,
     features: FeatureSet,
     vp_stage: int | None = None,
+    broadcast: Callable[..., dict[str, Any]] | None = None,
 ) -> dict[str, Any] | None:
     """Read on TP rank 0 (features see the batch there: ``on_batch``), broadcast over TP,
-    slice for CP."""
-    args = features.args
+    slice for CP (``broadcast``: the installed megatron-core's form, registry
+    ``batch-on-this-rank``; :func:`broadcast_batch` when not given)."""
     if not is_first_or_last_pipeline_stage(vp_stage):
         return None
     tp_rank = mpu.get_tensor_model_parallel_rank()
@@ -115,11 +112,14 @@ def get_batch(
         for key in BATCH_KEYS:
             value = batch.get(key)
             batch[key] = value.cuda(non_blocking=True) if value is not None else None
-    batch = get_batch_on_this_tp_rank(
-        batch,
+    return (broadcast or broadcast_batch)(batch, features.args, tp_rank)
+
+
+def _tp_kwargs(args: Any, tp_rank: int) -> dict[str, Any]:
+    """What megatron-core 0.18 and 0.19's get_batch_on_this_tp_rank share."""
+    return dict(
         broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
         broadcast_group=mpu.get_tensor_model_parallel_group(),
-        has_cu_seqlens=False,
         is_hybrid_cp=False,
         create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
         cp_size=args.context_parallel_size,
@@ -131,9 +131,39 @@ def get_batch(
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
         is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
     )
+
+
+def broadcast_batch(batch: dict[str, Any], args: Any, tp_rank: int) -> dict[str, Any]:
+    """megatron-core 0.19: ``megatron.core.utils``' helpers, no packed sequences."""
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+
+    batch = get_batch_on_this_tp_rank(batch, has_cu_seqlens=False, **_tp_kwargs(args, tp_rank))
     return get_batch_on_this_cp_rank(
         batch, is_hybrid_cp=False, cp_group=get_context_parallel_group()
     )
+
+
+def broadcast_batch_is_sft(batch: dict[str, Any], args: Any, tp_rank: int) -> dict[str, Any]:
+    """megatron-core 0.18: the same helpers, whose packed-sequence switch is ``is_sft``."""
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+
+    batch = get_batch_on_this_tp_rank(batch, is_sft=False, **_tp_kwargs(args, tp_rank))
+    return get_batch_on_this_cp_rank(
+        batch, is_hybrid_cp=False, cp_group=get_context_parallel_group()
+    )
+
+
+def broadcast_batch_from_iterator(batch: dict[str, Any], args: Any, tp_rank: int) -> dict[str, Any]:
+    """megatron-core 0.17: ``megatron.training.utils.get_batch_on_this_tp_rank`` reads the
+    batch from an iterator itself (TP rank 0) and takes no flags; it is handed the batch the
+    features already saw, with only the keys present (it reads absent ones as None)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron.training.utils import get_batch_on_this_tp_rank
+
+    present = {k: v for k, v in batch.items() if k in BATCH_KEYS and v is not None}
+    batch = get_batch_on_this_tp_rank(iter([present]) if tp_rank == 0 else None)
+    batch = {key: batch.get(key) for key in BATCH_KEYS}
+    return get_batch_on_this_cp_rank(batch, cp_group=get_context_parallel_group())
 
 
 def loss_func(
@@ -181,7 +211,9 @@ def loss_func(
     return loss, num_tokens, report
 
 
-def forward_step(features: FeatureSet, data_iterator: Any, model: Any):
+def forward_step(
+    features: FeatureSet, broadcast: Callable[..., dict[str, Any]], data_iterator: Any, model: Any
+):
     """One micro-batch forward; returns the per-token loss tensor and the loss closure."""
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
@@ -191,7 +223,7 @@ def forward_step(features: FeatureSet, data_iterator: Any, model: Any):
         training=model.training,
         dp_rank=mpu.get_data_parallel_rank(),
     )
-    batch = get_batch(data_iterator, micro_batch, features, vp_stage)
+    batch = get_batch(data_iterator, micro_batch, features, vp_stage, broadcast)
     timers("batch-generator").stop()
     if batch is None:
         batch = dict.fromkeys(BATCH_KEYS)
@@ -245,6 +277,7 @@ def train_valid_test_datasets_provider(
 ):
     """Build train/valid/test datasets through BlendedMegatronDatasetBuilder; features may
     wrap the train dataset (``on_train_dataset``)."""
+    features.check_model_built()  # pretrain builds the model before the datasets
     args = features.args
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
@@ -261,11 +294,15 @@ def train_valid_test_datasets_provider(
     return train_ds, valid_ds, test_ds
 
 
-def bind(features: FeatureSet) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """(forward step, dataset provider) for ``pretrain``, calling ``features``' hooks."""
+def bind(
+    features: FeatureSet, broadcast: Callable[..., dict[str, Any]] = broadcast_batch
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(forward step, dataset provider) for ``pretrain``, calling ``features``' hooks;
+    ``broadcast`` is the installed megatron-core's batch broadcast (registry
+    ``batch-on-this-rank``)."""
     provider = partial(train_valid_test_datasets_provider, features)
     provider.is_distributed = True  # type: ignore[attr-defined]  # every rank calls it
-    return partial(forward_step, features), provider
+    return partial(forward_step, features, broadcast), provider
 
 
 def get_embedding_ranks(pp_ranks: list[int]) -> list[int]:

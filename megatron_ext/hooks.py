@@ -25,6 +25,7 @@ def pre_wrap_hook(features: FeatureSet) -> Callable[[list[Any]], list[Any]]:
     def on_model_built(model: list[Any]) -> list[Any]:
         for feature in users:
             feature.on_model_built(model)
+        features.built.hook_ran = True
         return model
 
     return on_model_built

@@ -13,9 +13,9 @@ import argparse
 import textwrap
 from collections.abc import Callable
 
-from megatron_ext import MEGATRON_CORE_VERSION, registry
+from megatron_ext import versions
+from megatron_ext.copies import Copy, CopyChanged
 from megatron_ext.features import HOOKS, Feature
-from megatron_ext.loop import all_features
 from megatron_ext.patching import Assumption, Entry, Patch, PatchTargetError, installed_version
 
 
@@ -25,6 +25,21 @@ def _status(entry: Entry) -> tuple[str, bool]:
     except PatchTargetError as exc:
         return f"TARGET CHANGED: {exc}", False
     return "ok", True
+
+
+def _form(entry: Entry) -> tuple[Entry, str]:
+    """The entry's form for the installed megatron-core and the line saying which it is."""
+    try:
+        variant = entry.variant_for()
+    except PatchTargetError as exc:
+        return entry, f"variant: NONE ({exc})"
+    if variant is None:
+        label = "this entry's own" if entry.variants else "one form for all"
+        return entry.selected(), f"variant: {label} [verified on {', '.join(entry.verified_on)}]"
+    note = textwrap.fill(variant.note, 86, subsequent_indent="      ")
+    return entry.selected(), (
+        f"variant: [verified on {', '.join(variant.verified_on)}] {note}".rstrip()
+    )
 
 
 def _why(text: str) -> str:
@@ -41,8 +56,10 @@ def _section(
     for entry in entries:
         status, ok = _status(entry)
         failed += not ok
-        out.append(f"  {entry.name}  [verified on {entry.verified_on}]  {status}")
-        out.append(f"    {detail(entry)}")
+        form, which = _form(entry)
+        out.append(f"  {entry.name}  [verified on {', '.join(entry.covers())}]  {status}")
+        out.append(f"    {which}")
+        out.append(f"    {detail(form)}")
         out.append(_why(entry.reason))
     out.append("")
     return failed
@@ -50,6 +67,9 @@ def _section(
 
 def _patch_target(entry: Entry) -> str:
     assert isinstance(entry, Patch)
+    variant = entry.variant_for() if entry.variants else None
+    if variant is not None and not variant.available:
+        return "target: none on this version (not available; see the variant)"
     wrapper = f"{entry.wrap.__module__}.{entry.wrap.__qualname__}"
     return f"target: {entry.target}{entry.signature}\n    wrapper: {wrapper}"
 
@@ -59,11 +79,40 @@ def _assumed(entry: Entry) -> str:
     what = (
         f" assigns {', '.join(entry.assigned)}"
         if entry.assigned
+        else f" has {', '.join(entry.names)}"
+        if entry.names
         else f"{entry.signature}"
         if entry.signature
         else " exists"
     )
-    return f"relies on: {entry.target}{what}\n    used by: {entry.used_by}"
+    used = entry.used_by
+    if entry.wrap is not None:
+        used += f" (through {entry.wrap.__module__}.{entry.wrap.__qualname__})"
+    return f"relies on: {entry.target}{what}\n    used by: {used}"
+
+
+def _copies(entries: tuple[Copy, ...], out: list[str]) -> int:
+    """The copies section: a changed "tools" copy makes its tool refuse, not training (so it
+    does not fail this command); a changed "training" copy does."""
+    out.append("== copies of Megatron logic (checked by the tool that holds them, no import)")
+    failed = 0
+    for entry in entries:
+        try:
+            entry.verify()
+            status = "ok"
+        except CopyChanged as exc:
+            blocks = entry.scope == "training"
+            failed += blocks
+            status = f"COPY CHANGED ({'training refuses' if blocks else 'its tool refuses'}): {exc}"
+        source = entry.source_for()
+        out.append(f"  {entry.name}  [verified on {', '.join(entry.covers())}]  {status}")
+        note = f" {source.note}" if source.note else ""
+        out.append(f"    variant: [verified on {', '.join(source.verified_on)}]{note}")
+        out.append(f"    copies: {', '.join(source.targets or entry.targets)}")
+        out.append(f"    used by: {', '.join(entry.used_by)} (scope {entry.scope})")
+        out.append(_why(entry.reason))
+    out.append("")
+    return failed
 
 
 def hook_users(features: list[Feature]) -> dict[str, list[str]]:
@@ -79,12 +128,25 @@ def _hook_name(entry: Entry) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-ext patches", description=__doc__)
     parser.parse_args(argv)
-    users = hook_users(all_features())
+    found = installed_version()
+    supported = f"{versions.MIN_VERSION} to {versions.MAX_VERSION}"
     out = [
-        f"megatron-core installed: {installed_version()} (megatron-ext verified on "
-        f"{MEGATRON_CORE_VERSION})",
+        f"megatron-core installed: {found} (megatron-ext supports {supported}, verified on "
+        f"{', '.join(versions.VERIFIED)}; variants below are {versions.nearest_verified(found)}'s)",
         "",
     ]
+    try:
+        warning = versions.check(found)
+    except versions.UnsupportedVersion as exc:  # before importing anything of Megatron's
+        print("\n".join([*out, str(exc)]))
+        return 1
+    if warning:
+        out[1:1] = [warning, ""]
+    # Imported here, after the version check: the registry imports the adapters (Megatron).
+    from megatron_ext import registry
+    from megatron_ext.loop import all_features
+
+    users = hook_users(all_features())
     failed = _section("upstream bug fixes (always applied)", registry.BUGFIXES, _patch_target, out)
     failed += _section(
         "loop hooks (applied when an installed feature uses the hook)",
@@ -109,5 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     failed += _section(
         "assumptions (private names read, not replaced)", registry.ASSUMPTIONS, _assumed, out
     )
+    failed += _section(
+        "entry point (pretrain_gpt_ext.py's runner, batch helpers, per version)",
+        (*registry.ENTRY_POINT, registry.CLASSIC_INIT),
+        lambda e: _patch_target(e) if isinstance(e, Patch) else _assumed(e),
+        out,
+    )
+    failed += _section("megatron names the training side imports", registry.IMPORTS, _assumed, out)
+    failed += _copies(registry.COPIES, out)
     print("\n".join(out).rstrip())
     return 1 if failed else 0

@@ -12,25 +12,36 @@ Two kinds of entries, both declared in :mod:`megatron_ext.registry`:
   function's signature), so a refactor upstream stops the run at start-up instead of
   silently mis-measuring.
 
-:func:`check_version` warns when the installed megatron-core is not the one the entries were
-verified on; the entries' own checks then decide whether the run may start.
+Per-version variants: an entry's own fields (target, signature, wrapper, assigned names) are
+the ones verified on the versions in its ``verified_on``; ``variants`` holds a
+:class:`Variant` for each other line of megatron-core, with the exact versions it was
+verified on and only the fields that differ there. :meth:`Patch.selected` /
+:meth:`Assumption.selected` is the entry as it applies to the installed megatron-core (its
+:func:`~megatron_ext.versions.nearest_verified` version); verify, apply and
+``megatron-ext patches`` go through it. Every entry covers every version in
+:data:`~megatron_ext.versions.VERIFIED` (tests/unit/test_registry.py checks).
+
+:func:`check_version` refuses a megatron-core outside the supported range
+(:mod:`megatron_ext.versions`) and warns for one that is not an exact verified version.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Self
 
-from megatron_ext import MEGATRON_CORE_VERSION
-from megatron_ext.errors import Refusal
+from megatron_ext import versions
+from megatron_ext.errors import Refusal, StartupError
 
 _MARK = "__megatron_ext_patch__"
 
-Kind = Literal["bugfix", "feature", "hook"]
+Kind = Literal["bugfix", "feature", "hook", "entry"]
 
 
 class PatchTargetError(Refusal, RuntimeError):
@@ -59,15 +70,18 @@ def _original(value: Any) -> Any:
     return getattr(value, _MARK, (None, value, None))[1]
 
 
-def _target_error(name: str, target: str, verified_on: str, what: str) -> PatchTargetError:
+def _target_error(
+    name: str, target: str, verified_on: tuple[str, ...], what: str
+) -> PatchTargetError:
     return PatchTargetError(
-        f"megatron-ext {name!r}: {target} {what} (verified on megatron-core {verified_on}, "
+        f"megatron-ext {name!r}: {target} {what} (verified on megatron-core "
+        f"{', '.join(verified_on)}, "
         f"installed {installed_version()}). Re-verify it against the installed megatron-core "
         "before running; `megatron-ext patches` lists every entry."
     )
 
 
-def _existing(name: str, target: str, verified_on: str) -> tuple[str, Any]:
+def _existing(name: str, target: str, verified_on: tuple[str, ...]) -> tuple[str, Any]:
     """``target``'s attribute name and current value, or the start-up refusal saying it is
     gone."""
     try:
@@ -77,7 +91,9 @@ def _existing(name: str, target: str, verified_on: str) -> tuple[str, Any]:
         raise _target_error(name, target, verified_on, f"not found ({exc})") from exc
 
 
-def _check_signature(name: str, target: str, verified_on: str, fn: Any, expected: str) -> None:
+def _check_signature(
+    name: str, target: str, verified_on: tuple[str, ...], fn: Any, expected: str
+) -> None:
     found = _signature_of(fn)
     if found != expected:
         raise _target_error(
@@ -86,7 +102,69 @@ def _check_signature(name: str, target: str, verified_on: str, fn: Any, expected
 
 
 @dataclass(frozen=True)
-class Patch:
+class Variant:
+    """An entry as it is on other megatron-core versions: the exact versions it was verified
+    on, the fields that differ there (None: the entry's own) and ``note``, what changed
+    upstream and how the overlay meets it. ``available=False``: the feature cannot work on
+    those versions (the note says why); nothing is verified there, and applying the patch
+    is a start-up refusal naming the version."""
+
+    verified_on: tuple[str, ...]
+    note: str
+    available: bool = True
+    target: str | None = None
+    signature: str | None = None
+    wrap: Callable[..., Any] | None = None
+    assigned: tuple[str, ...] | None = None
+    names: tuple[str, ...] | None = None
+    also_bound_in: tuple[str, ...] | None = None
+
+
+_VARIANT_FIELDS = ("target", "signature", "wrap", "assigned", "names", "also_bound_in")
+
+
+class _Versioned:
+    """What :class:`Patch` and :class:`Assumption` share: picking the variant for a version."""
+
+    name: str
+    verified_on: tuple[str, ...]
+    variants: tuple[Variant, ...]
+
+    def covers(self) -> tuple[str, ...]:
+        """Every version some form of this entry was verified on."""
+        found = {*self.verified_on, *(v for variant in self.variants for v in variant.verified_on)}
+        return tuple(sorted(found, key=versions.parse))
+
+    def variant_for(self, version: str | None = None) -> Variant | None:
+        """The variant for ``version`` (installed when None); None when the entry's own
+        fields apply. Raises :class:`PatchTargetError` when no form was verified there."""
+        proxy = versions.nearest_verified(installed_version() if version is None else version)
+        if proxy in self.verified_on:
+            return None
+        for variant in self.variants:
+            if proxy in variant.verified_on:
+                return variant
+        raise PatchTargetError(
+            f"megatron-ext {self.name!r}: no variant verified on megatron-core {proxy} "
+            f"(verified on {', '.join(self.covers())}); `megatron-ext patches` lists every entry."
+        )
+
+    def selected(self, version: str | None = None) -> Self:
+        """This entry as it applies to ``version`` (installed when None): the variant's
+        fields over the entry's, ``verified_on`` the variant's, no further variants."""
+        variant = self.variant_for(version)
+        if variant is None:
+            return self if not self.variants else replace(self, variants=())  # type: ignore[type-var]
+        fields = {
+            key: getattr(variant, key)
+            for key in _VARIANT_FIELDS
+            if getattr(variant, key) is not None and hasattr(self, key)
+        }
+        return replace(self, verified_on=variant.verified_on, variants=(), **fields)  # type: ignore[type-var]
+
+
+@dataclass(frozen=True)
+class Patch(_Versioned):
     """One runtime replacement of a Megatron attribute.
 
     ``wrap`` is the wrapper itself (an imported function, so a reader and an IDE go from the
@@ -98,7 +176,8 @@ class Patch:
     the registry is imported. ``also_bound_in`` lists modules that did ``from target_module
     import name`` and hold their own reference that must be rebound too. ``hook`` is the
     :class:`~megatron_ext.features.Feature` hook a ``kind="hook"`` patch dispatches to;
-    ``feature`` the feature class a ``kind="feature"`` patch belongs to.
+    ``feature`` the feature class a ``kind="feature"`` patch belongs to. ``verified_on`` are
+    the versions these fields were verified on, ``variants`` the other versions' forms.
     """
 
     name: str
@@ -106,14 +185,21 @@ class Patch:
     reason: str
     signature: str
     wrap: Callable[..., Callable[..., Any]]
+    verified_on: tuple[str, ...]
     kind: Kind = "feature"
-    verified_on: str = MEGATRON_CORE_VERSION
     also_bound_in: tuple[str, ...] = field(default=())
     hook: Callable[..., Any] | None = None
     feature: type | None = None
+    variants: tuple[Variant, ...] = field(default=())
 
     def verify(self) -> None:
-        """Raise :class:`PatchTargetError` unless the target exists with the signature."""
+        """Raise :class:`PatchTargetError` unless the installed version's form of the target
+        exists with its signature (nothing, where the variant says it is not available)."""
+        if self.variants:
+            variant = self.variant_for()
+            if variant is not None and not variant.available:
+                return None
+            return self.selected().verify()
         attr, current = _existing(self.name, self.target, self.verified_on)
         _check_signature(
             self.name, self.target, self.verified_on, _original(current), self.signature
@@ -129,6 +215,11 @@ class Patch:
                 )
 
     def _marker(self) -> tuple[str | None, Any, Any]:
+        if self.variants:
+            variant = self.variant_for()
+            if variant is not None and not variant.available:
+                return (None, None, None)
+            return self.selected()._marker()
         owner, attr = resolve(self.target)
         return getattr(getattr(owner, attr), _MARK, (None, None, None))
 
@@ -138,6 +229,15 @@ class Patch:
     def apply(self, bound: Any = None) -> None:
         """Install, with ``bound`` handed to the wrapper; applying again with the same
         ``bound`` is a no-op, with another one (a new run in the same process) rebinds."""
+        if self.variants:
+            variant = self.variant_for()
+            if variant is not None and not variant.available:
+                raise StartupError(
+                    f"{self.name} is not available on megatron-core {installed_version()}: "
+                    f"{variant.note} Install a version it was verified on "
+                    f"({', '.join(self.verified_on)}) or drop its flag."
+                )
+            return self.selected().apply(bound)
         self.verify()
         name, installed_over, already = self._marker()
         if name == self.name and already is bound:
@@ -157,6 +257,8 @@ class Patch:
 
     def remove(self) -> None:
         """Restore the original (tests use this to prove a patch is what made a difference)."""
+        if self.variants:
+            return None if not self.is_applied() else self.selected().remove()
         if not self.is_applied():
             return
         owner, attr = resolve(self.target)
@@ -182,27 +284,41 @@ class HookCall:
 
 
 @dataclass(frozen=True)
-class Assumption:
+class Assumption(_Versioned):
     """A private Megatron name the overlay relies on without replacing it.
 
-    ``target`` is a class, module attribute or function (``module:qualname``). The check:
+    ``target`` is a class, module attribute or function (``module:qualname``), or a module
+    (``module``, no colon) with ``names``. The check:
 
     - ``assigned``: attribute names the class's ``__init__`` must assign (``self.x = ...``,
       read from its bytecode, so nothing is constructed); for a function, the names it
       assigns on the objects it builds (``obj.x = ...`` or ``setattr(obj, 'x', ...)``);
     - ``signature``: for a function, its exact signature;
-    - neither: the target must exist.
+    - ``names``: for a module, the names the overlay imports from it (public API too: a name
+      that moved between versions is a start-up refusal naming it, not an ImportError);
+    - none of these: the target must exist.
+
+    ``wrap`` optionally names the overlay's function that calls the target in this form (a
+    variant gives each version's), for the code that picks it by version.
     """
 
     name: str
     target: str
     reason: str
     used_by: str  # the megatron-ext module that relies on it
+    verified_on: tuple[str, ...]
     assigned: tuple[str, ...] = field(default=())
     signature: str | None = None
-    verified_on: str = MEGATRON_CORE_VERSION
+    names: tuple[str, ...] = field(default=())
+    wrap: Callable[..., Any] | None = None
+    variants: tuple[Variant, ...] = field(default=())
 
     def verify(self) -> None:
+        if self.variants:
+            return self.selected().verify()
+        if ":" not in self.target:
+            self._verify_names()
+            return
         _, value = _existing(self.name, self.target, self.verified_on)
         if self.assigned:
             function = inspect.isfunction(value)
@@ -223,10 +339,28 @@ class Assumption:
         if self.signature is not None:
             _check_signature(self.name, self.target, self.verified_on, value, self.signature)
 
+    def _verify_names(self) -> None:
+        try:
+            module = importlib.import_module(self.target)
+        except ImportError as exc:
+            raise _target_error(
+                self.name, self.target, self.verified_on, f"not found ({exc})"
+            ) from exc
+        missing = [
+            n
+            for n in self.names
+            if not hasattr(module, n) and importlib.util.find_spec(f"{self.target}.{n}") is None
+        ]
+        if missing:
+            raise _target_error(
+                self.name, self.target, self.verified_on, f"no longer has {', '.join(missing)}"
+            )
+
 
 Entry = Patch | Assumption
 
 
+@functools.cache
 def installed_version() -> str:
     """The installed megatron-core's distribution version (``package_info`` adds a hash)."""
     try:
@@ -235,14 +369,21 @@ def installed_version() -> str:
         return "not installed"
 
 
-def check_version(warn: Callable[[str], None] = print) -> bool:
-    """Warn (once, through ``warn``) when megatron-core is not the verified version."""
-    found = installed_version()
-    if found == MEGATRON_CORE_VERSION:
-        return True
-    warn(
-        f"megatron-ext WARNING: megatron-core {found} is installed, but every patch and "
-        f"assumption was verified on {MEGATRON_CORE_VERSION}; their start-up checks decide "
-        "whether this run may start. Run `megatron-ext patches` to see each one."
-    )
-    return False
+class UnsupportedMegatronCore(StartupError):
+    """The installed megatron-core is outside the supported range (exit 1, no traceback)."""
+
+    prefix = ""
+
+
+def check_version(warn: Callable[[str], None] = print, found: str | None = None) -> bool:
+    """Refuse a megatron-core outside the supported range (:mod:`megatron_ext.versions`;
+    an override lets it run, warned); warn, through ``warn``, for one that is not an exact
+    verified version. True when the installed version is a verified one."""
+    found = installed_version() if found is None else found
+    try:
+        warning = versions.check(found)
+    except versions.UnsupportedVersion as exc:
+        raise UnsupportedMegatronCore(str(exc)) from None
+    if warning:
+        warn(warning)
+    return warning is None

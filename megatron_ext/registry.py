@@ -4,7 +4,9 @@
 - **hook** patches are the four places where :mod:`megatron_ext.loop` calls the installed
   features' hooks (applied only when an installed feature uses the hook);
 - **feature** patches change Megatron's behaviour for one feature's flag;
-- **assumptions** are private names read without being replaced.
+- **assumptions** are private names read without being replaced;
+- the **entry point**'s runner per version, its batch helpers and every megatron name the
+  training side imports (:mod:`megatron_ext.registry_entry`).
 
 Wrappers live next to the feature or fix they belong to and are named here as the imported
 functions (go to definition follows them); :func:`megatron_ext.loop.install` applies a
@@ -19,12 +21,20 @@ verifies all of them at start-up and refuses to run if any target changed.
 
 from __future__ import annotations
 
-from megatron_ext import fixes, gpt_step, hooks
+from megatron_ext import copies, fixes, gpt_step, hooks
 from megatron_ext.features import Feature
-from megatron_ext.patching import Assumption, Entry, HookCall, Patch
+from megatron_ext.patching import Assumption, Entry, HookCall, Patch, Variant
+from megatron_ext.registry_copies import COPIES
+from megatron_ext.registry_entry import CLASSIC_INIT, ENTRY_POINT, IMPORTS
 from megatron_ext.spikes.adapter import SkipListFeature, save_after_a_skipped_end
+from megatron_ext.versions import VERIFIED
 from megatron_ext.weight_decay.adapter import WeightDecayFeature, with_overrides, with_param_map
 from megatron_ext.zloss.adapter import ZLossFeature, with_fused_output_loss, with_z_loss
+
+ALL = VERIFIED  # an entry whose one form was verified on every supported version
+V19 = ("0.19.0", "0.19.2")
+V18 = ("0.18.2",)
+V17 = ("0.17.1",)
 
 _TRAINING = "megatron.training.training"
 _DISTOPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
@@ -33,6 +43,7 @@ _BUFFER = "megatron.core.distributed.param_and_grad_buffer"
 BUGFIXES: tuple[Patch, ...] = (
     Patch(
         name="prebuilt-dataset-helpers",
+        verified_on=ALL,
         kind="bugfix",
         target="megatron.core.datasets.utils:compile_helpers",
         signature="()",
@@ -43,6 +54,7 @@ BUGFIXES: tuple[Patch, ...] = (
     ),
     Patch(
         name="distopt-fresh-state-dict",
+        verified_on=ALL,
         kind="bugfix",
         target=f"{_DISTOPT}.state_dict",
         signature="(self)",
@@ -54,6 +66,7 @@ BUGFIXES: tuple[Patch, ...] = (
     ),
     Patch(
         name="distopt-unshared-adam-step",
+        verified_on=ALL,
         kind="bugfix",
         target=f"{_DISTOPT}.load_state_dict",
         signature="(self, state_dict)",
@@ -65,6 +78,7 @@ BUGFIXES: tuple[Patch, ...] = (
     ),
     Patch(
         name="distopt-state-copy",
+        verified_on=ALL,
         kind="bugfix",
         target=f"{_DISTOPT}._set_main_param_and_optimizer_states",
         signature="(self, model_param, tensors)",
@@ -78,6 +92,7 @@ BUGFIXES: tuple[Patch, ...] = (
     ),
     Patch(
         name="ckpt-results-queue-survives-sigterm",
+        verified_on=ALL,
         kind="bugfix",
         target="megatron.core.dist_checkpointing.strategies.filesystem_async:"
         "FileSystemWriterAsync.prepare_write_data",
@@ -92,6 +107,7 @@ BUGFIXES: tuple[Patch, ...] = (
     ),
     Patch(
         name="help-percent-in-docstrings",
+        verified_on=ALL,
         kind="bugfix",
         target="megatron.training.argument_utils:"
         "ArgumentGroupFactory._build_argparse_kwargs_from_field",
@@ -108,6 +124,7 @@ BUGFIXES: tuple[Patch, ...] = (
 HOOKS: tuple[Patch, ...] = (  # applied bound to the installed FeatureSet
     Patch(
         name="hook-on-setup",
+        verified_on=V19,
         kind="hook",
         hook=Feature.on_setup,
         target=f"{_TRAINING}:setup_model_and_optimizer",
@@ -118,9 +135,18 @@ HOOKS: tuple[Patch, ...] = (  # applied bound to the installed FeatureSet
         wrap=hooks.wrap_setup,
         reason="The DDP model chunks and the optimizer exist here and nowhere else in the "
         "public loop: features lay out bucket views and open their logs.",
+        variants=(
+            Variant(
+                V17 + V18,
+                "Classic signature (the model provider first, no config container); the "
+                "wrapper passes every argument through.",
+                signature="(model_provider_func, model_type, checkpointing_context=None)",
+            ),
+        ),
     ),
     Patch(
         name="hook-before-grad-norm",
+        verified_on=ALL,
         kind="hook",
         hook=Feature.before_grad_norm,
         target="megatron.core.optimizer.optimizer:ChainedOptimizer.get_grad_norm",
@@ -131,6 +157,7 @@ HOOKS: tuple[Patch, ...] = (  # applied bound to the installed FeatureSet
     ),
     Patch(
         name="hook-after-step",
+        verified_on=(*V18, *V19),
         kind="hook",
         hook=Feature.after_step,
         target=f"{_TRAINING}:training_log",
@@ -142,9 +169,21 @@ HOOKS: tuple[Patch, ...] = (  # applied bound to the installed FeatureSet
         wrap=hooks.wrap_training_log,
         reason="Called on every rank every iteration with Megatron's reduced losses, lr, loss "
         "scale, grad norm, params norm and zeros: the StepRecord the features share.",
+        variants=(
+            Variant(
+                V17,
+                "No seqlen_squared_sum_in_batch / total_real_tokens_in_batch; the wrapper binds "
+                "the parameters it reads by name, all present.",
+                signature="(loss_dict, total_loss_dict, learning_rate: float | None, iteration, "
+                "loss_scale, report_memory_flag, skipped_iter, grad_norm, params_norm, "
+                "num_zeros_in_grad, max_attention_logit, pg_collection=None, "
+                "is_first_iteration=False)",
+            ),
+        ),
     ),
     Patch(
         name="hook-on-checkpoint",
+        verified_on=ALL,
         kind="hook",
         hook=Feature.on_checkpoint,
         target=f"{_TRAINING}:save_checkpoint_and_time",
@@ -160,6 +199,7 @@ HOOKS: tuple[Patch, ...] = (  # applied bound to the installed FeatureSet
 FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed feature
     Patch(
         name="skip-list-final-checkpoint",
+        verified_on=V19,
         target=f"{_TRAINING}:train",
         signature="(forward_step_func, model, optimizer, opt_param_scheduler, "
         "train_data_iterator, valid_data_iterator, process_non_loss_data_func, config, "
@@ -175,9 +215,20 @@ FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed featu
         "a skip list covering the last iteration left no final checkpoint (--train-iters 60, "
         "--save-interval 30, skip 60: rc 0, last checkpoint 30). When train() returns at a "
         "skipped interval multiple, the final checkpoint is saved as Megatron would have.",
+        variants=(
+            Variant(
+                V17 + V18,
+                "No p2p_communicator / pg_collection; the wrapper binds the parameters it reads "
+                "by name, all present.",
+                signature="(forward_step_func, model, optimizer, opt_param_scheduler, "
+                "train_data_iterator, valid_data_iterator, process_non_loss_data_func, config, "
+                "checkpointing_context, non_loss_data_func, inference_model=None)",
+            ),
+        ),
     ),
     Patch(
         name="zloss-output-layer",
+        verified_on=ALL,
         target="megatron.core.models.common.language_module.language_module:"
         "LanguageModule.compute_language_model_loss",
         signature="(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor",
@@ -189,6 +240,7 @@ FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed featu
     ),
     Patch(
         name="fused-output-loss",
+        verified_on=(*V18, *V19),
         target="megatron.core.models.gpt.gpt_model:GPTModel._postprocess",
         signature="(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, "
         "rotary_pos_cos, rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, "
@@ -203,9 +255,19 @@ FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed featu
         "output_processor hook (handed hidden states, output layer and weight, labels, loss "
         "mask) is filled with the chunked output layer + CE + z-loss when labels are given "
         "outside inference; MTP heads, inference and label-less calls stay Megatron's.",
+        variants=(
+            Variant(
+                V17,
+                "GPTModel._postprocess has no output_processor hook before megatron-core 0.18, "
+                "so the logits cannot be skipped without replacing Megatron's whole "
+                "postprocess; --fused-output-loss is refused (plain --z-loss-coeff works).",
+                available=False,
+            ),
+        ),
     ),
     Patch(
         name="weight-decay-overrides",
+        verified_on=ALL,
         target=f"{_TRAINING}:get_megatron_optimizer_config",
         signature="(args: Any) -> megatron.core.optimizer.optimizer_config.OptimizerConfig",
         wrap=with_overrides,
@@ -216,6 +278,7 @@ FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed featu
     ),
     Patch(
         name="weight-decay-map",
+        verified_on=ALL,
         target=f"{_TRAINING}:get_megatron_optimizer",
         signature="(config: megatron.core.optimizer.optimizer_config.OptimizerConfig, "
         "model_chunks: List[megatron.core.transformer.module.MegatronModule], "
@@ -235,6 +298,7 @@ FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed featu
 ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption(
         name="ddp-bucket-groups",
+        verified_on=ALL,
         target="megatron.core.distributed.distributed_data_parallel:DistributedDataParallel",
         assigned=("bucket_groups", "expert_parallel_bucket_groups"),
         used_by="megatron_ext.telemetry.bucket_layout",
@@ -242,6 +306,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     ),
     Assumption(
         name="ddp-bucket-group-layout",
+        verified_on=ALL,
         target=f"{_BUFFER}:_ParamAndGradBucketGroup",
         assigned=(
             "buckets",
@@ -255,6 +320,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     ),
     Assumption(
         name="ddp-bucket-layout",
+        verified_on=ALL,
         target=f"{_BUFFER}:_ParamAndGradBucket",
         assigned=("grad_data", "params_list", "param_to_index"),
         used_by="megatron_ext.telemetry.bucket_layout",
@@ -263,6 +329,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     ),
     Assumption(
         name="transformer-layer-number",
+        verified_on=ALL,
         target="megatron.core.transformer.transformer_layer:TransformerLayer",
         assigned=("layer_number",),
         used_by="megatron_ext.telemetry.adapter",
@@ -271,6 +338,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     ),
     Assumption(
         name="chained-optimizer-parts",
+        verified_on=ALL,
         target="megatron.core.optimizer.optimizer:ChainedOptimizer",
         assigned=("chained_optimizers",),
         used_by="megatron_ext.telemetry.adapter",
@@ -280,24 +348,44 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     ),
     Assumption(
         name="optimizer-tp-groups",
+        verified_on=V19,
         target="megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups",
         assigned=("tp_group", "expert_tp_group"),
         used_by="megatron_ext.telemetry.adapter",
         reason="Megatron sets each chained optimizer's tp_group and expert_tp_group after "
         "building it (setattr, no constructor argument); telemetry hands them to Megatron's "
         "own duplicate filter to count each parameter as its grad norm does.",
+        variants=(
+            Variant(
+                V17 + V18,
+                "Only tp_group is set (no expert_tp_group): Megatron's grad norm filters "
+                "duplicates of every parameter, expert ones included, over tp_group, and so does "
+                "telemetry (it passes expert_tp_group only where the optimizer has one).",
+                assigned=("tp_group",),
+            ),
+        ),
     ),
     Assumption(
         name="expert-param-mark",
+        verified_on=V19,
         target="megatron.core.tensor_parallel.layers:param_is_not_tensor_parallel_duplicate",
         signature="(param, tp_group=None, expert_tp_group=None)",
         used_by="megatron_ext.telemetry.adapter",
         reason="Megatron marks expert-parallel parameters allreduce=False (this filter reads "
         "the mark, and copy_optimizer_param_metadata copies it onto main parameters); telemetry "
         "sorts parameters into dense and expert by it and counts them with this filter.",
+        variants=(
+            Variant(
+                V17 + V18,
+                "The filter has no expert_tp_group parameter (see optimizer-tp-groups); the "
+                "allreduce=False mark still sorts dense from expert parameters.",
+                signature="(param, tp_group=None)",
+            ),
+        ),
     ),
     Assumption(
         name="language-module-tp-group",
+        verified_on=ALL,
         target="megatron.core.models.common.language_module.language_module:LanguageModule",
         assigned=("tp_group",),
         used_by="megatron_ext.zloss.adapter",
@@ -306,6 +394,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     ),
     Assumption(
         name="output-layer-modes",
+        verified_on=ALL,
         target="megatron.core.tensor_parallel.layers:ColumnParallelLinear",
         assigned=("sequence_parallel", "gradient_accumulation_fusion", "tp_group", "weight"),
         used_by="megatron_ext.zloss.adapter",
@@ -315,18 +404,21 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     ),
     Assumption(
         name="ckpt-results-queue",
+        verified_on=ALL,
         target="megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
         used_by="megatron_ext.fixes",
         reason="The SIGTERM fix creates this module-level queue before upstream's first use.",
     ),
     Assumption(
         name="distopt-apex-or-te-flag",
+        verified_on=ALL,
         target="megatron.core.optimizer.distrib_optimizer:HAVE_APEX_OR_TE",
         used_by="megatron_ext.fixes",
         reason="The distributed-optimizer fixes apply only on the torch.optim fallback.",
     ),
     Assumption(
         name="load-base-checkpoint",
+        verified_on=V19,
         target="megatron.training.checkpointing:_load_base_checkpoint",
         signature="(load_dir, args, rank0=False, sharded_state_dict=None, "
         "checkpointing_context=None, dp_cp_group=None, expt_dp_group=None, "
@@ -334,19 +426,29 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         used_by="megatron_ext.weight_decay.adapter",
         reason="The weight-decay resume check reads the checkpoint's saved args before "
         "anything is built, the way --use-checkpoint-args does.",
+        variants=(
+            Variant(
+                V17 + V18,
+                "No dp_cp_group / expt_dp_group / gpt_compat_layer_maps; the check calls it "
+                "with (load_dir, args, rank0=True), valid on every version.",
+                signature="(load_dir, args, rank0=False, sharded_state_dict=None, "
+                "checkpointing_context=None)",
+            ),
+        ),
     ),
     Assumption(
         name="argument-factory-docstrings",
+        verified_on=ALL,
         target="megatron.training.argument_utils:ArgumentGroupFactory",
         assigned=("field_docstrings",),
         used_by="megatron_ext.fixes",
         reason="The --help fix tells docstring help from metadata help by this dict.",
     ),
-    # Megatron pieces that tools re-read without importing megatron-core (5 s of imports
-    # for an answer in milliseconds); tests/unit/lookup/test_lookup_formats.py and
-    # test_checkpoint_state.py prove the same results on the same inputs.
+    # Megatron pieces read without importing megatron-core (5 s of imports for an answer in
+    # milliseconds); test_checkpoint_state.py proves the same results on the same inputs.
     Assumption(
         name="checkpoint-common-state",
+        verified_on=ALL,
         target="megatron.core.dist_checkpointing.serialization:load_common_state_dict",
         signature="(checkpoint_dir: Union[str, pathlib.Path]) -> Dict[str, Any]",
         used_by="megatron_ext.checkpoint_state",
@@ -355,56 +457,8 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "any other layout is handed to this function.",
     ),
     Assumption(
-        name="lookup-megatron-flags",
-        target="megatron.training.arguments:add_megatron_arguments",
-        signature="(parser: argparse.ArgumentParser)",
-        used_by="megatron_ext.lookup.flagspec",
-        reason="The lookup parses a run's flags with this parser rebuilt from "
-        "megatron_flags.json, generated from it, for the megatron-core version it names.",
-    ),
-    Assumption(
-        name="lookup-indexed-dataset-format",
-        target="megatron.core.datasets.indexed_dataset:_IndexReader",
-        assigned=("sequence_lengths", "sequence_pointers", "document_indices"),
-        used_by="megatron_ext.lookup.formats",
-        reason="The lookup reads .idx/.bin as this reader does: header, version 1, dtype "
-        "code, counts, then these three arrays; tokens as IndexedDataset.get slices them.",
-    ),
-    Assumption(
-        name="lookup-blend-rules",
-        target="megatron.core.datasets.utils:get_blend_from_list",
-        signature="(blend: Optional[List[str]]) -> Optional[Tuple[List[str], "
-        "Optional[List[float]]]]",
-        used_by="megatron_ext.lookup.formats",
-        reason="--data-path weights/prefixes are split by this function's rules.",
-    ),
-    Assumption(
-        name="lookup-blend-per-split-rules",
-        target="megatron.training.utils:get_blend_and_blend_per_split",
-        signature="(args)",
-        used_by="megatron_ext.lookup.formats",
-        reason="Which data flag wins (--data-path, --data-args-path, per-split paths).",
-    ),
-    Assumption(
-        name="lookup-split-rules",
-        target="megatron.core.datasets.blended_megatron_dataset_config:"
-        "convert_split_vector_to_split_matrix",
-        signature="(vector_a: List[float], vector_b: Optional[List[float]] = None) -> "
-        "List[Optional[Tuple[float, float]]]",
-        used_by="megatron_ext.lookup.formats",
-        reason="--split -> the train split's [begin, end), after parse_and_normalize_split.",
-    ),
-    Assumption(
-        name="model-pre-wrap-hooks",
-        target="megatron.training.models.base:ModelConfig",
-        assigned=("pre_wrap_hooks",),
-        used_by="megatron_ext.loop",
-        reason="on_model_built runs as one of the config container's pre_wrap_hooks, which "
-        "the model builder calls on the built chunks before mixed-precision and DDP wrapping "
-        "(the earliest point parameter names exist: checks fail before DDP and optimizer).",
-    ),
-    Assumption(
         name="blended-dataset-id",
+        verified_on=ALL,
         target="megatron.core.datasets.blended_dataset:BlendedDataset",
         assigned=("datasets", "dataset_index"),
         used_by="megatron_ext.telemetry.adapter",
@@ -414,6 +468,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     ),
     Assumption(
         name="idx-trailing-bytes",
+        verified_on=ALL,
         target="megatron.core.datasets.indexed_dataset:_IndexReader",
         assigned=("sequence_lengths", "sequence_pointers", "document_indices"),
         used_by="megatron_ext.records.pair",
@@ -425,14 +480,18 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
 
 _READERS = "TP rank 0 of a data-reading stage"
 ENTRY_POINT_HOOKS: tuple[HookCall, ...] = (
-    HookCall(Feature.on_model_built, hooks.pre_wrap_hook, "the config container's pre_wrap_hooks"),
+    HookCall(
+        Feature.on_model_built,
+        hooks.pre_wrap_hook,
+        "the config container's pre_wrap_hooks; 0.17/0.18: megatron_ext.gpt_model.model_provider",
+    ),
     HookCall(Feature.on_train_dataset, gpt_step.train_valid_test_datasets_provider, _READERS),
     HookCall(Feature.on_batch, gpt_step.get_batch, _READERS),
     HookCall(Feature.on_loss, gpt_step.loss_func, "last pipeline stage"),
 )
 
-PATCHES: tuple[Patch, ...] = (*BUGFIXES, *HOOKS, *FEATURE_PATCHES)
-ENTRIES: tuple[Entry, ...] = (*PATCHES, *ASSUMPTIONS)
+PATCHES: tuple[Patch, ...] = (*BUGFIXES, *HOOKS, *FEATURE_PATCHES, CLASSIC_INIT)
+ENTRIES: tuple[Entry, ...] = (*PATCHES, *ASSUMPTIONS, *ENTRY_POINT, *IMPORTS)
 
 
 def patch(name: str) -> Patch:
@@ -443,10 +502,25 @@ def patch(name: str) -> Patch:
     raise KeyError(f"no megatron-ext patch named {name!r}")
 
 
+def assumption(name: str) -> Assumption:
+    """The registered assumption called ``name``."""
+    for entry in (*ASSUMPTIONS, *ENTRY_POINT, *IMPORTS):
+        if entry.name == name:
+            return entry
+    raise KeyError(f"no megatron-ext assumption named {name!r}")
+
+
 def verify_all() -> None:
-    """Verify every entry (start-up, before any patch is applied)."""
+    """Verify every entry training relies on (start-up, before any patch is applied): a copy
+    only the tools use (scope "tools") is theirs to check, and never blocks training."""
     for entry in ENTRIES:
         entry.verify()
+    copies.verify(COPIES, scope="training")
+
+
+def verify_tools() -> None:
+    """Verify the copies the offline tools rely on (the lookup, when it runs)."""
+    copies.verify(COPIES)
 
 
 def applied() -> list[Patch]:

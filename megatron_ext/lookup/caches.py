@@ -30,6 +30,7 @@ from megatron_ext.lookup.indices import (
     TrainIndex,
     remap,
 )
+from megatron_ext.lookup.tokenizer import comparable
 
 
 def _canonical(value: Any) -> Any:
@@ -106,10 +107,13 @@ def _choose(found: list[Description], tokenizer: dict[str, Any] | None, what: st
     """One cache among those matching on every field; the tokenizer decides between them."""
 
     def tok(description: Description) -> Any:
-        return description.content.get("datasets", [description.content])[0].get("tokenizer")
+        # As every verified megatron-core names it (0.18 added identifiers: .tokenizer).
+        return comparable(
+            description.content.get("datasets", [description.content])[0].get("tokenizer")
+        )
 
     if tokenizer is not None:
-        same = [f for f in found if tok(f) == tokenizer]
+        same = [f for f in found if tok(f) == comparable(tokenizer)]
         if not same:
             raise ConfigError(
                 f"the {what} caches that match this run ({', '.join(f.path.name for f in found)})"

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext import copies
 from megatron_ext.errors import report
 from megatron_ext.lookup.attempts import Attempts
 from megatron_ext.lookup.crosscheck import check_against_log
@@ -52,6 +53,7 @@ from megatron_ext.lookup.worst import (
     worst_lines,
     worst_table,
 )
+from megatron_ext.registry_copies import COPIES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -393,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     # Megatron logs every index it opens at INFO; the answer is the output here.
     logging.getLogger("megatron").setLevel(logging.WARNING)
     try:
+        # The Megatron logic copied here must still be the installed megatron-core's.
+        copies.verify(COPIES)
         session = Session(options, megatron_flags)
         return inverse(session) if options.document is not None else forward(session)
-    except Refused as exc:
+    except (Refused, copies.CopyChanged) as exc:
         return report(exc, "megatron-ext lookup: refused")

@@ -10,13 +10,9 @@ exactly what it meant to the training job. What the lookup needs is then distill
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from megatron_ext.checkpoint_state import CheckpointUnreadable, load_common_state
 from megatron_ext.files import (
@@ -28,8 +24,14 @@ from megatron_ext.files import (
 from megatron_ext.lookup import flagspec
 from megatron_ext.lookup.errors import ConfigError
 from megatron_ext.lookup.formats import blend_and_blend_per_split
-from megatron_ext.lookup.indices import DataSpec, remap
-from megatron_ext.lookup.position import Anchor, Schedule, parse_step_schedule
+from megatron_ext.lookup.indices import DataSpec
+from megatron_ext.lookup.position import (
+    Anchor,
+    Schedule,
+    parse_step_schedule,
+    rampup_schedule,
+    rampup_train_iters,
+)
 from megatron_ext.lookup.topology import Topology
 
 # Megatron-LM's validate_args default when --data-path is given without --split.
@@ -166,8 +168,37 @@ class RunConfig:
         )
 
 
-def _train_iters(args: argparse.Namespace, step_schedule: tuple[tuple[int, int], ...]) -> int:
-    """Megatron's update_train_iters for sample-based runs."""
+def honours_rampup(args: argparse.Namespace, *, from_checkpoint: bool) -> bool:
+    """Whether the megatron-core that trained the run honoured ``--rampup-batch-size``.
+
+    megatron-core 0.17 ramps the batch up; 0.18 replaced it with ``--step-batch-size-schedule``
+    and ignores it. A checkpoint's saved args are the namespace the training job's own parser
+    built, and every parser from 0.18 on defines ``step_batch_size_schedule``: the attribute is
+    in the saved args exactly when the run was trained on 0.18 or later (a record Megatron
+    keeps in every checkpoint). Without a checkpoint (flags only), the installed
+    megatron-core is taken to be the one that trained the run (a note says so).
+    """
+    if from_checkpoint:
+        return "step_batch_size_schedule" not in vars(args)
+    installed = flagspec.installed_version()
+    return installed is not None and installed.startswith("0.17.")
+
+
+def _train_iters(
+    args: argparse.Namespace, step_schedule: tuple[tuple[int, int], ...], rampup: bool
+) -> int:
+    """Megatron's update_train_iters for sample-based runs (0.17's under a ramp-up). A
+    checkpoint's args hold the train_iters Megatron derived; the rule gives the same."""
+    if rampup:
+        if not args.train_samples:
+            raise ConfigError(
+                "--rampup-batch-size with --train-iters: megatron-core 0.17 asserts 'expected "
+                "no batch-size rampup for iteration-based training', so no such run exists"
+            )
+        unit = int(args.micro_batch_size) * int(args.data_parallel_size)
+        return rampup_train_iters(
+            args.rampup_batch_size, int(args.global_batch_size), int(args.train_samples), unit
+        )
     if args.train_iters:
         return int(args.train_iters)
     if not args.train_samples:
@@ -189,12 +220,15 @@ def run_config(
     data_from_checkpoint: bool = True,
     add_extra_token: bool = True,
     segment: bool = False,
+    rampup_honoured: bool = False,
 ) -> RunConfig:
     """Distil Megatron's namespace into a RunConfig, refusing what cannot be answered exactly.
 
     ``data_from_checkpoint``: the data paths are the checkpoint's (not overridden by flags), so
     they describe the phase the checkpoint was saved in. ``segment``: ``checkpoint`` is the
     start of one attempt of the layout history (no notes about the anchor).
+    ``rampup_honoured``: the run was trained by a megatron-core that ramps the batch up
+    (0.17; :func:`honours_rampup`).
     """
     used = [text for attr, text in UNSUPPORTED.items() if getattr(args, attr, None)]
     if used:
@@ -212,17 +246,31 @@ def run_config(
     args = copy.copy(args)
     args.data_parallel_size = dp
     notes = []
-    if getattr(args, "rampup_batch_size", None):
+    rampup = bool(getattr(args, "rampup_batch_size", None)) and rampup_honoured
+    if getattr(args, "rampup_batch_size", None) and not rampup:
         notes.append(
             f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))} is deprecated and "
-            "ignored by megatron-core 0.19.2: the run used a constant global batch "
-            "(--step-batch-size-schedule is the ramp-up that takes effect)"
+            "ignored from megatron-core 0.18 on, which trained this run: it used a constant "
+            "global batch (--step-batch-size-schedule is the ramp-up that takes effect)"
         )
-    step_schedule: tuple[tuple[int, int], ...] = ()
-    if args.step_batch_size_schedule:
-        step_schedule = parse_step_schedule(args.step_batch_size_schedule, args.seq_length)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
+    step_schedule: tuple[tuple[int, int], ...] = ()
+    if getattr(args, "step_batch_size_schedule", None):
+        step_schedule = parse_step_schedule(args.step_batch_size_schedule, args.seq_length)
+    elif rampup:
+        step_schedule = rampup_schedule(
+            args.rampup_batch_size,
+            int(args.global_batch_size),
+            int(args.micro_batch_size) * int(dp),
+            bool(args.decrease_batch_size_if_needed),
+        )
+        notes.append(
+            f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}: the run was "
+            "trained by megatron-core 0.17, which ramps the global batch up (batch sizes "
+            + ", ".join(f"{size} from {at} samples" for at, size in step_schedule)
+            + ")"
+        )
     transitions = tuple(args.phase_transition_iterations or ())
     if transitions and not args.train_samples:
         raise ConfigError(
@@ -238,7 +286,7 @@ def run_config(
         micro_batch_size=int(args.micro_batch_size),
         data_parallel_size=int(dp),
         global_batch_size=int(args.global_batch_size),
-        train_iters=_train_iters(args, step_schedule),
+        train_iters=_train_iters(args, step_schedule, rampup),
         step_schedule=step_schedule,
         decrease_batch_size_if_needed=bool(args.decrease_batch_size_if_needed),
         phase_transitions=transitions,
@@ -256,7 +304,9 @@ def run_config(
     if checkpoint is not None and skipped is not None and schedule.history_known:
         done = [i for i in schedule.iterations_to_skip if i <= checkpoint.iteration]
         listed = sum(schedule.batch(i).size for i in done)
-        if schedule.decrease_batch_size_if_needed and not step_schedule:
+        if schedule.decrease_batch_size_if_needed and rampup:
+            listed = skipped  # 0.17 counts each ramp-up size's rounding: not re-derived here
+        elif schedule.decrease_batch_size_if_needed and not step_schedule:
             # Megatron also counts the rounded-off samples of every trained iteration.
             rounded = schedule.global_batch_size - schedule.batch(1).size
             listed += rounded * (checkpoint.iteration - len(done))
@@ -301,61 +351,6 @@ def eval_sizes(args: argparse.Namespace) -> tuple[int | None, int]:
     if not args.eval_interval:
         return 0, test
     points = args.train_iters // args.eval_interval + 1
-    if args.start_eval_at_iter is not None:
+    if getattr(args, "start_eval_at_iter", None) is not None:  # 0.18 on
         points = max(0, points - args.start_eval_at_iter // args.eval_interval)
     return points * args.eval_iters * eval_batch, test
-
-
-TOKENIZER_PATH_ARGS = ("tokenizer_model", "vocab_file", "merge_file")
-
-
-def tokenizer_from_args(args: argparse.Namespace, data_root: Sequence[tuple[str, str]] = ()) -> Any:
-    """The run's tokenizer, built by Megatron from the same flags training used; its files
-    are read through the ``--data-root`` remapping, like the data (they usually move with it).
-    """
-    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-
-    if args.tokenizer_type is None:
-        raise ConfigError("no tokenizer in the run's args; pass --tokenizer-type/--tokenizer-model")
-    args = copy.copy(args)
-    args.rank = 0
-    for name in TOKENIZER_PATH_ARGS:
-        value = getattr(args, name, None)
-        if not isinstance(value, str) or not os.path.isabs(value):
-            continue  # unset, or a hub name such as "gpt2"
-        moved = remap(value, data_root)
-        if not os.path.exists(moved):
-            hint = (
-                f" (mapped from {value} by --data-root)"
-                if moved != value
-                else "; if it moved with the data, map the old location with --data-root OLD=NEW"
-            )
-            raise ConfigError(f"--text: the run's tokenizer file {moved} is not there{hint}")
-        setattr(args, name, moved)
-    try:
-        return build_tokenizer(args)
-    except Exception as exc:  # any failure of the tokenizer library: say which tokenizer
-        raise ConfigError(
-            f"--text: cannot build the run's tokenizer ({args.tokenizer_type} "
-            f"{getattr(args, 'tokenizer_model', None)}): {type(exc).__name__}: {exc}"
-        ) from None
-
-
-def pad_token_id(tokenizer: Any, allow_ambiguous: bool) -> int:
-    """The pad id GPTDataset uses (MegatronDataset.__init__): the tokenizer's, or -1 when it
-    is missing or collides with another special token."""
-    try:
-        pad = tokenizer.pad
-    except Exception:  # Megatron's own fallback is this broad: any failure means "no pad"
-        return -1
-    try:
-        specials = [v for k, v in tokenizer.special_tokens_dict.items() if k != "pad_token"]
-    except (AttributeError, IndexError, ValueError):
-        specials = []
-    if not specials:
-        for name in ("eos", "eod"):
-            with contextlib.suppress(AttributeError, NotImplementedError):
-                specials.append(getattr(tokenizer, name))
-    if pad in specials and not allow_ambiguous:
-        return -1
-    return pad

@@ -3,13 +3,15 @@
 ``add_megatron_arguments`` lives in ``megatron/training/arguments.py``, whose imports pull in
 megatron-core, torch's compiler stack and Transformer Engine probing (~5 s) only to *define*
 ~800 flags. The lookup needs those flags to mean exactly what they meant to the training job,
-so it does not keep its own list: ``megatron_flags.json`` next to this module is generated
-from Megatron's own parser (``python -m megatron_ext.lookup.flagspec``) and a unit test checks
-that it still equals the installed megatron-core's parser, action by action.
+so it does not keep its own list: ``megatron_flags/<version>.json`` next to this module, one
+per verified megatron-core (the parsers differ: 704 flags on 0.17.1, 750 on 0.18.2, 806 on
+0.19.x), is generated from that version's own parser (``python -m megatron_ext.lookup.flagspec``
+run under it), and a unit test in every CI tier checks that the installed version's spec still
+equals its parser, action by action.
 
-:func:`parse` rebuilds an argparse parser from the spec and parses with it. It hands the
-whole job back to Megatron's parser (exact, slow) when the installed megatron-core is not the
-one the spec was generated from, or when the command line uses one of the few flags whose
+:func:`parse` rebuilds an argparse parser from the installed version's spec and parses with
+it. It hands the whole job back to Megatron's parser (exact, slow) when no spec was generated
+for the installed megatron-core, or when the command line uses one of the few flags whose
 value Megatron converts with its own code (``--attention-backend``, ``--moe-layer-freq``, ...).
 Defaults that are Megatron objects (``AttnBackend.auto``) become inert stand-ins
 (:func:`~megatron_ext.checkpoint_state.stand_in`); the lookup never reads them.
@@ -27,7 +29,7 @@ from typing import Any
 
 from megatron_ext.checkpoint_state import stand_in
 
-SPEC_FILE = Path(__file__).with_name("megatron_flags.json")
+SPEC_DIR = Path(__file__).with_name("megatron_flags")
 _TYPES: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": bool, None: None}
 _ACTIONS = {
     "_StoreAction": "store",
@@ -119,12 +121,32 @@ def _add(parser: argparse.ArgumentParser, entry: dict[str, Any]) -> None:
         parser.add_argument(*flags, action=kind, default=default, **kwargs)
 
 
-def _spec() -> list[dict[str, Any]] | None:
-    """The shipped spec, or None when it does not describe the installed megatron-core."""
+def installed_version() -> str | None:
+    """The installed megatron-core's version (None: not installed)."""
     try:
-        stored = json.loads(SPEC_FILE.read_text())
-        installed = importlib.metadata.version("megatron-core")
-    except (OSError, ValueError, importlib.metadata.PackageNotFoundError):
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def spec_file(version: str) -> Path:
+    """Where the spec generated from ``version``'s parser is shipped."""
+    return SPEC_DIR / f"{version}.json"
+
+
+def shipped_versions() -> list[str]:
+    """The megatron-core versions a spec is shipped for."""
+    return sorted(p.stem for p in SPEC_DIR.glob("*.json"))
+
+
+def _spec() -> list[dict[str, Any]] | None:
+    """The installed megatron-core's shipped spec, or None when none describes it."""
+    installed = installed_version()
+    if installed is None:
+        return None
+    try:
+        stored = json.loads(spec_file(installed).read_text())
+    except (OSError, ValueError):
         return None
     return stored["actions"] if stored.get("megatron_core") == installed else None
 
@@ -162,7 +184,8 @@ def parse(argv: list[str], namespace: argparse.Namespace) -> tuple[argparse.Name
 
 
 def generate() -> dict[str, Any]:
-    """The spec of the installed megatron-core's parser (what ``megatron_flags.json`` holds)."""
+    """The spec of the installed megatron-core's parser (what its ``megatron_flags/`` file
+    holds)."""
     return {
         "megatron_core": importlib.metadata.version("megatron-core"),
         "generated_by": "python -m megatron_ext.lookup.flagspec",
@@ -179,5 +202,9 @@ def dump(spec: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    SPEC_FILE.write_text(dump(generate()))
-    print(f"wrote {SPEC_FILE}", file=sys.stderr)
+    # Run once under each verified megatron-core (a venv of it, from the repository root:
+    # `PYTHONPATH=. <venv>/bin/python -m megatron_ext.lookup.flagspec`).
+    generated = generate()
+    target = spec_file(generated["megatron_core"])
+    target.write_text(dump(generated))
+    print(f"wrote {target}", file=sys.stderr)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,9 @@ def checkpoint_segments(checkpoints: list[tuple[int, argparse.Namespace]]) -> li
             continue
         layout = _pick(args, LAYOUT_FIELDS)
         consumed = 0 if resumed == 0 else consumed_at.get(resumed)
-        if consumed is None and not layout["step_batch_size_schedule"]:
+        # 0.17's args have no step_batch_size_schedule, and 0.17 ramps the batch up.
+        ramped = layout["rampup_batch_size"] and "step_batch_size_schedule" not in vars(args)
+        if consumed is None and not layout["step_batch_size_schedule"] and not ramped:
             unit = layout["micro_batch_size"] * layout["data_parallel_size"]
             size = layout["global_batch_size"]
             if layout["decrease_batch_size_if_needed"]:
@@ -154,7 +157,8 @@ class History:
         )
 
     def distinct_layouts(self) -> int:
-        return len({tuple(s.layout.items()) for s in (*self.from_log, *self.from_checkpoints)})
+        segments = (*self.from_log, *self.from_checkpoints)
+        return len({json.dumps(s.layout, sort_keys=True) for s in segments})  # lists inside
 
 
 def read_history(save_dir: Path, sample_log_dirs: list[str], load: Any) -> History:

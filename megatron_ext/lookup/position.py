@@ -11,9 +11,12 @@ megatron-core 0.19.2 does (``training/training.py`` ``train()``,
 - A skipped iteration (``--iterations-to-skip``) still pulls its micro-batches
   (``dummy_train_step``) and adds them to ``consumed_train_samples``, so skips never shift the
   batches of later iterations; they only mean a batch was not trained on.
-- ``--rampup-batch-size`` is accepted but ignored by 0.19.2 (deprecated; the calculator is
+- ``--rampup-batch-size`` is accepted but ignored from 0.18 on (deprecated; the calculator is
   constant unless ``--step-batch-size-schedule`` is given, whose thresholds Megatron reads as
-  tokens and divides by ``--seq-length``).
+  tokens and divides by ``--seq-length``). megatron-core 0.17 honours it and has no step
+  schedule: its ``RampupBatchsizeNumMicroBatchesCalculator`` is a step function of the
+  consumed samples too, so :func:`rampup_schedule` turns it into the same (threshold, size)
+  table, sizes already rounded down as ``--decrease-batch-size-if-needed`` rounds them.
 - ``--decrease-batch-size-if-needed`` makes an iteration consume GBS rounded down to a multiple
   of micro-batch x DP.
 - ``--phase-transition-iterations t1,t2,..``: every phase trains on its own train dataset, whose
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +65,74 @@ def parse_step_schedule(text: str, seq_length: int | None) -> tuple[tuple[int, i
     if any(a[0] >= b[0] for a, b in itertools.pairwise(pairs)) or any(s <= 0 for _, s in pairs):
         raise ConfigError("step batch size schedule thresholds must increase; sizes be > 0")
     return tuple(pairs)
+
+
+def rampup_schedule(
+    rampup: tuple[int, int, int], global_batch_size: int, unit: int, decrease: bool
+) -> tuple[tuple[int, int], ...]:
+    """megatron-core 0.17's ``--rampup-batch-size START INCREMENT SAMPLES`` as (threshold in
+    samples, running global batch size) pairs.
+
+    The size after ``c`` consumed samples is 0.17's ``RampupBatchsizeNumMicroBatchesCalculator.
+    update``: ``GBS`` once ``c > SAMPLES``, else ``START + int(c / (SAMPLES / n)) * INCREMENT``
+    with ``n = (GBS - START) / INCREMENT`` (the same float arithmetic, so the thresholds are
+    Megatron's to the sample), rounded down to a multiple of ``unit`` (micro-batch x DP) with
+    ``--decrease-batch-size-if-needed``. Megatron's own assertions are refusals here.
+    """
+    start, increment, samples = (int(x) for x in rampup)
+    if start <= 0 or increment <= 0 or samples < 0:
+        raise ConfigError(f"--rampup-batch-size {start} {increment} {samples}: Megatron asserts")
+    diff = global_batch_size - start
+    if diff < 0 or diff % increment:
+        raise ConfigError(
+            f"--rampup-batch-size {start} {increment} {samples} with --global-batch-size "
+            f"{global_batch_size}: the interval must be a non-negative multiple of the increment "
+            "(Megatron asserts)"
+        )
+    if diff == 0 or samples == 0:
+        raise ConfigError(
+            "--rampup-batch-size with no increments or no ramp-up samples: megatron-core 0.17 "
+            "divides by zero there, so no such run exists"
+        )
+    per_increment = samples / (diff // increment)
+
+    def steps(consumed: int) -> int:
+        return int(consumed / per_increment)
+
+    def size(consumed: int) -> int:
+        raw = global_batch_size if consumed > samples else start + steps(consumed) * increment
+        return (raw // unit) * unit if decrease else raw
+
+    edges = {0, samples + 1}
+    for k in range(1, diff // increment + 1):
+        first = min(math.ceil(k * per_increment), samples + 1)  # then exact, by Megatron's test
+        while first > 0 and steps(first - 1) >= k:
+            first -= 1
+        while first <= samples and steps(first) < k:
+            first += 1
+        edges.add(first)
+    table: list[tuple[int, int]] = []
+    for edge in sorted(edges):
+        if not table or size(edge) != table[-1][1]:
+            table.append((edge, size(edge)))
+    return tuple(table)
+
+
+def rampup_train_iters(
+    rampup: tuple[int, int, int], global_batch_size: int, train_samples: int, unit: int
+) -> int:
+    """megatron-core 0.17's ``update_train_iters`` under a ramp-up: iterations are counted
+    with the *unrounded* size through the ramp-up (while consumed <= SAMPLES and <=
+    train_samples), then ``(train_samples - consumed) // GBS`` more."""
+    table = rampup_schedule(rampup, global_batch_size, unit, decrease=False)
+    thresholds = [t for t, _ in table]
+    iterations = consumed = 0
+    while consumed <= int(rampup[2]) and consumed <= train_samples:
+        consumed += table[bisect.bisect_right(thresholds, consumed) - 1][1]
+        iterations += 1
+    if train_samples > consumed:
+        iterations += (train_samples - consumed) // global_batch_size
+    return iterations
 
 
 @dataclass(frozen=True)

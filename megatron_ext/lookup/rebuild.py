@@ -10,8 +10,11 @@ training job's. Megatron logs one line per index it builds; those drive the prog
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from tqdm import tqdm
@@ -49,6 +52,25 @@ def _expected_indices(args: Any) -> int:
     )
 
 
+@contextlib.contextmanager
+def process_group() -> Iterator[None]:
+    """A one-process gloo group while none exists: megatron-core 0.17's BlendedDataset asks
+    torch.distributed for the rank before building its indices (0.18 on check first), and a
+    lookup is one process with no group."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        store = dist.FileStore(f"{directory}/store", 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 def rebuild_caches(config: RunConfig, phase: int, cache_dir: str | None) -> None:
     """Build (or load, where present) every index cache of the run's datasets for ``phase``."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
@@ -77,7 +99,11 @@ def rebuild_caches(config: RunConfig, phase: int, cache_dir: str | None) -> None
         logger.setLevel(logging.INFO)
         logger.propagate = False  # the bar reports progress; the log lines would drown it
         try:
-            BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, dataset_config).build()
+            with process_group():
+                builder = BlendedMegatronDatasetBuilder(
+                    GPTDataset, sizes, lambda: True, dataset_config
+                )
+                builder.build()
         finally:
             logger.removeHandler(handler)
             logger.setLevel(level)

@@ -16,14 +16,12 @@ from megatron_ext.files import CHECKPOINT_DIR
 from megatron_ext.lookup.attempts import AttemptAt, Attempts, attempts_at
 from megatron_ext.lookup.caches import open_train_index
 from megatron_ext.lookup.config import (
-    TOKENIZER_PATH_ARGS,
     Checkpoint,
     RunConfig,
+    honours_rampup,
     load_checkpoint,
     megatron_namespace,
-    pad_token_id,
     run_config,
-    tokenizer_from_args,
 )
 from megatron_ext.lookup.cyclic import CyclicOrder
 from megatron_ext.lookup.errors import CacheMissing, ConfigError, PositionError
@@ -31,6 +29,7 @@ from megatron_ext.lookup.history import History, Segment, read_history, segment_
 from megatron_ext.lookup.indices import TrainIndex, remap
 from megatron_ext.lookup.position import Batch
 from megatron_ext.lookup.render import sample_record
+from megatron_ext.lookup.tokenizer import TOKENIZER_PATH_ARGS, pad_token_id, tokenizer_from_args
 
 LAYOUT_FLAGS = ("--micro-batch-size", "--global-batch-size", "--data-parallel-size")
 DATA_FLAGS = ("--data-path", "--train-data-path", "--data-args-path", "--per-split-data-args-path")
@@ -51,6 +50,12 @@ class Session:
         elif options.ckpt_step is not None:
             raise ConfigError("--ckpt-step needs --from-checkpoint")
         self.source = f"checkpoint {checkpoint.directory}" if checkpoint else "flags"
+        # Which megatron-core trained the run decides what --rampup-batch-size did; the
+        # checkpoint's own args tell (read before the flags fill in the installed defaults).
+        self.rampup_honoured = honours_rampup(
+            checkpoint.args if checkpoint else argparse.Namespace(),
+            from_checkpoint=checkpoint is not None,
+        )
         args = megatron_namespace(megatron_flags, checkpoint.args if checkpoint else None)
         self.data_from_checkpoint = not _given(megatron_flags, DATA_FLAGS)
         self.config: RunConfig = run_config(
@@ -59,6 +64,7 @@ class Session:
             checkpoint=checkpoint,
             data_from_checkpoint=self.data_from_checkpoint,
             add_extra_token=not options.no_add_extra_token_to_sequence,
+            rampup_honoured=self.rampup_honoured,
         )
         self.args = args
         self.checkpoint = checkpoint
@@ -90,6 +96,7 @@ class Session:
             data_from_checkpoint=self.data_from_checkpoint,
             add_extra_token=not self.options.no_add_extra_token_to_sequence,
             segment=True,
+            rampup_honoured=self.rampup_honoured,
         )
         notes = config.notes + ((stage,) if stage else ())
         if self.history.distinct_layouts() > 1:

@@ -135,6 +135,7 @@ LAYOUT_FIELDS = (
     "pipeline_model_parallel_size",
     "context_parallel_size",
     "step_batch_size_schedule",
+    "rampup_batch_size",  # honoured by megatron-core 0.17, ignored from 0.18 on
     "decrease_batch_size_if_needed",
     "train_iters",
     "train_samples",

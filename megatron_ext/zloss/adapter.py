@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from megatron.core.inference.utils import InferenceMode
+from megatron.core.inference import utils as inference_utils
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from megatron_ext.features import LM_LOSS_PER_TOKEN, Feature, FeatureError, LossInputs
@@ -267,6 +267,14 @@ def fused_output_processor(
     return loss
 
 
+def _inference_mode_active() -> bool:
+    """Megatron's process-wide inference mode (registry ``inference-mode``): megatron-core
+    0.18 added ``InferenceMode``; on 0.17 an inference call is told by its
+    ``inference_context`` alone."""
+    mode = getattr(inference_utils, "InferenceMode", None)
+    return bool(mode is not None and mode.is_active())
+
+
 def with_fused_output_loss(
     postprocess: Callable[..., Any], feature: ZLossFeature
 ) -> Callable[..., Any]:
@@ -284,7 +292,7 @@ def with_fused_output_loss(
             given.get("labels") is not None
             and given.get("output_processor") is None
             and given.get("inference_context") is None
-            and not InferenceMode.is_active()
+            and not _inference_mode_active()
         ):
             given["output_processor"] = processor
         return postprocess(*call.args, **call.kwargs)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.lookup import cli
-from tests.support.harness import checkpoint_args, launch
+from megatron_ext.lookup import cli, flagspec
+from tests.support.harness import TINY_TRAINING, checkpoint_args, launch
 
 SKIPS = (13, 14)
 
@@ -111,3 +111,54 @@ def test_harness_records_equal_the_tools_answer_including_resume_with_skips(trai
         )
         == 0
     )
+
+
+RAMPUP = ["--rampup-batch-size", "4", "4", "64", "--global-batch-size", "16"]
+RAMPED = [4, 4, 4, 4, 4, 4, 8, 8, 8, 12, 12, 16]  # 0.17's sizes for RAMPUP (88 samples)
+
+
+@pytest.mark.compat
+@pytest.mark.timeout(900)
+def test_lookup_equals_the_sample_log_under_a_rampup(tmp_path, data_args) -> None:
+    """--rampup-batch-size as the installed megatron-core trains it: 0.17 ramps the batch up
+    (4 x6, 8 x3, 12 x2, 16 over 88 samples), 0.18 on ignore it (16 x5). The lookup, reading
+    the checkpoint the run left, answers every iteration with the batch it really trained:
+    equal to the sample log, and refused by nothing."""
+    ckpt = tmp_path / "ckpt"
+    # Sample-based (0.17 asserts a ramp-up is): no --train-iters / --lr-warmup-iters.
+    flags = dict(zip(TINY_TRAINING[::2], TINY_TRAINING[1::2], strict=True))
+    del flags["--train-iters"], flags["--lr-warmup-iters"]
+    training = [*(x for pair in flags.items() for x in pair), "--train-samples", "88"]
+    run = launch(
+        tmp_path,
+        [*data_args, *RAMPUP, "--save", str(ckpt), "--save-interval", "100"],
+        nproc=2,
+        training=training,
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    ramps = flagspec.installed_version().startswith("0.17.")  # the harness trains with it
+    expected = RAMPED if ramps else [16] * 5
+    saved = checkpoint_args(ckpt, len(expected))
+    assert ("step_batch_size_schedule" not in vars(saved)) == ramps  # what the lookup reads
+    session = _session(ckpt)
+    recorded = {
+        (r.iteration, r.dp_rank, r.microbatch): r for rs in run.records().values() for r in rs
+    }
+    assert {k[0] for k in recorded} == set(range(1, len(expected) + 1))
+    for iteration, size in enumerate(expected, start=1):
+        batch = session.config.schedule.batch(iteration)
+        assert batch.size == size, iteration
+        _, answer = cli.batch_records(session, batch)
+        slots: dict = {}
+        for sample in answer:
+            ids, digests = slots.setdefault(
+                (iteration, sample["dp_rank"], sample["microbatch"]), ([], [])
+            )
+            ids.append(sample["sample_index"])
+            digests.append(sample["token_sha1"])
+        assert set(slots) == {k for k in recorded if k[0] == iteration}, iteration
+        for key, (ids, digests) in slots.items():
+            assert (recorded[key].sample_ids, recorded[key].token_sha1) == (ids, digests), key
+    last = len(expected)
+    argv = ["--from-checkpoint", str(ckpt), "--iteration", str(last), "--sample-log"]
+    assert cli.main([*argv, str(run.samples)]) == 0

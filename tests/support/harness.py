@@ -146,11 +146,13 @@ def launch(
     timeout: float = 600,
     sample_log: bool = True,
     model: list[str] = TINY_MODEL,
+    training: list[str] = TINY_TRAINING,
 ) -> Run:
     """Run the entry point under torchrun; optionally SIGKILL the whole job right after the
     checkpoint of iteration ``kill_at_checkpoint`` is committed (crash-after-save drill).
     ``sample_log=False`` leaves ``--sample-log-dir`` out (benchmarks' "off" arm); ``model``
-    replaces the tiny model's flags (e.g. without ``--untie-embeddings-and-output-weights``)."""
+    replaces the tiny model's flags (e.g. without ``--untie-embeddings-and-output-weights``),
+    ``training`` the training flags (e.g. sample-based, without ``--train-iters``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = dict(
         os.environ,
@@ -166,7 +168,7 @@ def launch(
         f"--nproc-per-node={nproc}",
         str(RUNNER),
         *model,
-        *TINY_TRAINING,
+        *training,
         *CPU_FLAGS,
         *(["--sample-log-dir", str(workdir / "samples")] if sample_log else []),
         *args,

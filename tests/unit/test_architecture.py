@@ -126,9 +126,10 @@ FEATURE_FOLDERS = (
 )
 # The shared lower layer: what every feature and tool may import, and which imports only itself.
 # checkpoint_state (reads Megatron's tracker files), quiet and stop_signals are standard-library
-# helpers that features and commands share; the package root only holds the pinned version.
+# helpers that features and commands share; versions declares the supported megatron-core range.
 LOWER = (
     "megatron_ext",
+    "megatron_ext.versions",
     "megatron_ext.io",
     "megatron_ext.files",
     "megatron_ext.errors",

@@ -1,4 +1,5 @@
-"""The CPU runner's shims (megatron_ext/cpu/): strict about CUDA and pinned.
+"""The CPU runner's shims (megatron_ext/cpu/): strict about CUDA, refusing versions outside
+the supported range.
 
 That only the CPU runner loads them (never a GPU run) is tests/unit/test_architecture.py's.
 """
@@ -38,10 +39,11 @@ def test_shims_count_and_redirect_cuda_allocations() -> None:
     assert result.stdout.split() == ["1", "1"]
 
 
-def test_harness_refuses_another_megatron_core(tmp_path: Path) -> None:
+def test_harness_refuses_a_megatron_core_outside_the_range(tmp_path: Path) -> None:
     result = _run(
         "import importlib.metadata as m\nfrom megatron_ext.cpu import shims\n"
-        "m.version = lambda name: '0.20.0'\nshims.install()\n"
+        "m.version = lambda name: '0.16.1'\nshims.install()\n"
     )
     assert result.returncode != 0
-    assert "pinned to megatron-core 0.19.2, found 0.20.0" in result.stderr
+    assert "megatron-core 0.16.1 is not supported" in result.stderr
+    assert "0.17.1 to 0.19.2" in result.stderr

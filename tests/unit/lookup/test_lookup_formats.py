@@ -23,6 +23,11 @@ from megatron.training.utils import get_blend_and_blend_per_split
 from megatron_ext.checkpoint_state import Opaque
 from megatron_ext.lookup import flagspec, formats
 from megatron_ext.lookup.errors import ConfigError
+from megatron_ext.versions import VERIFIED
+
+# The compatibility tier runs this module on every supported megatron-core (tests/compat).
+pytestmark = pytest.mark.compat
+
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -31,14 +36,33 @@ def _opaque(value: object) -> bool:
     return isinstance(value, Opaque) or (isinstance(value, type) and issubclass(value, Opaque))
 
 
-def test_the_shipped_flag_spec_is_megatrons_parser() -> None:
+def test_the_shipped_flag_spec_is_the_installed_megatrons_parser() -> None:
+    """Run in every CI tier: the installed version's shipped spec is what its parser gives,
+    so the fast path is taken (and exact) on each supported version."""
     live = flagspec.generate()
-    shipped = json.loads(flagspec.SPEC_FILE.read_text())
+    path = flagspec.spec_file(live["megatron_core"])
+    assert path.is_file(), f"no flag spec shipped for megatron-core {live['megatron_core']}"
+    shipped = json.loads(path.read_text())
     assert shipped == json.loads(flagspec.dump(live)), (
-        "megatron_ext/lookup/megatron_flags.json is stale: regenerate it with "
+        f"{path} is stale: regenerate it under megatron-core {live['megatron_core']} with "
         "`python -m megatron_ext.lookup.flagspec`"
     )
     assert len(shipped["actions"]) > 700
+    assert flagspec._spec() == shipped["actions"]  # the one parse() takes
+
+
+def test_one_flag_spec_per_verified_version() -> None:
+    """Every verified megatron-core ships its own spec (and nothing else is shipped), each
+    naming the version whose parser generated it; the parsers do differ between them."""
+    assert flagspec.shipped_versions() == sorted(VERIFIED)
+    flags = {}
+    for version in VERIFIED:
+        spec = json.loads(flagspec.spec_file(version).read_text())
+        assert spec["megatron_core"] == version
+        flags[version] = {a["dest"] for a in spec["actions"]}
+    assert "step_batch_size_schedule" not in flags["0.17.1"]
+    assert "chat_template" in flags["0.18.2"] - flags["0.17.1"]
+    assert "dataloader_inter_document_masking" in flags["0.19.2"] - flags["0.18.2"]
 
 
 ARGVS = [
@@ -77,11 +101,16 @@ def test_flags_megatron_converts_itself_go_to_megatrons_parser() -> None:
 
 
 def test_a_spec_for_another_megatron_core_is_not_used(monkeypatch, tmp_path: Path) -> None:
-    stale = json.loads(flagspec.SPEC_FILE.read_text())
-    stale["megatron_core"] = "0.0.1"
+    installed = flagspec.installed_version()
+    stale = json.loads(flagspec.spec_file(installed).read_text())
+    stale["megatron_core"] = "0.0.1"  # a file under the installed name, from another parser
     stale["actions"] = [a for a in stale["actions"] if a["dest"] != "seq_length"]
-    monkeypatch.setattr(flagspec, "SPEC_FILE", tmp_path / "flags.json")
-    flagspec.SPEC_FILE.write_text(json.dumps(stale))
+    monkeypatch.setattr(flagspec, "SPEC_DIR", tmp_path)
+    flagspec.spec_file(installed).write_text(json.dumps(stale))
+    parsed, unknown = flagspec.parse(["--seq-length", "9"], argparse.Namespace())
+    assert (parsed.seq_length, unknown) == (9, [])
+    flagspec.spec_file(installed).unlink()  # no spec for the installed version at all
+    assert flagspec._spec() is None
     parsed, unknown = flagspec.parse(["--seq-length", "9"], argparse.Namespace())
     assert (parsed.seq_length, unknown) == (9, [])
 

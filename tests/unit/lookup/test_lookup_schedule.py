@@ -3,22 +3,37 @@ generator: iteration / micro-batch / DP rank <-> sample positions, skips, phases
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 import pytest
-from megatron.core.num_microbatches_calculator import (
-    ConstantNumMicroBatchesCalculator,
-    StepBatchsizeNumMicroBatchesCalculator,
-    _build_num_microbatches_calculator,
-)
+from megatron.core import num_microbatches_calculator as nmc
+from megatron.core.num_microbatches_calculator import ConstantNumMicroBatchesCalculator
 from megatron.core.parallel_state import RankGenerator
 from megatron.training.datasets.data_samplers import (
     MegatronPretrainingRandomSampler,
 )
 
+from megatron_ext.lookup import flagspec
+from megatron_ext.lookup.config import honours_rampup, megatron_namespace, run_config
 from megatron_ext.lookup.cyclic import CyclicOrder
 from megatron_ext.lookup.errors import ConfigError, PositionError
-from megatron_ext.lookup.position import Anchor, Schedule, parse_step_schedule
+from megatron_ext.lookup.position import (
+    Anchor,
+    Schedule,
+    parse_step_schedule,
+    rampup_schedule,
+    rampup_train_iters,
+)
 from megatron_ext.lookup.topology import Topology
+
+# The compatibility tier runs this module on every supported megatron-core (tests/compat).
+pytestmark = pytest.mark.compat
+
+
+# megatron-core 0.17 ramps the batch up; 0.18 replaced that with the step schedule.
+RAMPUP_CALCULATOR = getattr(nmc, "RampupBatchsizeNumMicroBatchesCalculator", None)
+STEP_CALCULATOR = getattr(nmc, "StepBatchsizeNumMicroBatchesCalculator", None)
 
 
 def test_positions_equal_megatron_calculators_and_locate_inverts_them() -> None:
@@ -29,11 +44,25 @@ def test_positions_equal_megatron_calculators_and_locate_inverts_them() -> None:
             dict(global_batch_size=14, decrease_batch_size_if_needed=True),
             ConstantNumMicroBatchesCalculator(14, 2, 3, True, 0),
         ),
-        (
-            dict(global_batch_size=6, step_schedule=parse_step_schedule("0:6 1K:12 3K:24", 16)),
-            StepBatchsizeNumMicroBatchesCalculator(2, 3, False, 0, "0:6 1K:12 3K:24", 16),
-        ),
     ]
+    if STEP_CALCULATOR is not None:  # 0.18 on
+        cases.append(
+            (
+                dict(global_batch_size=6, step_schedule=parse_step_schedule("0:6 1K:12 3K:24", 16)),
+                STEP_CALCULATOR(2, 3, False, 0, "0:6 1K:12 3K:24", 16),
+            )
+        )
+    if RAMPUP_CALCULATOR is not None:  # 0.17: the ramp-up, also rounded down
+        for rampup, gbs, decrease in (((6, 6, 200), 30, False), ((8, 4, 97), 24, True)):
+            cases.append(
+                (
+                    dict(
+                        global_batch_size=gbs,
+                        step_schedule=rampup_schedule(rampup, gbs, 6, decrease),
+                    ),
+                    RAMPUP_CALCULATOR(gbs, 2, 3, decrease, 0, *rampup),
+                )
+            )
     for fields, calculator in cases:
         schedule = Schedule(micro_batch_size=2, data_parallel_size=3, train_iters=40, **fields)
         consumed = 0
@@ -54,18 +83,68 @@ def test_positions_equal_megatron_calculators_and_locate_inverts_them() -> None:
         assert schedule.batch_at_consumed(schedule.batch(7).consumed_before).iteration == 7
 
 
-def test_rampup_batch_size_is_ignored_by_megatron_core_0_19_2() -> None:
-    """Why the tool treats --rampup-batch-size as a no-op (and says so)."""
-    calculator = _build_num_microbatches_calculator(0, 64, 2, 4, False, None, 128)
-    assert isinstance(calculator, ConstantNumMicroBatchesCalculator)
-    from megatron.core import num_microbatches_calculator as nmc
-
-    nmc.init_num_microbatches_calculator(0, [16, 8, 1000], 64, 2, 4)
+def _megatron_rampup_sizes(rampup: list[int], gbs: int, mbs: int, dp: int) -> list[int]:
+    """Per-iteration global batch sizes of the installed megatron-core's calculator, walked as
+    train() walks it (update before each iteration, consumed += the running size)."""
+    nmc.init_num_microbatches_calculator(0, rampup, gbs, mbs, dp)
     try:
-        nmc.update_num_microbatches(0)
-        assert nmc.get_current_global_batch_size() == 64  # no ramp-up
+        consumed, sizes = 0, []
+        for _ in range(12):
+            nmc.update_num_microbatches(consumed, consistency_check=True)
+            sizes.append(nmc.get_current_running_global_batch_size())
+            consumed += sizes[-1]
+        return sizes
     finally:
         nmc.destroy_num_microbatches_calculator()
+
+
+RAMPED = [4, 4, 4, 4, 4, 4, 8, 8, 8, 12, 12, 16]  # `--rampup-batch-size 4 4 64`, GBS 16, on 0.17.1
+
+
+def test_rampup_batch_size_per_megatron_core_line() -> None:
+    """0.17 ramps the batch up (the lookup follows it, to the sample), 0.18 on ignore it (the
+    lookup says so); the installed megatron-core's own calculator is the reference."""
+    ramped = Schedule(2, 2, 16, step_schedule=rampup_schedule((4, 4, 64), 16, 4, False))
+    assert [ramped.batch(k).size for k in range(1, 13)] == RAMPED
+    megatron = _megatron_rampup_sizes([4, 4, 64], 16, 2, 2)
+    if RAMPUP_CALCULATOR is not None:
+        assert megatron == RAMPED
+        assert rampup_train_iters((4, 4, 64), 16, sum(RAMPED), 4) == len(RAMPED)
+    else:
+        assert megatron == [16] * 12  # deprecated and ignored
+    with pytest.raises(ConfigError, match="divides by zero"):
+        rampup_schedule((16, 4, 64), 16, 4, False)
+
+
+def test_which_megatron_core_trained_the_run_decides_the_rampup() -> None:
+    """A 0.17 checkpoint's args lack step_batch_size_schedule: its ramp-up is followed; a
+    0.18+ checkpoint's ramp-up flag is reported as ignored; flags alone follow the installed
+    megatron-core."""
+    flags = "--seq-length 8 --micro-batch-size 2 --train-samples 88 --rampup-batch-size 4 4 64 "
+    flags += "--global-batch-size 16 --data-path x"
+    newer = megatron_namespace(flags.split(), None)
+    older = argparse.Namespace(**vars(newer))
+    if "step_batch_size_schedule" in vars(older):
+        del older.step_batch_size_schedule  # as a 0.17 checkpoint saved it
+    assert honours_rampup(older, from_checkpoint=True)
+    newer_saved = argparse.Namespace(step_batch_size_schedule=None)
+    assert not honours_rampup(newer_saved, from_checkpoint=True)
+    installed_ramps = flagspec.installed_version().startswith("0.17.")
+    assert honours_rampup(argparse.Namespace(), from_checkpoint=False) == installed_ramps
+    for args, honoured in ((older, True), (newer, False)):
+        config = run_config(args, data_parallel_size=2, checkpoint=None, rampup_honoured=honoured)
+        sizes = [config.schedule.batch(k).size for k in range(1, config.schedule.train_iters + 1)]
+        assert sizes == (RAMPED if honoured else [16] * 5)
+        assert any("0.17, which ramps" in n if honoured else "ignored" in n for n in config.notes)
+    with pytest.raises(ConfigError, match="iteration-based"):
+        run_config(
+            megatron_namespace(
+                [*flags.split(), "--train-iters", "9", "--train-samples", "0"], None
+            ),
+            data_parallel_size=2,
+            checkpoint=None,
+            rampup_honoured=True,
+        )
 
 
 def test_skips_phases_and_anchors() -> None:
