@@ -17,6 +17,15 @@ each version:
   lookup equal to the sample log.
 """
 
+# The files the tier collects (collecting the whole suite would import tests written for
+# newer megatron-core APIs); .ci/run passes them with -m compat.
+PATHS = (
+    "tests/unit/test_registry.py",
+    "tests/unit/test_versions.py",
+    "tests/unit/test_checkpoint_state.py",
+    "tests/unit/cpu/test_cpu_harness.py",
+    "tests/e2e/test_layouts.py",
+)
 SELECTED = (
     "tests/unit/test_registry.py::",
     "tests/unit/test_versions.py::",
