@@ -117,7 +117,8 @@ def train(argv: list[str]) -> None:
 
     from megatron.training import set_startup_timestamps
 
-    from megatron_ext import registry
+    from megatron_ext import loop, registry
+    from megatron_ext.entry import Wiring
 
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
     registry.verify_all()
@@ -128,7 +129,11 @@ def train(argv: list[str]) -> None:
     run = registry.assumption("entry-point").selected().wrap
     broadcast = registry.assumption("batch-on-this-rank").selected().wrap
     assert run is not None and broadcast is not None, "registry entry without its runner"
-    run(broadcast, registry.CLASSIC_INIT)
+    run(
+        Wiring(
+            broadcast, registry.CLASSIC_INIT, loop.add_megatron_ext_args, loop.install, loop.attach
+        )
+    )
 
 
 if __name__ == "__main__":

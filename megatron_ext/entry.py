@@ -13,6 +13,9 @@
   global args.
 
 Every runner checks that the features' args are Megatron's global args before installing.
+The loop's functions come in a :class:`Wiring` from the entry point (the registry names these
+runners, and the loop applies the registry's patches: importing the loop here would close a
+cycle).
 """
 
 from __future__ import annotations
@@ -22,27 +25,36 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from megatron_ext import gpt_model, gpt_step, loop
+from megatron_ext import gpt_model, gpt_step
 from megatron_ext.errors import StartupError
 from megatron_ext.features import FeatureSet
 from megatron_ext.patching import Patch
 
 ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
-Broadcast = Callable[..., dict[str, Any]]
+
+@dataclass(frozen=True)
+class Wiring:
+    """What every runner is handed: the installed version's batch broadcast (registry
+    ``batch-on-this-rank``), the classic-args patch, and the loop's functions
+    (:func:`megatron_ext.loop.add_megatron_ext_args`, ``install``, ``attach``)."""
+
+    broadcast: Callable[..., dict[str, Any]]
+    classic_init: Patch
+    add_args: Callable[[Any], Any]
+    install: Callable[[Any], FeatureSet]
+    attach: Callable[[Any, FeatureSet], None]
 
 
-def _parse_and_validate() -> Any:
+def _parse_and_validate(wiring: Wiring) -> Any:
     from megatron.training.arguments import parse_and_validate_args
 
     # Parse before Megatron's in-process-restart wrapper: it parses sys.argv without the
     # megatron-ext group, so `--help` would print (and exit) without the overlay's flags.
-    return parse_and_validate_args(
-        extra_args_provider=loop.add_megatron_ext_args, args_defaults=ARGS_DEFAULTS
-    )
+    return parse_and_validate_args(extra_args_provider=wiring.add_args, args_defaults=ARGS_DEFAULTS)
 
 
-def _install(args: Any) -> FeatureSet:
+def _install(wiring: Wiring, args: Any) -> FeatureSet:
     """The features, installed on ``args`` once they are Megatron's global args (Megatron
     fills them as it goes: resume iteration, consumed samples, padded vocab)."""
     from megatron.training import get_args
@@ -50,10 +62,10 @@ def _install(args: Any) -> FeatureSet:
     if get_args() is not args:
         raise StartupError("Megatron's global args are not the ones it parsed; re-verify")
     gpt_step.check_supported(args)
-    return loop.install(args)
+    return wiring.install(args)
 
 
-def run_with_config_container(broadcast: Broadcast, classic_init: Patch) -> None:
+def run_with_config_container(wiring: Wiring) -> None:
     """megatron-core 0.19: ``pretrain(cfg_container, ...)`` with the GPT model config."""
     from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain
@@ -62,12 +74,12 @@ def run_with_config_container(broadcast: Broadcast, classic_init: Patch) -> None
         pretrain_cfg_container_from_args,
     )
 
-    args = _parse_and_validate()
+    args = _parse_and_validate(wiring)
     run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
-    features = _install(args)
+    features = _install(wiring, args)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
-    loop.attach(config, features)
-    forward_step, datasets_provider = gpt_step.bind(features, broadcast)
+    wiring.attach(config, features)
+    forward_step, datasets_provider = gpt_step.bind(features, wiring.broadcast)
     run(
         config,
         datasets_provider,
@@ -78,17 +90,17 @@ def run_with_config_container(broadcast: Broadcast, classic_init: Patch) -> None
     )
 
 
-def run_with_model_provider(broadcast: Broadcast, classic_init: Patch) -> None:
+def run_with_model_provider(wiring: Wiring) -> None:
     """megatron-core 0.18: ``pretrain(cfg_container, ..., model_provider, ...)``."""
     from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    args = _parse_and_validate()
+    args = _parse_and_validate(wiring)
     run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     gpt_model.check_supported(args)
-    features = _install(args)
-    forward_step, datasets_provider = gpt_step.bind(features, broadcast)
+    features = _install(wiring, args)
+    forward_step, datasets_provider = gpt_step.bind(features, wiring.broadcast)
     run(
         pretrain_cfg_container_from_args(args),
         datasets_provider,
@@ -106,11 +118,12 @@ class ClassicInit:
     features installed on them once ``initialize_megatron`` validated them."""
 
     args: Any
+    wiring: Wiring
     features: FeatureSet | None = field(default=None)
 
     def initialized(self) -> None:
         gpt_model.check_supported(self.args)
-        self.features = _install(self.args)
+        self.features = _install(self.wiring, self.args)
 
     def get(self) -> FeatureSet:
         if self.features is None:
@@ -131,18 +144,18 @@ def with_parsed_args(original: Callable[..., Any], bound: ClassicInit) -> Callab
     return initialize_megatron
 
 
-def run_classic(broadcast: Broadcast, classic_init: Patch) -> None:
+def run_classic(wiring: Wiring) -> None:
     """megatron-core 0.17: classic ``pretrain(dataset_provider, model_provider, ...)``."""
     from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain
     from megatron.training.arguments import parse_args
 
-    late = ClassicInit(parse_args(loop.add_megatron_ext_args))
-    classic_init.apply(late)
+    late = ClassicInit(parse_args(wiring.add_args), wiring)
+    wiring.classic_init.apply(late)
     run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
 
     def forward_step(data_iterator: Any, model: Any) -> Any:
-        return gpt_step.forward_step(late.get(), broadcast, data_iterator, model)
+        return gpt_step.forward_step(late.get(), wiring.broadcast, data_iterator, model)
 
     def datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None):
         return gpt_step.train_valid_test_datasets_provider(
@@ -158,7 +171,7 @@ def run_classic(broadcast: Broadcast, classic_init: Patch) -> None:
         model_provider,
         ModelType.encoder_or_decoder,
         forward_step,
-        extra_args_provider=loop.add_megatron_ext_args,
+        extra_args_provider=wiring.add_args,
         args_defaults=ARGS_DEFAULTS,
         store=store,
         get_embedding_ranks=gpt_step.get_embedding_ranks,

@@ -448,13 +448,22 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     # milliseconds); test_checkpoint_state.py proves the same results on the same inputs.
     Assumption(
         name="checkpoint-common-state",
-        verified_on=ALL,
+        verified_on=V19,
         target="megatron.core.dist_checkpointing.serialization:load_common_state_dict",
         signature="(checkpoint_dir: Union[str, pathlib.Path]) -> Dict[str, Any]",
         used_by="megatron_ext.checkpoint_state",
         reason="Read as it reads it: legacy common.pt, else the bytes of the "
         "'common_state/shard_0_1' ShardedObject in the DCP files (torch.save of [state]); "
         "any other layout is handed to this function.",
+        variants=(
+            Variant(
+                V17 + V18,
+                "torch_dist checkpoints keep the common state in common.pt, written by "
+                "save_common (torch.save of the state), which the legacy branch reads.",
+                target="megatron.core.dist_checkpointing.strategies.common:save_common",
+                signature="(common_state_dict: Dict[str, Any], checkpoint_dir: str)",
+            ),
+        ),
     ),
     Assumption(
         name="blended-dataset-id",

@@ -27,8 +27,11 @@ REQUIREMENT = f"megatron-core>={MIN_VERSION},<={MAX_VERSION}"
 
 
 class UnsupportedVersion(Exception):
-    """The installed megatron-core is outside the supported range (the caller turns it into
-    its own refusal: this module imports nothing of the package, for ``setup.py``)."""
+    """The installed megatron-core is outside the supported range.
+
+    An internal control-flow signal: the caller turns it into its own refusal
+    (``patching.UnsupportedMegatronCore``, exit 1), since this module imports nothing of the
+    package (``setup.py`` reads it)."""
 
 
 def parse(version: str) -> tuple[int, ...]:

@@ -1,5 +1,5 @@
 """Shared fixtures: one tiny real corpus, tokenized once per session; the real-shaped spike
-drill; the e2e marker."""
+drill; the e2e and compat markers."""
 
 from __future__ import annotations
 
@@ -8,15 +8,19 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.demo import prepare_tiny_dataset
+from tests.compat import SELECTED
 
 E2E = Path(__file__).resolve().parent / "e2e"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Everything under tests/e2e/ is a real launch: mark it ``e2e``."""
+    """Everything under tests/e2e/ is a real launch: mark it ``e2e``; the compatibility
+    tier's selection (tests/compat/) is marked ``compat``."""
     for item in items:
         if E2E in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.e2e)
+        if any(fragment in item.nodeid for fragment in SELECTED):
+            item.add_marker(pytest.mark.compat)
 
 
 @pytest.fixture(scope="session")

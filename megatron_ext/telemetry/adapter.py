@@ -74,14 +74,19 @@ def train_members(args: Any) -> list[str]:
 
 def _counted(param: torch.Tensor, optimizer: Any) -> bool:
     """Whether Megatron's grad norm counts ``param`` on this rank (its own filter, with the
-    groups get_megatron_optimizer sets on each part: assumption ``optimizer-tp-groups``)."""
+    groups get_megatron_optimizer sets on each part: assumption ``optimizer-tp-groups``).
+    megatron-core 0.17/0.18 set no ``expert_tp_group`` and their filter takes none (every
+    parameter's duplicates over ``tp_group``, variant of ``expert-param-mark``): it is passed
+    only where the optimizer has one."""
     try:
-        groups = {"tp_group": optimizer.tp_group, "expert_tp_group": optimizer.expert_tp_group}
+        groups = {"tp_group": optimizer.tp_group}
     except AttributeError as exc:
         raise RuntimeError(
             f"megatron-ext telemetry: {type(optimizer).__name__} has no {exc.name} (registry "
             "assumption optimizer-tp-groups); re-verify megatron_ext.telemetry.adapter"
         ) from None
+    if hasattr(optimizer, "expert_tp_group"):
+        groups["expert_tp_group"] = optimizer.expert_tp_group
     return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, **groups)
 
 

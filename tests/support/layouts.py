@@ -50,8 +50,19 @@ OUTPUT_LAYER_MULT = 0.25  # --output-layer-weight-decay-mult, untied models only
 PLAN = ["--rollback-iters", "2", "--skip-batches", "7"]
 
 UNTIE = "--untie-embeddings-and-output-weights"
+
+
+def _fused_available() -> bool:
+    from megatron_ext import registry
+
+    variant = registry.patch("fused-output-loss").variant_for()
+    return variant is None or variant.available
+
+
 FUSED = "--fused-output-loss"  # with a small chunk, so that every micro-batch has several
-FUSED_FLAGS = (FUSED, "--fused-output-loss-chunk-tokens", "48")
+# --fused-output-loss is declared unavailable on megatron-core 0.17 (registry variant): the
+# rows that use it run without it there.
+FUSED_FLAGS = (FUSED, "--fused-output-loss-chunk-tokens", "48") if _fused_available() else ()
 MODELS = {
     # 4 layers: two per stage at PP=2, one per virtual stage at PP=2 x VP=2.
     "dense": [*TINY_MODEL, "--num-layers", "4"],

@@ -17,6 +17,7 @@ from megatron.core.dist_checkpointing.serialization import load_common_state_dic
 from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 from megatron.core.transformer.enums import AttnBackend
 
+from megatron_ext import registry
 from megatron_ext.checkpoint_state import (
     COMMON_STATE_KEY,
     Opaque,
@@ -50,15 +51,21 @@ def _state(**extra: object) -> dict:
 def _save_torch_dist(directory: Path, state: dict) -> None:
     """The common state as Megatron's torch_dist strategy stores it: ``torch.save([state])``
     bytes as the DCP byte item ``common_state/shard_0_1``, written with Megatron's own save
-    planner (and read back by Megatron's loader below)."""
-    blob = io.BytesIO()
-    torch.save([state], blob)
-    dcp.save(
-        {COMMON_STATE_KEY: blob},
-        storage_writer=dcp.FileSystemWriter(str(directory)),
-        planner=MCoreSavePlanner(flatten_state_dict=False),
-        no_dist=True,
-    )
+    planner (and read back by Megatron's loader below); on megatron-core 0.17/0.18 (registry
+    ``checkpoint-common-state``'s variant) ``common.pt`` as their ``save_common`` writes it,
+    the only place their loader reads."""
+    if registry.assumption("checkpoint-common-state").variant_for() is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(state, directory / CHECKPOINT_COMMON_FILE)
+    else:
+        blob = io.BytesIO()
+        torch.save([state], blob)
+        dcp.save(
+            {COMMON_STATE_KEY: blob},
+            storage_writer=dcp.FileSystemWriter(str(directory)),
+            planner=MCoreSavePlanner(flatten_state_dict=False),
+            no_dist=True,
+        )
     (directory / CHECKPOINT_METADATA_FILE).write_text('{"sharded_backend": "torch_dist"}')
 
 
@@ -114,7 +121,7 @@ def test_the_lookup_falls_back_to_megatrons_loader(tmp_path: Path, monkeypatch) 
 
 def test_truncated_data_file_is_unreadable(tmp_path: Path) -> None:
     _save_torch_dist(tmp_path, _state())
-    data = next(tmp_path.glob("*.distcp"))
+    data = next(tmp_path.glob("*.distcp"), tmp_path / CHECKPOINT_COMMON_FILE)  # 0.17/0.18
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(UnreadableState):
         read_common_state(tmp_path)

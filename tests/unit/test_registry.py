@@ -195,3 +195,59 @@ def test_patches_command_lists_every_touch_and_the_hooks_users() -> None:
         "relies on: megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucket "
         "assigns grad_data, params_list, param_to_index" in out
     )
+
+
+def test_every_entry_has_a_form_verified_on_every_supported_version() -> None:
+    """Dropping a variant leaves its versions uncovered: this fails on every version, and
+    the tier of the version it covered fails verify_all (the form picked is the entry's own,
+    whose target or signature differs there)."""
+    for entry in registry.ENTRIES:
+        assert set(entry.covers()) == set(VERIFIED), (entry.name, entry.covers())
+        forms = [entry.verified_on, *(v.verified_on for v in entry.variants)]
+        assert sum(len(f) for f in forms) == len(VERIFIED), f"{entry.name}: overlapping forms"
+        selected = entry.selected()
+        assert patching.installed_version() in selected.verified_on, entry.name
+
+
+def test_the_entry_point_runs_the_variant_of_the_installed_version() -> None:
+    """The runner, batch helper and model-provider hook picked for this megatron-core."""
+    from megatron_ext import entry, gpt_step
+
+    by_line = {
+        "0.19": (entry.run_with_config_container, gpt_step.broadcast_batch),
+        "0.18": (entry.run_with_model_provider, gpt_step.broadcast_batch_is_sft),
+        "0.17": (entry.run_classic, gpt_step.broadcast_batch_from_iterator),
+    }
+    line = ".".join(patching.installed_version().split(".")[:2])
+    run = registry.assumption("entry-point").selected().wrap
+    broadcast = registry.assumption("batch-on-this-rank").selected().wrap
+    assert (run, broadcast) == by_line[line]
+    classic = registry.CLASSIC_INIT.variant_for()
+    assert (classic is None) == (line == "0.17"), "the classic-args patch is 0.17's only"
+
+
+def _training_side_megatron_imports() -> set[tuple[str, str]]:
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    paths = [
+        p
+        for p in (repo / "megatron_ext").rglob("*.py")
+        if not {"lookup", "cpu"} & set(p.relative_to(repo).parts)
+    ]
+    found = set()
+    for path in [*paths, repo / "pretrain_gpt_ext.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron."):
+                found |= {(node.module, alias.name) for alias in node.names}
+    return found
+
+
+def test_every_megatron_name_the_training_side_imports_is_in_the_manifest() -> None:
+    declared = set()
+    for entry in registry.IMPORTS:
+        for form in (entry, *entry.variants):
+            declared |= {(entry.target, name) for name in form.names or ()}
+    missing = _training_side_megatron_imports() - declared
+    assert not missing, f"megatron imports not in registry_entry.IMPORTS: {sorted(missing)}"
