@@ -1,10 +1,7 @@
 """``megatron-ext lookup``: what a DP rank trained on at an iteration; who trained on a document.
 
-    # rank 17 spiked at iteration 137000: what did it read?
     megatron-ext lookup --from-checkpoint ckpt/ --iteration 137000 --dp-rank 17 --text
-    # the whole global batch, one JSON line per sample
-    megatron-ext lookup --from-checkpoint ckpt/ --iteration 137000 --out batch.jsonl
-    # every (iteration, DP rank, micro-batch) that trained on document 83 of a prefix
+    megatron-ext lookup --from-checkpoint ckpt/ --iteration 137000 --out batch.jsonl  # all ranks
     megatron-ext lookup --from-checkpoint ckpt/ --document 83 --dataset /data/web_text_document
 
 The run's configuration comes from a checkpoint's saved Megatron args (``--from-checkpoint``,

@@ -14,7 +14,10 @@ each version:
   norms, signals, detector, sample log, drill) at PP=2 (drill rollback, plan applied,
   restart past the spike), DP=2 x PP=2 with the distributed optimizer (kill -9 after a
   checkpoint, resume bit-exact) and MoE with EP=2; losses against the single-rank base,
-  lookup equal to the sample log.
+  lookup equal to the sample log;
+- the lookup's copies of Megatron logic (digests per version), its flag spec, tokenizer
+  descriptions and index logic against the version's own datasets, and lookup equal to the
+  sample log under ``--rampup-batch-size`` (0.17 ramps, 0.18+ ignores it).
 """
 
 # The files the tier collects (collecting the whole suite would import tests written for
@@ -25,6 +28,12 @@ PATHS = (
     "tests/unit/test_checkpoint_state.py",
     "tests/unit/cpu/test_cpu_harness.py",
     "tests/e2e/test_layouts.py",
+    "tests/unit/test_copies.py",
+    "tests/unit/lookup/test_lookup_datasets.py",
+    "tests/unit/lookup/test_lookup_tokenizer.py",
+    "tests/unit/lookup/test_lookup_formats.py",
+    "tests/unit/lookup/test_lookup_schedule.py",
+    "tests/e2e/test_lookup_training.py",
 )
 SELECTED = (
     "tests/unit/test_registry.py::",
