@@ -7,6 +7,8 @@ whose node id contains one with ``compat``. A test may also be marked
 ``@pytest.mark.compat`` directly (e.g. the lookup's 0.17 ramp-up case). What it proves on
 each version:
 
+- the CPU runner's shims: exactly the version's own set of CUDA touch points fires in a
+  world-size-1 run (``WS1_SHIMS``), and any other CUDA call trips;
 - the registry verifies, every entry has a form verified on the installed version, the range
   is refused outside it (unit tests, real megatron-core objects);
 - checkpoint common state reads the version's own checkpoints;
@@ -34,6 +36,7 @@ PATHS = (
     "tests/unit/lookup/test_lookup_formats.py",
     "tests/unit/lookup/test_lookup_schedule.py",
     "tests/e2e/test_lookup_training.py",
+    "tests/e2e/test_pretrain.py",
 )
 SELECTED = (
     "tests/unit/test_registry.py::",
@@ -43,4 +46,5 @@ SELECTED = (
     "[pp2-tied]",
     "[dp2-pp2-distopt-tied]",
     "[moe-ep2-dp4]",
+    "test_pretrain.py::test_world_size_1_trains_checkpoints_and_hits_only_known_cuda_points",
 )

@@ -4,6 +4,8 @@ kill -9 / resume / ``--iterations-to-skip`` drills, plain and with the distribut
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 
 from tests.support.harness import (
@@ -11,6 +13,7 @@ from tests.support.harness import (
     GLOBAL_BATCH,
     MICRO_BATCH,
     SKIPPED,
+    WS1_SHIMS,
     Run,
     checkpoint_args,
 )
@@ -54,6 +57,8 @@ def test_world_size_1_trains_checkpoints_and_hits_only_known_cuda_points(ws1: Ru
     ]
     assert "successfully saved checkpoint from iteration      20" in ws1.log
     _assert_clean_shims(ws1, 1)
+    line = ".".join(importlib.metadata.version("megatron-core").split(".")[:2])
+    assert set(ws1.shim_counts()[0]) == WS1_SHIMS[line], f"megatron-core {line}'s CUDA points"
 
 
 def _learned(records) -> bool:

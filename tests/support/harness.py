@@ -102,6 +102,40 @@ EXPECTED_SHIMS = {
     "initialize_megatron(allow_no_cuda)",
 }
 
+# Exactly the shims the world-size-1 run (test_pretrain.py) fires, per megatron-core minor:
+# a version that needs a new CUDA touch point, or no longer needs one, fails that test.
+_WS1_SHIMS_0_19 = {
+    "Stream",
+    "Stream.wait_stream",
+    "Tensor.cuda",
+    "Tensor.type",
+    "current_device",
+    "current_stream",
+    "device=cuda",
+    "device_count",
+    "empty_cache",
+    "get_device_properties",
+    "get_rng_state",
+    "initialize_megatron(allow_no_cuda)",
+    "manual_seed",
+    "manual_seed_all",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "memory_allocated",
+    "memory_reserved",
+    "random.get_rng_state",
+    "set_device",
+    "stream",
+    "synchronize",
+}
+# 0.17/0.18's classic get_model moves the built model with Module.cuda(); 0.19's builder
+# does not (the overlay's own model provider on 0.17/0.18 returns it to Megatron's get_model).
+WS1_SHIMS = {
+    "0.17": _WS1_SHIMS_0_19 | {"Module.cuda"},
+    "0.18": _WS1_SHIMS_0_19 | {"Module.cuda"},
+    "0.19": _WS1_SHIMS_0_19,
+}
+
 
 @dataclass
 class Run:
