@@ -95,13 +95,8 @@ class Copy:
 
 @functools.cache
 def installed_version() -> str:
-    """The installed megatron-core's version, from its metadata (no import)."""
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+    """The installed megatron-core's version, as the copies' messages name it (no import)."""
+    return versions.installed() or "not installed"
 
 
 @functools.cache

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
 from collections.abc import Callable
@@ -362,11 +361,8 @@ Entry = Patch | Assumption
 
 @functools.cache
 def installed_version() -> str:
-    """The installed megatron-core's distribution version (``package_info`` adds a hash)."""
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+    """The installed megatron-core's version, as the registry's messages name it."""
+    return versions.installed() or "not installed"
 
 
 class UnsupportedMegatronCore(StartupError):

@@ -9,6 +9,7 @@ tested against :data:`VERIFIED`. Every registry entry names, per variant, which 
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from collections.abc import Mapping
 
@@ -32,6 +33,15 @@ class UnsupportedVersion(Exception):
     An internal control-flow signal: the caller turns it into its own refusal
     (``patching.UnsupportedMegatronCore``, exit 1), since this module imports nothing of the
     package (``setup.py`` reads it)."""
+
+
+def installed() -> str | None:
+    """The installed megatron-core's distribution version (``package_info`` adds a hash), read
+    from its metadata without importing it; None when it is not installed."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def parse(version: str) -> tuple[int, ...]:

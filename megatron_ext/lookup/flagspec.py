@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from megatron_ext import versions
 from megatron_ext.checkpoint_state import stand_in
 
 SPEC_DIR = Path(__file__).with_name("megatron_flags")
@@ -121,12 +122,7 @@ def _add(parser: argparse.ArgumentParser, entry: dict[str, Any]) -> None:
         parser.add_argument(*flags, action=kind, default=default, **kwargs)
 
 
-def installed_version() -> str | None:
-    """The installed megatron-core's version (None: not installed)."""
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+installed_version = versions.installed
 
 
 def spec_file(version: str) -> Path:
