@@ -45,6 +45,8 @@ SKIPPED = {
     "torchrun --nproc-per-node 8 pretrain_gpt_ext.py <": "8 GPUs and placeholder arguments",
     "bash tools/gpu_smoke.sh [--wheels": "needs a GPU machine; its CPU rehearsal is "
     "tests/e2e/test_gpu_smoke_rehearsal.py",
+    "bash tools/compat_venv.sh 0.18.2": ".ci/run runs it for each compatibility tier, right "
+    "after this suite, and runs the tier's tests in it",
 }
 WARNINGS = ("UserWarning", "No CUDA runtime", "Traceback")
 ARGUMENT_DUMP = re.compile(r"^\s*\S+ \.{2,} ", re.M)
