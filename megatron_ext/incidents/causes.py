@@ -269,7 +269,7 @@ def _bad_source(
         values = [r for r in at if name in r.lm_loss_by_dataset]
         peak = max(values, key=lambda r: r.lm_loss_by_dataset[name])
         rises[name] = (peak.lm_loss_by_dataset[name] / median - 1 if median else 0.0, median, peak)
-    if not rises:
+    if len(rises) < 2:  # one member is the average: nothing to single out
         return None
     name = named if named in rises else max(rises, key=lambda n: rises[n][0])
     rise, median, peak = rises[name]

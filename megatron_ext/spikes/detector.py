@@ -176,7 +176,7 @@ class SpikeDetector:
                 self._learn(record, loss, grad, excess)
                 return []
         median = self.loss.median()
-        by_source = self.config.per_source and bool(record.lm_loss_by_dataset)
+        by_source = self._blend(record)
         if by_source:  # judge the average the batch would have had under the baseline's mix
             adjusted = self.sources.adjusted(record, median)
             loss = loss if adjusted is None else adjusted
@@ -255,9 +255,14 @@ class SpikeDetector:
         return None
 
     def _source_jump(self, step: _Step, rel: float, k: float) -> str | None:
-        if not (self.config.per_source and step.record.lm_loss_by_dataset):
+        if not self._blend(step.record):
             return None
         return self.sources.jump(step.record, rel, k)
+
+    def _blend(self, record: SignalRecord) -> bool:
+        """Judge by source only a blend: one member's loss is the average itself, so its
+        "own jump" would corroborate every jump of a single-dataset run."""
+        return self.config.per_source and len(record.lm_loss_by_dataset) > 1
 
     def _grad_high(self, grad: float | None) -> bool:
         return (
@@ -348,7 +353,7 @@ class SpikeDetector:
             culprit_source=source,
             source_loss=record.lm_loss_by_dataset.get(source) if source else None,
             source_baseline=self.sources.median(source) if source else None,
-            adjusted_loss=step.loss if record.lm_loss_by_dataset and armed else None,
+            adjusted_loss=step.loss if self._blend(record) and armed else None,
             window=[_summary(r) for r in self.recent],
         )
 

@@ -109,3 +109,20 @@ def test_a_new_source_in_a_later_stage_is_learned_not_flagged() -> None:
     for record in records[:59]:
         assert set(record.lm_loss_by_dataset) == {"prose"}
     assert replay(records, CONFIG) == []
+
+
+def test_a_single_dataset_is_judged_by_its_average_alone() -> None:
+    # One member's loss is the average itself: a jump of it is the average's jump, judged
+    # and classified exactly as with per-source off (no "corroborated by source").
+    records = _run(100, lambda i: {"prose": 1.0}, bad=lambda i: 1.0)
+    records = [
+        _record(
+            r.iteration, {"prose": 1.0}, {"prose": r.lm_loss * (1.3 if r.iteration >= 70 else 1)}
+        )
+        for r in records
+    ]
+    on, off = replay(records, CONFIG), replay(records, _off())
+    assert on and [(e.kind, e.iteration, e.classification) for e in on] == [
+        (e.kind, e.iteration, e.classification) for e in off
+    ]
+    assert all(e.culprit_source is None for e in on)
