@@ -125,7 +125,10 @@ def test_a_sigkilled_supervisor_leaves_no_training_behind(tmp_path) -> None:
     while not all((h.fake / f"saved.{r}").exists() for r in (0, 1)):
         assert time.monotonic() < deadline, "the workers kept training after the supervisor died"
         time.sleep(0.1)
-    assert sorted((h.fake / "signals").read_text().split()) == ["TERM", "TERM"]
+    # Each worker is told to stop by TERM: through torchrun (the launcher's pdeathsig), and
+    # under load also by its own heartbeat seeing the supervisor's lease die; both are TERM.
+    received = (h.fake / "signals").read_text().split()
+    assert len(received) >= 2 and set(received) == {"TERM"}, received
 
     relaunch = h.run(SINGLE, FAKE_CODES="0", timeout=60)
     assert relaunch.returncode == 0, relaunch.stderr
