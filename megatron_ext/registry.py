@@ -27,14 +27,9 @@ from megatron_ext.patching import Assumption, Entry, HookCall, Patch, Variant
 from megatron_ext.registry_copies import COPIES
 from megatron_ext.registry_entry import CLASSIC_INIT, ENTRY_POINT, IMPORTS
 from megatron_ext.spikes.adapter import SkipListFeature, save_after_a_skipped_end
-from megatron_ext.versions import VERIFIED
+from megatron_ext.versions import ALL, V17, V18, V19
 from megatron_ext.weight_decay.adapter import WeightDecayFeature, with_overrides, with_param_map
 from megatron_ext.zloss.adapter import ZLossFeature, with_fused_output_loss, with_z_loss
-
-ALL = VERIFIED  # an entry whose one form was verified on every supported version
-V19 = ("0.19.0", "0.19.2")
-V18 = ("0.18.2",)
-V17 = ("0.17.1",)
 
 _TRAINING = "megatron.training.training"
 _DISTOPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"

@@ -11,12 +11,8 @@ from __future__ import annotations
 import sys
 
 from megatron_ext.copies import Copy, Source, digest, installed_version
-from megatron_ext.versions import VERIFIED
+from megatron_ext.versions import ALL, V17, V18, V19
 
-ALL = VERIFIED
-V19 = ("0.19.0", "0.19.2")
-V18 = ("0.18.2",)
-V17 = ("0.17.1",)
 _TRAINING = "megatron.training.training"
 _DATASETS = "megatron.core.datasets"
 _CALCULATOR = "megatron.core.num_microbatches_calculator"

@@ -8,12 +8,8 @@ from __future__ import annotations
 
 from megatron_ext import entry, gpt_model, gpt_step
 from megatron_ext.patching import Assumption, Patch, Variant
-from megatron_ext.versions import VERIFIED
+from megatron_ext.versions import ALL, V17, V18, V19
 
-ALL = VERIFIED
-V19 = ("0.19.0", "0.19.2")
-V18 = ("0.18.2",)
-V17 = ("0.17.1",)
 _TRAINING = "megatron.training.training"
 _PG = "megatron.core.process_groups_config"
 

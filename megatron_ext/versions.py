@@ -20,6 +20,12 @@ VERIFIED: tuple[str, ...] = ("0.17.1", "0.18.2", "0.19.0", "0.19.2")
 """The exact versions every registry entry was verified on (CI proves 0.17.1, 0.18.2 and
 0.19.2; 0.19.0's registry targets are source-identical to 0.19.2's)."""
 
+# The verified versions by minor, as registry variants name them.
+ALL = VERIFIED  # an entry whose one form was verified on every supported version
+V17 = tuple(v for v in VERIFIED if v.startswith("0.17."))
+V18 = tuple(v for v in VERIFIED if v.startswith("0.18."))
+V19 = tuple(v for v in VERIFIED if v.startswith("0.19."))
+
 OVERRIDE_ENV = "MEGATRON_EXT_ALLOW_UNVERIFIED_MEGATRON_CORE"
 """Set to 1 to try a megatron-core outside the range: it warns loudly, and every registry
 entry's own check still decides whether the run may start."""
