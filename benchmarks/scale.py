@@ -28,6 +28,8 @@ Operations (each needs the previous ones' files):
 
     python benchmarks/scale.py --root /tmp/scale                  # 1/100 and full scale
     python benchmarks/scale.py --root /tmp/scale --scales 0.01,0.1
+    python benchmarks/scale.py --root /tmp/scale --build-only     # build now, measure later
+    python benchmarks/scale.py --root /tmp/scale --reuse          # measure what was built
 """
 
 from __future__ import annotations
@@ -150,8 +152,8 @@ def _data_checks(setting: Setting) -> list[str]:
     return [sys.executable, "-c", code, *setting.prefixes]
 
 
-def operations(setting: Setting, built: dict[str, object]) -> list[Measured]:
-    """Run every operation once at this scale."""
+def _trainings(setting: Setting, built: dict[str, object]) -> list[Measured]:
+    """The cache build and the two start-ups (plain Megatron, every overlay flag)."""
     root, env = setting.root, _env()
     logs = root / "logs"
     results = [
@@ -182,6 +184,17 @@ def operations(setting: Setting, built: dict[str, object]) -> list[Measured]:
             {**env, "MEGATRON_EXT_HARNESS_COUNTS": str(overlay / "counts")},
         )
     )
+    return results
+
+
+def operations(
+    setting: Setting, built: dict[str, object], trainings: bool = True
+) -> list[Measured]:
+    """Run every operation once at this scale (``trainings=False``: all but the three
+    training launches, on caches an earlier run built)."""
+    root, env = setting.root, _env()
+    logs = root / "logs"
+    results = _trainings(setting, built) if trainings else []
     results.append(run_child("data checks", _data_checks(setting), logs / "checks.txt", env))
     ckpt = ["--from-checkpoint", str(root / "ckpt")]
     iteration = str(min(int(built["sample_log_iterations"]), setting.train_iters) // 2 + 1)
@@ -208,6 +221,10 @@ def operations(setting: Setting, built: dict[str, object]) -> list[Measured]:
     shutil.rmtree(planner_ckpt / "megatron_ext_incidents", ignore_errors=True)
     plan = ["skiplist", "--ckpt-dir", str(planner_ckpt), "--signals-dir", str(root / "signals")]
     plan += ["--train-iters", str(int(built["signals_iterations"]) * 2), "--no-lookup"]
+    # The spike is 80 iterations after a checkpoint boundary: the skip window must reach it
+    # from the rollback target, a whole checkpoint interval back at full scale.
+    interval = setting_mod.checkpoint_interval(int(built["signals_iterations"]) - 100)
+    plan += ["--skip-batches", str(max(300, interval))]
     results.append(run_child("skiplist (plan)", _cli(*plan), logs / "skiplist.txt", env))
     return results
 
@@ -241,23 +258,38 @@ def table(by_scale: dict[float, list[Measured]]) -> str:
     return "\n".join(rows)
 
 
-def measure_scales(root: Path, scales: list[float]) -> dict[float, list[Measured]]:
+def measure_scales(
+    root: Path,
+    scales: list[float],
+    reuse: bool = False,
+    build_only: bool = False,
+    trainings: bool = True,
+) -> dict[float, list[Measured]]:
     """Build each scale under ``root`` and run every operation on it, smallest first.
 
     Building runs in a child: a child's peak RSS includes the memory of the process it was
     forked from (Linux records the pre-exec high-water mark), so this process stays small
-    (no torch) and every figure is the operation's own."""
+    (no torch) and every figure is the operation's own. ``reuse``: a scale built before
+    (its ``built.json``) is not built again (full scale takes long to build; its operations
+    are what is measured)."""
     by_scale: dict[float, list[Measured]] = {}
     for scale in sorted(scales):
         setting = Setting(root / f"scale-{scale:g}", scale)
         print(f"scale {scale:g} in {setting.root}", flush=True)
-        command = [sys.executable, __file__, "--root", str(root), "--build", str(root)]
-        command.append(f"{scale!r}")
-        output = subprocess.run(command, env=_env(), capture_output=True, text=True, check=True)
-        built = json.loads(output.stdout.splitlines()[-1])
+        record = setting.root / "built.json"
+        if reuse and record.is_file():
+            built = json.loads(record.read_text())
+        else:
+            command = [sys.executable, __file__, "--root", str(root), "--build", str(root)]
+            command.append(f"{scale!r}")
+            output = subprocess.run(command, env=_env(), capture_output=True, text=True, check=True)
+            built = json.loads(output.stdout.splitlines()[-1])
+            record.write_text(json.dumps(built))
+        if build_only:
+            continue
         shown = {k: v for k, v in built.items() if k not in ("tokenizer", "model_flags")}
         print(f"  built: {json.dumps(shown)}", flush=True)
-        by_scale[scale] = operations(setting, built)
+        by_scale[scale] = operations(setting, built, trainings)
     return by_scale
 
 
@@ -276,12 +308,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, required=True, help="where each scale is built")
     parser.add_argument("--scales", default="0.01,1", help="comma-separated, e.g. 0.01,0.1")
     parser.add_argument("--json", type=Path, help="also write every measurement here")
+    parser.add_argument("--reuse", action="store_true", help="do not rebuild a built scale")
+    parser.add_argument("--build-only", action="store_true", help="build, measure nothing")
+    parser.add_argument(
+        "--no-trainings", action="store_true", help="with --reuse: skip the three launches"
+    )
     parser.add_argument("--build", nargs=2, metavar=("ROOT", "SCALE"), help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if options.build:
         _build_main(Path(options.build[0]), float(options.build[1]))
         return 0
-    by_scale = measure_scales(options.root, [float(s) for s in options.scales.split(",")])
+    scales = [float(s) for s in options.scales.split(",")]
+    by_scale = measure_scales(
+        options.root, scales, options.reuse, options.build_only, not options.no_trainings
+    )
+    if options.build_only:
+        return 0
     print(table(by_scale))
     if options.json:
         options.json.write_text(

@@ -182,12 +182,17 @@ def write_checkpoint_args(directory: Path, iteration: int, flags: list[str]) -> 
     return args
 
 
+def checkpoint_interval(last: int) -> int:
+    """Iterations between the planner's checkpoints in a log of ``last`` iterations."""
+    return CKPT_INTERVAL if last >= 10 * CKPT_INTERVAL else 100
+
+
 def planner_checkpoints(directory: Path, template: Path, last: int) -> int:
     """Every ``CKPT_INTERVAL``-th iteration up to ``last`` (every 100th in logs under 10 k
     iterations) as a checkpoint directory, each
     ``common.pt`` a hard link to ``template`` (the planner reads directory names, and the
     saved args of the newest only)."""
-    interval = CKPT_INTERVAL if last >= 10 * CKPT_INTERVAL else 100
+    interval = checkpoint_interval(last)
     count = 0
     for iteration in range(interval, last + 1, interval):
         target = directory / f"iter_{iteration:07d}"
@@ -266,6 +271,8 @@ def build_sample_logs(setting: Setting, args: Any) -> int:
     from megatron_ext.io import token_sha1
     from megatron_ext.records.sample_log import append_layout, layout_record
 
+    write_attempt_indexes(setting)
+
     directory = setting.root / "samples"
     directory.mkdir(parents=True, exist_ok=True)
     digest = token_sha1(np.zeros(SEQ_LENGTH, dtype=np.int64))
@@ -288,3 +295,17 @@ def build_sample_logs(setting: Setting, args: Any) -> int:
     start = argparse.Namespace(**{**vars(args), "iteration": 0, "consumed_train_samples": 0})
     append_layout(directory, layout_record(start, "scale-bench", 1.7e9))
     return iterations
+
+
+def write_attempt_indexes(setting: Setting) -> None:
+    """``samples/attempts-dp{r}.jsonl`` as the sample log's writer keeps it: one attempt, its
+    records from byte 0 (without it, readers fall back to reading each file whole, as for a
+    log written before the index existed)."""
+    from megatron_ext.files import sample_log_attempts_file
+
+    directory = setting.root / "samples"
+    directory.mkdir(parents=True, exist_ok=True)
+    for rank in range(DP):
+        line = {"offset": 0, "first_iteration": 1, "job_id": "scale-bench", "host": "bench"}
+        line |= {"pid": 0, "wall_time": 1.7e9}
+        sample_log_attempts_file(directory, rank).write_text(json.dumps(line) + "\n")

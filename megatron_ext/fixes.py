@@ -73,18 +73,29 @@ def copy_state_safely(original: Callable[..., None]) -> Callable[..., None]:
     return _set_main_param_and_optimizer_states
 
 
+def start_results_queue(method: str) -> None:
+    """Create torch_dist's write-results queue (upstream reuses the one it finds), its Manager
+    deaf to SIGTERM and started by ``method``; nothing if the queue exists.
+
+    Upstream starts it with ``spawn``, so the Manager is a fresh interpreter that imports
+    torch when it unpickles the first write results: seconds of CPU per rank, once per job.
+    The CPU harness starts it by ``fork`` before any thread exists (``megatron_ext/cpu/run.py``),
+    where those seconds are most of a tiny run's first save."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context(method))
+        manager.start(initializer=ignore_stop_signals)
+        filesystem_async._results_queue = manager.Queue()
+
+
 def results_queue_survives_stop_signals(original: Callable[..., None]) -> Callable[..., None]:
     def prepare_write_data(self: Any, plan: Any, planner: Any) -> None:
         """Create the results queue first (upstream reuses it), its Manager deaf to SIGTERM."""
-        import multiprocessing
-        from multiprocessing.managers import SyncManager
-
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-        if filesystem_async._results_queue is None:
-            manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-            manager.start(initializer=ignore_stop_signals)
-            filesystem_async._results_queue = manager.Queue()
+        start_results_queue("spawn")
         return original(self, plan, planner)
 
     return prepare_write_data

@@ -20,7 +20,10 @@ What a line is, from the attempts' segments (:class:`SignalsLog`, found by bisec
 
 from __future__ import annotations
 
+import os
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,12 +36,13 @@ from megatron_ext.records.signals_columns import COLUMNS as FIELDS
 from megatron_ext.records.signals_columns import Block, parse_block, replay_records
 from megatron_ext.records.signals_seek import BLOCK, OrderError, Segment, SignalsLog, report
 from megatron_ext.records.spike_config import SpikeConfig
-from megatron_ext.spikes.detector import SpikeDetector, SpikeEvent
+from megatron_ext.spikes.detector import SpikeDetector, SpikeEvent, primed
 
 PANEL_FIELDS = ("lm_loss", "grad_norm", "params_norm", "max_attention_logit")
 MARKED_FIELDS = {"lm_loss": "loss", "grad_norm": "grad_norm"}  # panel -> event field
 MARKERS = {"spike": "^", "divergence": "X", "recovered": "v", "rollback": "s"}
 READ_BLOCK = 8 * BLOCK  # bytes parsed at a time: ~16 k lines
+PARSERS = min(4, os.cpu_count() or 1)  # threads parsing blocks
 
 
 @dataclass
@@ -95,17 +99,6 @@ def final_timeline(segments: list[Segment]) -> list[tuple[int, int, int]]:
             pieces.append((segment.attempt, segment.first_iteration, top))
         bound = segment.first_iteration if bound is None else min(bound, segment.first_iteration)
     return pieces[::-1]
-
-
-def primed(config: SpikeConfig, history: list) -> SpikeDetector:
-    """A detector armed as the training-time tracker arms itself after a restart (the
-    tracker's prime: the last ``warmup + window`` iterations, a clean start if they end
-    mid-incident)."""
-    detector = SpikeDetector(config)
-    for record in history[-(config.warmup + config.window) :]:
-        detector.observe(record)
-    detector.seen = max(detector.seen, len(history))
-    return detector if detector.state == "healthy" else SpikeDetector(config)
 
 
 def choose(attempts: str, present: list[int]) -> list[int] | None:
@@ -212,18 +205,34 @@ def _whole_lines(log: SignalsLog, offset: int, end: int) -> bytes:
         size *= 2  # one line longer than a block
 
 
+def _parsed(
+    log: SignalsLog, segment: Segment, names: set[str]
+) -> Iterator[tuple[int, bytes, Block]]:
+    """(offset, lines, parsed block) of the segment, in order. Parsing (numpy, which releases
+    the GIL in its loops) runs on ``PARSERS`` threads while the next blocks are read: a 5 M-
+    iteration log is ~350 blocks, and parsing is most of a plot's time."""
+    with ThreadPoolExecutor(PARSERS) as pool:
+        pending: deque[tuple[int, bytes, Future[Block]]] = deque()
+        offset = segment.start
+        while offset < segment.end or pending:
+            while offset < segment.end and len(pending) < 2 * PARSERS:
+                data = _whole_lines(log, offset, segment.end)
+                pending.append((offset, data, pool.submit(parse_block, data, offset, names, True)))
+                offset += len(data)
+            at, data, future = pending.popleft()
+            yield at, data, future.result()
+
+
 def _blocks(log: SignalsLog, segment: Segment, stats: Stats, names: set[str]) -> Iterator[Block]:
     """The segment's blocks, in order, duplicates of an iteration resolved to the later line
     (across blocks too: a block's last row is held back), the writer's order checked."""
     carry: Block | None = None
-    offset, previous = segment.start, None
-    while offset < segment.end:
-        data = _whole_lines(log, offset, segment.end)
-        block = parse_block(data, offset, names, sources=True)
+    previous = None
+    for offset, data, block in _parsed(log, segment, names):
         stats.slow_lines += block.slow_lines
         stats.problems += block.problems
         stats.gaps += [(segment.attempt, gap) for _, gap in block.gaps]
-        offset += len(data)
+        offset += len(data)  # the end of the block's lines: where an order error is reported
         it = block.values["iteration"]
         if len(it) and segment.first_iteration <= segment.last_iteration:
             before = np.r_[it[0] if previous is None else previous, it[:-1]]

@@ -17,11 +17,9 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
-from megatron_ext.files import SIGNALS_FILE
-from megatron_ext.gap_log import Gap, GapLog, is_gap, read_gaps
+from megatron_ext.gap_log import Gap, is_gap, read_gaps
 from megatron_ext.io import from_json, json_safe, read_jsonl
 
 
@@ -64,7 +62,6 @@ _FIELDS = {f.name for f in fields(SignalRecord)}
 __all__ = [
     "Gap",
     "SignalRecord",
-    "SignalsWriter",
     "latest_per_iteration",
     "read_gaps",
     "read_signals",
@@ -112,19 +109,3 @@ def latest_per_iteration(records: list[SignalRecord]) -> list[SignalRecord]:
         if current is None or record.attempt >= current.attempt:
             best[record.iteration] = record
     return [best[i] for i in sorted(best)]
-
-
-class SignalsWriter:
-    """Appends :class:`SignalRecord` lines to ``DIR/signals.jsonl`` under a fresh attempt."""
-
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
-        path = Path(directory) / SIGNALS_FILE
-        previous = read_signals(path) if path.exists() else []
-        self.attempt = max((r.attempt for r in previous), default=0) + 1
-        self._out = GapLog(path, "signals log")
-        self.path = path
-
-    def write(self, record: SignalRecord) -> bool:
-        """Append one record; False when the write failed (warned, kept as a gap)."""
-        record.attempt = self.attempt
-        return self._out.append(record.as_json(), record.iteration)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
@@ -31,7 +32,7 @@ from typing import Any
 from megatron_ext.errors import Refusal
 from megatron_ext.gap_log import GAP_KEY
 from megatron_ext.io import from_json
-from megatron_ext.records.signals import SignalRecord, read_signals
+from megatron_ext.records.signals import SignalRecord, latest_per_iteration, read_signals
 
 KEY = re.compile(rb'\{\s*"iteration"\s*:\s*(\d+)\s*,\s*"attempt"\s*:\s*(\d+)\s*,')
 PROBE = 2048  # bytes read per bisection probe: a line or two
@@ -291,3 +292,18 @@ def read_window(path: str | os.PathLike[str], first: int, last: int) -> list[Sig
     except OrderError as exc:
         warnings.warn(f"{exc}; reading the whole log instead", stacklevel=2)
         return read_signals(path, iterations=(first, last))
+
+
+def history_before(path: str | os.PathLike[str], before: int, count: int) -> list[SignalRecord]:
+    """The last ``count`` iterations (oldest first) that a run whose first iteration is
+    ``before`` continues from (:meth:`SignalsLog.history` over every attempt that started
+    earlier), or a full scan (warned) when the log is out of order. No log: nothing."""
+    if not Path(path).exists():
+        return []
+    try:
+        with SignalsLog(path) as log:
+            return log.history(sys.maxsize, before, count)
+    except OrderError as exc:
+        warnings.warn(f"{exc}; reading the whole log instead", stacklevel=2)
+        earlier = [r for r in latest_per_iteration(read_signals(path)) if r.iteration < before]
+        return earlier[-count:] if count else []

@@ -41,11 +41,11 @@ from megatron_ext.files import SIGNALS_FILE, SKIPPED_ITERATIONS_FILE, SPIKE_LEDG
 from megatron_ext.gap_log import GapLog
 from megatron_ext.io import atomic_write
 from megatron_ext.records.ledger import config_record
-from megatron_ext.records.signals import latest_per_iteration, read_signals
+from megatron_ext.records.signals_seek import history_before
 from megatron_ext.records.skip_ranges import format_ranges
 from megatron_ext.records.sources import member_names, train_blend
 from megatron_ext.records.spike_config import add_detector_args, config_from_args
-from megatron_ext.spikes.detector import SpikeDetector
+from megatron_ext.spikes.detector import SpikeDetector, primed
 from megatron_ext.spikes.drill import (
     CORRUPTIONS,
     CorruptionSpec,
@@ -130,19 +130,14 @@ class SpikeFeature(Feature):
     def _prime(self, first_iteration: int) -> None:
         """After a restart, rebuild the baseline from the history this run continues from
         (latest attempt per iteration, before the first iteration of this run), so a replayed
-        spike right after a rollback is caught without a new warm-up."""
+        spike right after a rollback is caught without a new warm-up. Read by seeking: the
+        ``warmup + window`` records it needs, not a 1 M-iteration log."""
         self.primed = True
         assert self.detector is not None
-        path = Path(self.args.signals_dir) / SIGNALS_FILE
-        history = [
-            r for r in latest_per_iteration(read_signals(path)) if r.iteration < first_iteration
-        ]
         config = self.detector.config
-        for record in history[-(config.warmup + config.window) :]:
-            self.detector.observe(record)
-        self.detector.seen = max(self.detector.seen, len(history))
-        if self.detector.state != "healthy":  # history ended mid-incident: start clean
-            self.detector = SpikeDetector(config)
+        path = Path(self.args.signals_dir) / SIGNALS_FILE
+        history = history_before(path, first_iteration, config.warmup + config.window)
+        self.detector = primed(config, history)
 
     def after_step(self, record: StepRecord) -> None:
         """Runs on every rank after each logged iteration."""

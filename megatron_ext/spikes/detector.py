@@ -93,6 +93,18 @@ class _Step:
     source: str | None = None  # the member whose own jump flagged or corroborated it
 
 
+def primed(config: SpikeConfig, history: list[SignalRecord]) -> SpikeDetector:
+    """A detector armed as the training-time tracker arms itself after a restart: fed the
+    last ``warmup + window`` iterations the run continues from, so a replayed spike right
+    after a rollback is caught without a new warm-up; a clean start if that history ends
+    mid-incident (the incident was the previous attempt's to decide)."""
+    detector = SpikeDetector(config)
+    for record in history[-(config.warmup + config.window) :]:
+        detector.observe(record)
+    detector.seen = max(detector.seen, len(history))
+    return detector if detector.state == "healthy" else SpikeDetector(config)
+
+
 class SpikeDetector:
     """Feed :meth:`observe` one :class:`SignalRecord` per iteration; it returns ledger events.
 

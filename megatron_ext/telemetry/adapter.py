@@ -44,7 +44,8 @@ from megatron_ext.features import (
     StepRecord,
     is_writing_rank,
 )
-from megatron_ext.records.signals import SignalRecord, SignalsWriter
+from megatron_ext.records.signals import SignalRecord
+from megatron_ext.records.signals_writer import SignalsWriter
 from megatron_ext.records.sources import member_names, train_blend
 from megatron_ext.telemetry.bucket_layout import (
     Reduction,

@@ -10,7 +10,8 @@ checks of its topology:
 - ``tp2_zloss``: TP=2 with ``--z-loss-coeff 1e-4``;
 - ``drill_ddp`` / ``drill_distopt``: DP=2 runs U (uninterrupted), K (SIGKILLed right after
   its iteration-10 checkpoint), R (resumes K) and S (resumes a copy of K with iterations 13
-  and 14 skipped), with DDP or the distributed optimizer;
+  and 14 skipped), with DDP or the distributed optimizer, each launched on first use (the
+  distributed optimizer's kill -9 resume is the layout matrix's ``dp2-pp2-distopt-tied``);
 - ``distopt_rollback``: U of ``drill_distopt`` rolled back to iteration 10 and relaunched with
   the same signals dir (what the spike pipeline does);
 - ``matrix``: the layout matrix (``tests/support/layouts.py``): single-rank bases, one launch
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.harness import SKIPPED, TELEMETRY, Run, launch
-from tests.support.layouts import Matrix
+from tests.support.layouts import BY_NAME, Matrix
 
 
 def ok(run: Run) -> Run:
@@ -85,12 +86,19 @@ def tp2_zloss(tmp_path_factory, data_args) -> Run:
     )
 
 
-def _drill(root: Path, data_args: list[str], extra: list[str]) -> dict[str, Run]:
-    def args(name: str, ckpt: Path, *more: str) -> list[str]:
+class _Drill(dict[str, Run]):
+    """The drill's runs by name, each launched the first time a test asks for it (a test
+    that reads only U costs one launch, not four)."""
+
+    def __init__(self, root: Path, data_args: list[str], extra: list[str]) -> None:
+        super().__init__()
+        self.root, self.data_args, self.extra = root, data_args, extra
+
+    def _args(self, name: str, ckpt: Path, *more: str) -> list[str]:
         return [
-            *data_args,
-            *extra,
-            *_telemetry(root / name),
+            *self.data_args,
+            *self.extra,
+            *_telemetry(self.root / name),
             "--save",
             str(ckpt),
             "--load",
@@ -100,23 +108,37 @@ def _drill(root: Path, data_args: list[str], extra: list[str]) -> dict[str, Run]
             *more,
         ]
 
-    runs = {"U": ok(launch(root / "U", args("U", root / "U" / "ckpt"), nproc=2))}
-    runs["K"] = launch(root / "K", args("K", root / "K" / "ckpt"), nproc=2, kill_at_checkpoint=10)
-    shutil.copytree(root / "K" / "ckpt", root / "S" / "ckpt")
-    runs["R"] = ok(launch(root / "R", args("R", root / "K" / "ckpt"), nproc=2))
-    skip = ["--iterations-to-skip", *map(str, SKIPPED)]
-    runs["S"] = ok(launch(root / "S", args("S", root / "S" / "ckpt", *skip), nproc=2))
-    return runs
+    def __missing__(self, name: str) -> Run:
+        root = self.root
+        if name == "U":
+            run = ok(launch(root / "U", self._args("U", root / "U" / "ckpt"), nproc=2))
+        elif name == "K":
+            run = launch(
+                root / "K", self._args("K", root / "K" / "ckpt"), nproc=2, kill_at_checkpoint=10
+            )
+            # S resumes a copy of K's checkpoints as K left them (R resumes K's own).
+            shutil.copytree(root / "K" / "ckpt", root / "S" / "ckpt")
+        elif name == "R":
+            self["K"]
+            run = ok(launch(root / "R", self._args("R", root / "K" / "ckpt"), nproc=2))
+        elif name == "S":
+            self["K"]
+            skip = ["--iterations-to-skip", *map(str, SKIPPED)]
+            run = ok(launch(root / "S", self._args("S", root / "S" / "ckpt", *skip), nproc=2))
+        else:
+            raise KeyError(name)
+        self[name] = run
+        return run
 
 
 @pytest.fixture(scope="session")
 def drill_ddp(tmp_path_factory, data_args) -> dict[str, Run]:
-    return _drill(tmp_path_factory.mktemp("drill-ddp"), data_args, [])
+    return _Drill(tmp_path_factory.mktemp("drill-ddp"), data_args, [])
 
 
 @pytest.fixture(scope="session")
 def drill_distopt(tmp_path_factory, data_args) -> dict[str, Run]:
-    return _drill(
+    return _Drill(
         tmp_path_factory.mktemp("drill-distopt"), data_args, ["--use-distributed-optimizer"]
     )
 
@@ -151,5 +173,13 @@ def distopt_rollback(drill_distopt, tmp_path_factory, data_args) -> Run:
 
 
 @pytest.fixture(scope="session")
-def matrix(tmp_path_factory, data_args) -> Matrix:
-    return Matrix(tmp_path_factory.mktemp("layouts"), data_args)
+def matrix(request: pytest.FixtureRequest, tmp_path_factory, data_args) -> Matrix:
+    """Only the bases of the layouts this session runs (a compatibility tier runs two)."""
+    names = {
+        item.callspec.params["name"]
+        for item in request.session.items
+        if "name" in getattr(getattr(item, "callspec", None), "params", {})
+        and item.path.name == "test_layouts.py"
+    }
+    models = {BY_NAME[name].model for name in names if name in BY_NAME}
+    return Matrix(tmp_path_factory.mktemp("layouts"), data_args, models)

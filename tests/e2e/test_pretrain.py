@@ -89,6 +89,9 @@ def test_data_parallel_2_ranks_read_the_sampler_slices(drill: dict[str, Run]) ->
     _assert_clean_shims(drill["U"], 2)
 
 
+# The distributed optimizer's kill -9 resume and skips are proven by the layout matrix
+# (dp2-pp2-distopt-tied, bit-exact) and tests/faults; here DDP alone.
+@pytest.mark.parametrize("drill", ["ddp"], indirect=True)
 def test_kill_9_then_resume_replays_exactly(drill: dict[str, Run]) -> None:
     assert drill["K"].returncode != 0, "the crash drill must really kill the job"
     uninterrupted, killed, resumed = (drill[k].records() for k in "UKR")
@@ -99,6 +102,7 @@ def test_kill_9_then_resume_replays_exactly(drill: dict[str, Run]) -> None:
         assert before + resumed[dp_rank] == uninterrupted[dp_rank]
 
 
+@pytest.mark.parametrize("drill", ["ddp"], indirect=True)
 def test_resume_with_skipped_iterations_drops_exactly_those_batches(
     drill: dict[str, Run],
 ) -> None:

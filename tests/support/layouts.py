@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,9 +275,11 @@ def model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
 class Matrix:
     """Launches of the matrix, made on first use and kept for the session."""
 
-    def __init__(self, root: Path, data_args: list[str]) -> None:
+    def __init__(self, root: Path, data_args: list[str], models: Iterable[str] = MODELS) -> None:
+        """``models``: the bases the session's tests need (launched together at first use)."""
         self.root = root
         self.data_args = data_args
+        self.models = [m for m in MODELS if m in set(models)]
         self._runs: dict[str, Any] = {}
 
     def _once(self, key: str, make: Callable[[], T]) -> T:
@@ -286,20 +288,27 @@ class Matrix:
         return self._runs[key]
 
     def bases(self) -> dict[str, Run]:
-        """The single-rank bases, launched together (one rank each, on two cores)."""
+        """The single-rank bases of ``models``, launched together (one rank each, on two
+        cores)."""
 
         def run(model: str) -> Run:
             work = self.root / f"base-{model}"
             return launch(work, base_args(work, self.data_args), model=MODELS[model])
 
         def make() -> dict[str, Run]:
-            with ThreadPoolExecutor(len(MODELS)) as pool:
-                return dict(zip(MODELS, pool.map(run, MODELS)))
+            with ThreadPoolExecutor(max(1, len(self.models))) as pool:
+                return dict(zip(self.models, pool.map(run, self.models)))
 
         return self._once("bases", make)
 
     def base(self, layout: Layout) -> Run:
-        run = self.bases()[layout.model]
+        bases = self.bases()
+        if layout.model not in bases:  # a test outside the session's selection asked
+            work = self.root / f"base-{layout.model}"
+            bases[layout.model] = launch(
+                work, base_args(work, self.data_args), model=MODELS[layout.model]
+            )
+        run = bases[layout.model]
         assert run.returncode == 0, run.log[-4000:]
         return run
 

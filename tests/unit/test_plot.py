@@ -19,7 +19,8 @@ from megatron_ext.files import incident_stem
 from megatron_ext.io import JsonlAppender, atomic_write_json
 from megatron_ext.plot import PANELS, build_series, main, render
 from megatron_ext.records.ledger import config_record, read_ledger
-from megatron_ext.records.signals import SignalRecord, SignalsWriter
+from megatron_ext.records.signals import SignalRecord
+from megatron_ext.records.signals_writer import SignalsWriter
 from megatron_ext.records.spike_config import SpikeConfig
 
 CONFIG = SpikeConfig(window=10, warmup=10, patience=5)

@@ -13,8 +13,9 @@ import pytest
 from megatron_ext import plot_stream
 from megatron_ext.plot import build_series, render
 from megatron_ext.records.ledger import Ledger
-from megatron_ext.records.signals import SignalRecord, SignalsWriter
+from megatron_ext.records.signals import SignalRecord
 from megatron_ext.records.signals_seek import SignalsLog
+from megatron_ext.records.signals_writer import SignalsWriter
 from megatron_ext.records.spike_config import SpikeConfig
 
 CONFIG = SpikeConfig(window=20, warmup=20, patience=5)

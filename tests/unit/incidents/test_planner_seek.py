@@ -17,7 +17,8 @@ from megatron_ext.incidents import cli, planner
 from megatron_ext.incidents.planner import PlanConfig, complete_checkpoints, make_plan
 from megatron_ext.incidents.report import build_report
 from megatron_ext.io import JsonlAppender, json_safe, read_jsonl
-from megatron_ext.records.signals import SignalsWriter, read_signals
+from megatron_ext.records.signals import read_signals
+from megatron_ext.records.signals_writer import SignalsWriter
 from tests.support.spike_curves import events, records
 
 STUCK_AT = 0.9  # the spike's place in the run, as a fraction of its length

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from megatron.training.datasets.data_samplers import (
 
 from megatron_ext import cli as megatron_ext_cli
 from megatron_ext.io import token_sha1
-from megatron_ext.lookup import cli, flagspec
+from megatron_ext.lookup import cli, flagspec, inverse
 from megatron_ext.lookup.caches import open_train_index
 from megatron_ext.lookup.errors import CacheMissing, DataChanged
 from megatron_ext.lookup.indices import DataSpec
@@ -181,6 +182,71 @@ def test_tokens_equal_megatron_dataset_for_the_samplers_ids(tmp_path: Path, case
                 )
                 == brute
             )
+
+
+def _resident(paths: list[str]) -> int:
+    """Bytes of these files' mappings resident in this process (a touched page stays)."""
+    total, current = 0, None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 6 and "-" in fields[0]:  # a mapping's header: ... inode path
+            current = fields[5]
+        elif fields[:1] == ["Rss:"] and current in paths:
+            total += int(fields[1]) << 10
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="needs Linux /proc")
+def test_the_inverse_lookup_holds_a_few_chunks_whatever_the_index_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #24's target, < 1 GiB at 50 M documents (whose document index alone is ~2.8 GB):
+    each pass holds a few chunks of the cache it scans, never the whole file, neither
+    allocated nor as mapped pages left resident. Here each scanned cache is ~100 chunks.
+    (The sample index is only bisected: a few pages per read of the document.)"""
+    rng = np.random.default_rng(11)
+    prefixes = [
+        _write_prefix(
+            tmp_path / f"d{p}",
+            [
+                np.append(rng.integers(1, VOCAB - 1, int(rng.integers(1, 4))), VOCAB - 1)
+                for _ in range(20_000)
+            ],
+        )
+        for p in range(2)
+    ]
+    kw = dict(
+        per_split=False,
+        split="100,0,0",
+        seed=5,
+        seq=16,
+        target=900_000,
+        cache=tmp_path / "cache",
+        extra=True,
+    )
+    _build(prefixes, [0.5, 0.5], **kw)
+    index = open_train_index(_spec(prefixes, [0.5, 0.5], **kw))
+    mid = index.mids[1]
+    assert index.blend_files is not None
+    scanned = [mid.files["document_index"], mid.files["shuffle_index"], *index.blend_files]
+    smallest = min(Path(path).stat().st_size for path in scanned)
+    chunk = 1 << 12
+    monkeypatch.setattr(inverse, "CHUNK", chunk)
+    assert smallest > 64 * chunk * 4, "every scanned cache must span many chunks"
+    find_document(index, 1, int(mid.begin))  # once first: lazy imports allocate too
+    tracemalloc.start()
+    try:
+        hits = find_document(index, 1, int(mid.end) // 2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    resident = _resident(scanned)
+    epochs = len(mid.document_index) // (mid.end - mid.begin)
+    assert len(hits.global_indices) >= epochs > 50, "read once per epoch (and found)"
+    # A few chunks, and a pass's lookup table (one byte per value in its targets' range, at
+    # most a quarter of a 4-byte cache): reading any one cache whole would exceed this.
+    assert peak < smallest / 2, f"allocated {peak} B; the smallest scanned cache: {smallest} B"
+    assert resident < smallest / 4, f"{resident} B of the scanned caches left resident"
 
 
 # --- refusals: changed, moved, tampered or missing data --------------------------------------

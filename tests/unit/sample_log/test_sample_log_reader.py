@@ -20,6 +20,7 @@ from megatron_ext.lookup.errors import TwoWriters
 from megatron_ext.lookup.worst import ranked_samples
 from megatron_ext.records.sample_log import SampleLog, SampleRecord, read_records
 from megatron_ext.records.sample_log_reader import RankLog, latest
+from tests.support.io_counters import PROC_IO, rchar
 
 MICROBATCHES = 4
 
@@ -155,14 +156,7 @@ def test_a_run_that_is_not_sorted_is_read_line_by_line(tmp_path: Path) -> None:
     assert latest(groups)[0].sample_ids[0] // 10_000 == 7
 
 
-def _rchar() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise AssertionError("no rchar in /proc/self/io")
-
-
-@pytest.mark.skipif(not Path("/proc/self/io").is_file(), reason="needs Linux /proc/self/io")
+@pytest.mark.skipif(not PROC_IO.is_file(), reason="needs Linux /proc/self/io")
 def test_the_check_and_worst_read_only_the_asked_iteration(tmp_path: Path) -> None:
     ranks = 4
     for rank in range(ranks):
@@ -183,24 +177,24 @@ def test_the_check_and_worst_read_only_the_asked_iteration(tmp_path: Path) -> No
         for sample, digest in zip(r.sample_ids, r.token_sha1)
     ]
     check_against_log(tmp_path, answered)  # once first: lazy imports read .py files too
-    before = _rchar()
+    before = rchar()
     verdict = check_against_log(tmp_path, answered)
-    check_bytes = _rchar() - before
+    check_bytes = rchar() - before
     assert verdict.startswith(f"sample log: {ranks * MICROBATCHES} micro-batches match")
     bound = 64 << 10  # per rank file: a bisection per attempt, whatever the file's length
     assert total > 20 * ranks * bound
     assert check_bytes < ranks * bound, (check_bytes, total)
 
-    before = _rchar()
+    before = rchar()
     ranked = ranked_samples(tmp_path, 1200, dp_rank=2)
-    one_rank_bytes = _rchar() - before
+    one_rank_bytes = rchar() - before
     assert {r.dp_rank for r in ranked} == {2} and len(ranked) == 2 * MICROBATCHES
     assert one_rank_bytes < bound < one_file / 20, (one_rank_bytes, one_file)
 
-    before = _rchar()
+    before = rchar()
     ranked = ranked_samples(tmp_path, 1200)
     assert len(ranked) == ranks * 2 * MICROBATCHES
-    assert _rchar() - before < ranks * bound
+    assert rchar() - before < ranks * bound
 
 
 def test_two_writers_interleaved_in_one_file_are_found_and_refused(tmp_path: Path) -> None:

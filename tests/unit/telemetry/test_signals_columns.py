@@ -10,7 +10,11 @@ import numpy as np
 
 from megatron_ext.io import json_safe
 from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.signals_columns import COLUMNS, parse_block, replay_records
+from megatron_ext.records.signals_columns import (
+    COLUMNS,
+    parse_block,
+    replay_records,
+)
 
 ODD = [0.1, 1e-308, 5e-324, -2.2250738585072014e-308, 1.7976931348623157e308, 123456789.0]
 

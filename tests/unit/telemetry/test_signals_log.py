@@ -12,10 +12,10 @@ import torch
 
 from megatron_ext.records.signals import (
     SignalRecord,
-    SignalsWriter,
     latest_per_iteration,
     read_signals,
 )
+from megatron_ext.records.signals_writer import SignalsWriter
 from megatron_ext.telemetry.bucket_norms import (
     BucketView,
     bucket_name,

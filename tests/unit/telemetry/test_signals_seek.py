@@ -11,11 +11,18 @@ import pytest
 
 from megatron_ext.records.signals import (
     SignalRecord,
-    SignalsWriter,
     latest_per_iteration,
     read_signals,
 )
-from megatron_ext.records.signals_seek import OrderError, SignalsLog, read_window
+from megatron_ext.records.signals_seek import (
+    BLOCK,
+    OrderError,
+    SignalsLog,
+    history_before,
+    read_window,
+)
+from megatron_ext.records.signals_writer import SignalsWriter, next_attempt
+from tests.support.io_counters import PROC_IO, rchar
 from tests.support.spike_curves import records as _records
 
 
@@ -106,6 +113,25 @@ def test_a_window_reads_a_small_fraction_of_a_long_log(tmp_path: Path) -> None:
     assert [(r.attempt, r.iteration) for r in history] == [(1, i) for i in range(19_781, 19_901)]
 
 
+@pytest.mark.skipif(not PROC_IO.is_file(), reason="needs Linux /proc/self/io")
+def test_a_restart_s_start_up_reads_a_small_fraction_of_a_long_log(tmp_path: Path) -> None:
+    """The writer's attempt number and the detector's prime, what a training start-up after a
+    restart reads, come from seeking: each used to read the whole log (1 M iterations: ~550
+    MiB into GiBs of records, twice)."""
+    path = tmp_path / "signals.jsonl"
+    _write(path, _records(20_000))
+    _write(path, _records(20_100)[19_900:])  # a restart 100 iterations back
+    next_attempt(path)  # once first: lazy imports read .py files too
+    before = rchar()
+    assert next_attempt(path) == 3
+    history = history_before(path, 19_951, 120)
+    read = rchar() - before
+    expected = latest_per_iteration(_old(path, 1, 19_950))[-120:]
+    assert [r.as_json() for r in history] == [r.as_json() for r in expected]
+    # Bounded by the seek's block, whatever the log's length (a full read: all of it).
+    assert read < BLOCK < path.stat().st_size / 8, (read, path.stat().st_size)
+
+
 def test_history_is_what_the_tracker_primed_from(tmp_path: Path) -> None:
     """The tracker's prime read the latest attempt per iteration before the restart."""
     path = restarted_log(tmp_path)
@@ -126,3 +152,7 @@ def test_a_log_out_of_the_writer_s_order_falls_back_to_a_full_scan(tmp_path: Pat
         log.window(1, 30)
     with pytest.warns(UserWarning, match="reading the whole log instead"):
         assert [r.iteration for r in read_window(path, 10, 12)] == [10, 11, 12]
+    with pytest.warns(UserWarning, match="reading the whole log for its attempts"):
+        assert next_attempt(path) == 2
+    with pytest.warns(UserWarning, match="reading the whole log instead"):
+        assert [r.iteration for r in history_before(path, 13, 3)] == [10, 11, 12]

@@ -1,0 +1,50 @@
+"""The signals log's one writer, which numbers its attempt from the end of the log.
+
+Why its own module: a restart appends under the log's last attempt + 1, and a real run's log
+is hundreds of MiB (1 M iterations: ~550 MiB). Reading it whole for that number (what the
+writer did before) cost a training start-up seconds and GiBs of record objects; the seek
+(:mod:`megatron_ext.records.signals_seek`) finds every attempt's segment from the end in a
+few KiB. No Megatron imports here.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+from megatron_ext.files import SIGNALS_FILE
+from megatron_ext.gap_log import GapLog
+from megatron_ext.records.signals import SignalRecord, read_signals
+from megatron_ext.records.signals_seek import OrderError, SignalsLog
+
+
+def next_attempt(path: Path) -> int:
+    """One more than every attempt in the log at ``path`` (1 for no log).
+
+    A log out of its writer's order (two runs on one directory, files joined by hand) is
+    read whole, with a warning, so the new attempt is still above every old one."""
+    if not path.exists():
+        return 1
+    try:
+        with SignalsLog(path) as log:
+            attempts = [segment.attempt for segment in log.segments()]
+    except OrderError as exc:
+        warnings.warn(f"{exc}; reading the whole log for its attempts", stacklevel=2)
+        attempts = [record.attempt for record in read_signals(path)]
+    return max(attempts, default=0) + 1
+
+
+class SignalsWriter:
+    """Appends :class:`SignalRecord` lines to ``DIR/signals.jsonl`` under a fresh attempt."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        path = Path(directory) / SIGNALS_FILE
+        self.attempt = next_attempt(path)
+        self._out = GapLog(path, "signals log")
+        self.path = path
+
+    def write(self, record: SignalRecord) -> bool:
+        """Append one record; False when the write failed (warned, kept as a gap)."""
+        record.attempt = self.attempt
+        return self._out.append(record.as_json(), record.iteration)
