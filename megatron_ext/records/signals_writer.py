@@ -16,19 +16,27 @@ from pathlib import Path
 from megatron_ext.files import SIGNALS_FILE
 from megatron_ext.gap_log import GapLog
 from megatron_ext.records.signals import SignalRecord, read_signals
-from megatron_ext.records.signals_seek import OrderError, SignalsLog
+from megatron_ext.records.signals_seek import OrderError, SignalsLog, report
 
 
 def next_attempt(path: Path) -> int:
     """One more than every attempt in the log at ``path`` (1 for no log).
 
     A log out of its writer's order (two runs on one directory, files joined by hand) is
-    read whole, with a warning, so the new attempt is still above every old one."""
+    read whole, with a warning, so the new attempt is still above every old one. Torn or
+    foreign lines after the last record (a kill -9, a line appended by another tool) are
+    warned about by byte offset; the rest of the log is not read."""
     if not path.exists():
         return 1
     try:
         with SignalsLog(path) as log:
-            attempts = [segment.attempt for segment in log.segments()]
+            segments = log.segments()
+            if segments:  # a line appended after the last record is named, as a full read did
+                problems: list[str] = []
+                last = segments[-1]
+                log.records(last, last.last_iteration, last.last_iteration, problems)
+                report(path, problems)
+            attempts = [segment.attempt for segment in segments]
     except OrderError as exc:
         warnings.warn(f"{exc}; reading the whole log for its attempts", stacklevel=2)
         attempts = [record.attempt for record in read_signals(path)]
