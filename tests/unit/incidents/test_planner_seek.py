@@ -19,6 +19,7 @@ from megatron_ext.incidents.report import build_report
 from megatron_ext.io import JsonlAppender, json_safe, read_jsonl
 from megatron_ext.records.signals import read_signals
 from megatron_ext.records.signals_writer import SignalsWriter
+from tests.support.io_counters import rchar
 from tests.support.spike_curves import events, records
 
 STUCK_AT = 0.9  # the spike's place in the run, as a fraction of its length
@@ -73,14 +74,6 @@ def test_the_plan_is_the_full_scan_s_plan_across_a_restart(tmp_path: Path) -> No
     assert {r.attempt for r in history if r.iteration == 360} == {1, 2}
 
 
-def _rchar() -> int:
-    """Bytes this process has read through read(2) (the kernel's count, not the reader's)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise AssertionError("no rchar in /proc/self/io")
-
-
 def test_the_plan_reads_a_small_part_of_a_long_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -90,9 +83,9 @@ def test_the_plan_reads_a_small_part_of_a_long_log(
     checked = []
     complete = planner._complete
     monkeypatch.setattr(planner, "_complete", lambda d: checked.append(d.name) or complete(d))
-    before = _rchar()
+    before = rchar()
     got = _plan(signals, ckpt, "--train-iters", "30000", "--skip-batches", "300")
-    read = _rchar() - before
+    read = rchar() - before
     assert got["onset"] == 18_000 and got["rollback_to"] == 17_890  # 17_900 never finished
     # A full scan reads all of it; the seek reads the stretch, a few probes, the small files.
     assert read < size / 10, (read, size)

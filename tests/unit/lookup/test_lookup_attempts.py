@@ -79,13 +79,14 @@ def test_rolled_back_skipped_and_retrained_iterations_are_told_apart(tmp_path: P
 def test_judging_the_attempts_reads_only_the_asked_iteration(tmp_path: Path) -> None:
     """The evidence is one rank's records of the iteration: a few reads per attempt, not the
     file (a rank's log of a long run is hundreds of MB)."""
-    from tests.unit.sample_log.test_sample_log_reader import _rchar, _restarted_log
+    from tests.support.io_counters import rchar
+    from tests.unit.sample_log.test_sample_log_reader import _restarted_log
 
     path = _restarted_log(tmp_path, 0, length=3000)
     history = History((_segment(1), _segment(41)), (), None, {})
     attempts_at(history, 45, str(tmp_path), 0)  # once first: lazy imports read .py files too
-    before = _rchar()
+    before = rchar()
     found = attempts_at(history, 45, str(tmp_path), 0)
-    used = _rchar() - before
+    used = rchar() - before
     assert [a.number for a in found.at] == [1, 2] and found.answer(None).number == 2
     assert used < 64 << 10 < path.stat().st_size / 20, (used, path.stat().st_size)
