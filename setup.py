@@ -32,7 +32,7 @@ setup(
         "transformers>=4.57",  # Megatron loads the HuggingFaceTokenizer through it
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "ruff==0.17.6"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "ruff==0.17.6"],
         "gpu": ["transformer-engine[pytorch]"],
     },
     entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},

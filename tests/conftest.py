@@ -1,5 +1,5 @@
 """Shared fixtures: one tiny real corpus, tokenized once per session; the real-shaped spike
-drill; the e2e and compat markers."""
+drill; the e2e and compat markers; which tests share an xdist worker."""
 
 from __future__ import annotations
 
@@ -10,17 +10,58 @@ import pytest
 from megatron_ext.demo import prepare_tiny_dataset
 from tests.compat import SELECTED
 
-E2E = Path(__file__).resolve().parent / "e2e"
+TESTS = Path(__file__).resolve().parent
+E2E = TESTS / "e2e"
+
+# pytest.ini runs the suite on two xdist workers (``--numprocesses 2``), a test file at a time,
+# so a module-scoped launch happens once. The files of each set below also share
+# session-scoped launches (or, for Slurm, the scheduler daemons and the network namespaces:
+# one cluster at a time), so each set runs on one worker. The sets go first, longest first
+# (the layout matrix is a set of its own for that): a long unit started last would leave the
+# other worker idle.
+SHARED = {
+    "e2e/test_layouts.py": ("e2e/test_layouts.py",),  # the matrix: the longest file
+    "slurm": ("e2e/test_slurm.py", "e2e/test_multinode.py"),
+    "tp2": (  # tp2, drill_ddp, distopt_rollback (tests/e2e/conftest.py)
+        "e2e/test_pretrain.py",
+        "e2e/test_telemetry.py",
+        "e2e/test_zloss_training.py",
+    ),
+    "real-shaped": ("e2e/test_spike_drill.py", "faults/test_lookup_attempt_faults.py"),
+}
+_GROUP = {path: group for group, paths in SHARED.items() for path in paths}
+_RANK = {group: rank for rank, group in enumerate(SHARED)}
+
+
+def unit_of(path: str) -> str:
+    """The scheduling unit of a test file (its path under tests/): its set's name, or itself."""
+    return _GROUP.get(path, path)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/e2e/ is a real launch: mark it ``e2e``; the compatibility
-    tier's selection (tests/compat/) is marked ``compat``."""
+    tier's selection (tests/compat/) is marked ``compat``; the sets' tests go first."""
     for item in items:
         if E2E in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.e2e)
         if any(fragment in item.nodeid for fragment in SELECTED):
             item.add_marker(pytest.mark.compat)
+    units = [unit_of(Path(str(item.fspath)).relative_to(TESTS).as_posix()) for item in items]
+    order = sorted(range(len(items)), key=lambda i: _RANK.get(units[i], len(_RANK)))
+    items[:] = [items[i] for i in order]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist's file-at-a-time scheduling, with each set of :data:`SHARED` one unit."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedLaunches(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid.split("::", 1)[0].removeprefix("tests/"))
+
+    config.option.loadscopereorder = False  # keep the collection's order (the sets first)
+    return SharedLaunches(config, log)
 
 
 @pytest.fixture(scope="session")

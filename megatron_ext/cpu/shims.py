@@ -12,6 +12,8 @@ Rules, enforced here:
   assert which CUDA touch points the loop hit;
 - strict: every *other* public ``torch.cuda`` callable is replaced by a tripwire that records
   ``unexpected:<name>`` and raises, so a new CUDA dependency fails the suite loudly;
+- one counted shim is not a CUDA touch point but a CPU cost: ``torch.compile`` runs eagerly
+  (:func:`run_compiled_code_eagerly`);
 - loaded only by the CPU runner (:mod:`megatron_ext.cpu.run`): nothing else in the package
   imports it, so a GPU run never does (tests/unit/test_architecture.py checks this).
 """
@@ -269,11 +271,38 @@ def fix_mmap_threshold() -> bool:
     return bool(mallopt and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
+def run_compiled_code_eagerly() -> None:
+    """Make ``torch.compile`` a no-op here: what it decorates runs eagerly (counted).
+
+    Why: megatron-core decorates its fusion kernels with ``torch.compile`` (``jit_fuser``) at
+    import, and ``initialize_megatron`` then warms them up (``set_jit_fusion_options``) on
+    tensors of the run's shapes, fusion flags or not. On CPU that is an Inductor C++ build:
+    8.2 s per rank and launch on these 2-core machines (Megatron's own
+    ``startup-set-jit-fusion-options`` timer), the largest part of a tiny run's start-up, for
+    kernels the CPU flags never call after the warm-up (``--no-bias-gelu-fusion``,
+    ``--no-bias-dropout-fusion``...). The warm-up's outputs are discarded, but its dropout
+    draws from the CPU generator (the harness's ``device="cuda"`` is the CPU), and eager
+    dropout draws differently from Inductor's: a CPU run's later random numbers (the CPU
+    initialisation of the model) differ from an Inductor-warmed one's. Neither is a GPU run's,
+    whose warm-up draws from the CUDA generator. Must run before megatron-core is imported
+    (the decorators run then); idempotent."""
+    if getattr(torch.compile, "_megatron_ext_eager", False):
+        return
+
+    def eager(model: Any = None, **options: Any) -> Any:
+        _count("torch.compile(eager)")
+        return (lambda fn: fn) if model is None else model
+
+    eager._megatron_ext_eager = True  # type: ignore[attr-defined]
+    torch.compile = eager  # type: ignore[assignment]
+
+
 def install() -> None:
     """Install every shim (idempotent per process) and the exit-time counter dump."""
     if getattr(torch.cuda, "_megatron_ext_cpu_harness", False):
         return
     patching.check_version()  # refuses a megatron-core outside the supported range
+    run_compiled_code_eagerly()
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     fix_mmap_threshold()
     cuda = torch.cuda

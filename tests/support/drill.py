@@ -20,6 +20,11 @@ from tests.support.harness import launch, run_skiplist
 
 TRAIN_ITERS = 50
 BAD = (32, 36)  # garbage tokens on DP rank 1 for these iterations (inclusive)
+# The real-shaped drill's grad-norm corroboration: the detector's default. Its onset's grad
+# norm is ~1.6x its median (mis-encoded text on one rank of two moves the mean gradient
+# little), so only the one-rank excess corroborates the jump, as in a real run's diluted
+# bad batch; the other drills' sharper factor (1.5) would call it a grad-norm jump.
+REAL_SHAPED_GRAD_FACTOR = 2.0
 
 
 def drill_args(
@@ -29,6 +34,7 @@ def drill_args(
     patience: int,
     save_interval: int = 5,
     corruption: str = "garbage",
+    grad_factor: float = 1.5,
 ) -> list[str]:
     ckpt = str(work / "ckpt")
     return [
@@ -49,7 +55,7 @@ def drill_args(
         "--spike-warmup",
         "20",
         "--spike-grad-factor",
-        "1.5",
+        str(grad_factor),
         "--spike-mad-k",
         "3",
         "--spike-patience",
@@ -63,7 +69,14 @@ def drill_args(
 
 def real_shaped_drill(work: Path, data_args: list[str]) -> dict:
     """Mis-encoded documents on DP rank 1 at 32-36; plan with the report's top 4; restart."""
-    args = drill_args(data_args, work, f"{BAD[0]}-{BAD[1]}:1", patience=3, corruption="mis-encoded")
+    args = drill_args(
+        data_args,
+        work,
+        f"{BAD[0]}-{BAD[1]}:1",
+        patience=3,
+        corruption="mis-encoded",
+        grad_factor=REAL_SHAPED_GRAD_FACTOR,
+    )
     first = launch(work, args, nproc=2)
     logs = (work / "samples").glob(SAMPLE_LOG_GLOB)
     trained = {int(p.stem.removeprefix("samples-dp")): list(read_records(p)) for p in logs}

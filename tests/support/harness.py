@@ -100,6 +100,7 @@ EXPECTED_SHIMS = {
     "synchronize",
     "Module.cuda",
     "initialize_megatron(allow_no_cuda)",
+    "torch.compile(eager)",
 }
 
 # Exactly the shims the world-size-1 run (test_pretrain.py) fires, per megatron-core minor:
@@ -114,7 +115,6 @@ _WS1_SHIMS_0_19 = {
     "device=cuda",
     "device_count",
     "empty_cache",
-    "get_device_properties",
     "get_rng_state",
     "initialize_megatron(allow_no_cuda)",
     "manual_seed",
@@ -127,6 +127,7 @@ _WS1_SHIMS_0_19 = {
     "set_device",
     "stream",
     "synchronize",
+    "torch.compile(eager)",
 }
 # 0.17/0.18's classic get_model moves the built model with Module.cuda(); 0.19's builder
 # does not (the overlay's own model provider on 0.17/0.18 returns it to Megatron's get_model).
