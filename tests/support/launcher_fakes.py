@@ -59,8 +59,8 @@ kill -TERM "$(cat "$FAKE_DIR/train.pid")"
 
 # Fake training: records argv, then exits with the next code of $FAKE_CODES
 # (FAKE_CODE_RANK_<RANK> wins under torchrun; FAKE_KILL_RANK_<RANK> set: SIGKILLs itself,
-# as the out-of-memory killer would), or waits for SIGTERM and exits 0 like Megatron's
-# --exit-signal-handler after saving.
+# as the out-of-memory killer would, and the other ranks exit after it), or waits for
+# SIGTERM and exits 0 like Megatron's --exit-signal-handler after saving.
 FAKE_PYTHON = r"""#!/bin/bash
 d=$FAKE_DIR
 n=$(( $(cat "$d/count" 2>/dev/null || echo 0) + 1 ))
@@ -73,7 +73,16 @@ code=${codes[$((n - 1))]:-0}
 v=FAKE_CODE_RANK_${RANK:-none}
 code=${!v:-$code}
 k=FAKE_KILL_RANK_${RANK:-none}
-[[ -z ${!k:-} ]] || kill -KILL $$
+if [[ -n ${!k:-} ]]; then
+    touch "$d/killed"
+    kill -KILL $$
+fi
+if [[ -n ${FAKE_KILL_RANK_0:-}${FAKE_KILL_RANK_1:-} ]]; then
+    # A peer of a killed rank fails only after the kill, as a real one would (it loses its
+    # partner): never first, which would make torchrun stop the other rank before its kill.
+    for _ in $(seq 400); do [[ -e $d/killed ]] && break; sleep 0.05; done
+    rm -f "$d/killed"
+fi
 if [[ -n ${FAKE_WAIT_FOR_TERM:-} ]]; then
     trap 'echo TERM >>"$d/signals"; sleep "${FAKE_SAVE_SECONDS:-0}"
           touch "$d/saved.${RANK:-0}"; exit 0' TERM
