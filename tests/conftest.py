@@ -41,12 +41,14 @@ def unit_of(path: str) -> str:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/e2e/ is a real launch: mark it ``e2e``; the compatibility
     tier's selection (tests/compat/) is marked ``compat``; the sets' tests go first."""
+    units = []
     for item in items:
-        if E2E in Path(str(item.fspath)).parents:
+        path = Path(str(item.fspath))
+        if E2E in path.parents:
             item.add_marker(pytest.mark.e2e)
         if any(fragment in item.nodeid for fragment in SELECTED):
             item.add_marker(pytest.mark.compat)
-    units = [unit_of(Path(str(item.fspath)).relative_to(TESTS).as_posix()) for item in items]
+        units.append(unit_of(path.relative_to(TESTS).as_posix()))
     order = sorted(range(len(items)), key=lambda i: _RANK.get(units[i], len(_RANK)))
     items[:] = [items[i] for i in order]
 
