@@ -3,7 +3,7 @@
 import runpy
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 # The supported range is declared once, in megatron_ext/versions.py (standard library only):
 # read as a file, so that building never imports the package or Megatron.
@@ -21,6 +21,16 @@ setup(
     # Megatron's training flags as data, generated from its parser (the lookup's fast path).
     package_data={"megatron_ext.lookup": ["megatron_flags/*.json"]},
     py_modules=["pretrain_gpt_ext"],
+    # The signals log's C scanner (`megatron-ext plot` at millions of iterations). Optional:
+    # without a C compiler the install goes on, and the numpy path gives the same values.
+    ext_modules=[
+        Extension(
+            "megatron_ext.records._scan",
+            ["megatron_ext/records/_scan.c"],
+            extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE"],
+            optional=True,
+        )
+    ],
     install_requires=[
         VERSIONS["REQUIREMENT"],
         "torch>=2.6",
