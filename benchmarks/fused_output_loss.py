@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 COEFF = 1e-4
+SCALE = 0.5  # the schedule's gradient per token (loss scale / micro-batches / tokens)
 TOKENS = (4096, 2)  # (sequence, micro-batch)
 CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.process_time, "wall": time.perf_counter}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -107,17 +108,41 @@ def _methods(group: dist.ProcessGroup, chunk: int | None) -> dict[str, Callable[
             hidden, weight, labels, mask, z_loss_coeff=COEFF, tp_group=group, chunk_tokens=chunk
         )
 
-    return {"unfused": unfused, "fused": fused}
+    def ddp(hidden, weight, labels, mask):  # the weight gradient straight into main_grad
+        return fused_output_loss(
+            hidden,
+            weight,
+            labels,
+            mask,
+            z_loss_coeff=COEFF,
+            tp_group=group,
+            chunk_tokens=chunk,
+            accumulate_into_main_grad=weight.requires_grad,
+            grad_scale=torch.tensor(SCALE, device=hidden.device),
+            dummy_wgrad=False,
+        )
+
+    return {"unfused": unfused, "fused": fused, "ddp": ddp}
 
 
-def _step(method: Callable[..., Any], inputs: tuple[torch.Tensor, ...], train: bool) -> Any:
+def _step(
+    method: Callable[..., Any],
+    inputs: tuple[torch.Tensor, ...],
+    train: bool,
+    main_grad: torch.Tensor | None = None,
+) -> Any:
+    """Forward and (``train``) backward of Megatron's loss; with ``main_grad``, the weight is
+    given it as Megatron DDP gives every parameter (the weight gradient is read from it)."""
     hidden, weight, labels, mask = inputs
     h, w = hidden.detach().requires_grad_(train), weight.detach().requires_grad_(train)
+    if main_grad is not None:
+        main_grad.zero_()
+        w.main_grad, w.grad_added_to_main_grad = main_grad, False
     with torch.set_grad_enabled(train):
         terms = method(h, w, labels, mask)
         if train:
-            (torch.sum(terms.loss.view(-1) * mask.view(-1)) * 0.5).backward()
-    return terms.loss.detach(), h.grad, w.grad
+            (torch.sum(terms.loss.view(-1) * mask.view(-1)) * SCALE).backward()
+    return terms.loss.detach(), h.grad, w.grad if main_grad is None else main_grad
 
 
 def _inputs(hidden_size: int, vocab: int, dtype: torch.dtype, device: str) -> tuple:
@@ -138,6 +163,15 @@ def _inputs(hidden_size: int, vocab: int, dtype: torch.dtype, device: str) -> tu
     )
 
 
+def _main_grad(inputs: tuple[torch.Tensor, ...], name: str) -> torch.Tensor | None:
+    """The fp32 main_grad Megatron DDP gives the weight (``ddp`` only; bf16 runs accumulate
+    in fp32, as Megatron's --bf16 default does)."""
+    weight = inputs[1]
+    if name != "ddp":
+        return None
+    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+
+
 def bench(hidden_size: int, vocab: int, dtype: torch.dtype, timed: bool, args: Any) -> None:
     """One cell: peaks (meta device) and, if ``timed``, CPU times and a value check."""
     methods = _methods(dist.group.WORLD, args.chunk_tokens)
@@ -145,24 +179,29 @@ def bench(hidden_size: int, vocab: int, dtype: torch.dtype, timed: bool, args: A
     peaks, above = {}, {}
     for name, (method, train) in runs.items():
         inputs = _inputs(hidden_size, vocab, dtype, "meta")
-        with PeakBytes(inputs) as tracker:
-            _, *grads = _step(method, inputs, train)
+        main_grad = _main_grad(inputs, name)
+        with PeakBytes((*inputs, *([] if main_grad is None else [main_grad]))) as tracker:
+            _, grad_hidden, grad_weight = _step(method, inputs, train, main_grad)
         peaks[name] = tracker.peak
-        # What is left once the two gradients every path must return are set aside.
+        # What is left once the two gradients every path must return are set aside (under
+        # DDP the weight's is in main_grad, a buffer that exists before the step).
+        returned = [grad_hidden] + ([grad_weight] if main_grad is None else [])
         above[name] = tracker.peak - sum(
-            g.untyped_storage().nbytes() for g in grads if g is not None
+            g.untyped_storage().nbytes() for g in returned if g is not None
         )
     times: dict[str, list[float]] = {name: [] for name in runs}
     if timed:
         inputs, clock, results = _inputs(hidden_size, vocab, dtype, "cpu"), CLOCKS[args.clock], {}
         for _ in range(args.reps):  # interleaved: machine noise hits every method alike
             for name, (method, train) in runs.items():
+                main_grad = _main_grad(inputs, name)
                 start = clock()
-                results[name] = _step(method, inputs, train)
+                results[name] = _step(method, inputs, train, main_grad)
                 times[name].append(clock() - start)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        for a, b in zip(results["fused"], results["unfused"], strict=True):  # same numbers
-            torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.abs().max())
+        for name in ("fused", "ddp"):  # the same numbers as the unfused path
+            for a, b in zip(results[name], results["unfused"], strict=True):
+                torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.abs().max())
     seq, batch = TOKENS
     print(
         f"\n[{seq}x{batch} tokens, hidden {hidden_size}, V/TP {vocab}, {dtype}, c={COEFF}, "

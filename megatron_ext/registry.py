@@ -398,6 +398,29 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "modes.",
     ),
     Assumption(
+        name="schedule-loss-scaling",
+        verified_on=ALL,
+        target="megatron.core.pipeline_parallel.schedules:forward_step_calc_loss",
+        signature="(model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data, "
+        "num_microbatches, forward_data_store, cp_group_size=None, is_last_stage=None)",
+        used_by="megatron_ext.zloss.adapter",
+        reason="--fused-output-loss adds the weight gradient to main_grad in the forward, "
+        "scaled by the gradient the schedule will send: a 3-tuple loss is divided by its "
+        "token count and the micro-batch count (unless calculate_per_token_loss), then "
+        "backward_step multiplies it by grad_scale_func's loss scale. The fused backward "
+        "checks every step that the gradient it receives is that scale times the mask.",
+    ),
+    Assumption(
+        name="ddp-grad-added-mark",
+        verified_on=ALL,
+        target="megatron.core.distributed.distributed_data_parallel:DistributedDataParallel",
+        assigned=("grad_added_to_main_grad",),
+        used_by="megatron_ext.zloss.adapter",
+        reason="The fused output loss writes the weight gradient into main_grad as Megatron's "
+        "fused linear does: it sets grad_added_to_main_grad (which DDP resets each step and "
+        "its hook reads) and returns a dummy .grad, zeros where zero_out_wgrad is set.",
+    ),
+    Assumption(
         name="ckpt-results-queue",
         verified_on=ALL,
         target="megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",

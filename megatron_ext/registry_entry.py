@@ -185,6 +185,7 @@ IMPORTS: tuple[Assumption, ...] = (
     _imports(f"{_CORE}.enums", ("ModelType",)),
     _imports(f"{_CORE}.inference", ("utils",)),
     _imports(f"{_CORE}.models.gpt", ("gpt_layer_specs",)),
+    _imports(f"{_CORE}.num_microbatches_calculator", ("get_num_microbatches",)),
     _imports(f"{_CORE}.models.gpt.gpt_model", ("GPTModel",)),
     _imports(f"{_CORE}.optimizer", ("ParamKey", "ParamWithNamePredicate", "distrib_optimizer")),
     _imports(f"{_CORE}.optimizer.optimizer", ("ChainedOptimizer",)),

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from megatron.core.inference import utils as inference_utils
+from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from megatron_ext.features import LM_LOSS_PER_TOKEN, Feature, FeatureError, LossInputs
@@ -47,6 +48,7 @@ class ZLossFeature(Feature):
     def __init__(self) -> None:
         self.coeff = 0.0
         self.chunk_tokens: int | None = None  # --fused-output-loss-chunk-tokens (None: auto)
+        self.dummy_wgrad = True  # as Megatron's fused linear, unless installed without overlap
         # (training loss returned, per-token CE, per-token log²Z) of the calls since the last
         # loss function; MTP heads' calls come first, the main head's last.
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -101,6 +103,9 @@ class ZLossFeature(Feature):
         self.coeff = float(args.z_loss_coeff)
         self.chunk_tokens = args.fused_output_loss_chunk_tokens or None
         self.fused = bool(args.fused_output_loss)
+        # DDP marks a parameter ready for its bucket's all-reduce in its .grad hook, so with
+        # overlapped reduction the weight needs a (dummy) .grad even when main_grad has it.
+        self.dummy_wgrad = bool(getattr(args, "overlap_grad_reduce", False))
 
     def needs_patch(self, name: str) -> bool:
         """``zloss-output-layer`` with a coefficient (the MTP heads' loss, and the main
@@ -213,8 +218,11 @@ def with_z_loss(
 # Gradients reach the weight as the output layer's own linear function delivers them: the
 # input gradient all-reduced over TP (or, with sequence parallelism, the hidden states are
 # gathered with Megatron's ``gather_from_sequence_parallel_region`` whose backward
-# reduce-scatters), the weight gradient as ``.grad`` for Megatron DDP's hook to add to
-# ``main_grad`` (or into ``main_grad`` directly with gradient-accumulation fusion).
+# reduce-scatters). Under Megatron DDP the weight gradient goes into ``main_grad`` during the
+# forward, chunk by chunk, scaled by what the schedule will send (:func:`schedule_grad_scale`),
+# with the dummy ``.grad`` and ``grad_added_to_main_grad`` mark of Megatron's fused linear; so
+# no weight-sized gradient buffer waits for the backward (at V/tp 32k, hidden 4096, fp32:
+# 512 MiB). Without DDP (a bare module) it is returned as ``.grad``.
 
 
 def fused_output_processor(
@@ -247,6 +255,7 @@ def fused_output_processor(
         )
     if loss_mask is None:
         loss_mask = torch.ones_like(labels, dtype=torch.float32)
+    under_ddp = hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad")
     terms = fused_output_loss(
         hidden_states,
         weight,
@@ -257,7 +266,9 @@ def fused_output_processor(
         chunk_tokens=feature.chunk_tokens,
         logit_scale=config.mup_output_mult if config.use_mup else 1.0,
         reduce_grad_input=not output_layer.sequence_parallel,
-        accumulate_into_main_grad=output_layer.gradient_accumulation_fusion,
+        accumulate_into_main_grad=output_layer.gradient_accumulation_fusion or under_ddp,
+        grad_scale=schedule_grad_scale(config, loss_mask) if under_ddp else None,
+        dummy_wgrad=feature.dummy_wgrad,
     )
     loss = terms.loss.transpose(0, 1).contiguous()
     if feature.coeff != 0.0:
@@ -265,6 +276,23 @@ def fused_output_processor(
             (loss, terms.cross_entropy.transpose(0, 1), terms.z_loss.transpose(0, 1))
         )
     return loss
+
+
+def schedule_grad_scale(config: Any, loss_mask: torch.Tensor) -> torch.Tensor:
+    """The gradient Megatron's schedule will send each token's loss, per unit of its mask:
+    the entry point's loss function returns ``(Σ loss · mask, token count, report)``, and
+    megatron-core's ``forward_step_calc_loss`` divides that sum by the token count (at least 1)
+    and by the micro-batch count unless ``calculate_per_token_loss``; ``backward_step`` then
+    multiplies it by ``grad_scale_func``'s loss scale (registry assumption
+    ``schedule-loss-scaling``). The same operations in the same order, so the same float; the
+    fused backward checks the gradient it receives against it."""
+    scale = torch.ones((), device=loss_mask.device)
+    if config.grad_scale_func is not None:
+        scale = config.grad_scale_func(scale).reshape(())
+    if not config.calculate_per_token_loss:
+        tokens = torch.clamp(loss_mask.sum().to(torch.int), min=1)
+        scale = scale / get_num_microbatches() / tokens
+    return scale
 
 
 def _inference_mode_active() -> bool:

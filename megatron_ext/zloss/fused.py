@@ -19,9 +19,14 @@ only the loss is computed: one matmul.
 
 Gradients are returned as Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``
 delivers them: the input gradient all-reduced over the TP group (or left to the caller's
-sequence-parallel reduce-scatter), the weight gradient as ``.grad`` (Megatron DDP's hook adds
+sequence-parallel reduce-scatter); the weight gradient as ``.grad`` (Megatron DDP's hook adds
 it to ``main_grad``) or, with gradient-accumulation fusion, added to ``weight.main_grad``
-directly with ``grad_added_to_main_grad`` set. This module imports no Megatron.
+directly with ``grad_added_to_main_grad`` set. When the caller also knows the scalar ``s`` in
+forward (``grad_scale``: under Megatron DDP it is the schedule's loss scale / micro-batches /
+tokens), the weight gradient goes into ``main_grad`` chunk by chunk during the forward, so no
+weight-sized buffer (an fp32 ``V/tp × h``: 512 MiB at 32k × 4096) waits for the backward; the
+backward then checks that ``s`` was right, and a wrong one fails loudly, since ``main_grad``
+already holds the update. This module imports no Megatron.
 """
 
 from __future__ import annotations
@@ -92,6 +97,26 @@ def _chunk_terms(
     return work, local, outside, sum_exp, log_z, cross_entropy, z_loss, loss
 
 
+# Rows of the vocabulary per weight-gradient product when it is not accumulated in place
+# (bf16 products added to an fp32 buffer): the product's transient stays ~1/8 of the weight.
+PRODUCT_SLICES = 8
+
+
+def _add_weight_gradient(
+    grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor
+) -> None:
+    """``grad_weight += grad_logitsᵀ · hidden``: in place where the dtypes agree (one addmm),
+    else a vocabulary slice at a time (a bf16 product into an fp32 accumulator), so that no
+    weight-sized product is ever allocated."""
+    if grad_weight.dtype == grad_logits.dtype == hidden.dtype:
+        grad_weight.addmm_(grad_logits.t(), hidden)
+        return
+    rows = -(-grad_weight.size(0) // PRODUCT_SLICES)
+    for first in range(0, grad_weight.size(0), rows):
+        last = min(grad_weight.size(0), first + rows)
+        grad_weight[first:last].add_(torch.matmul(grad_logits[:, first:last].t(), hidden))
+
+
 class _FusedOutputLoss(torch.autograd.Function):
     """Forward: per-chunk loss and (when grads are needed) both gradients, unscaled.
     Backward: scale them by the incoming per-token gradient's scalar."""
@@ -115,9 +140,19 @@ class _FusedOutputLoss(torch.autograd.Function):
             torch.empty(tokens, dtype=torch.float32, device=hidden.device) for _ in range(3)
         )
         grads = options["needs_grad"]
+        # Megatron's scale known in forward: the weight gradient goes to main_grad chunk by
+        # chunk, and no weight-sized buffer waits for the backward.
+        into_main_grad = grads and options["grad_scale"] is not None
         if grads:
             grad_hidden = torch.empty_like(hidden)
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            grad_weight = (
+                weight.main_grad
+                if into_main_grad
+                else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            )
+            per_token = token_weights * scale  # the logit multiplier is in every logit's grad
+            if into_main_grad:
+                per_token = per_token * options["grad_scale"]
         for start in range(0, tokens, chunk):
             end = min(tokens, start + chunk)
             h = hidden[start:end]
@@ -129,21 +164,23 @@ class _FusedOutputLoss(torch.autograd.Function):
                 del work  # before the next chunk's logits exist: one chunk buffer at a time
                 continue
             # dloss/dlogits = softmax·(1 + 2c·log Z) - onehot, weighted per token (the mask).
-            denominator = sum_exp if coeff == 0.0 else sum_exp / (1.0 + 2.0 * coeff * log_z)
-            work.div_(denominator.unsqueeze(-1))
+            factor = 1.0 if coeff == 0.0 else 1.0 + 2.0 * coeff * log_z
+            weights = per_token[start:end]
+            work.mul_((weights * factor / sum_exp).unsqueeze(-1))  # one pass: softmax, weighted
             rows = torch.arange(end - start, device=work.device)
-            work[rows, local] -= (~outside).float()
-            work.mul_((token_weights[start:end] * scale).unsqueeze(-1))
+            work[rows, local] -= torch.where(outside, 0.0, weights)
             grad_logits = work.to(hidden.dtype) if hidden.dtype != torch.float32 else work
             del work
             torch.matmul(grad_logits, weight, out=grad_hidden[start:end])
-            if h.dtype == torch.float32:
-                grad_weight.addmm_(grad_logits.t(), h)
-            else:  # a chunk's bf16/fp16 product, accumulated over chunks in fp32
-                grad_weight.add_(torch.matmul(grad_logits.t(), h))
+            _add_weight_gradient(grad_weight, grad_logits, h)
             del grad_logits
         if grads:
-            ctx.save_for_backward(grad_hidden, grad_weight, token_weights)
+            # The backward checks the incoming gradient against the scale used here (given) or
+            # applies it (read there); only the deferred weight gradient is kept for it.
+            expected = options["grad_scale"] if into_main_grad else None
+            ctx.save_for_backward(
+                grad_hidden, token_weights, expected, None if into_main_grad else grad_weight
+            )
             ctx.weight = weight
             ctx.options = options
         ctx.mark_non_differentiable(cross_entropy, z_loss)
@@ -153,38 +190,77 @@ class _FusedOutputLoss(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: Any, grad_loss: torch.Tensor, *_: Any
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
-        grad_hidden, grad_weight, token_weights = ctx.saved_tensors
+        grad_hidden, token_weights, given, grad_weight = ctx.saved_tensors
         options, weight = ctx.options, ctx.weight
-        # g = s·w: s is read at the heaviest-weighted token (0 when every weight is 0).
         grad_loss = grad_loss.reshape(-1)
-        heaviest = torch.argmax(token_weights.abs()).view(1)  # index_select: no host sync
-        weight_there = token_weights.index_select(0, heaviest)
-        scale = torch.where(
-            weight_there != 0, grad_loss.index_select(0, heaviest) / weight_there, 0.0
-        )
+        if given is None:  # g = s·w: s read at the heaviest-weighted token (0: all weights 0)
+            heaviest = torch.argmax(token_weights.abs()).view(1)  # index_select: no host sync
+            weight_there = token_weights.index_select(0, heaviest)
+            scale = torch.where(
+                weight_there != 0, grad_loss.index_select(0, heaviest) / weight_there, 0.0
+            )
+        else:  # the scale the forward already applied
+            scale = given.reshape(1)
         expected = token_weights * scale
         if grad_loss.device.type != "meta":  # meta: shapes only (the benchmark's bytes)
             torch._assert_async(
                 torch.all((grad_loss - expected).abs() <= 1e-6 * expected.abs()),
-                "--fused-output-loss: the incoming gradient of the per-token loss is not the loss "
-                "mask times one scalar, which the fused output layer requires (Megatron's loss "
-                "sums loss * mask); use the plain output layer for this loss.",
+                _MISMATCH if given is None else _MISPREDICTED,
             )
-        grad_hidden.mul_(scale.to(grad_hidden.dtype))
         group = options["tp_group"]
+        if given is None:
+            grad_hidden.mul_(scale.to(grad_hidden.dtype))
         if options["reduce_grad_input"] and group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(grad_hidden, group=group)
+        if given is not None:  # the weight gradient is in main_grad already
+            return (
+                grad_hidden,
+                _added_to_main_grad(weight, options["dummy_wgrad"]),
+                None,
+                None,
+                None,
+            )
         grad_weight.mul_(scale)
         if options["accumulate_into_main_grad"]:
             # Megatron's gradient-accumulation fusion: wgrad goes to main_grad directly.
             weight.main_grad.add_(grad_weight)
-            if hasattr(weight, "grad_added_to_main_grad"):
-                weight.grad_added_to_main_grad = True
-                dummy = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-                wgrad = dummy(weight.shape, dtype=weight.dtype, device=weight.device)
-                return grad_hidden, wgrad, None, None, None
-            return grad_hidden, None, None, None, None
+            return (
+                grad_hidden,
+                _added_to_main_grad(weight, options["dummy_wgrad"]),
+                None,
+                None,
+                None,
+            )
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
+_MISMATCH = (
+    "--fused-output-loss: the incoming gradient of the per-token loss is not the loss mask "
+    "times one scalar, which the fused output layer requires (Megatron's loss sums loss * "
+    "mask); use the plain output layer for this loss."
+)
+_MISPREDICTED = (
+    "--fused-output-loss: the incoming gradient of the per-token loss is not the loss mask "
+    "times the scale the forward expected (Megatron's loss scale / (micro-batches x tokens)), "
+    "and the weight gradient was already added to main_grad with that scale; megatron-core's "
+    "schedule scales the loss differently from what the overlay verified (see `megatron-ext "
+    "patches`, assumption schedule-loss-scaling)."
+)
+
+
+def _added_to_main_grad(weight: torch.Tensor, dummy: bool) -> torch.Tensor | None:
+    """What the weight's gradient slot gets once its gradient is in ``main_grad``. Under
+    Megatron DDP: the ``grad_added_to_main_grad`` mark (DDP's hook then adds nothing twice)
+    and, where DDP's hook must run to mark the weight ready for an overlapped all-reduce, a
+    dummy .grad, as Megatron's fused linear returns (a weight-sized transient). No dummy for a
+    weight shared with an embedding on this stage (``zero_out_wgrad``): the embedding's own
+    gradient runs the hook, which adds it to main_grad."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    if not dummy or getattr(weight, "zero_out_wgrad", False):
+        return None
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 def fused_output_loss(
@@ -199,6 +275,8 @@ def fused_output_loss(
     logit_scale: float = 1.0,
     reduce_grad_input: bool = True,
     accumulate_into_main_grad: bool = False,
+    grad_scale: torch.Tensor | None = None,
+    dummy_wgrad: bool = True,
 ) -> OutputLossTerms:
     r"""Per-token ``CE + c·log²Z`` of ``logits = logit_scale · hidden · weightᵀ``, chunked.
 
@@ -218,6 +296,13 @@ def fused_output_loss(
             ``ColumnParallelLinear`` does without sequence parallelism).
         accumulate_into_main_grad: add the weight gradient to ``weight.main_grad`` instead of
             returning it (Megatron's gradient-accumulation fusion).
+        grad_scale: with ``accumulate_into_main_grad``, the scalar ``s`` the backward will
+            send (``g = s · token_weights``), known in forward: the weight gradient is then
+            added to ``main_grad`` chunk by chunk in the forward, and no weight-sized buffer is
+            held until the backward, which checks that ``g`` is what was expected.
+        dummy_wgrad: once the weight gradient is in ``main_grad``, still return a dummy
+            ``.grad`` (Megatron DDP's hook marks the weight ready for an overlapped all-reduce
+            only when it gets one: ``--overlap-grad-reduce``).
 
     Returns:
         :class:`OutputLossTerms`, each float32 and shaped like ``labels``.
@@ -240,6 +325,12 @@ def fused_output_loss(
         "needs_grad": torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
         "reduce_grad_input": reduce_grad_input,
         "accumulate_into_main_grad": accumulate_into_main_grad,
+        "dummy_wgrad": dummy_wgrad,
+        "grad_scale": (
+            grad_scale.reshape(()).float()
+            if grad_scale is not None and accumulate_into_main_grad
+            else None
+        ),
     }
     terms = _FusedOutputLoss.apply(
         flat_hidden,

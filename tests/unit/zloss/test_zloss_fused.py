@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from megatron_ext.features import FeatureError, LossInputs, MicroBatch
 from megatron_ext.registry import patch
@@ -159,10 +161,124 @@ def test_gradient_accumulation_fusion_adds_to_main_grad() -> None:
     assert w.grad_added_to_main_grad
 
 
+class _Allocations(TorchDispatchMode):
+    """The largest new storage any op creates under this mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {  # views and in-place results are not new storages
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        for tensor in tree_flatten(out)[0]:
+            new = isinstance(tensor, torch.Tensor) and (
+                tensor.untyped_storage().data_ptr() not in given
+            )
+            if new:
+                self.largest = max(self.largest, tensor.untyped_storage().nbytes())
+        return out
+
+
+def _under_ddp(weight: torch.Tensor, main_grad_dtype: torch.dtype) -> torch.Tensor:
+    """A weight as Megatron DDP leaves it: main_grad (holding an earlier micro-batch's) and the
+    mark DDP resets each step."""
+    w = weight.clone().requires_grad_()
+    w.main_grad = torch.full(w.shape, 0.5, dtype=main_grad_dtype)
+    w.grad_added_to_main_grad = False
+    return w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_known_scale_puts_the_weight_gradient_in_main_grad_during_the_forward(dtype) -> None:
+    """Under Megatron DDP: main_grad gets the weight gradient in the forward, scaled by what
+    the backward then sends; nothing weight-sized is allocated; no dummy .grad unless asked."""
+    hidden, weight, labels, mask, scale = _problem()
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    expected = _fused(hidden, weight, labels, mask, scale, 1e-4)
+    w = _under_ddp(weight, torch.float32)
+    h = hidden.clone().requires_grad_()
+    with _Allocations() as allocations:
+        loss = fused_output_loss(
+            h,
+            w,
+            labels.T,
+            mask.T,
+            z_loss_coeff=1e-4,
+            chunk_tokens=5,
+            accumulate_into_main_grad=True,
+            grad_scale=scale,
+            dummy_wgrad=False,
+        ).loss.T
+    in_forward = w.main_grad.clone()
+    with allocations:
+        (torch.sum(loss.reshape(-1) * mask.view(-1)) * scale).backward()
+    assert allocations.largest < w.numel() * 2  # below one bf16 weight: no weight-sized buffer
+    rtol = FP32_RTOL if dtype == torch.float32 else BF16_RTOL
+    gradient = expected[3].float()
+    atol = rtol * gradient.abs().max().item()
+    torch.testing.assert_close(in_forward, gradient + 0.5, rtol=rtol, atol=atol)
+    torch.testing.assert_close(w.main_grad, in_forward, rtol=0, atol=0)
+    torch.testing.assert_close(h.grad.float(), expected[2].float(), rtol=rtol, atol=atol)
+    assert w.grad_added_to_main_grad and w.grad is None
+
+
+def test_with_overlapped_reduction_the_weight_gets_a_dummy_grad_unless_an_embedding_sends_one():
+    hidden, weight, labels, mask, scale = _problem()
+    for shared, dummy in ((False, True), (True, False)):
+        w = _under_ddp(weight, torch.float32)
+        if shared:
+            w.zero_out_wgrad = True
+        loss = fused_output_loss(
+            hidden, w, labels.T, mask.T, accumulate_into_main_grad=True, grad_scale=scale
+        ).loss.T
+        (torch.sum(loss.reshape(-1) * mask.view(-1)) * scale).backward()
+        assert (w.grad is not None) == dummy and w.grad_added_to_main_grad
+
+
+def test_a_mispredicted_scale_is_refused_in_the_backward() -> None:
+    hidden, weight, labels, mask, scale = _problem()
+    w = _under_ddp(weight, torch.float32)
+    loss = fused_output_loss(
+        hidden.requires_grad_(),
+        w,
+        labels.T,
+        mask.T,
+        accumulate_into_main_grad=True,
+        grad_scale=scale * 2,
+    ).loss.T
+    with pytest.raises(RuntimeError, match="times the scale the forward expected"):
+        (torch.sum(loss.reshape(-1) * mask.view(-1)) * scale).backward()
+
+
 def test_mismatched_shapes_are_refused() -> None:
     hidden, weight, labels, mask, _ = _problem()
     with pytest.raises(ValueError, match="do not describe the same tokens"):
         fused_output_loss(hidden, weight, labels[:, 1:], mask[:, 1:])
+
+
+def _in_main_grad(hidden, weight, labels, mask, scale, coeff, group):
+    """:func:`_fused` under Megatron DDP: the weight gradient read from main_grad."""
+    h, w = hidden.clone().requires_grad_(), _under_ddp(weight, torch.float32)
+    w.main_grad.zero_()
+    terms = fused_output_loss(
+        h,
+        w,
+        labels.T.contiguous(),
+        mask.T.contiguous(),
+        z_loss_coeff=coeff,
+        tp_group=group,
+        chunk_tokens=5,
+        accumulate_into_main_grad=True,
+        grad_scale=scale,
+    )
+    loss = terms.loss.T.contiguous()
+    (torch.sum(loss.view(-1).float() * mask.view(-1)) * scale).backward()
+    return loss.detach(), terms.z_loss.T, h.grad, w.main_grad
 
 
 def _check_against_unfused(group: dist.ProcessGroup, rank: int, world: int) -> None:
@@ -179,6 +295,9 @@ def _check_against_unfused(group: dist.ProcessGroup, rank: int, world: int) -> N
                 fused = _fused(h, w, labels, mask, scale, coeff, group, chunk_tokens=5)
                 _assert_close(fused, unfused, rtol)
                 assert fused[2].dtype == fused[3].dtype == dtype
+                if not tied:  # the weight gradient put in main_grad during the forward
+                    in_main = _in_main_grad(h, w, labels, mask, scale, coeff, group)
+                    _assert_close(in_main, (*unfused[:3], unfused[3].float()), rtol)
         if dtype == torch.float32:
             fused = _fused(h, w, labels, mask, scale, 1e-4, group, chunk_tokens=5)
             _assert_close(fused, expected, FP32_RTOL)
