@@ -8,7 +8,11 @@ inputs (``torch.cuda.max_memory_allocated``):
 - ``megatron CE``: ``ColumnParallelLinear`` + ``vocab_parallel_cross_entropy`` (plain path);
 - ``megatron fused CE``: the same layer + ``fused_vocab_parallel_cross_entropy``
   (``--cross-entropy-loss-fusion``);
-- ``fused output loss``: :func:`megatron_ext.zloss.fused.fused_output_loss` (z-loss 1e-4).
+- ``fused output loss``: :func:`megatron_ext.zloss.fused.fused_output_loss` (z-loss 1e-4),
+  the weight gradient returned as ``.grad`` (a bare module);
+- ``fused output loss, DDP``: the same with the weight as Megatron DDP leaves it (an fp32
+  ``main_grad``, allocated before the measure as DDP's grad buffer is): the weight gradient
+  goes into ``main_grad`` during the forward, what training runs.
 
 ``--cpu`` rehearses the same code at a tiny size on CPU (gloo; wall-clock times, no peaks),
 so that the rung cannot rot between GPU loans. Prints one JSON line.
@@ -35,7 +39,9 @@ GPU_SHAPE, CPU_SHAPE = (8192, 4096, 32768), (256, 64, 1024)  # tokens, hidden, V
 COEFF, REPS = 1e-4, 8
 
 
-def _methods(group: dist.ProcessGroup, device: str) -> dict[str, Callable[..., torch.Tensor]]:
+def _methods(
+    group: dist.ProcessGroup, device: str, main_grad: torch.Tensor
+) -> dict[str, Callable[..., torch.Tensor]]:
     from megatron.core import ModelParallelConfig
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
     from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
@@ -65,7 +71,27 @@ def _methods(group: dist.ProcessGroup, device: str) -> dict[str, Callable[..., t
         "fused output loss": lambda h, w, t, m: (
             fused_output_loss(h, w, t, m, z_loss_coeff=COEFF, tp_group=group).loss
         ),
+        "fused output loss, DDP": lambda h, w, t, m: (
+            _under_ddp(fused_output_loss, w, main_grad)(
+                h, w, t, m, z_loss_coeff=COEFF, tp_group=group
+            ).loss
+        ),
     }
+
+
+def _under_ddp(fused: Callable, weight: torch.Tensor, main_grad: torch.Tensor) -> Callable:
+    """``fused`` with ``weight`` given ``main_grad`` and DDP's mark, the schedule's gradient
+    per token being 1 here (the loss is the masked sum)."""
+    main_grad.zero_()
+    weight.main_grad, weight.grad_added_to_main_grad = main_grad, False
+    one = torch.ones((), device=main_grad.device)
+
+    def call(*args, **kwargs):
+        return fused(
+            *args, **kwargs, accumulate_into_main_grad=True, grad_scale=one, dummy_wgrad=False
+        )
+
+    return call
 
 
 def _once(method: Callable, inputs: tuple[torch.Tensor, ...], cuda: bool) -> tuple[float, int]:
@@ -108,7 +134,8 @@ def main() -> None:
             torch.randint(0, vocab, (tokens,), device=device, generator=gen),
             (torch.rand(tokens, device=device, generator=gen) > 0.1).float(),
         )
-        methods = _methods(dist.new_group([0]), device)
+        main_grad = torch.zeros(vocab, hidden, device=device)  # DDP's fp32 grad buffer
+        methods = _methods(dist.new_group([0]), device, main_grad)
         for method in methods.values():  # warm-up (the fused CE compiles on first use)
             _once(method, inputs, not cpu)
         times: dict[str, list[float]] = {name: [] for name in methods}
@@ -120,7 +147,7 @@ def main() -> None:
                 peaks[name] = max(peaks.get(name, 0), peak)
         dist.destroy_process_group()
     ms = {name: statistics.median(t) for name, t in times.items()}
-    fused, plain = "fused output loss", "megatron CE"
+    fused, ddp, plain = "fused output loss", "fused output loss, DDP", "megatron CE"
     print(
         json.dumps(
             {
@@ -131,6 +158,10 @@ def main() -> None:
                 "time_vs_megatron_ce": round(ms[fused] / ms[plain], 3),
                 "time_vs_megatron_fused_ce": round(ms[fused] / ms["megatron fused CE"], 3),
                 "memory_vs_megatron_ce": round(peaks[fused] / peaks[plain], 3) if not cpu else None,
+                "ddp_time_vs_megatron_ce": round(ms[ddp] / ms[plain], 3),
+                "ddp_memory_vs_megatron_ce": (
+                    round(peaks[ddp] / peaks[plain], 3) if not cpu else None
+                ),
             }
         )
     )

@@ -212,26 +212,15 @@ class _FusedOutputLoss(torch.autograd.Function):
             grad_hidden.mul_(scale.to(grad_hidden.dtype))
         if options["reduce_grad_input"] and group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(grad_hidden, group=group)
-        if given is not None:  # the weight gradient is in main_grad already
-            return (
-                grad_hidden,
-                _added_to_main_grad(weight, options["dummy_wgrad"]),
-                None,
-                None,
-                None,
-            )
-        grad_weight.mul_(scale)
-        if options["accumulate_into_main_grad"]:
+        if given is None:
+            grad_weight.mul_(scale)
+            if not options["accumulate_into_main_grad"]:
+                return grad_hidden, grad_weight.to(weight.dtype), None, None, None
             # Megatron's gradient-accumulation fusion: wgrad goes to main_grad directly.
             weight.main_grad.add_(grad_weight)
-            return (
-                grad_hidden,
-                _added_to_main_grad(weight, options["dummy_wgrad"]),
-                None,
-                None,
-                None,
-            )
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+        # The weight gradient is in main_grad (added in the forward, or just now).
+        wgrad = _added_to_main_grad(weight, options["dummy_wgrad"])
+        return grad_hidden, wgrad, None, None, None
 
 
 _MISMATCH = (

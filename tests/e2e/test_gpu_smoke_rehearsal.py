@@ -33,6 +33,7 @@ def test_cpu_rehearsal_of_the_gpu_ladder(tmp_path: Path) -> None:
     assert rungs[2]["figures"]["iterations"] == 40 and rungs[2]["figures"]["buckets"] > 1
     assert rungs[4]["figures"]["ratio"] > 0
     assert rungs[7]["figures"]["time_vs_megatron_ce"] > 0  # the fused head ran against both CEs
+    assert rungs[7]["figures"]["ddp_time_vs_megatron_ce"] > 0  # and under DDP (main_grad)
     drill = rungs[5]["figures"]
     assert drill["incidents"] == 1 and drill["lookup_exit"] == 0
     assert drill["skip_window"][0] <= drill["onset"] <= drill["skip_window"][1]
