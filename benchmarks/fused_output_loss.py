@@ -7,12 +7,16 @@ Methods, on the same hidden states, weight shard, labels and loss mask:
   tied model does) then the overlay's CE + z-loss in training mode (what ``--z-loss-coeff``
   runs without the flag);
 - ``fused``: :func:`megatron_ext.zloss.fused.fused_output_loss` at the automatic chunk size
-  (``--chunk-tokens`` to override), what ``--fused-output-loss`` runs.
+  (``--chunk-tokens`` to override), the weight gradient returned as ``.grad`` (a bare
+  module);
+- ``ddp``: the same under Megatron DDP (the weight given an fp32 ``main_grad``, as DDP gives
+  every parameter): the weight gradient goes into ``main_grad`` during the forward, what
+  training runs;
+- ``recompute``: the other design, Cut Cross-Entropy's (a benchmark-only implementation, one
+  TP rank): the forward keeps each token's log Z, the backward recomputes the logits.
 
 Both then apply Megatron's loss (``Σ loss · mask`` times a scale) and backpropagate. ``eval``
-is the fused function under ``no_grad`` (the loss only): a recompute design (Cut
-Cross-Entropy) would add about that much to the fused time, since it redoes the forward's
-logits in backward.
+is the fused function under ``no_grad`` (the loss only).
 
 Peak memory: every storage created from the first op of the head to the end of backward
 (saved tensors and transients alike, the two returned gradients included) is tracked by a
@@ -40,6 +44,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -87,7 +92,7 @@ def _methods(group: dist.ProcessGroup, chunk: int | None) -> dict[str, Callable[
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     from megatron_ext.zloss import cross_entropy_and_z_loss
-    from megatron_ext.zloss.fused import fused_output_loss
+    from megatron_ext.zloss.fused import default_chunk_tokens, fused_output_loss
 
     def unfused(hidden, weight, labels, mask):
         config = ModelParallelConfig(use_cpu_initialization=True, params_dtype=weight.dtype)
@@ -122,7 +127,58 @@ def _methods(group: dist.ProcessGroup, chunk: int | None) -> dict[str, Callable[
             dummy_wgrad=False,
         )
 
-    return {"unfused": unfused, "fused": fused, "ddp": ddp}
+    def recompute(hidden, weight, labels, mask):  # the other design, for the comparison
+        chunk_tokens = chunk or default_chunk_tokens(weight.size(0))
+        loss = _Recompute.apply(
+            hidden.reshape(-1, hidden.size(-1)), weight, labels.view(-1), chunk_tokens
+        )
+        return SimpleNamespace(loss=loss.view(labels.shape))
+
+    return {"unfused": unfused, "fused": fused, "ddp": ddp, "recompute": recompute}
+
+
+class _Recompute(torch.autograd.Function):
+    """Cut Cross-Entropy's design (one TP rank, the benchmark's): the forward keeps each
+    token's log Z only, the backward recomputes every chunk's logits (a fourth matmul) and
+    needs no assumption on the incoming gradient. Here to be measured against the chosen
+    design, not used by training."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden, weight, labels, chunk: int):  # type: ignore[override]
+        log_z = torch.empty(hidden.size(0), device=hidden.device)
+        loss = torch.empty_like(log_z)
+        for start in range(0, hidden.size(0), chunk):
+            rows = slice(start, start + chunk)
+            logits = torch.matmul(hidden[rows], weight.t()).float()
+            log_z[rows] = torch.logsumexp(logits, dim=-1)
+            target = logits.gather(1, labels[rows].unsqueeze(-1)).squeeze(-1)
+            loss[rows] = log_z[rows] - target + COEFF * log_z[rows] ** 2
+            del logits
+        ctx.save_for_backward(hidden, weight, labels, log_z)
+        ctx.chunk = chunk
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss):  # type: ignore[override]
+        hidden, weight, labels, log_z = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, device=weight.device)
+        for start in range(0, hidden.size(0), ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            work = torch.matmul(hidden[rows], weight.t()).float()  # the recomputed logits
+            work.sub_(log_z[rows].unsqueeze(-1)).exp_()
+            work.mul_(((1 + 2 * COEFF * log_z[rows]) * grad_loss[rows]).unsqueeze(-1))
+            index = torch.arange(work.size(0), device=work.device)
+            work[index, labels[rows]] -= grad_loss[rows]
+            grad_logits = work.to(hidden.dtype)
+            del work
+            torch.matmul(grad_logits, weight, out=grad_hidden[rows])
+            if grad_logits.dtype == torch.float32:
+                grad_weight.addmm_(grad_logits.t(), hidden[rows])
+            else:
+                grad_weight.add_(torch.matmul(grad_logits.t(), hidden[rows]))
+            del grad_logits
+        return grad_hidden, grad_weight.to(weight.dtype), None, None
 
 
 def _step(
@@ -199,7 +255,7 @@ def bench(hidden_size: int, vocab: int, dtype: torch.dtype, timed: bool, args: A
                 results[name] = _step(method, inputs, train, main_grad)
                 times[name].append(clock() - start)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        for name in ("fused", "ddp"):  # the same numbers as the unfused path
+        for name in ("fused", "ddp", "recompute"):  # the same numbers as the unfused path
             for a, b in zip(results[name], results["unfused"], strict=True):
                 torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.abs().max())
     seq, batch = TOKENS
@@ -213,7 +269,7 @@ def bench(hidden_size: int, vocab: int, dtype: torch.dtype, timed: bool, args: A
         )
     )
     print(
-        f"{'method':8} {'median s':>9} {'x unfused':>9} {'peak MiB':>9} {'x unfused':>9} "
+        f"{'method':9} {'median s':>9} {'x unfused':>9} {'peak MiB':>9} {'x unfused':>9} "
         f"{'- grads MiB':>11} {'x unfused':>9}"
     )
     for name in runs:
@@ -222,7 +278,7 @@ def bench(hidden_size: int, vocab: int, dtype: torch.dtype, timed: bool, args: A
             median = statistics.median(times[name])
             timing = f"{median:9.2f} {median / statistics.median(times['unfused']):9.2f}"
         print(
-            f"{name:8} {timing} {peaks[name] / 2**20:9.1f} {peaks[name] / peaks['unfused']:9.3f} "
+            f"{name:9} {timing} {peaks[name] / 2**20:9.1f} {peaks[name] / peaks['unfused']:9.3f} "
             f"{above[name] / 2**20:11.1f} {above[name] / above['unfused']:9.3f}"
         )
 
