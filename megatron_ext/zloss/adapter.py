@@ -220,9 +220,10 @@ def with_z_loss(
 # gathered with Megatron's ``gather_from_sequence_parallel_region`` whose backward
 # reduce-scatters). Under Megatron DDP the weight gradient goes into ``main_grad`` during the
 # forward, chunk by chunk, scaled by what the schedule will send (:func:`schedule_grad_scale`),
-# with the dummy ``.grad`` and ``grad_added_to_main_grad`` mark of Megatron's fused linear; so
-# no weight-sized gradient buffer waits for the backward (at V/tp 32k, hidden 4096, fp32:
-# 512 MiB). Without DDP (a bare module) it is returned as ``.grad``.
+# with the ``grad_added_to_main_grad`` mark of Megatron's fused linear (and its dummy ``.grad``
+# only with --overlap-grad-reduce); so no weight-sized gradient buffer waits for the backward
+# (at V/tp 32k, hidden 4096, fp32: 512 MiB). Without DDP (a bare module) it is returned as
+# ``.grad``.
 
 
 def fused_output_processor(

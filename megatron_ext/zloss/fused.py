@@ -118,8 +118,10 @@ def _add_weight_gradient(
 
 
 class _FusedOutputLoss(torch.autograd.Function):
-    """Forward: per-chunk loss and (when grads are needed) both gradients, unscaled.
-    Backward: scale them by the incoming per-token gradient's scalar."""
+    """Forward: per-chunk loss and (when grads are needed) both gradients: unscaled, or, with
+    ``grad_scale``, already scaled and the weight's in ``main_grad``. Backward: check the
+    incoming per-token gradient against the scale (read from it, or the given one), and apply
+    it where the forward could not."""
 
     @staticmethod
     def forward(  # type: ignore[override]
