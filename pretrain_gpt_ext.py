@@ -92,10 +92,14 @@ def _require_cuda() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """:func:`train`; a megatron-ext refusal ends the rank with its message and exit code,
-    no traceback (:func:`megatron_ext.errors.exit_on_error`)."""
+    no traceback (:func:`megatron_ext.errors.exit_on_error`), and a failed rank ends its
+    helper processes first (:mod:`megatron_ext.process_exit`)."""
     from megatron_ext.errors import exit_on_error
+    from megatron_ext.process_exit import ending_children_on_failure
 
-    exit_on_error(lambda: train(sys.argv[1:] if argv is None else argv))
+    ending_children_on_failure(
+        lambda: exit_on_error(lambda: train(sys.argv[1:] if argv is None else argv))
+    )
 
 
 def train(argv: list[str]) -> None:
@@ -129,11 +133,38 @@ def train(argv: list[str]) -> None:
     run = registry.assumption("entry-point").selected().wrap
     broadcast = registry.assumption("batch-on-this-rank").selected().wrap
     assert run is not None and broadcast is not None, "registry entry without its runner"
-    run(
-        Wiring(
-            broadcast, registry.CLASSIC_INIT, loop.add_megatron_ext_args, loop.install, loop.attach
+    from megatron_ext import attempt_end
+
+    try:
+        run(
+            Wiring(
+                broadcast,
+                registry.CLASSIC_INIT,
+                loop.add_megatron_ext_args,
+                loop.install,
+                loop.attach,
+            )
         )
-    )
+    except SystemExit as exc:
+        if exc.code in (0, None):  # Megatron's early exits save, then sys.exit(0)
+            attempt_end.record(False, _early_exit_reason())
+        raise
+    attempt_end.record(True, "pretrain returned: the training is complete")
+
+
+def _early_exit_reason() -> str:
+    """Which of Megatron's early exits ended training (all of them save first, then exit 0)."""
+    from megatron.training import get_args, get_signal_handler
+
+    args = get_args()
+    if args.exit_signal_handler and any(get_signal_handler().signals_received()):
+        return "a stop signal (--exit-signal-handler saved and exited)"
+    flags = [
+        f"--{name.replace('_', '-')} {value}"
+        for name in ("exit_duration_in_mins", "exit_interval", "phase_transition_iterations")
+        if (value := getattr(args, name, None))
+    ]
+    return f"{' or '.join(flags) or 'an early exit'} before the last iteration"
 
 
 if __name__ == "__main__":

@@ -35,11 +35,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+sys.path.insert(0, str(REPO))  # the loadable-checkpoint helper: tests.support
+
 from megatron_ext.io import json_safe  # noqa: E402
 from megatron_ext.records.ledger import config_record  # noqa: E402
 from megatron_ext.records.signals import SignalRecord  # noqa: E402
 from megatron_ext.records.spike_config import SpikeConfig  # noqa: E402
 from megatron_ext.spikes.detector import SpikeDetector  # noqa: E402
+from tests.support.checkpoints import write_loadable_checkpoint  # noqa: E402
 
 BUCKETS = 4
 LINE = (
@@ -121,8 +124,8 @@ def write_run(root: Path, iterations: int) -> Path:
             ledger.write(json.dumps(json_safe(event), separators=(",", ":")) + "\n")
     assert any(e["kind"] == "rollback" for e in events), "the spike did not cause a rollback"
     for it in range(100, iterations - 1000, 100):
-        (ckpt / f"iter_{it:07d}").mkdir(parents=True)
-        (ckpt / f"iter_{it:07d}" / "metadata.json").write_text("{}")
+        # Loadable (hard-linked) checkpoints: the planner verifies its rollback target.
+        write_loadable_checkpoint(ckpt / f"iter_{it:07d}", link=True)
     return signals / "signals.jsonl"
 
 

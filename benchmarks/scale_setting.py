@@ -191,7 +191,13 @@ def planner_checkpoints(directory: Path, template: Path, last: int) -> int:
     """Every ``CKPT_INTERVAL``-th iteration up to ``last`` (every 100th in logs under 10 k
     iterations) as a checkpoint directory, each
     ``common.pt`` a hard link to ``template`` (the planner reads directory names, and the
-    saved args of the newest only)."""
+    saved args of the newest only) and the rest of a loadable torch_dist checkpoint linked in
+    (the planner verifies the rollback target it chooses)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.support.checkpoints import write_loadable_checkpoint
+
     interval = checkpoint_interval(last)
     count = 0
     for iteration in range(interval, last + 1, interval):
@@ -199,6 +205,7 @@ def planner_checkpoints(directory: Path, template: Path, last: int) -> int:
         target.mkdir(parents=True, exist_ok=True)
         if not (target / "common.pt").exists():
             os.link(template, target / "common.pt")
+            write_loadable_checkpoint(target, link=True)
         count += 1
     (directory / "latest_checkpointed_iteration.txt").write_text(str(last // interval * interval))
     return count

@@ -23,9 +23,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.spike_config import SpikeConfig
-from megatron_ext.spikes.detector import SpikeDetector
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the loadable-checkpoint helper: tests.support
+
+from megatron_ext.records.signals import SignalRecord  # noqa: E402
+from megatron_ext.records.spike_config import SpikeConfig  # noqa: E402
+from megatron_ext.spikes.detector import SpikeDetector  # noqa: E402
+from tests.support.checkpoints import write_loadable_checkpoint  # noqa: E402
 
 
 def _record(i: int, rng: random.Random, spike: bool = False) -> SignalRecord:
@@ -121,8 +125,8 @@ def write_log(directory: Path, iterations: int, spike_at: int) -> None:
                 ledger.write(json.dumps(event.as_json(), separators=(",", ":")) + "\n")
     ckpt = directory / "ckpt"
     for it in range(0, iterations + 1, 100):
-        (ckpt / f"iter_{it:07d}").mkdir(parents=True)
-        (ckpt / f"iter_{it:07d}" / "metadata.json").write_text("{}")
+        # Loadable (hard-linked) checkpoints: the planner verifies its rollback target.
+        write_loadable_checkpoint(ckpt / f"iter_{it:07d}", link=True)
 
 
 def main() -> int:

@@ -19,6 +19,10 @@ then falls back to Megatron's loader (slow, always right). A damaged or half-cop
 makes that loader raise torch's ``CheckpointException``, which derives from ``BaseException``
 (``except Exception`` misses it) after logging a per-rank traceback: it becomes
 :class:`CheckpointUnreadable`, naming the directory and what to do.
+
+:func:`checkpoint_problem` says whether Megatron could load a checkpoint at all, from the same
+index: a ``metadata.json`` proves only that a save got that far, not that its data files are
+still there and whole (the rollback planner must never point the tracker at one that is not).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import codecs
 import collections
 import contextlib
 import io
+import json
 import logging
 import pathlib
 import pickle
@@ -36,11 +41,18 @@ import signal
 import types
 import zipfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_ext.errors import Refusal
-from megatron_ext.files import CHECKPOINT_COMMON_FILE, DCP_METADATA_FILE
+from megatron_ext.files import (
+    CHECKPOINT_COMMON_FILE,
+    CHECKPOINT_METADATA_FILE,
+    DCP_METADATA_FILE,
+    LEGACY_MODEL_FILE,
+    LEGACY_RANK_DIR_GLOB,
+)
 
 # ShardedObject("common_state", None, (1,), (0,)).unique_key in megatron-core 0.19.2
 # (dist_checkpointing/serialization.py: load_common_state_dict); registry: checkpoint-common-state.
@@ -139,37 +151,58 @@ def _torch_archive(blob: bytes) -> Any:
         raise UnreadableState(f"not a torch.save zip archive: {exc}") from exc
 
 
-def _dcp_item(directory: Path, fqn: str) -> bytes:
-    """The raw bytes torch's FileSystemWriter stored for one byte item of a DCP checkpoint."""
+@dataclass(frozen=True)
+class _Stored:
+    """Where torch's FileSystemWriter put one item of a DCP checkpoint (a ``_StorageInfo``)."""
+
+    fqn: str
+    path: str  # relative to the checkpoint directory
+    offset: int
+    length: int
+    transforms: Any  # compression or other transforms applied on save (None/empty: none)
+
+
+def _dcp_index(directory: Path) -> list[_Stored]:
+    """Every item's location in a DCP checkpoint, from its ``.metadata`` pickle read by the
+    restricted unpickler (no torch, no code from the file)."""
     try:
         metadata = _unpickle((directory / DCP_METADATA_FILE).read_bytes())
     except OSError as exc:
         raise UnreadableState(f"no DCP metadata: {exc}") from exc
-    if not isinstance(metadata, Opaque) or not isinstance(metadata.field("storage_data"), dict):
+    storage = metadata.field("storage_data") if isinstance(metadata, Opaque) else None
+    if not isinstance(storage, dict):
         raise UnreadableState(f"{directory / DCP_METADATA_FILE} has no storage_data")
-    found = [
-        info
-        for index, info in metadata.field("storage_data").items()
-        if isinstance(index, Opaque) and index.field("fqn") == fqn and isinstance(info, Opaque)
-    ]
+    stored = []
+    for index, info in storage.items():
+        if not (isinstance(index, Opaque) and isinstance(info, Opaque)):
+            raise UnreadableState(f"a storage_data entry is {index!r}: {info!r}")
+        fqn = index.field("fqn")
+        path, offset, length = (info.field(k) for k in ("relative_path", "offset", "length"))
+        if not (isinstance(path, str) and isinstance(offset, int) and isinstance(length, int)):
+            raise UnreadableState(f"{fqn!r} has no plain file location: {info.state!r}")
+        transforms = info.field("transform_descriptors")
+        stored.append(_Stored(str(fqn), path, offset, length, transforms))
+    return stored
+
+
+def _dcp_item(directory: Path, fqn: str) -> bytes:
+    """The raw bytes torch's FileSystemWriter stored for one byte item of a DCP checkpoint."""
+    found = [item for item in _dcp_index(directory) if item.fqn == fqn]
     if len(found) != 1:
         raise UnreadableState(f"{fqn!r} is stored {len(found)} times in the DCP metadata")
-    info = found[0]
-    if info.field("transform_descriptors"):  # compressed or otherwise transformed on save
-        raise UnreadableState(
-            f"{fqn!r} was saved with transforms {info.field('transform_descriptors')}"
-        )
-    path, offset, length = (info.field(k) for k in ("relative_path", "offset", "length"))
-    if not (isinstance(path, str) and isinstance(offset, int) and isinstance(length, int)):
-        raise UnreadableState(f"{fqn!r} has no plain file location: {info.state!r}")
+    item = found[0]
+    if item.transforms:  # compressed or otherwise transformed on save
+        raise UnreadableState(f"{fqn!r} was saved with transforms {item.transforms}")
     try:
-        with open(directory / path, "rb") as handle:
-            handle.seek(offset)
-            data = handle.read(length)
+        with open(directory / item.path, "rb") as handle:
+            handle.seek(item.offset)
+            data = handle.read(item.length)
     except OSError as exc:
-        raise UnreadableState(f"cannot read {directory / path}: {exc}") from exc
-    if len(data) != length:
-        raise UnreadableState(f"{directory / path} is truncated ({len(data)} of {length} bytes)")
+        raise UnreadableState(f"cannot read {directory / item.path}: {exc}") from exc
+    if len(data) != item.length:
+        raise UnreadableState(
+            f"{directory / item.path} is truncated ({len(data)} of {item.length} bytes)"
+        )
     return data
 
 
@@ -237,3 +270,109 @@ def load_common_state(directory: str | Path) -> dict[str, Any]:
             "checkpoint?)"
         )
     return state
+
+
+def _zip_problem(path: Path, directory: Path) -> str | None:
+    """What is wrong with a ``torch.save`` archive Megatron loads (None: nothing seen).
+
+    Opening it reads the zip's central directory, which sits at the end of the file: a
+    truncated or half-written archive has none. Cheap (no member is read), unlike a
+    ``torch.load`` of gigabytes of optimizer state."""
+    name = path.relative_to(directory)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.namelist()
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except (OSError, zipfile.BadZipFile) as exc:
+        return f"{name} is not a complete zip archive ({exc})"
+    if not any(member.endswith("/data.pkl") for member in members):
+        return f"{name} is not a torch.save archive (no data.pkl)"
+    return None
+
+
+def _dcp_index_by_torch(directory: Path) -> list[_Stored]:
+    """The DCP index as torch (and so Megatron's load) reads it, a plain unpickling: for a
+    ``.metadata`` the restricted unpickler does not know (a newer torch's classes), so that a
+    layout change is never taken for damage."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(directory)).read_metadata().storage_data
+    return [
+        _Stored(index.fqn, info.relative_path, info.offset, info.length, info.transform_descriptors)
+        for index, info in storage.items()
+    ]
+
+
+def _torch_dist_problem(directory: Path) -> str | None:
+    """What keeps Megatron's ``dist_checkpointing.load`` from loading a torch_dist checkpoint:
+    ``metadata.json`` (``verify_checkpoint``), the DCP index ``.metadata``, every file it names
+    as long as the furthest byte read from it, and the common state (``common.pt`` when
+    present, as ``load_common_state_dict`` prefers it; else its item in the index)."""
+    try:
+        config = json.loads((directory / CHECKPOINT_METADATA_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        return f"{CHECKPOINT_METADATA_FILE} is unreadable ({exc})"
+    if not isinstance(config, dict) or "sharded_backend" not in config:
+        return f"{CHECKPOINT_METADATA_FILE} names no sharded_backend: {str(config)[:100]}"
+    if not (directory / DCP_METADATA_FILE).is_file():
+        return f"{DCP_METADATA_FILE} (the index of the data files) is missing"
+    try:
+        index = _dcp_index(directory)
+    except UnreadableState:
+        try:
+            index = _dcp_index_by_torch(directory)
+        except Exception as exc:  # a damaged pickle can raise almost anything
+            return f"{DCP_METADATA_FILE} is unreadable ({type(exc).__name__}: {exc})"
+    ends: dict[str, int] = {}
+    for item in index:
+        ends[item.path] = max(ends.get(item.path, 0), item.offset + item.length)
+    for name, end in sorted(ends.items()):
+        try:
+            size = (directory / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing (named in {DCP_METADATA_FILE})"
+        except OSError as exc:
+            return f"{name} is unreadable ({exc})"
+        if size < end:
+            return f"{name} is truncated: {size} bytes, read up to byte {end}"
+    if (directory / CHECKPOINT_COMMON_FILE).exists():
+        return _zip_problem(directory / CHECKPOINT_COMMON_FILE, directory)
+    if not any(item.fqn == COMMON_STATE_KEY for item in index):
+        return (
+            f"no common state: neither {CHECKPOINT_COMMON_FILE} nor {COMMON_STATE_KEY!r} in "
+            f"{DCP_METADATA_FILE}"
+        )
+    return None
+
+
+def checkpoint_problem(directory: str | Path) -> str | None:
+    """Why Megatron could not load checkpoint ``directory`` (an ``iter_NNNNNNN``), or None
+    when every file its loader reads is there and whole.
+
+    Megatron takes a directory with ``metadata.json`` for torch_dist (checked as above), any
+    other for a legacy one: every ``mp_rank_*/`` folder's ``model_optim_rng.pt``, and its other
+    ``.pt`` files (``distrib_optim.pt``), must be complete zip archives. An unfinished save
+    (``--async-save`` in flight or killed: its ``metadata.json`` is written last) is neither.
+
+    The checks read small files and stat the large ones: ``.metadata`` (kilobytes to tens of
+    megabytes) and one ``stat`` per data file; the tensors are never read, so damage inside a
+    data file that keeps its length is not seen (checking Megatron's optional SHA-256 manifest,
+    ``verify_integrity``, would read every byte).
+    """
+    directory = Path(directory)
+    if (directory / CHECKPOINT_METADATA_FILE).exists():
+        return _torch_dist_problem(directory)
+    ranks = sorted(directory.glob(LEGACY_RANK_DIR_GLOB))
+    if not ranks:
+        return (
+            f"no {CHECKPOINT_METADATA_FILE} (a save that never finished, e.g. an --async-save "
+            f"in flight or killed) and no {LEGACY_RANK_DIR_GLOB}/ folders of a legacy checkpoint"
+        )
+    for rank in ranks:
+        model = rank / LEGACY_MODEL_FILE
+        for path in (model, *sorted(p for p in rank.glob("*.pt") if p != model)):
+            problem = _zip_problem(path, directory)
+            if problem:
+                return problem
+    return None

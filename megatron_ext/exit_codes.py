@@ -24,6 +24,10 @@ RESUME_TO_DISAMBIGUATE = 16
 FAILED_ON_RESULT_VALIDATION = 17
 """Megatron's ``EXIT_CODE_FAILED_ON_RESULT_VALIDATION``: a result failed validation twice."""
 
+STOPPED_EARLY = 75
+"""The supervisor's exit when the training keeps stopping early (exit 0 before its last
+iteration) without saving progress: not complete, not a crash (75 is EX_TEMPFAIL)."""
+
 SPIKE_ROLLBACK = 42
 """The default ``--spike-exit-code``: every rank asks the supervisor for a rollback."""
 

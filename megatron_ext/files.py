@@ -27,6 +27,10 @@ CHECKPOINT_DIR = re.compile(r"^iter_(\d{7})$")
 CHECKPOINT_METADATA_FILE = "metadata.json"
 DCP_METADATA_FILE = ".metadata"
 CHECKPOINT_COMMON_FILE = "common.pt"
+# A legacy (non-dist) checkpoint: one folder per model-parallel rank, mp_rank_TT[_PPP][_EEE],
+# holding model_optim_rng.pt (and distrib_optim.pt with the distributed optimizer).
+LEGACY_RANK_DIR_GLOB = "mp_rank_*"
+LEGACY_MODEL_FILE = "model_optim_rng.pt"
 
 
 def checkpoint_dir(root: str | Path, iteration: int) -> Path:
@@ -65,6 +69,8 @@ APPLY_JOURNAL_FILE = "megatron_ext_apply_journal.json"  # a `skiplist --apply` i
 ROLLED_BACK_DIR = "rolled_back"  # rolled_back/incident-NNN/iter_NNNNNNN (nothing deleted)
 RESULT_REJECTED_TRACKER_FILE = "result_rejected_tracker.txt"
 LAUNCH_STATE_DIR = "launch_state"  # per-rank exit codes of each attempt (shared filesystem)
+ATTEMPT_END_FILE = "attempt_end.json"  # in LAUNCH_STATE_DIR: how the attempt ended (rank 0)
+UNCHARGED_REQUEUES_FILE = "uncharged_requeues"  # in LAUNCH_STATE_DIR: requeues with progress
 RUN_LOCK_FILE = "megatron_ext_run.lock"  # the one writer's lease (megatron_ext.runlock)
 
 

@@ -7,6 +7,7 @@ behaviour that plain Megatron gets wrong with the pip wheel, not features.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -88,7 +89,7 @@ def start_results_queue(method: str) -> None:
 
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context(method))
-        manager.start(initializer=ignore_stop_signals)
+        manager.start(initializer=ignore_stop_signals, initargs=(os.getpid(),))
         filesystem_async._results_queue = manager.Queue()
 
 

@@ -70,6 +70,15 @@ def check_layout(args: Any) -> None:
     norm that supports it (torch's does not; Apex's FusedLayerNorm does) and context
     parallelism needs TEDotProductAttention.
     """
+    if args.async_save and getattr(torch.cuda, "_megatron_ext_cpu_harness", False):
+        raise SystemExit(
+            "pretrain_gpt_ext.py: --async-save is refused on the CPU runner: Megatron's "
+            "persistent checkpoint worker (--use-persistent-ckpt-worker, without which Megatron "
+            "turns --async-save off) starts in a forkserver process without the runner's "
+            "CUDA stand-ins, dies at the first save, and the training waits for it forever. "
+            "Drop --async-save on CPU (saves are synchronous); on a GPU it is checked by "
+            "tools/gpu_smoke.sh's async-save rung."
+        )
     if args.transformer_impl != "local":
         return
     needs = "Install Transformer Engine and run with --transformer-impl transformer_engine"

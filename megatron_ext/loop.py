@@ -20,7 +20,8 @@ from megatron_ext.data.adapter import DataCheckFeature
 from megatron_ext.features import Feature, FeatureSet
 from megatron_ext.runlock.adapter import RunLockFeature
 from megatron_ext.sample_log.adapter import SampleLogFeature
-from megatron_ext.spikes.adapter import DrillFeature, SkipListFeature, SpikeFeature
+from megatron_ext.spikes.adapter import DrillFeature, SpikeFeature
+from megatron_ext.spikes.skip_list import SkipListFeature
 from megatron_ext.telemetry.adapter import TelemetryFeature
 from megatron_ext.weight_decay.adapter import WeightDecayFeature
 from megatron_ext.zloss.adapter import ZLossFeature

@@ -26,7 +26,9 @@ from megatron_ext.features import Feature
 from megatron_ext.patching import Assumption, Entry, HookCall, Patch, Variant
 from megatron_ext.registry_copies import COPIES
 from megatron_ext.registry_entry import CLASSIC_INIT, ENTRY_POINT, IMPORTS
-from megatron_ext.spikes.adapter import SkipListFeature, save_after_a_skipped_end
+from megatron_ext.spikes.adapter import SpikeFeature
+from megatron_ext.spikes.rerun import nonfinite_goes_to_the_detector, reproducible_result_rolls_back
+from megatron_ext.spikes.skip_list import SkipListFeature, save_after_a_skipped_end
 from megatron_ext.versions import ALL, V17, V18, V19
 from megatron_ext.weight_decay.adapter import WeightDecayFeature, with_overrides, with_param_map
 from megatron_ext.zloss.adapter import ZLossFeature, with_fused_output_loss, with_z_loss
@@ -220,6 +222,34 @@ FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed featu
                 "checkpointing_context, non_loss_data_func, inference_model=None)",
             ),
         ),
+    ),
+    Patch(
+        name="spike-rerun-verdict",
+        verified_on=ALL,
+        target="megatron.core.rerun_state_machine:RerunStateMachine.should_checkpoint_and_exit",
+        signature="(self) -> Tuple[bool, bool, int]",
+        wrap=reproducible_result_rolls_back,
+        feature=SpikeFeature,
+        reason="Under --rerun-mode validate_results a NaN/Inf that its in-place rerun "
+        "reproduces is saved and exits 16 to rerun on another GPU; resumed on the same one it "
+        "exits 16 forever (Megatron-LM #5281). With --spike-detect that verdict "
+        "(WILL_RERUN_FROM_CHECKPOINT, the same on every rank) becomes a rollback request: a "
+        "divergence in the ledger and the spike exit code, no checkpoint. A transient "
+        "(not reproduced) result still ends with Megatron's 17.",
+    ),
+    Patch(
+        name="spike-rerun-disabled",
+        verified_on=ALL,
+        target="megatron.core.rerun_state_machine:RerunStateMachine.validate_result",
+        signature="(self, result: Any, rejection_func: Callable[[Any], bool], message: str, "
+        "comparison_func: Optional[Callable[[Any, Any], float]] = None, tolerance: float = 0.0, "
+        "fatal: bool = True) -> None",
+        wrap=nonfinite_goes_to_the_detector,
+        feature=SpikeFeature,
+        reason="Under --rerun-mode disabled a NaN/Inf loss or grad norm raises on the rank "
+        "that saw it, so the detector never sees the divergence. With --spike-detect the "
+        "isnan/isinf checks let it through: the reduced loss is non-finite on every rank and "
+        "the detector rolls back after the step (no checkpoint of it is saved).",
     ),
     Patch(
         name="zloss-output-layer",

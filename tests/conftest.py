@@ -27,7 +27,11 @@ SHARED = {
         "e2e/test_telemetry.py",
         "e2e/test_zloss_training.py",
     ),
-    "real-shaped": ("e2e/test_spike_drill.py", "faults/test_lookup_attempt_faults.py"),
+    "real-shaped": (
+        "e2e/test_spike_drill.py",
+        "faults/test_lookup_attempt_faults.py",
+        "faults/test_rollback_target_faults.py",
+    ),
 }
 _GROUP = {path: group for group, paths in SHARED.items() for path in paths}
 _RANK = {group: rank for rank, group in enumerate(SHARED)}
@@ -84,8 +88,8 @@ def data_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 @pytest.fixture(scope="session")
 def real_shaped(tmp_path_factory: pytest.TempPathFactory, data_args: list[str]) -> dict:
-    """The real-shaped spike drill (tests/support/drill.py): its e2e tests and the lookup's
-    attempt faults read the same two launches."""
+    """The real-shaped spike drill (tests/support/drill.py): its e2e tests, the lookup's
+    attempt faults and the rollback-target faults read the same two launches."""
     from tests.support.drill import real_shaped_drill
 
     return real_shaped_drill(tmp_path_factory.mktemp("real-shaped"), data_args)

@@ -39,6 +39,11 @@ ESTIMATES: dict[int, tuple[int, str]] = {
         "8192 tokens x 4096 hidden x 32k V/TP bf16 head: 3 methods x 9 fwd+bwd of ~3 x 2.2 "
         "TFLOP (~10 ms each), plus torch.compile of the fused CE and ~15 s of imports",
     ),
+    8: (
+        60,
+        "two launches of the tiny model (20 and 10 steps, ~15 s start-up each) with 6 async "
+        "saves, and a check of every checkpoint's files",
+    ),
 }
 
 

@@ -229,6 +229,43 @@ def drill(ctx: Context, rung: Rung) -> None:
         rung.fail(f"lookup of the onset batch failed: {_tail(lookup)}")
 
 
+ASYNC_FLAGS = ["--async-save", "--use-persistent-ckpt-worker", "--save-interval", "5"]
+ASYNC_REFUSAL = "--async-save is refused on the CPU runner"
+
+
+def async_save(ctx: Context, rung: Rung) -> None:
+    """``--async-save`` on one GPU: train to 20 with a save every 5, resume to 30; every
+    checkpoint must be one the rollback planner would accept (complete, loadable files). The
+    CPU runner refuses the flag (its checkpoint worker cannot start there): the rehearsal
+    checks that refusal instead, and that it comes at once."""
+    from megatron_ext.checkpoint_state import checkpoint_problem
+    from megatron_ext.files import CHECKPOINT_DIR, read_checkpoint_tracker
+
+    workdir = ctx.work / "async-save"
+    first = ctx.demo(workdir, ["--fresh", "--iters", "20"], ASYNC_FLAGS, timeout=600)
+    if ctx.cpu:
+        rung.figures.update(exit=first.returncode)
+        if first.returncode == 0 or ASYNC_REFUSAL not in first.stdout + first.stderr:
+            rung.fail(f"the CPU runner did not refuse --async-save: {_tail(first)}")
+        return
+    if first.returncode:
+        return rung.fail(f"training with --async-save exited {first.returncode}: {_tail(first)}")
+    second = ctx.demo(workdir, ["--iters", "30"], ASYNC_FLAGS, timeout=600)
+    ckpt = workdir / "checkpoints"
+    saved = sorted(p for p in ckpt.iterdir() if CHECKPOINT_DIR.match(p.name))
+    problems = {p.name: why for p in saved if (why := checkpoint_problem(p))}
+    rung.figures.update(
+        resume_exit=second.returncode,
+        tracker=read_checkpoint_tracker(ckpt),
+        checkpoints=len(saved),
+        damaged=problems,
+    )
+    if second.returncode or rung.figures["tracker"] != 30:
+        rung.fail(f"the resume with --async-save ended {second.returncode}: {_tail(second)}")
+    elif problems or len(saved) < 6:
+        rung.fail(f"async checkpoints not loadable or missing: {problems}, {len(saved)} saved")
+
+
 def transformer_engine(ctx: Context, rung: Rung) -> None:
     probe = ctx.run([ctx.python, "-c", "import transformer_engine.pytorch"], timeout=120)
     if probe.returncode:

@@ -1,7 +1,7 @@
 """The GPU check as a ladder of rungs, for a bare one-GPU Hopper machine, in about 10 minutes.
 
     bash tools/gpu_smoke.sh                    # on the GPU machine, from the repository root
-    bash tools/gpu_smoke.sh --cpu-rehearsal    # rungs 2, 4, 5 and 7 through the CPU harness (CI)
+    bash tools/gpu_smoke.sh --cpu-rehearsal    # rungs 2, 4, 5, 7, 8 through the CPU harness (CI)
 
 Each rung prints one JSON line (rung, name, status pass|fail|skip, seconds, the estimate of its
 GPU time and the basis of that estimate, figures, detail); a failing rung does not stop the
@@ -20,7 +20,9 @@ any rung failed.
 5. the drill on one GPU (DP=1, bad batch on rank 0) -> plan -> apply -> restart -> lookup;
 6. Transformer Engine, only when it imports (its torch extension is source-only on PyPI);
 7. ``--fused-output-loss`` against Megatron's output layer + CE, plain and fused
-   (``tools/gpu_fused_loss.py``): peak CUDA memory and time (CPU rehearsal: a tiny size).
+   (``tools/gpu_fused_loss.py``): peak CUDA memory and time (CPU rehearsal: a tiny size);
+8. ``--async-save``: train with a save every 5 iterations, resume, every checkpoint complete
+   and loadable as the rollback planner checks it (CPU rehearsal: the CPU runner refuses it).
 
 Only the standard library is imported here: this runs before the venv exists.
 """
@@ -39,6 +41,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 from gpu_context import Context, Rung  # noqa: E402
 from gpu_rungs import (  # noqa: E402
+    async_save,
     drill,
     every_feature,
     fused_output_loss,
@@ -48,7 +51,7 @@ from gpu_rungs import (  # noqa: E402
     zloss,
 )
 
-REHEARSAL = (2, 4, 5, 7)  # what the CPU rehearsal runs (the others need CUDA or a fresh venv)
+REHEARSAL = (2, 4, 5, 7, 8)  # what the CPU rehearsal runs (the others need CUDA or a fresh venv)
 
 
 # -- rungs ----------------------------------------------------------------------------------
@@ -62,6 +65,7 @@ RUNGS: dict[int, tuple[str, Callable[[Context, Rung], None]]] = {
     5: ("drill on one GPU", drill),
     6: ("Transformer Engine", transformer_engine),
     7: ("fused output loss vs Megatron CE on CUDA", fused_output_loss),
+    8: ("async save on one GPU", async_save),
 }
 
 
@@ -72,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-rehearsal",
         action="store_true",
-        help="rungs 2, 4, 5, 7 on the tiny model through the CPU harness",
+        help="rungs 2, 4, 5, 7, 8 on the tiny model through the CPU harness",
     )
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "gpu-smoke")
     parser.add_argument(

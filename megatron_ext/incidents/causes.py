@@ -80,6 +80,12 @@ CAUSES = {
         "usually nothing; check the precision checklist (fp32 master params, fp32 grad "
         "accumulation, fp32 softmax and logits)",
     ),
+    "non-finite": (
+        "non-finite loss or grad norm (NaN/Inf), no precursor",
+        "roll back + skip (the planner's window); the same failure again after the rollback "
+        "rolls back further and widens the skip; a NaN a few iterations after every load of "
+        "one checkpoint means that checkpoint is damaged (Megatron-LM #5281)",
+    ),
     "transient": (
         "transient spike, no fingerprint matched",
         "wait within the patience window; roll back + skip if it does not recover",
@@ -372,7 +378,11 @@ def diagnose(
     if precursor and bf16.answer == "yes":
         bf16.answer, bf16.evidence = "no", bf16.evidence + "; but a precursor was found"
     steps.append(bf16)
-    cause = next((s.name for s in steps[1:] if s.answer == "yes"), "transient")
+    loss = incident.get("loss")
+    nonfinite = isinstance(loss, float) and not math.isfinite(loss)
+    cause = next(
+        (s.name for s in steps[1:] if s.answer == "yes"), "non-finite" if nonfinite else "transient"
+    )
     if cause == "bad-data" and culprit is None and source is not None:
         cause = "bad-source"
     label, action = CAUSES[cause]

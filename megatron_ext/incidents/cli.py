@@ -8,6 +8,12 @@ Megatron's ``latest_checkpointed_iteration.txt`` at the target and updates the p
 list that ``pretrain_gpt_ext.py`` reads from ``--load``, so the same launch command resumes
 with the plan.
 
+The rollback target is a checkpoint Megatron can load (its metadata, index and every data file
+it names present and long enough: :func:`megatron_ext.checkpoint_state.checkpoint_problem`,
+run on the candidates newest first until one passes). A damaged candidate is passed over,
+named with what is wrong in the plan (``passed_over``) and on the console, and moved aside with
+the newer ones; when none is loadable the plan is refused and nothing is moved.
+
 The apply is a journaled transaction (:mod:`megatron_ext.incidents.transaction`): killed at any
 point, rerunning ``--apply`` (or starting the training) finishes it and ``--undo`` reverts it;
 the tracker never names a missing checkpoint.
@@ -31,7 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext import exit_codes
-from megatron_ext.checkpoint_state import CheckpointUnreadable, load_common_state
+from megatron_ext.checkpoint_state import (
+    CheckpointUnreadable,
+    UnreadableState,
+    checkpoint_problem,
+    load_common_state,
+    read_saved_args,
+)
 from megatron_ext.files import (
     CHECKPOINT_TRACKER_FILE,
     LAST_PLAN_SKIP_FILE,
@@ -43,21 +55,23 @@ from megatron_ext.files import (
     read_checkpoint_tracker,
     rolled_back_dir,
 )
-from megatron_ext.incidents import transaction
+from megatron_ext.incidents import repeats, transaction
 from megatron_ext.incidents.planner import (
     Plan,
     PlanConfig,
     PlanError,
     check_unhandled,
-    complete_checkpoints,
+    complete_newest_first,
     incident_id,
     latest_incident,
     make_plan,
+    take_down_to,
 )
 from megatron_ext.incidents.report import DEFAULT_WORST, build_report
 from megatron_ext.io import atomic_write, atomic_write_json, read_jsonl
 from megatron_ext.records.signals_seek import read_window
-from megatron_ext.records.skip_ranges import format_ranges, read_file
+from megatron_ext.records.skip_ranges import format_windows, read_file, read_windows
+from megatron_ext.records.skip_windows import Window
 from megatron_ext.run_lock import RunLockHeld, held
 
 ONSET_LOOKBACK = 10_000  # iterations of signals read before the incident
@@ -159,6 +173,30 @@ def _earlier_skips(ckpt_dir: Path) -> list[int]:
     return read_file(persisted) if persisted.exists() else []
 
 
+def _batch_at(ckpt_dir: Path, iteration: int) -> tuple[int, int] | None:
+    """Checkpoint ``iteration``'s consumed samples and global batch (None: its args cannot be
+    read quickly; the window is then kept in iterations only, as before samples were
+    recorded)."""
+    try:
+        args = read_saved_args(checkpoint_dir(ckpt_dir, iteration))
+    except (UnreadableState, OSError):
+        return None
+    consumed, batch = getattr(args, "consumed_train_samples", None), args.global_batch_size
+    return (int(consumed), int(batch)) if consumed is not None and batch else None
+
+
+def _skip_text(plan: Plan, ckpt_dir: Path) -> str:
+    """The skip list after the plan: the persisted one (its sample windows kept) and the
+    plan's window, with the samples it stands for."""
+    persisted = ckpt_dir / SKIPPED_ITERATIONS_FILE
+    windows = read_windows(persisted) if persisted.exists() else []
+    if plan.skip_window:
+        first, last = plan.skip_window
+        samples = (plan.skip_samples[0], plan.skip_samples[1]) if plan.skip_samples else None
+        windows.append(Window(first, last, samples))
+    return format_windows(windows)
+
+
 def _number(ckpt_dir: Path, ident: str) -> int:
     """The incident's number: the one an earlier plan of the same request got, else the next."""
     incidents = incident_stem(ckpt_dir, 1).parent
@@ -178,7 +216,6 @@ def _journal(
     plan: Plan, ckpt_dir: Path, number: int, ident: str, tracker_file: Path | None
 ) -> transaction.Journal:
     aside = rolled_back_dir(ckpt_dir, number).relative_to(ckpt_dir)
-    skipped = [i for a, b in plan.skip_ranges for i in range(a, b + 1)]
     tracker = ckpt_dir / CHECKPOINT_TRACKER_FILE
     skips = ckpt_dir / SKIPPED_ITERATIONS_FILE
     return transaction.Journal(
@@ -187,7 +224,7 @@ def _journal(
         rollback_to=plan.rollback_to,
         tracker_before=tracker.read_text() if tracker.exists() else None,
         skips_before=skips.read_text() if skips.exists() else None,
-        skips_after=format_ranges(skipped),
+        skips_after=_skip_text(plan, ckpt_dir),
         moves=[
             [name, str(aside / name)]
             for name in (checkpoint_dir(ckpt_dir, i).name for i in plan.moved_checkpoints)
@@ -281,7 +318,10 @@ def _plan(args: argparse.Namespace) -> int:
         first = max(1, last - ONSET_LOOKBACK)
         floors = [min(int(incident["onset"]), first) - args.rollback_iters]
         floors += [int(r["rollback_to"]) for r in applied if r.get("incident_id") == ident]
-        checkpoints = complete_checkpoints(args.ckpt_dir, down_to=min(floors))
+        # A repeat of the last rollbacks goes to a checkpoint older than their targets.
+        floors += [int(r["rollback_to"]) - 1 for r in applied[-repeats.MAX_REPEATS - 1 :]]
+        newest_first = complete_newest_first(args.ckpt_dir)
+        checkpoints = take_down_to(newest_first, min(floors))
         done = check_unhandled(
             incident,
             applied,
@@ -312,6 +352,10 @@ def _plan(args: argparse.Namespace) -> int:
             config,
             train_iters,
             str(args.ckpt_dir),
+            lambda iteration: _batch_at(args.ckpt_dir, iteration),
+            lambda iteration: checkpoint_problem(checkpoint_dir(args.ckpt_dir, iteration)),
+            newest_first,
+            applied,
         )
     except (PlanError, ValueError, OSError, transaction.TransactionError) as exc:
         print(f"megatron-ext skiplist: error: {exc}", file=sys.stderr)
@@ -323,8 +367,7 @@ def _plan(args: argparse.Namespace) -> int:
     )
     atomic_write_json(stem.with_suffix(".json"), {**report.as_json(), "incident_id": ident})
     atomic_write(stem.with_suffix(".md"), report.markdown())
-    skipped = [i for a, b in plan.skip_ranges for i in range(a, b + 1)]
-    atomic_write(args.ckpt_dir / LAST_PLAN_SKIP_FILE, format_ranges(skipped))
+    atomic_write(args.ckpt_dir / LAST_PLAN_SKIP_FILE, _skip_text(plan, args.ckpt_dir))
     if args.apply:
         journal = _journal(plan, args.ckpt_dir, number, ident, args.tracker_file)
         try:

@@ -2,7 +2,8 @@
 
 Given the spike ledger, the signals log (all attempts), the checkpoint directory and earlier
 skip lists, a :class:`Plan` says: load checkpoint ``T_c`` (the newest complete one at least
-``rollback_iters`` before the incident's onset), skip the next ``n`` batches
+``rollback_iters`` before the incident's onset that Megatron can load: damaged ones are passed
+over, with a note, and moved aside with the newer ones), skip the next ``n`` batches
 (``T_c+1 … T_c+n``, which must reach past the incident), merged with every earlier skip, and
 restart. Under the ``confirm`` policy the first rollback replays the same data; only an
 incident that reproduces at the same onset in two attempts is treated as data-caused, skipped,
@@ -11,14 +12,17 @@ and written to Megatron's result-rejected tracker so plain Megatron skips it too
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from megatron_ext.errors import UsageError
 from megatron_ext.files import CHECKPOINT_DIR, checkpoint_dir
+from megatron_ext.incidents import repeats
 from megatron_ext.io import from_json
 from megatron_ext.records.signals import SignalRecord
 from megatron_ext.records.skip_ranges import to_ranges
@@ -27,6 +31,8 @@ from megatron_ext.records.skip_ranges import to_ranges
 ONSET_GRAD_FACTOR = 2.0
 # PaLM's 200-500 skipped batches are 10-25 time constants of Adam's v at beta2 = 0.95.
 TIME_CONSTANTS = 10
+# Damaged checkpoints a refusal names, newest first (the rest are counted).
+NAMED = 5
 
 
 def rounded(value: Any) -> Any:
@@ -70,6 +76,13 @@ class Plan:
     restart_args: list[str]
     summary: str
     tracker_lines: list[str] = field(default_factory=list)
+    # The batch the window was planned at and the consumed samples [first, last] it stands
+    # for (None: the rollback target's args could not be read): training places these samples
+    # at the global batch in force when it resumes (records.skip_ranges).
+    global_batch_size: int | None = None
+    skip_samples: list[int] | None = None
+    # Newer candidates that Megatron could not load: [{"checkpoint": N, "problem": "..."}].
+    passed_over: list[dict[str, Any]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,14 +96,14 @@ def _complete(directory: Path) -> bool:
     )
 
 
-def complete_checkpoints(ckpt_dir: Path, down_to: int | None = None) -> list[int]:
+def complete_newest_first(ckpt_dir: Path) -> Iterator[int]:
     """Iterations with a complete checkpoint directory (torch_dist metadata or legacy files),
-    from the newest down to the newest complete one at or before ``down_to`` (all: None).
+    newest first, each checked only when the caller gets that far.
 
-    Why the bound: a long run keeps tens of thousands of checkpoints (50 k took 3.5 s with a
-    completeness check each), and a plan needs only the newest complete one at or before its
+    Why lazily: a long run keeps tens of thousands of checkpoints (50 k took 3.5 s with a
+    completeness check each), and a plan needs only the newest usable one at or before its
     limit and every one after it. The names come from one directory read (``scandir``: no
-    stat per entry on local filesystems); only the checkpoints returned are checked.
+    stat per entry on local filesystems).
     """
     try:
         with os.scandir(ckpt_dir) as entries:
@@ -100,14 +113,60 @@ def complete_checkpoints(ckpt_dir: Path, down_to: int | None = None) -> list[int
                 if (match := CHECKPOINT_DIR.match(entry.name)) and entry.is_dir()
             )
     except (FileNotFoundError, NotADirectoryError):
-        return []
-    found = []
+        return
     for iteration in reversed(named):
         if _complete(checkpoint_dir(ckpt_dir, iteration)):
-            found.append(iteration)
-            if down_to is not None and iteration <= down_to:
-                break
+            yield iteration
+
+
+def take_down_to(newest_first: Iterator[int], down_to: int | None) -> list[int]:
+    """From ``newest_first``, every iteration down to the first one at or before ``down_to``
+    (all: None), oldest first; the iterator then goes on with the older ones."""
+    found = []
+    for iteration in newest_first:
+        found.append(iteration)
+        if down_to is not None and iteration <= down_to:
+            break
     return found[::-1]
+
+
+def complete_checkpoints(ckpt_dir: Path, down_to: int | None = None) -> list[int]:
+    """Complete checkpoints from the newest down to the newest at or before ``down_to``
+    (all: None), oldest first; only those returned are checked."""
+    return take_down_to(complete_newest_first(ckpt_dir), down_to)
+
+
+def choose_target(
+    checkpoints: list[int],
+    limit: int,
+    problem: Callable[[int], str | None] | None,
+    older: Iterable[int] = (),
+) -> tuple[int, list[dict[str, Any]]]:
+    """The newest checkpoint at or before ``limit`` that ``problem`` finds nothing wrong with
+    (none given: the newest), and the damaged ones passed over on the way, each with what is
+    wrong. ``older``: complete checkpoints older than ``checkpoints[0]``, newest first, read
+    only when every candidate in ``checkpoints`` is damaged. Each candidate is verified only
+    when it is reached, so a run of healthy checkpoints costs one verification."""
+    passed_over: list[dict[str, Any]] = []
+    listed = reversed([c for c in checkpoints if c <= limit])
+    for candidate in itertools.chain(listed, (c for c in older if c <= limit)):
+        found = problem(candidate) if problem else None
+        if found is None:
+            return candidate, passed_over
+        passed_over.append({"checkpoint": candidate, "problem": found})
+    if passed_over:
+        damaged = "; ".join(f"{p['checkpoint']}: {p['problem']}" for p in passed_over[:NAMED])
+        if len(passed_over) > NAMED:
+            damaged += f"; and {len(passed_over) - NAMED} older ones"
+        raise PlanError(
+            f"no loadable checkpoint at or before iteration {limit}: every one is damaged "
+            f"({damaged}). Nothing was changed. Restore one of them from a backup, or lower "
+            "--rollback-iters if a newer one is intact."
+        )
+    raise PlanError(
+        f"no complete checkpoint at or before iteration {limit}; available: "
+        f"{checkpoints or 'none'}. Lower --rollback-iters or restore an older checkpoint."
+    )
 
 
 def _checked(event: dict[str, Any]) -> dict[str, Any]:
@@ -244,26 +303,37 @@ def make_plan(
     config: PlanConfig,
     train_iters: int | None,
     ckpt_dir: str,
+    batch_at: Callable[[int], tuple[int, int] | None] | None = None,
+    problem: Callable[[int], str | None] | None = None,
+    older: Iterable[int] = (),
+    applied: list[dict[str, Any]] | None = None,
 ) -> Plan:
-    """Decide the rollback target and skip window for the newest incident."""
+    """Decide the rollback target and skip window for the newest incident. ``batch_at(c)``
+    gives checkpoint c's consumed samples and global batch, so the window is also recorded in
+    samples (what stays bad when the batch size changes). ``problem(c)`` says why Megatron
+    could not load checkpoint c (None: it can), ``older`` goes on past ``checkpoints`` (see
+    :func:`choose_target`); damaged candidates are moved aside with the newer ones, so that
+    nothing newer than the target stays where the run would find it. ``applied``: the
+    rollbacks applied so far; one this incident repeats goes further (:mod:`.repeats`)."""
     incident = latest_incident(ledger)
     onset = find_onset(incident, signals)
-    limit = onset - config.rollback_iters
-    candidates = [c for c in checkpoints if c <= limit]
-    if not candidates:
-        raise PlanError(
-            f"no complete checkpoint at or before iteration {limit} (onset {onset} - "
-            f"rollback {config.rollback_iters}); available: {checkpoints or 'none'}. Lower "
-            "--rollback-iters or restore an older checkpoint."
-        )
-    target = candidates[-1]
-    moved = [c for c in checkpoints if c > target]
     replay = config.policy == "confirm" and not reproduced(incident, ledger)
+    chain = [] if replay else repeats.repeated(incident, applied or [], config.batches())
+    if (refusal := repeats.refuse_if_exhausted(chain, onset)) is not None:
+        raise PlanError(refusal)
+    limit = repeats.limit(chain, onset - config.rollback_iters)
+    try:
+        target, passed_over = choose_target(checkpoints, limit, problem, older)
+    except PlanError as exc:
+        raise PlanError(
+            f"{exc} (limit {limit} = onset {onset} - --rollback-iters {config.rollback_iters})"
+        ) from None
+    moved = sorted({c for c in checkpoints if c > target} | {p["checkpoint"] for p in passed_over})
     skips = set(earlier_skips)
     window = None
     if not replay:
         n = config.batches()
-        window = [target + 1, target + n]
+        window = [target + 1, repeats.window_end(chain, target, int(incident["iteration"]), n)]
         if window[1] < int(incident["iteration"]):
             raise PlanError(
                 f"skip window {window[0]}-{window[1]} does not reach the incident at iteration "
@@ -275,6 +345,8 @@ def make_plan(
                 f"{train_iters}: use fewer --skip-batches"
             )
         skips |= set(range(window[0], window[1] + 1))
+    at = batch_at(target) if window and batch_at else None
+    samples = [at[0], at[0] + (window[1] - window[0] + 1) * at[1] - 1] if window and at else None
     ranges = [list(r) for r in to_ranges(sorted(skips))]
     action = "rollback-and-replay" if replay else "rollback-and-skip"
     skip_text = ", ".join(f"{a}-{b}" for a, b in ranges) or "none"
@@ -289,12 +361,18 @@ def make_plan(
         + f"loss {rounded(incident.get('loss'))} vs baseline "
         f"{rounded(incident.get('loss_baseline'))}). "
         f"Roll back to checkpoint {target}"
+        + "".join(
+            f" (passed over checkpoint {p['checkpoint']}, which cannot be loaded: {p['problem']})"
+            for p in passed_over
+        )
         + (
             f", skip iterations {window[0]}-{window[1]}"
+            + (f" (samples {samples[0]}-{samples[1]} at global batch {at[1]})" if at else "")
             if window
             else ", replay the same data to confirm (confirm policy, first occurrence)"
         )
         + f"; all skipped iterations: {skip_text}."
+        + repeats.note(chain)
     )
     return Plan(
         incident=incident,
@@ -311,6 +389,9 @@ def make_plan(
             *(f"{a}-{b}" if a != b else str(a) for a, b in ranges),
         ],
         summary=summary,
+        global_batch_size=at[1] if at else None,
+        skip_samples=samples,
+        passed_over=passed_over,
         tracker_lines=[]
         if replay or config.policy != "confirm"
         else tracker_lines(incident, ledger),

@@ -18,6 +18,7 @@ Best effort for the lookup: a failed lookup is reported in its place, it never b
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -37,6 +38,15 @@ DEFAULT_WORST = 8  # samples listed (skiplist --worst), and suggested with --no-
 def _num(value: Any) -> str:
     """A signal for a table: 6 significant digits (the log keeps every digit)."""
     return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def _nonfinite(incident: dict[str, Any]) -> str:
+    """The title's note when the incident's loss was not a number (a NaN or Inf loss is the
+    first thing an on-call engineer needs to read)."""
+    loss = incident.get("loss")
+    if isinstance(loss, float) and not math.isfinite(loss):
+        return f" (loss {loss}: non-finite at iteration {incident['iteration']})"
+    return ""
 
 
 @dataclass
@@ -72,7 +82,7 @@ class Report:
         return "\n".join(
             [
                 f"# Incident {self.number:03d}: {incident['kind']} at iteration "
-                f"{incident['iteration']}\n",
+                f"{incident['iteration']}{_nonfinite(incident)}\n",
                 f"{plan.summary}\n",
                 f"- action: **{plan.action}**",
                 f"- onset: {plan.onset}",

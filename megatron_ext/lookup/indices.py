@@ -13,6 +13,10 @@ a re-preprocessing the caches still "work" and silently point at other documents
 
 - each description's md5 equals the hash in the file names, and a blend's member descriptions
   are exactly the ones embedded in the blend's description;
+- per dataset, :func:`~megatron_ext.records.pair.check_pair`, as training start-up runs it: the
+  ``.idx`` is a consistent index of its ``.bin`` (one chunked pass: a flipped pointer reads
+  other tokens while every count below still agrees) and the pair is the one its fingerprint
+  records;
 - O(1) per dataset: the ``.bin`` size matches the ``.idx``; the train split's document count and
   token count (from the ``.idx`` pointers) give exactly the cached number of epochs,
   document-index entries and samples;

@@ -20,6 +20,9 @@ from typing import Any
 from tqdm import tqdm
 
 from megatron_ext.lookup.config import RunConfig, eval_sizes
+from megatron_ext.lookup.errors import DataChanged
+from megatron_ext.lookup.formats import blend_and_blend_per_split
+from megatron_ext.records.pair import PairError, check_pair
 
 
 class _Progress(logging.Handler):
@@ -71,8 +74,22 @@ def process_group() -> Iterator[None]:
             dist.destroy_process_group()
 
 
+def _check_data(args: Any) -> None:
+    """Every pair the builder will read passes the check training start-up runs: on a
+    truncated ``.idx`` the builder dies in a numpy traceback, and on an edited one it builds
+    caches that the lookup would then answer from."""
+    blend, per_split = blend_and_blend_per_split(args)
+    for found in (blend, *(per_split or ())):
+        for prefix in found[0] if found else ():
+            try:
+                check_pair(prefix)
+            except PairError as exc:
+                raise DataChanged(f"{exc}; no cache was rebuilt") from None
+
+
 def rebuild_caches(config: RunConfig, phase: int, cache_dir: str | None) -> None:
     """Build (or load, where present) every index cache of the run's datasets for ``phase``."""
+    _check_data(config.args)
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )

@@ -7,10 +7,7 @@
   vetoes the save), so the last healthy checkpoint stays the rollback target. On a rollback
   decision every rank exits with ``--spike-exit-code`` (default 42), which the launchers'
   supervisor turns into: plan (``megatron-ext skiplist``) -> apply -> restart.
-- :class:`SkipListFeature` (``--iterations-to-skip-file``, ranges in
-  ``--iterations-to-skip``): ``pretrain_gpt_ext.py`` parses them with argparse before Megatron
-  does and hands Megatron the union of every source (flags, files, the list persisted in
-  ``--load``); the applied union is persisted next to the checkpoints.
+- the skip lists: :mod:`megatron_ext.spikes.skip_list`.
 - :class:`DrillFeature` (``--drill-corrupt-batch``, ``--drill-corruption``): a reproducible bad
   batch on one DP rank (garbage tokens, or real documents mis-encoded).
 """
@@ -18,10 +15,10 @@
 from __future__ import annotations
 
 import argparse
-import inspect
+import math
 import signal
 import sys
-from collections.abc import Callable
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +34,14 @@ from megatron_ext.features import (
     is_writing_rank,
     writing_rank,
 )
-from megatron_ext.files import SIGNALS_FILE, SKIPPED_ITERATIONS_FILE, SPIKE_LEDGER_FILE
+from megatron_ext.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.gap_log import GapLog
-from megatron_ext.io import atomic_write
 from megatron_ext.records.ledger import config_record
+from megatron_ext.records.signals import SignalRecord
 from megatron_ext.records.signals_seek import history_before
-from megatron_ext.records.skip_ranges import format_ranges
 from megatron_ext.records.sources import member_names, train_blend
 from megatron_ext.records.spike_config import add_detector_args, config_from_args
-from megatron_ext.spikes.detector import SpikeDetector, primed
+from megatron_ext.spikes.detector import SpikeDetector, SpikeEvent, primed
 from megatron_ext.spikes.drill import (
     CORRUPTIONS,
     CorruptionSpec,
@@ -74,6 +70,8 @@ class SpikeFeature(Feature):
         self.decision = "healthy"
         self.primed = False
         self.recorded = False  # this attempt's config line is in the ledger
+        self.last_signals: SignalRecord | None = None  # the writer's last observed step
+        self.nonfinite_reported: set[int] = set()
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -160,20 +158,8 @@ class SpikeFeature(Feature):
                         ),
                         record.iteration,
                     )
-                for event in self.detector.observe(signals):
-                    self.ledger.append(event.as_json(), event.iteration)
-                    print(
-                        f"megatron-ext spike detector: {event.kind} at iteration "
-                        f"{event.iteration} (onset {event.onset}, culprit DP rank "
-                        f"{event.culprit_dp_rank}"
-                        + (
-                            f", culprit source {event.culprit_source}"
-                            if event.culprit_source
-                            else ""
-                        )
-                        + f"): {event.classification}",
-                        flush=True,
-                    )
+                self.last_signals = signals
+                self._record(self.detector.observe(signals))
             code = _DECISIONS.index(self.detector.state)
         decision = torch.tensor(
             [code], dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu"
@@ -181,20 +167,74 @@ class SpikeFeature(Feature):
         dist.broadcast(decision, src=writing_rank(dist.get_world_size()))
         self.decision = _DECISIONS[int(decision.item())]
         if self.decision == "rollback":
-            if _is_writer():
-                print(
-                    f"megatron-ext: rollback requested at iteration {record.iteration}; "
-                    f"exiting with code {self.args.spike_exit_code} without saving a "
-                    "checkpoint",
-                    flush=True,
+            sys.exit(self._rolling_back(record.iteration))
+
+    def _record(self, events: list[SpikeEvent]) -> None:
+        """Append the detector's events to the ledger and say each on the console."""
+        assert self.ledger is not None
+        for event in events:
+            self.ledger.append(event.as_json(), event.iteration)
+            source = f", culprit source {event.culprit_source}" if event.culprit_source else ""
+            print(
+                f"megatron-ext spike detector: {event.kind} at iteration {event.iteration} "
+                f"(onset {event.onset}, culprit DP rank {event.culprit_dp_rank}{source}): "
+                f"{event.classification}",
+                flush=True,
+            )
+
+    def _rolling_back(self, iteration: int) -> int:
+        """Every rank: stop for a rollback; returns the exit code to end with."""
+        self.decision = "rollback"
+        if _is_writer():
+            print(
+                f"megatron-ext: rollback requested at iteration {iteration}; exiting with code "
+                f"{self.args.spike_exit_code} without saving a checkpoint",
+                flush=True,
+            )
+        # Every rank exits with the spike code, but the first to go ends its node's torchrun,
+        # whose peers then SIGTERM their workers: one still tearing down would report 143 and
+        # its node would not say "rollback". From here a TERM changes nothing (no checkpoint
+        # is saved), so it is ignored; torchrun's SIGKILL still bounds a teardown that hangs.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return self.args.spike_exit_code
+
+    def rerun_reproduced(self, iteration: int, culprits: list[int]) -> int:
+        """Megatron's in-place rerun reproduced a rejected result (NaN/Inf) at ``iteration``
+        on the DP ranks ``culprits`` (:mod:`megatron_ext.spikes.rerun`): a divergence,
+        recorded as the detector records one; every rank returns the exit code to end with."""
+        last = self.last_signals
+        if self.detector is not None and last is not None:
+            nan_step = SignalRecord(
+                iteration=iteration,
+                attempt=last.attempt,
+                job_id=last.job_id,
+                wall_time=time.time(),
+                consumed_samples=last.consumed_samples + self.args.global_batch_size,
+                skipped_samples=last.skipped_samples,
+                lm_loss=math.nan,
+                max_loss_dp_rank=culprits[0] if culprits else None,
+                nan_iter=True,
+            )
+            events = self.detector.observe(nan_step)
+            for event in events:
+                event.classification += (
+                    f" on DP rank(s) {', '.join(map(str, culprits)) or '?'}, reproduced by "
+                    "Megatron's in-place rerun (--rerun-mode validate_results): not a "
+                    "transient fault"
                 )
-            # Every rank exits with the spike code, but the first to go ends its node's
-            # torchrun, whose peers then SIGTERM their workers: one still tearing down would
-            # report 143 and its node would not say "rollback". From here a TERM changes
-            # nothing (no checkpoint is saved), so it is ignored; torchrun's SIGKILL still
-            # bounds a teardown that hangs.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            sys.exit(self.args.spike_exit_code)
+            self._record(events)
+        return self._rolling_back(iteration)
+
+    def nonfinite_seen(self, iteration: int, message: str) -> None:
+        """``--rerun-mode disabled`` would raise on this rank; say once per iteration that the
+        detector takes it (:mod:`megatron_ext.spikes.rerun`)."""
+        if iteration not in self.nonfinite_reported:
+            self.nonfinite_reported.add(iteration)
+            print(
+                f"megatron-ext: {message} at iteration {iteration} on rank {dist.get_rank()}; "
+                "--rerun-mode disabled: left to the spike detector, which rolls back",
+                flush=True,
+            )
 
     def on_checkpoint(self, iteration: int) -> bool:
         if self.decision == "healthy":
@@ -208,86 +248,10 @@ class SpikeFeature(Feature):
         return False
 
 
-class SkipListFeature(Feature):
-    """Skip lists from files and ranges; the applied list is kept with the checkpoints."""
-
-    name = "skip_list"
-
-    def add_args(self, group: argparse._ArgumentGroup) -> None:
-        group.add_argument(
-            "--iterations-to-skip-file",
-            type=str,
-            default=None,
-            help="File of iterations/ranges (A-B) to skip, one per line (repeatable). "
-            "Training skips the union of these files, --iterations-to-skip (which also "
-            f"takes A-B ranges here) and LOAD/{SKIPPED_ITERATIONS_FILE}, printed at "
-            f"start-up and kept in SAVE/{SKIPPED_ITERATIONS_FILE} for later restarts.",
-        )
-
-    def __init__(self) -> None:
-        self.args: Any = None
-
-    def enabled(self, args: Any) -> bool:
-        return bool(args.save and args.iterations_to_skip)
-
-    def install(self, args: Any) -> None:
-        """Rank 0 keeps the applied skip list next to the checkpoints (absolute iterations);
-        a skipped last iteration still gets its final checkpoint (the loop applies the
-        ``skip-list-final-checkpoint`` patch, bound to this feature)."""
-        self.args = args
-        if args.rank == 0:
-            atomic_write(
-                Path(args.save) / SKIPPED_ITERATIONS_FILE,
-                format_ranges(list(args.iterations_to_skip)),
-            )
-
-    def missed_final_save(self, iteration: int) -> bool:
-        """Megatron saved nothing at ``iteration``, the end of training: it was skipped (no
-        interval save) and is an interval multiple (no final save either)."""
-        interval = self.args.save_interval
-        return (
-            bool(interval)
-            and iteration % interval == 0
-            and (iteration in set(self.args.iterations_to_skip))
-        )
-
-
 def _train_members(args: Any) -> list[str]:
     from megatron.training.utils import get_blend_and_blend_per_split
 
     return member_names(train_blend(*get_blend_and_blend_per_split(args)))
-
-
-def save_after_a_skipped_end(
-    original: Callable[..., Any], feature: SkipListFeature
-) -> Callable[..., Any]:
-    """Wrap Megatron's ``train`` (registry ``skip-list-final-checkpoint``), bound to the
-    installed skip-list feature."""
-
-    def train(*args: Any, **kwargs: Any) -> Any:
-        iteration, flops = original(*args, **kwargs)
-        if feature.missed_final_save(iteration):
-            from megatron.training import training
-
-            a = inspect.signature(original).bind(*args, **kwargs).arguments
-            if dist.get_rank() == 0:
-                print(
-                    f"megatron-ext: iteration {iteration}, the last, was skipped; saving the "
-                    "final checkpoint Megatron's loop leaves out after a skip",
-                    flush=True,
-                )
-            training.save_checkpoint_and_time(
-                iteration,
-                a["model"],
-                a["optimizer"],
-                a["opt_param_scheduler"],
-                flops,
-                a["checkpointing_context"],
-                train_data_iterator=a["train_data_iterator"],
-            )
-        return iteration, flops
-
-    return train
 
 
 class DrillFeature(Feature):

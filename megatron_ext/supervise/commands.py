@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext import exit_codes
+from megatron_ext import attempt_end, exit_codes
 from megatron_ext.files import SPIKE_LEDGER_FILE
 from megatron_ext.supervise.knobs import TRAINING_ENV, Config, KnobError
 from megatron_ext.validation import check_exit_code
@@ -115,9 +115,11 @@ def train_args(config: Config, cli_args: list[str]) -> list[str]:
     ]
 
 
-def training_env(config: Config, rc_dir: Path | None) -> list[str]:
-    """``env NAME=VALUE ...``: visible in --dry-run, and what the workers get."""
+def training_env(config: Config, rc_dir: Path | None, attempt_end_file: Path) -> list[str]:
+    """``env NAME=VALUE ...``: visible in --dry-run, and what the workers get (rank 0 records
+    there how the attempt ended: :mod:`megatron_ext.attempt_end`)."""
     env = ["env", *(f"{name}={config[name]}" for name in TRAINING_ENV), "PYTHONUNBUFFERED=1"]
+    env.append(f"{attempt_end.ENV}={attempt_end_file}")
     if rc_dir is not None:
         env += [
             f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={config['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']}",

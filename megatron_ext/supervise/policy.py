@@ -7,7 +7,11 @@ out; tests exercise every row without starting anything.
 ==========  ===========================================  =====================================
 code        meaning                                      action
 ==========  ===========================================  =====================================
-0           training finished                            exit 0
+0           training finished: the training recorded     exit 0
+            that ``pretrain`` returned
+0           stopped early (--exit-duration-in-mins,      relaunch or requeue, uncharged while
+            --exit-interval, a stop signal to the        the checkpoint advanced (else
+            workers): saved, then exit 0                 MAX_RESTARTS); never "finished"
 16          EXIT_CODE_RESUME_TO_DISAMBIGUATE (Megatron)  restart from the last checkpoint:
                                                          requeue or relaunch (MAX_RESTARTS)
 17          EXIT_CODE_FAILED_ON_RESULT_VALIDATION        stop with 17, report the tracker file
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_ext import exit_codes
+from megatron_ext.attempt_end import AttemptEnd
 
 Action = Literal["finish", "restart", "rollback", "stop"]
 
@@ -50,12 +55,25 @@ class Outcome:
     ledger_confirms: bool | None = None
     # Who reported each of rank_codes ("rank 1 on n2"), for log lines; may be empty.
     workers: tuple[str, ...] = ()
+    # How the training said it ended (None: it did not say: a crash, or a script of the
+    # user's own), and the checkpoint tracker before and after the attempt.
+    ended: AttemptEnd | None = None
+    tracker: tuple[int | None, int | None] = (None, None)
+
+    def progressed(self) -> bool:
+        """Whether the attempt left a newer checkpoint than it started from."""
+        before, after = self.tracker
+        return after is not None and (before is None or after > before)
 
     def effective(self) -> int:
         """The code that matters: 17, then the spike code, then 16, then a worker killed by
         SIGKILL, then the first other non-zero code a worker exited with (not a signal death),
         else the launcher's."""
         if self.launcher_rc == 0:
+            return 0
+        if self.rank_codes and not any(self.rank_codes) and self.launcher_rc < 128:
+            # Every worker ended cleanly: torchrun's own 1 after it was signalled too (it
+            # forwards the signal, the workers save and exit 0) is not a failure.
             return 0
         for wanted in (
             exit_codes.FAILED_ON_RESULT_VALIDATION,
@@ -94,6 +112,7 @@ class Decision:
     exit_code: int  # the launcher's exit status when it stops (0 after a requeue)
     reason: str
     requeue: bool = False  # for "restart": scontrol requeue instead of relaunching here
+    charged: bool = True  # for "restart": counts against MAX_RESTARTS
 
 
 def decide(outcome: Outcome, budget: Budget) -> Decision:
@@ -108,7 +127,7 @@ def decide(outcome: Outcome, budget: Budget) -> Decision:
             "`megatron-ext skiplist --apply` and relaunch",
         )
     if code == 0:
-        return Decision("finish", 0, "training finished successfully")
+        return _after_clean_exit(outcome, budget)
     killed = outcome.killed() if code == exit_codes.KILLED else []
     if code == exit_codes.RESUME_TO_DISAMBIGUATE or killed:
         cause = (
@@ -157,6 +176,41 @@ def decide(outcome: Outcome, budget: Budget) -> Decision:
             "rollback", code, f"rollback {budget.rollbacks_done + 1}/{budget.max_rollbacks}"
         )
     return Decision("stop", code, f"training failed with exit code {code}; stopping")
+
+
+def _after_clean_exit(outcome: Outcome, budget: Budget) -> Decision:
+    """Exit 0: finished only when the training said ``pretrain`` returned; an early exit
+    resumes (for free while it saved progress, else within the restart budget)."""
+    ended = outcome.ended
+    if ended is None:
+        return Decision(
+            "finish",
+            0,
+            "training exited 0 (it recorded no end of its own: a training script other than "
+            "pretrain_gpt_ext.py cannot tell the end of training from an early exit)",
+        )
+    if ended.complete:
+        return Decision("finish", 0, "training finished successfully (reached its last iteration)")
+    at = outcome.tracker[1]
+    where = f"checkpoint {at}" if at is not None else "no checkpoint"
+    stopped = f"training stopped early after {ended.reason}, with {where}"
+    if outcome.progressed():
+        return Decision("restart", 0, f"{stopped}; resuming", requeue=budget.requeue, charged=False)
+    if budget.restarts_done >= budget.max_restarts:
+        return Decision(
+            "stop",
+            exit_codes.STOPPED_EARLY,
+            f"{stopped} and no progress since the last attempt; restart budget exhausted "
+            f"({budget.restarts_done} restarts so far, MAX_RESTARTS={budget.max_restarts}); "
+            "the training is NOT complete: resume by running or submitting the same command",
+        )
+    return Decision(
+        "restart",
+        0,
+        f"{stopped} and no progress since the last attempt; restart "
+        f"{budget.restarts_done + 1}/{budget.max_restarts}",
+        requeue=budget.requeue,
+    )
 
 
 def after_stop_signal(signal_name: str, code: int, budget: Budget, signal_number: int) -> Decision:

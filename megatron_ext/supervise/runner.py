@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
-from megatron_ext import exit_codes
+from megatron_ext import attempt_end, exit_codes
 from megatron_ext import run_lock as runlock
+from megatron_ext.files import ATTEMPT_END_FILE
 from megatron_ext.io import read_jsonl
-from megatron_ext.supervise import commands, knobs, policy
+from megatron_ext.supervise import commands, knobs, policy, progress
 from megatron_ext.supervise.commands import TrainingFacts
 from megatron_ext.supervise.knobs import Config, KnobError
 from megatron_ext.supervise.policy import Budget, Decision, Outcome
@@ -78,9 +79,16 @@ class Supervisor:
         )
         return Path(self.config["LAUNCH_STATE_DIR"]) / "exit_codes" / tag
 
+    @property
+    def launch_state(self) -> Path:
+        return Path(self.config["LAUNCH_STATE_DIR"])
+
+    def attempt_end_file(self) -> Path:
+        return self.launch_state / ATTEMPT_END_FILE
+
     def command(self, attempt: int) -> list[str]:
         config = self.config
-        env = commands.training_env(config, self.rc_dir(attempt))
+        env = commands.training_env(config, self.rc_dir(attempt), self.attempt_end_file())
         worker = commands.worker_command(config, commands.train_args(config, self.cli_args))
         if config.scheduler == "slurm":
             return commands.slurm_command(config, env, worker, self.state.slurm, attempt)
@@ -130,6 +138,8 @@ class Supervisor:
             shutil.rmtree(rc_dir, ignore_errors=True)
             rc_dir.mkdir(parents=True)
         before = self._rollback_requests()
+        self.attempt_end_file().unlink(missing_ok=True)
+        tracker_before = progress.tracker(self.config.ckpt_dir)
         command = self.command(attempt)
         log(
             self.config,
@@ -154,6 +164,8 @@ class Supervisor:
             self.facts.spike_exit_code,
             None if after is None else after > (before or 0),
             workers,
+            attempt_end.read(self.attempt_end_file()),
+            (tracker_before, progress.tracker(self.config.ckpt_dir)),
         )
         if launcher_rc != 0 and codes:
             # Which rank on which node ended how: a partial failure names its node here.
@@ -196,7 +208,8 @@ class Supervisor:
         config = self.config
         restarts = int(self.state.slurm.get("SLURM_RESTART_COUNT") or 0)
         return Budget(
-            restarts + self.state.inplace_restarts,
+            max(0, restarts - progress.uncharged_requeues(self.launch_state))
+            + self.state.inplace_restarts,
             config.number("MAX_RESTARTS"),
             self.state.rollbacks,
             config.number("MAX_ROLLBACKS"),
@@ -261,8 +274,10 @@ class Supervisor:
             )
         if decision.action == "restart":
             if decision.requeue:
+                if not decision.charged:
+                    progress.count_uncharged_requeue(self.launch_state)
                 self.requeue(decision)
-            self.state.inplace_restarts += 1
+            self.state.inplace_restarts += decision.charged
             log(config, f"relaunching in place from the last checkpoint ({decision.reason})")
             return
         if decision.action == "rollback":

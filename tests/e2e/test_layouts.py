@@ -10,10 +10,7 @@ drill restart past the spike runs for ``pp2-tied``; the kill -9 resume (bit-exac
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
-import sys
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
+from megatron_ext.demo import TINY_MODEL
 from megatron_ext.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.lookup import cli
 from megatron_ext.records.ledger import read_ledger
@@ -30,10 +27,9 @@ from megatron_ext.records.signals import SignalRecord, latest_per_iteration, rea
 from tests.support.harness import (
     GLOBAL_BATCH,
     MICRO_BATCH,
-    RUNNER,
-    TINY_TRAINING,
     Run,
     checkpoint_args,
+    rank0_alone,
 )
 from tests.support.layouts import (
     BAD,
@@ -320,15 +316,6 @@ def test_kill_9_after_a_checkpoint_then_resume_is_bit_exact(matrix: Matrix, name
     assert decisions[0] == decisions[1] and decisions[0][-1]["iteration"] == max(expected)
 
 
-def _refused(flags: list[str]) -> subprocess.CompletedProcess[str]:
-    """The entry point through the harness as rank 0 of 2, without torchrun: a refusal must
-    come before distributed init (which would wait for a rank 1 that never starts)."""
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", OMP_NUM_THREADS="1")
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29599")
-    command = [sys.executable, str(RUNNER), *TINY_MODEL, *CPU_FLAGS, *TINY_TRAINING, *flags]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-
-
 def test_sequence_and_context_parallelism_are_refused_without_transformer_engine(
     data_args: list[str],
 ) -> None:
@@ -341,7 +328,7 @@ def test_sequence_and_context_parallelism_are_refused_without_transformer_engine
         "--context-parallel-size 2 needs Transformer Engine": ["--context-parallel-size", "2"],
     }
     with ThreadPoolExecutor(len(cases)) as pool:
-        results = pool.map(_refused, [[*data_args, *flags] for flags in cases.values()])
+        results = pool.map(rank0_alone, [[*data_args, *flags] for flags in cases.values()])
     for message, result in zip(cases, results):
         output = result.stdout + result.stderr
         assert result.returncode != 0

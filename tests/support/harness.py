@@ -256,3 +256,12 @@ def run_skiplist(work: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "megatron_ext.cli", "skiplist"]
     command += ["--ckpt-dir", str(work / "ckpt"), "--signals-dir", str(work / "signals")]
     return subprocess.run([*command, *extra], capture_output=True, text=True)
+
+
+def rank0_alone(flags: list[str]) -> subprocess.CompletedProcess[str]:
+    """The entry point through the harness as rank 0 of 2, without torchrun: a refusal must
+    come before distributed init (which would wait for a rank 1 that never starts)."""
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29599")
+    command = [sys.executable, str(RUNNER), *TINY_MODEL, *CPU_FLAGS, *TINY_TRAINING, *flags]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from megatron_ext.incidents.cli import main as skiplist_main
 from megatron_ext.io import JsonlAppender
+from tests.support.checkpoints import write_loadable_checkpoint
 from tests.support.spike_curves import events, records
 
 CHECKPOINTS = list(range(5, 50, 5))
@@ -36,8 +37,7 @@ def make_run(root: Path, attempts: int = 2) -> Path:
     ledger.close()
     ckpt = root / "ckpt"
     for iteration in CHECKPOINTS:
-        (ckpt / f"iter_{iteration:07d}").mkdir(parents=True)
-        (ckpt / f"iter_{iteration:07d}" / "metadata.json").write_text("{}")
+        write_loadable_checkpoint(ckpt / f"iter_{iteration:07d}")
     (ckpt / "latest_checkpointed_iteration.txt").write_text("45")
     (ckpt / "megatron_ext_skipped_iterations.txt").write_text(EARLIER_SKIPS)
     (root / "rejected.txt").write_text(FOREIGN_REJECTED_LINE)

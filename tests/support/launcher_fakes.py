@@ -60,9 +60,17 @@ kill -TERM "$(cat "$FAKE_DIR/train.pid")"
 # Fake training: records argv, then exits with the next code of $FAKE_CODES
 # (FAKE_CODE_RANK_<RANK> wins under torchrun; FAKE_KILL_RANK_<RANK> set: SIGKILLs itself,
 # as the out-of-memory killer would, and the other ranks exit after it), or waits for
-# SIGTERM and exits 0 like Megatron's --exit-signal-handler after saving.
+# SIGTERM and exits 0 like Megatron's --exit-signal-handler after saving. Rank 0 records how
+# the attempt ended where the supervisor asks, as pretrain_gpt_ext.py does: complete on exit 0,
+# stopped early after a TERM or when FAKE_EARLY_EXIT lists this run's number (then it leaves a
+# checkpoint tracker at 10 x its number in $CKPT_DIR, unless FAKE_NO_PROGRESS is set).
 FAKE_PYTHON = r"""#!/bin/bash
 d=$FAKE_DIR
+ended() {
+    if [[ -n ${MEGATRON_EXT_ATTEMPT_END_FILE:-} && ${RANK:-0} == 0 ]]; then
+        printf '{"complete": %s, "reason": "%s"}' "$1" "$2" >"$MEGATRON_EXT_ATTEMPT_END_FILE"
+    fi
+}
 n=$(( $(cat "$d/count" 2>/dev/null || echo 0) + 1 ))
 echo "$n" >"$d/count"
 printf '%s\n' "$@" >"$d/argv.$n"
@@ -85,9 +93,19 @@ if [[ -n ${FAKE_KILL_RANK_0:-}${FAKE_KILL_RANK_1:-} ]]; then
 fi
 if [[ -n ${FAKE_WAIT_FOR_TERM:-} ]]; then
     trap 'echo TERM >>"$d/signals"; sleep "${FAKE_SAVE_SECONDS:-0}"
-          touch "$d/saved.${RANK:-0}"; exit 0' TERM
+          touch "$d/saved.${RANK:-0}"; ended false "a stop signal"; exit 0' TERM
     touch "$d/ready" "$d/ready.${RANK:-0}"
     while :; do sleep 0.05; done
+fi
+if [[ $code == 0 ]]; then
+    if [[ " ${FAKE_EARLY_EXIT:-} " == *" $n "* ]]; then
+        # A checkpoint saved at iteration 10 * n (FAKE_NO_PROGRESS: none) before the exit.
+        t=$CKPT_DIR/latest_checkpointed_iteration.txt
+        [[ -n ${FAKE_NO_PROGRESS:-} ]] || echo "$((10 * n))" >"$t"
+        ended false "--exit-duration-in-mins 1"
+    else
+        ended true "pretrain returned"
+    fi
 fi
 echo "fake training run $n rank ${RANK:-none}: exit $code"
 exit "$code"

@@ -11,6 +11,7 @@ import pytest
 from megatron_ext.incidents.planner import PlanConfig, PlanError, make_plan, tracker_lines
 from megatron_ext.records.signals import SignalRecord
 from megatron_ext.records.skip_ranges import format_ranges, parse_item, resolve_argv
+from tests.support.checkpoints import write_loadable_checkpoint
 from tests.support.harness import run_skiplist
 from tests.support.spike_curves import events as _events
 from tests.support.spike_curves import records as _records
@@ -172,8 +173,7 @@ def test_planner_merges_applied_skips_but_not_an_unapplied_earlier_plan(tmp_path
     for event in _events(records):
         ledger.append(event.as_json())
     for iteration in (100, 140):
-        (ckpt / f"iter_{iteration:07d}").mkdir(parents=True)
-        (ckpt / f"iter_{iteration:07d}" / "metadata.json").write_text("{}")
+        write_loadable_checkpoint(ckpt / f"iter_{iteration:07d}")
     (ckpt / "megatron_ext_skipped_iterations.txt").write_text("20-21\n")  # applied earlier
     common = ["--no-lookup", "--train-iters", "1000", "--skip-batches", "60"]
     first = run_skiplist(tmp_path, *common, "--rollback-iters", "40")  # planned, not applied

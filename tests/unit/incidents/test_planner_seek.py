@@ -19,6 +19,7 @@ from megatron_ext.incidents.report import build_report
 from megatron_ext.io import JsonlAppender, json_safe, read_jsonl
 from megatron_ext.records.signals import read_signals
 from megatron_ext.records.signals_writer import SignalsWriter
+from tests.support.checkpoints import write_loadable_checkpoint
 from tests.support.io_counters import rchar
 from tests.support.spike_curves import events, records
 
@@ -43,9 +44,10 @@ def _run(work: Path, length: int, every: int, broken: int) -> tuple[Path, Path]:
         for event in events(timeline):
             ledger.append(event.as_json())
     for iteration in range(every, length + 1, every):
-        (ckpt / f"iter_{iteration:07d}").mkdir(parents=True)
         if iteration != broken:
-            (ckpt / f"iter_{iteration:07d}" / "metadata.json").write_text("{}")
+            write_loadable_checkpoint(ckpt / f"iter_{iteration:07d}")
+        else:
+            (ckpt / f"iter_{iteration:07d}").mkdir(parents=True)
     return signals, ckpt
 
 
@@ -83,6 +85,9 @@ def test_the_plan_reads_a_small_part_of_a_long_log(
     checked = []
     complete = planner._complete
     monkeypatch.setattr(planner, "_complete", lambda d: checked.append(d.name) or complete(d))
+    verified = []
+    problem = cli.checkpoint_problem
+    monkeypatch.setattr(cli, "checkpoint_problem", lambda d: verified.append(d.name) or problem(d))
     before = rchar()
     got = _plan(signals, ckpt, "--train-iters", "30000", "--skip-batches", "300")
     read = rchar() - before
@@ -93,3 +98,4 @@ def test_the_plan_reads_a_small_part_of_a_long_log(
     # newest complete one below the earliest onset the stretch read allows: 17_705 - 100).
     assert len(list(ckpt.glob("iter_*"))) == 2000
     assert checked == [f"iter_{i:07d}" for i in range(20_000, 17_595, -10)]
+    assert verified == ["iter_0017890"]  # loaded-checkpoint checks: the target alone

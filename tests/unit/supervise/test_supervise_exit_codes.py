@@ -42,6 +42,36 @@ def test_single_exit_16_relaunches_then_finishes(h: Harness):
     assert "restart 1/10" in r.stderr
 
 
+def test_single_early_exits_resume_until_the_training_is_complete(h: Harness):
+    """Exit 0 before the last iteration (exit duration, exit interval, a TERM to the workers)
+    is not success: relaunched, without charging the restart budget while it saved progress."""
+    h.fake_launcher("0 0 0")
+    r = h.run(SINGLE, MAX_RESTARTS="0", FAKE_EARLY_EXIT="1 2")
+    assert r.returncode == 0, r.stderr
+    assert h.launches == 3
+    assert r.stderr.count("stopped early after --exit-duration-in-mins 1") == 2
+    assert "with checkpoint 20; resuming" in r.stderr
+    assert "finished successfully (reached its last iteration)" in r.stderr
+    assert "finished successfully" not in r.stderr.split("attempt 3:")[0]
+
+
+def test_single_early_exits_without_progress_stop_within_the_budget(h: Harness):
+    h.fake_launcher("0 0 0")
+    r = h.run(SINGLE, MAX_RESTARTS="1", FAKE_EARLY_EXIT="1 2 3", FAKE_NO_PROGRESS="1")
+    assert r.returncode == 75, r.stderr
+    assert h.launches == 2
+    assert "no progress since the last attempt; restart 1/1" in r.stderr
+    assert "the training is NOT complete" in r.stderr
+
+
+def test_sbatch_early_exit_with_progress_requeues_uncharged(h: Harness):
+    h.slurm(SLURM_RESTART_COUNT="3").fake_launcher("0")
+    r = h.run(SBATCH, MAX_RESTARTS="3", FAKE_EARLY_EXIT="1")
+    assert r.returncode == 0, r.stderr
+    assert "scontrol requeue 77" in h.stub_calls
+    assert (h.ckpt / "launch_state" / "uncharged_requeues").read_text() == "1\n"
+
+
 def test_single_exit_16_bounded_by_max_restarts(h: Harness):
     h.fake_launcher("16 16 16 16")
     r = h.run(SINGLE, MAX_RESTARTS="2")

@@ -12,6 +12,7 @@ from string import Template
 
 import pytest
 
+from megatron_ext.attempt_end import AttemptEnd
 from megatron_ext.supervise.commands import RANK_WRAPPER, quote
 from megatron_ext.supervise.policy import Budget, Outcome, after_stop_signal, decide
 from megatron_ext.supervise.runner import Supervisor
@@ -57,10 +58,22 @@ def _budget(**overrides: object) -> Budget:
     )
 
 
+COMPLETE = AttemptEnd(True, "pretrain returned")
+EARLY = AttemptEnd(False, "--exit-duration-in-mins 1")
+
+
 @pytest.mark.parametrize(
     "outcome, budget, action, exit_code, reason",
     [
-        (Outcome(0, (0, 0), 42), _budget(), "finish", 0, "finished"),
+        (Outcome(0, (0, 0), 42, ended=COMPLETE), _budget(), "finish", 0, "finished"),
+        (Outcome(0, (0, 0), 42), _budget(), "finish", 0, "recorded no end of its own"),
+        # torchrun got the stop signal too (exits 1) while every worker saved and exited 0.
+        (Outcome(1, (0, 0), 42, ended=COMPLETE), _budget(), "finish", 0, "finished"),
+        # Stopped early (exit duration, exit interval, a TERM to the workers): never finished.
+        (Outcome(0, (0,), 42, ended=EARLY, tracker=(5, 9)), _budget(), "restart", 0, "resuming"),
+        (Outcome(1, (0, 0), 42, ended=EARLY, tracker=(None, 9)), _budget(), "restart", 0, "early"),
+        (Outcome(0, (0,), 42, ended=EARLY, tracker=(9, 9)), _budget(), "restart", 0, "restart 1/3"),
+        (Outcome(0, (0,), 42, ended=EARLY), _budget(restarts_done=3), "stop", 75, "NOT complete"),
         (Outcome(1, (16, 16), 42), _budget(), "restart", 16, "restart 1/3"),
         (Outcome(1, (16,), 42), _budget(restarts_done=3), "stop", 16, "MAX_RESTARTS=3"),
         (Outcome(1, (17, 143), 42), _budget(), "stop", 17, "reproducible or hardware-suspect"),
@@ -83,6 +96,14 @@ def test_every_row_of_the_exit_code_table(outcome, budget, action, exit_code, re
 
 def test_restart_requeues_only_in_requeue_mode() -> None:
     assert decide(Outcome(1, (16,), 42), _budget(requeue=True)).requeue
+
+
+def test_an_early_exit_with_progress_is_not_charged_and_requeues_under_requeue() -> None:
+    progressed = Outcome(0, (0,), 42, ended=EARLY, tracker=(5, 9))
+    decision = decide(progressed, _budget(requeue=True, restarts_done=3))
+    assert (decision.action, decision.requeue, decision.charged) == ("restart", True, False)
+    stalled = decide(Outcome(0, (0,), 42, ended=EARLY, tracker=(9, 9)), _budget())
+    assert stalled.charged
 
 
 @pytest.mark.parametrize(
