@@ -380,9 +380,8 @@ def diagnose(
     steps.append(bf16)
     loss = incident.get("loss")
     nonfinite = isinstance(loss, float) and not math.isfinite(loss)
-    cause = next(
-        (s.name for s in steps[1:] if s.answer == "yes"), "non-finite" if nonfinite else "transient"
-    )
+    cause = next((s.name for s in steps[1:] if s.answer == "yes"), None)
+    cause = cause or ("non-finite" if nonfinite else "transient")
     if cause == "bad-data" and culprit is None and source is not None:
         cause = "bad-source"
     label, action = CAUSES[cause]

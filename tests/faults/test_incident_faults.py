@@ -51,6 +51,9 @@ def _assert_nan_rolled_back_once(run: incidents.LauncherRun, last_logged: int) -
     assert [line.split()[0] for line in persisted if not line.startswith("#")] == ["9-12"]
     trained = _trained(run)
     assert max(trained[1]) == last_logged and 12 not in trained[2] and max(trained[2]) == 24
+    report = (run.work / "ckpt" / "megatron_ext_incidents" / "incident-001.md").read_text()
+    assert report.startswith("# Incident 001: rollback at iteration 12 (loss nan: non-finite")
+    assert "likely cause: **non-finite loss or grad norm (NaN/Inf), no precursor**" in report
     assert incidents.wait_for_no_survivors(run.marker) == []
 
 
