@@ -146,7 +146,7 @@ def train(argv: list[str]) -> None:
             )
         )
     except SystemExit as exc:
-        if exc.code in (0, None):  # Megatron's early exits save, then sys.exit(0)
+        if exc.code in (0, None) and not wants_help:  # early exits save, then sys.exit(0)
             attempt_end.record(False, _early_exit_reason())
         raise
     attempt_end.record(True, "pretrain returned: the training is complete")
@@ -156,7 +156,10 @@ def _early_exit_reason() -> str:
     """Which of Megatron's early exits ended training (all of them save first, then exit 0)."""
     from megatron.training import get_args, get_signal_handler
 
-    args = get_args()
+    try:
+        args = get_args()
+    except AssertionError:  # Megatron's args were never set: training never started
+        return "an exit before training started"
     if args.exit_signal_handler and any(get_signal_handler().signals_received()):
         return "a stop signal (--exit-signal-handler saved and exited)"
     flags = [

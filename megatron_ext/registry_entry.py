@@ -191,7 +191,9 @@ IMPORTS: tuple[Assumption, ...] = (
     _imports(f"{_CORE}.optimizer.optimizer", ("ChainedOptimizer",)),
     _imports(f"{_CORE}.optimizer_param_scheduler", ("combine_param_group_overrides",)),
     _imports(f"{_CORE}.parallel_state", ("get_context_parallel_group",)),
-    _imports(f"{_CORE}.rerun_state_machine", ("get_rerun_state_machine",)),
+    _imports(
+        f"{_CORE}.rerun_state_machine", ("RerunMode", "RerunState", "get_rerun_state_machine")
+    ),
     _imports(f"{_CORE}.tensor_parallel", ("gather_from_sequence_parallel_region",)),
     _imports(f"{_CORE}.tensor_parallel.layers", ("param_is_not_tensor_parallel_duplicate",)),
     _imports(f"{_CORE}.tokenizers.utils.build_tokenizer", ("build_tokenizer",)),
@@ -209,6 +211,7 @@ IMPORTS: tuple[Assumption, ...] = (
         "megatron.training",
         (
             "get_args",
+            "get_signal_handler",
             "get_tensorboard_writer",
             "get_timers",
             "get_wandb_writer",

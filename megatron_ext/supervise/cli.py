@@ -19,14 +19,19 @@ from megatron_ext.supervise.knobs import KnobError
 from megatron_ext.supervise.runner import NAMES, Supervisor, log
 
 EXIT_CODES = """Exit codes of the training and what the supervisor does (supervise/policy.py):
-   0  finished                                 -> exit 0
+   0  finished: the training recorded that pretrain returned -> exit 0
+   0  stopped early (--exit-duration-in-mins, --exit-interval, a stop signal to the workers)
+      -> relaunch or requeue, not charged to MAX_RESTARTS while the checkpoint advanced;
+      without progress at most MAX_RESTARTS, then exit 75 (not complete)
   16  EXIT_CODE_RESUME_TO_DISAMBIGUATE         -> restart from the last checkpoint
       (RESTART_MODE: requeue or relaunch in place), at most MAX_RESTARTS; then exit 16
   17  EXIT_CODE_FAILED_ON_RESULT_VALIDATION    -> stop, print the tracker file and the
       nodes it names; exit 17 (never retried blindly)
-  42  megatron-ext rollback request (--spike-exit-code; the spike ledger must confirm it)
-      -> run MEGATRON_EXT_ON_SPIKE (default: megatron-ext skiplist --apply) and relaunch, at
-      most MAX_ROLLBACKS; no hook, hook failure or budget spent -> exit 42
+  42  megatron-ext rollback request (--spike-exit-code; the spike ledger must confirm it;
+      also a NaN/Inf loss or grad norm, in every --rerun-mode) -> run MEGATRON_EXT_ON_SPIKE
+      (default: megatron-ext skiplist --apply, which rolls back further when the failure
+      came back) and relaunch, at most MAX_ROLLBACKS; no hook, hook failure or budget spent
+      -> exit 42
  137  a worker killed by SIGKILL (out-of-memory killer, operator, failing node; the log
       names its rank and node) -> restart like 16, at most MAX_RESTARTS; then exit 137
   other  a crash                               -> stop with that code

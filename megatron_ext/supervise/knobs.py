@@ -70,15 +70,16 @@ KNOBS: tuple[Knob, ...] = (
     Knob("SRUN_ARGS", "extra srun options (shell words)", "", "--cpu-bind=none", kind="words"),
     Knob(
         "MAX_RESTARTS",
-        "restart budget for exit 16 and preemption, counting "
-        "SLURM_RESTART_COUNT and relaunches in this allocation",
+        "restart budget for exit 16, a SIGKILLed worker, preemption and early exits that "
+        "saved no progress, counting SLURM_RESTART_COUNT (less the requeues after an early "
+        "exit that did) and relaunches in this allocation",
         "10",
         "100",
         kind="uint",
     ),
     Knob(
         "RESTART_MODE",
-        "inplace (relaunch here) | requeue (scontrol requeue) for exit 16",
+        "inplace (relaunch here) | requeue (scontrol requeue) for exit 16 and early exits",
         "inplace",
         "requeue",
         kind="choice",

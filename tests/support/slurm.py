@@ -452,7 +452,8 @@ def fake_training_env(
 
 
 FAKE_PYTHON = r"""#!/bin/bash
-# Fake training for the launch script (LAUNCHER=python): the n-th start exits ${FAKE_CODES[n-1]}.
+# Fake training for the launch script (LAUNCHER=python): the n-th start exits ${FAKE_CODES[n-1]};
+# on 0 it records a complete attempt where the supervisor asks, as pretrain_gpt_ext.py does.
 d=$FAKE_DIR
 n=$(( $(cat "$d/count" 2>/dev/null || echo 0) + 1 ))
 echo "$n" >"$d/count"
@@ -461,6 +462,9 @@ code=${codes[$((n - 1))]:-0}
 echo "fake training start $n: SLURM_JOB_ID=${SLURM_JOB_ID:-}" \
     "SLURM_RESTART_COUNT=${SLURM_RESTART_COUNT:-unset} argv: $*"
 echo "fake training start $n: exit $code"
+if [[ $code == 0 && -n ${MEGATRON_EXT_ATTEMPT_END_FILE:-} ]]; then
+    echo '{"complete": true, "reason": "pretrain returned"}' >"$MEGATRON_EXT_ATTEMPT_END_FILE"
+fi
 exit "$code"
 """
 
