@@ -65,7 +65,8 @@ def _culprits(machine: Any) -> list[int]:
     from megatron.core import parallel_state
 
     mine = parallel_state.get_data_parallel_rank() if machine.failed_validation_call else -1
-    ranks = torch.full((dist.get_world_size(),), -1, dtype=torch.int64)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces CUDA tensors only
+    ranks = torch.full((dist.get_world_size(),), -1, dtype=torch.int64, device=device)
     ranks[dist.get_rank()] = mine
     dist.all_reduce(ranks, op=dist.ReduceOp.MAX)
     return sorted({int(r) for r in ranks.tolist() if r >= 0})

@@ -181,7 +181,13 @@ def _help(n: Newcomer, command: str) -> None:
     assert len(group) == 2, "no megatron-ext group in --help"
     listed = re.split(r"^\S.*:$", group[1], maxsplit=1, flags=re.M)[0]  # up to the next group
     flags = loop.add_megatron_ext_args(argparse.ArgumentParser())._actions
-    expected = [f for action in flags for f in action.option_strings if f not in ("-h", "--help")]
+    expected = [  # every flag but help and the hidden ones the entry point itself passes
+        f
+        for action in flags
+        if action.help != argparse.SUPPRESS
+        for f in action.option_strings
+        if f not in ("-h", "--help")
+    ]
     missing = [
         f for f in expected if not re.search(rf"^\s+{re.escape(f)}(?=[\s,]|$)", listed, re.M)
     ]
