@@ -133,7 +133,8 @@ FEATURE_FOLDERS = (
     "runlock",
 )
 # The shared lower layer: what every feature and tool may import, and which imports only itself.
-# checkpoint_state (reads Megatron's tracker files), quiet and stop_signals are standard-library
+# checkpoint_state (reads Megatron's tracker files), quiet, stop_signals, attempt_end (how an
+# attempt ended, the training's word to the supervisor) and process_exit are standard-library
 # helpers that features and commands share; versions declares the supported megatron-core range.
 LOWER = (
     "megatron_ext",
@@ -151,6 +152,8 @@ LOWER = (
     "megatron_ext.checkpoint_state",
     "megatron_ext.quiet",
     "megatron_ext.stop_signals",
+    "megatron_ext.attempt_end",
+    "megatron_ext.process_exit",
 )
 
 
