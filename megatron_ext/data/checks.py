@@ -13,14 +13,12 @@ split's documents and tokens the way the builder splits them, from two reads of 
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 import numpy as np
 
-_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
-# DType codes of megatron.core.datasets.indexed_dataset.DType -> item size in bytes
-_ITEM_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
+from megatron_ext.records.pair import HEADER, ITEM_SIZES
+
 SPLIT_NAMES = ("train", "validation", "test")
 
 
@@ -36,18 +34,18 @@ def split_sizes(prefix: str, matrix: list[tuple[float, float] | None]) -> list[S
     """Documents and tokens of each split of ``prefix`` (None: the split is not built), with
     the builder's rounding: ``int(round(edge * sequences))``."""
     with open(f"{prefix}.idx", "rb") as handle:
-        _, _, code, sequences, _ = _HEADER.unpack(handle.read(_HEADER.size))
-    itemsize = _ITEM_SIZES.get(code, 2)
+        _, _, code, sequences, _ = HEADER.unpack(handle.read(HEADER.size))
+    itemsize = ITEM_SIZES.get(code, 2)
     lengths = pointers = np.zeros(0, dtype=np.int64)
     if sequences:
         lengths = np.memmap(
-            f"{prefix}.idx", dtype=np.int32, mode="r", offset=_HEADER.size, shape=(sequences,)
+            f"{prefix}.idx", dtype=np.int32, mode="r", offset=HEADER.size, shape=(sequences,)
         )
         pointers = np.memmap(
             f"{prefix}.idx",
             dtype=np.int64,
             mode="r",
-            offset=_HEADER.size + 4 * sequences,
+            offset=HEADER.size + 4 * sequences,
             shape=(sequences,),
         )
 

@@ -28,7 +28,6 @@ import json
 import mmap
 import os
 import re
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,20 +36,8 @@ from typing import Any
 import numpy as np
 
 from megatron_ext.lookup.errors import ConfigError, DataChanged
+from megatron_ext.records.pair import DTYPES, HEADER, INDEX_MAGIC, INDEX_VERSION
 
-INDEX_HEADER = b"MMIDIDX\x00\x00"  # indexed_dataset._INDEX_HEADER
-INDEX_VERSION = 1
-# indexed_dataset.DType: the code stored in the .idx -> the token dtype of the .bin
-DTYPES = {
-    1: np.uint8,
-    2: np.int8,
-    3: np.int16,
-    4: np.int32,
-    5: np.int64,
-    6: np.float64,
-    7: np.float32,
-    8: np.uint16,
-}
 Blend = tuple[list[str], list[float] | None]
 
 
@@ -203,18 +190,18 @@ class IndexedData:
     def __init__(self, prefix: str) -> None:
         idx = prefix + ".idx"
         with open(idx, "rb") as stream:
-            head = stream.read(9 + 8 + 1 + 8 + 8)
-        if len(head) < 34 or head[:9] != INDEX_HEADER:
+            head = stream.read(HEADER.size)
+        if len(head) < HEADER.size or head[:9] != INDEX_MAGIC:
             raise ValueError(f"bad header, cannot read: {idx}")
-        version, code, sequences, documents = struct.unpack("<QBQQ", head[9:])
+        _, version, code, sequences, documents = HEADER.unpack(head)
         if version != INDEX_VERSION:
             raise ValueError(f"bad version {version}, cannot read: {idx}")
         if code not in DTYPES:
             raise ValueError(f"unknown dtype code {code} in {idx}")
         self.dtype = np.dtype(DTYPES[code])
         buffer = map_random(idx)
-        self.sequence_lengths = np.frombuffer(buffer, np.int32, sequences, 34)
-        offset = 34 + self.sequence_lengths.nbytes
+        self.sequence_lengths = np.frombuffer(buffer, np.int32, sequences, HEADER.size)
+        offset = HEADER.size + self.sequence_lengths.nbytes
         self.sequence_pointers = np.frombuffer(buffer, np.int64, sequences, offset)
         offset += self.sequence_pointers.nbytes
         self.document_indices = np.frombuffer(buffer, np.int64, documents, offset)

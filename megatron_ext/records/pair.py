@@ -50,11 +50,23 @@ import numpy as np
 from megatron_ext.errors import Refusal
 from megatron_ext.io import kill_point, remove_durably, rename_durably
 
+# The .idx layout of megatron-core's indexed_dataset._IndexReader, defined once for every
+# reader in megatron-ext (registry copy ``lookup-indexed-dataset-format``).
 INDEX_MAGIC = b"MMIDIDX\x00\x00"  # indexed_dataset._INDEX_HEADER
 INDEX_VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
-# indexed_dataset.DType code -> item size in bytes of the .bin's tokens
-ITEM_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
+# indexed_dataset.DType: the code stored in the .idx -> the token dtype of the .bin
+DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+ITEM_SIZES = {code: np.dtype(dtype).itemsize for code, dtype in DTYPES.items()}
 MAGIC = b"MXEXPAIR"  # trailer version 1: the .bin's fingerprint
 MAGIC_V2 = b"MXEXPAI2"  # version 2: and the SHA-256 of the .idx's header and arrays
 _TRAILERS = {
