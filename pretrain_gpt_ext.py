@@ -146,14 +146,20 @@ def train(argv: list[str]) -> None:
             )
         )
     except SystemExit as exc:
-        if exc.code in (0, None) and not wants_help:  # early exits save, then sys.exit(0)
-            attempt_end.record(False, _early_exit_reason())
+        # Megatron's early exits save, then sys.exit(0); rank 0 tells the supervisor. Every
+        # rank asks why: Megatron's signal handler answers by an all-gather.
+        if exc.code in (0, None) and not wants_help:
+            reason = _early_exit_reason()
+            if _rank() == 0:
+                attempt_end.record(False, reason)
         raise
-    attempt_end.record(True, "pretrain returned: the training is complete")
+    if _rank() == 0:
+        attempt_end.record(True, "pretrain returned: the training is complete")
 
 
 def _early_exit_reason() -> str:
-    """Which of Megatron's early exits ended training (all of them save first, then exit 0)."""
+    """Which of Megatron's early exits ended training (all of them save first, then exit 0);
+    a collective on Megatron's signal handler, so every rank calls it."""
     from megatron.training import get_args, get_signal_handler
 
     try:

@@ -28,12 +28,11 @@ class AttemptEnd:
 
 
 def record(complete: bool, reason: str) -> None:
-    """Write this attempt's end where the supervisor asked (rank 0 only; nothing when the
-    training was not started by the supervisor)."""
+    """Write this attempt's end where the supervisor asked (the caller is rank 0; nothing
+    when the training was not started by the supervisor)."""
     path = os.environ.get(ENV)
-    if not path or int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) != 0:
-        return
-    atomic_write_json(path, {"complete": complete, "reason": reason})
+    if path:
+        atomic_write_json(path, {"complete": complete, "reason": reason})
 
 
 def read(path: Path) -> AttemptEnd | None:

@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_ext.errors import UsageError
-from megatron_ext.files import CHECKPOINT_DIR, checkpoint_dir
+from megatron_ext.files import (
+    CHECKPOINT_COMMON_FILE,
+    CHECKPOINT_DIR,
+    CHECKPOINT_METADATA_FILE,
+    LEGACY_RANK_DIR_GLOB,
+    checkpoint_dir,
+)
 from megatron_ext.incidents import repeats
 from megatron_ext.io import from_json
 from megatron_ext.records.signals import SignalRecord
@@ -90,9 +96,9 @@ class Plan:
 
 def _complete(directory: Path) -> bool:
     return (
-        (directory / "metadata.json").exists()
-        or (directory / "common.pt").exists()
-        or any(directory.glob("mp_rank_*"))
+        (directory / CHECKPOINT_METADATA_FILE).exists()
+        or (directory / CHECKPOINT_COMMON_FILE).exists()
+        or any(directory.glob(LEGACY_RANK_DIR_GLOB))
     )
 
 
@@ -128,12 +134,6 @@ def take_down_to(newest_first: Iterator[int], down_to: int | None) -> list[int]:
         if down_to is not None and iteration <= down_to:
             break
     return found[::-1]
-
-
-def complete_checkpoints(ckpt_dir: Path, down_to: int | None = None) -> list[int]:
-    """Complete checkpoints from the newest down to the newest at or before ``down_to``
-    (all: None), oldest first; only those returned are checked."""
-    return take_down_to(complete_newest_first(ckpt_dir), down_to)
 
 
 def choose_target(

@@ -153,7 +153,7 @@ def to_ranges(iterations: list[int]) -> list[tuple[int, int]]:
 
 def format_ranges(iterations: list[int]) -> str:
     """File content: one ``A-B`` (or ``N``) per line."""
-    return "".join(f"{a}-{b}\n" if a != b else f"{a}\n" for a, b in to_ranges(iterations))
+    return "".join(f"{Window(a, b).iterations()}\n" for a, b in to_ranges(iterations))
 
 
 SAMPLES_HEADER = (
@@ -176,7 +176,7 @@ def format_windows(windows: list[Window]) -> str:
 
 def show(iterations: list[int]) -> str:
     """Iterations as ranges for people: ``5-7, 10``."""
-    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in to_ranges(iterations))
+    return ", ".join(Window(a, b).iterations() for a, b in to_ranges(iterations))
 
 
 @dataclass

@@ -77,7 +77,7 @@ class Supervisor:
             f"{slurm.get('SLURM_JOB_ID', f'pid{os.getpid()}')}."
             f"r{slurm.get('SLURM_RESTART_COUNT', '0')}.a{attempt}"
         )
-        return Path(self.config["LAUNCH_STATE_DIR"]) / "exit_codes" / tag
+        return self.launch_state / "exit_codes" / tag
 
     @property
     def launch_state(self) -> Path:
@@ -239,7 +239,7 @@ class Supervisor:
         self.take_run_lock()
         for path in (
             config.ckpt_dir,
-            Path(config["LAUNCH_STATE_DIR"]),
+            self.launch_state,
             Path(self.tracker_file).parent,
         ):
             path.mkdir(parents=True, exist_ok=True)

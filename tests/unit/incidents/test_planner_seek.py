@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.incidents import cli, planner
-from megatron_ext.incidents.planner import PlanConfig, complete_checkpoints, make_plan
+from megatron_ext.incidents.planner import (
+    PlanConfig,
+    complete_newest_first,
+    make_plan,
+    take_down_to,
+)
 from megatron_ext.incidents.report import build_report
 from megatron_ext.io import JsonlAppender, json_safe, read_jsonl
 from megatron_ext.records.signals import read_signals
@@ -67,7 +72,7 @@ def test_the_plan_is_the_full_scan_s_plan_across_a_restart(tmp_path: Path) -> No
     checkpoints = [
         int(p.name[5:]) for p in sorted(ckpt.glob("iter_*")) if (p / "metadata.json").exists()
     ]
-    assert complete_checkpoints(ckpt) == checkpoints
+    assert take_down_to(complete_newest_first(ckpt), None) == checkpoints
     plan = make_plan(ledger, history, checkpoints, [], PlanConfig(40, 150), 1000, str(ckpt))
     expected = build_report(plan, ledger, history, ckpt, 1, None).as_json()
     got.pop("incident_id")
