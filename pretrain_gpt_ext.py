@@ -112,6 +112,10 @@ def train(argv: list[str]) -> None:
     else:
         _require_cuda()
         argv = _default_transformer_impl(argv)
+        from megatron_ext import cuda_connections
+
+        # Before Megatron's parser, whose FSDP check is an assertion traceback.
+        cuda_connections.check(argv, os.environ)
     from megatron_ext import patching
 
     # Before any Megatron import: a version outside the supported range is refused with the

@@ -1,23 +1,28 @@
 """`megatron-ext plot` and `megatron-ext skiplist` (the plan) on signals logs of real-run size,
 old code against new, side by side: wall time and peak RSS of each as its own process.
 
-    .venv/bin/python benchmarks/plot_planner_scale.py --compare 24f31e7
-    .venv/bin/python benchmarks/plot_planner_scale.py --compare 24f31e7 --sizes 1000000 \\
-        --old-plot-max 1000000 --old-limit-gib 8
+    .venv/bin/python benchmarks/plot_planner_scale.py --compare 21904f3 --older-lines \\
+        --sizes 1000000,5000000 --workdir /tmp/plot-planner-scale
 
-The log (the writer's exact format, checked line for line against ``JsonlAppender`` on a
-sample): attempt 1 trains 1..N-2000, attempt 2 resumes 1000 iterations back (a rollback) and
-trains to N, with a loss spike 500 iterations before N that does not recover; 4 gradient
-buckets, every signal recorded (~560 bytes a line). The spike ledger holds each attempt's
-config line (the run had ``--spike-detect``) and the events the detector raised over the last
-stretch; a checkpoint directory every 100 iterations (50 k at 5 M). The plan runs with
-``--no-lookup`` (no sample log); the plot with the ledger's marks.
+The log is what a default run writes (``tests/support/default_run.py``: a real record of
+``megatron-ext demo``, one dataset, so per-source fields in every line, the optional signals
+null; ~590 bytes a line), checked byte for byte against ``JsonlAppender`` on its first lines:
+attempt 1 trains 1..N-2000, attempt 2 resumes 1000 iterations back (a rollback) and trains to
+N, with a loss spike 500 iterations before N that does not recover. A checkpoint directory
+every 100 iterations (50 k at 5 M). Operations:
 
-``--compare REV`` runs REV's code (``git archive`` into a temporary directory, first on
-``PYTHONPATH``) on the same files. The old plot held every record (3.1 GiB at 1 M, killed at
-14 GiB at 5 M), so old runs go only up to ``--old-plot-max`` iterations and under ``prlimit
---as`` (``--old-limit-gib``): on a shared machine a run past its limit fails (reported as
-such) instead of taking everyone's memory.
+- ``plan``: ``skiplist --no-lookup`` with the spike ledger (each attempt's config line and the
+  events the detector raised over the last stretch), as after a ``--spike-detect`` run;
+- ``plot``: ``megatron-ext plot`` as after a default run, which has no ledger: the detector is
+  replayed over every attempt;
+- ``plot (ledger)``: with the ledger's marks (the tracker ran).
+
+``--older-lines`` writes the lines without the fields appended to ``SignalRecord`` since
+(``log_z``, ``update_skipped``), as a run of an older tree wrote them, so that older code reads
+them as its own. ``--compare REV`` runs REV's code (``git archive`` into a temporary
+directory, first on ``PYTHONPATH``, with this tree's built C scanner when REV's ``_scan.c`` is
+the same) on the same files, under ``prlimit --as`` (``--old-limit-gib``): on a shared machine
+a run past its limit fails (reported as such) instead of taking everyone's memory.
 """
 
 from __future__ import annotations
@@ -31,72 +36,40 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-sys.path.insert(0, str(REPO))  # the loadable-checkpoint helper: tests.support
+sys.path.insert(0, str(REPO))  # tests.support: the default-run record, loadable checkpoints
 
 from megatron_ext.io import json_safe  # noqa: E402
 from megatron_ext.records.ledger import config_record  # noqa: E402
-from megatron_ext.records.signals import SignalRecord  # noqa: E402
 from megatron_ext.records.spike_config import SpikeConfig  # noqa: E402
 from megatron_ext.spikes.detector import SpikeDetector  # noqa: E402
 from tests.support.checkpoints import write_loadable_checkpoint  # noqa: E402
-
-BUCKETS = 4
-LINE = (
-    '{{"iteration":{i},"attempt":{a},"job_id":"bench","wall_time":{w!r},'
-    '"consumed_samples":{c},"skipped_samples":0,"lm_loss":{loss!r},"z_loss":null,'
-    '"max_local_loss":{worst!r},"max_loss_dp_rank":{rank},"grad_norm":{grad!r},'
-    '"bucket_grad_norms":{{{buckets}}},"params_norm":{params!r},"update_ratio":0.0001,'
-    '"lr":0.0003,"loss_scale":1.0,"num_zeros":0.0,"max_attention_logit":{logit!r},'
-    '"skipped_iter":false,"nan_iter":false}}\n'
-)
+from tests.support.default_run import lines, record  # noqa: E402
 
 
-def _record(i: int, attempt: int, rng: random.Random, spike: bool) -> SignalRecord:
+def _values(i: int, attempt: int, rng: random.Random, spike: bool) -> dict:
+    """A line's moving values: a falling loss with noise (one DP rank, as the demo: the worst
+    rank's loss is the loss), its one source's loss, a grad norm; a spike adds to both."""
     loss = 2.0 + 3.0 / (1 + i / 1000) + rng.gauss(0, 0.02) + (2.5 if spike else 0.0)
-    grad = 0.4 + rng.gauss(0, 0.03) + (4.0 if spike else 0.0)
-    return SignalRecord(
-        iteration=i,
-        attempt=attempt,
-        job_id="bench",
-        wall_time=1.7e9 + i,
-        consumed_samples=1024 * i,
-        skipped_samples=0,
-        lm_loss=loss,
-        max_local_loss=loss + 0.1,
-        max_loss_dp_rank=i % 64,
-        grad_norm=grad,
-        bucket_grad_norms={f"b{j}:layers{j}": grad / BUCKETS for j in range(BUCKETS)},
-        params_norm=300.0 + i * 1e-5,
-        update_ratio=1e-4,
-        lr=3e-4,
-        loss_scale=1.0,
-        num_zeros=0.0,
-        max_attention_logit=20.0 + rng.random(),
-    )
+    return {
+        "iteration": i,
+        "attempt": attempt,
+        "wall_time": 1.7e9 + i * 0.1,
+        "consumed_samples": 8 * i,
+        "lm_loss": loss,
+        "max_local_loss": loss,
+        "grad_norm": 0.4 + rng.gauss(0, 0.03) + (4.0 if spike else 0.0),
+        "params_norm": 20.0 + i * 1e-5,
+        "lr": 3e-4,
+        "source_loss": loss * (1 + rng.gauss(0, 1e-8)),
+    }
 
 
-def _line(r: SignalRecord) -> str:
-    buckets = ",".join(f'"{k}":{v!r}' for k, v in r.bucket_grad_norms.items())
-    return LINE.format(
-        i=r.iteration,
-        a=r.attempt,
-        w=r.wall_time,
-        c=r.consumed_samples,
-        loss=r.lm_loss,
-        worst=r.max_local_loss,
-        rank=r.max_loss_dp_rank,
-        grad=r.grad_norm,
-        buckets=buckets,
-        params=r.params_norm,
-        logit=r.max_attention_logit,
-    )
-
-
-def write_run(root: Path, iterations: int) -> Path:
+def write_run(root: Path, iterations: int, appended: bool = True) -> Path:
     """Signals log, ledger and checkpoints of the run described above; returns the log."""
     signals, ckpt = root / "signals", root / "ckpt"
     signals.mkdir(parents=True)
@@ -105,17 +78,18 @@ def write_run(root: Path, iterations: int) -> Path:
     detector = SpikeDetector(config)
     events = []
     stretches = ((1, 1, iterations - 2000), (2, iterations - 3000 + 1, iterations))
+
+    def moving(attempt: int, first: int, last: int) -> Iterator[dict]:
+        """The stretch's values, streamed; the detector sees the last stretch's."""
+        for i in range(first, last + 1):
+            values = _values(i, attempt, rng, spike=attempt == 2 and i >= spike_at)
+            if attempt == 2 and i > iterations - 2500:
+                events.extend(e.as_json() for e in detector.observe(record(**values)))
+            yield values
+
     with open(signals / "signals.jsonl", "w") as out:
-        for attempt, first, last in stretches:
-            for i in range(first, last + 1):
-                record = _record(i, attempt, rng, spike=attempt == 2 and i >= spike_at)
-                line = _line(record)
-                if i - first < 3:  # the template is the writer's format, byte for byte
-                    expected = json.dumps(json_safe(record.as_json()), separators=(",", ":"))
-                    assert line == expected + "\n", (line, expected)
-                out.write(line)
-                if attempt == 2 and i > iterations - 2500:
-                    events += [e.as_json() for e in detector.observe(record)]
+        for stretch in stretches:
+            out.writelines(lines(moving(*stretch), appended))
     with open(signals / "spikes.jsonl", "w") as ledger:
         for attempt, first, _ in stretches:
             line = config_record(first, attempt, config, str(ckpt), None)
@@ -154,8 +128,10 @@ def measure(
 
 def commands(root: Path, out: str) -> dict[str, list[str]]:
     python = [sys.executable, "-W", "ignore", "-m", "megatron_ext.cli"]
+    plot = [*python, "plot", "--signals-dir", str(root / "signals"), "--out", out]
     return {
-        "plot": [*python, "plot", "--signals-dir", str(root / "signals"), "--out", out],
+        "plot": [*plot, "--ledger", str(root / "no-ledger.jsonl")],  # a default run's
+        "plot (ledger)": plot,
         "plan": [
             *python,
             "skiplist",
@@ -176,13 +152,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000000,2000000,5000000", help="iterations, comma")
     parser.add_argument("--compare", metavar="REV", help="the old code's git revision")
-    parser.add_argument("--old-plot-max", type=int, default=1_000_000, help="old plot sizes <=")
+    parser.add_argument("--old-plot-max", type=int, default=10**7, help="old plot sizes <=")
     parser.add_argument("--old-limit-gib", type=float, default=8.0, help="prlimit --as, old")
+    parser.add_argument(
+        "--older-lines", action="store_true", help="lines without the appended fields"
+    )
     parser.add_argument("--new-limit-gib", type=float, default=4.0, help="prlimit --as, new")
     parser.add_argument(
         "--workdir", type=Path, help="kept, and its runs reused (default: a temporary one)"
     )
+    parser.add_argument("--build", nargs=2, help=argparse.SUPPRESS)  # ROOT SIZE: the child
     args = parser.parse_args()
+    if args.build:
+        write_run(Path(args.build[0]), int(args.build[1]), appended=not args.older_lines)
+        return 0
     work = args.workdir or Path(tempfile.mkdtemp(prefix="plot-planner-scale-"))
     arms = {"new": REPO}
     rows = []
@@ -197,6 +180,12 @@ def main() -> int:
                 check=True,
             ).stdout
             subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+            scanner = Path("megatron_ext/records/_scan.c")
+            if (old / scanner).is_file() and (old / scanner).read_bytes() == (
+                REPO / scanner
+            ).read_bytes():
+                for built in (REPO / scanner.parent).glob("_scan*.so"):
+                    shutil.copy(built, old / scanner.parent)
             arms = {args.compare: old, "new": REPO}
         for size in [int(s) for s in args.sizes.split(",")]:
             root = work / f"run-{size}"
@@ -205,7 +194,11 @@ def main() -> int:
                 log = root / "signals" / "signals.jsonl"
             else:
                 shutil.rmtree(root, ignore_errors=True)
-                log = write_run(root, size)
+                # In a child: a child's peak RSS counts what it was forked from, and writing
+                # the checkpoints imports torch here.
+                build = [sys.executable, __file__, "--build", str(root), str(size)]
+                subprocess.run(build + ["--older-lines"] * args.older_lines, check=True)
+                log = root / "signals" / "signals.jsonl"
                 (root / "written").touch()
             mib = log.stat().st_size / 2**20
             print(
@@ -214,10 +207,11 @@ def main() -> int:
                 f"(written in {time.perf_counter() - start:.0f} s)",
                 flush=True,
             )
-            for operation in ("plan", "plot"):
+            for operation in ("plan", "plot", "plot (ledger)"):
                 figures = {}
                 for arm, code in arms.items():
-                    if arm != "new" and operation == "plot" and size > args.old_plot_max:
+                    too_big = operation.startswith("plot") and size > args.old_plot_max
+                    if arm != "new" and too_big:
                         figures[arm] = None
                         continue
                     shutil.rmtree(root / "ckpt" / "megatron_ext_incidents", ignore_errors=True)

@@ -211,62 +211,55 @@ def planner_checkpoints(directory: Path, template: Path, last: int) -> int:
     return count
 
 
-def _signal(iteration: int, loss: float, buckets: list[str], rng_value: float) -> dict:
-    from megatron_ext.records.signals import SignalRecord
-
-    return SignalRecord(
-        iteration=iteration,
-        attempt=1,
-        job_id="scale-bench",
-        wall_time=1.7e9 + iteration * 4.0,
-        consumed_samples=iteration * GLOBAL_BATCH,
-        skipped_samples=0,
-        lm_loss=loss,
-        z_loss=20.0 + rng_value,
-        max_local_loss=loss * 1.05,
-        max_loss_dp_rank=iteration % DP,
-        grad_norm=0.3 + 0.05 * rng_value,
-        bucket_grad_norms={name: 0.1 + 0.01 * rng_value for name in buckets},
-        params_norm=400.0 + iteration * 1e-4,
-        update_ratio=1e-4,
-        lr=3e-4,
-        loss_scale=1.0,
-        num_zeros=0.0,
-    ).as_json()
-
-
 def build_signals(setting: Setting) -> tuple[int, int]:
     """``signals/signals.jsonl`` (a slowly falling loss with noise, a sustained spike over
-    the last 80 iterations) and ``signals/spikes.jsonl`` written by the real detector fed the
-    records around the spike; returns (iterations, onset)."""
+    the last 80 iterations), each line what a default run writes (``tests/support/
+    default_run.py``: a real record of ``megatron-ext demo``, per-source fields included), and
+    ``signals/spikes.jsonl`` written by the real detector fed the records around the spike;
+    returns (iterations, onset)."""
     from megatron_ext.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
     from megatron_ext.records.ledger import config_record
-    from megatron_ext.records.signals import SignalRecord
     from megatron_ext.records.spike_config import SpikeConfig
     from megatron_ext.spikes.detector import SpikeDetector
+    from tests.support.default_run import lines, record
 
     directory = setting.root / "signals"
     directory.mkdir(parents=True, exist_ok=True)
     last = setting.signals_iterations
     onset = last - 80
-    buckets = [f"b{k}:layers{2 * k}-{2 * k + 1}[decoder.layers.{2 * k}..]" for k in range(12)]
     rng = np.random.default_rng(7)
     noise = rng.normal(0.0, 0.01, last + 1)
     config = SpikeConfig()
     window: list[dict] = []
-    with open(directory / SIGNALS_FILE, "w") as out:
+
+    def moving() -> Any:
         for iteration in range(1, last + 1):
             loss = 2.0 + 8.0 / math.sqrt(iteration) + float(noise[iteration])
-            record = _signal(iteration, loss * (1.6 if iteration >= onset else 1.0), buckets, 0.0)
-            out.write(json.dumps(record, separators=(",", ":")) + "\n")
+            loss *= 1.6 if iteration >= onset else 1.0
+            values = {
+                "iteration": iteration,
+                "attempt": 1,
+                "wall_time": 1.7e9 + iteration * 4.0,
+                "consumed_samples": iteration * GLOBAL_BATCH,
+                "lm_loss": loss,
+                "max_local_loss": loss * 1.05,
+                "grad_norm": 0.3,
+                "params_norm": 400.0 + iteration * 1e-4,
+                "lr": 3e-4,
+                "source_loss": loss,
+            }
             if iteration > onset - config.warmup - config.window - 20:
-                window.append(record)
+                window.append(values)
+            yield values
+
+    with open(directory / SIGNALS_FILE, "w") as out:
+        out.writelines(lines(moving()))
     detector = SpikeDetector(config)
     with open(directory / SPIKE_LEDGER_FILE, "w") as ledger:
         line = config_record(window[0]["iteration"], 1, config, str(setting.root / "ckpt"), None)
         ledger.write(json.dumps(line) + "\n")
-        for record in window:
-            for event in detector.observe(SignalRecord(**record)):
+        for values in window:
+            for event in detector.observe(record(**values)):
                 ledger.write(json.dumps(event.as_json()) + "\n")
     return last, onset
 

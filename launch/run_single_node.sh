@@ -7,8 +7,9 @@
 # Everything else (the knobs and their defaults, the exit-code policy, restarts, spike
 # rollbacks, signals) is `megatron-ext supervise --scheduler local`, which this script execs:
 # launch/run_single_node.sh --help prints it all. Rerunning the same command resumes from
-# CKPT_DIR. MEGATRON_EXT_PYTHON picks the supervisor's interpreter (default: $PYTHON, else
-# python); MEGATRON_EXT_ROOT the repository (default: the parent of launch/).
+# CKPT_DIR. MEGATRON_EXT_PYTHON picks the supervisor's interpreter (default: the checkout's
+# .venv, else $PYTHON, else python; launch/python.sh); MEGATRON_EXT_ROOT the repository
+# (default: the parent of launch/).
 set -euo pipefail
 
 root=${MEGATRON_EXT_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
@@ -17,5 +18,7 @@ if [[ ! -f $root/megatron_ext/supervise/runner.py ]]; then
         "(no megatron_ext/supervise/runner.py); unset it or point it at the repository" >&2
     exit 2
 fi
+# shellcheck source=launch/python.sh
+source "$root/launch/python.sh"
 export MEGATRON_EXT_ROOT=$root PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
-exec "${MEGATRON_EXT_PYTHON:-${PYTHON:-python}}" -m megatron_ext.supervise --scheduler local "$@"
+exec "$python" -m megatron_ext.supervise --scheduler local "$@"

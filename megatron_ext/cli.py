@@ -23,6 +23,8 @@ commands:
   skiplist     plan (and --apply) a rollback + skip after a spike exit (code 42)
   patches      list the runtime patches megatron-ext applies to Megatron, and verify them
   lookup       iteration + DP rank -> samples, documents, tokens; document -> iterations
+  provenance   rebuild a dataset's provenance sidecar (document -> file, line, id); show it
+  blocklist    apply a lookup's blocklist to the raw JSONL shards (filtered copies)
   plot         signals log -> PNG: loss, grad norm, params norm, max logit, spike candidates
   supervise    the launchers' attempt loop and exit-code policy (see launch/)
 """
@@ -37,6 +39,8 @@ COMMANDS: dict[str, str] = {
     "patches": "megatron_ext.patch_report",
     "skiplist": "megatron_ext.incidents.cli",
     "lookup": "megatron_ext.lookup.cli",
+    "provenance": "megatron_ext.data.provenance",
+    "blocklist": "megatron_ext.data.blocklist",
     "plot": "megatron_ext.plot",
     "supervise": "megatron_ext.supervise.cli",
 }

@@ -13,7 +13,6 @@ always starts over: it is about the incident, not the model.
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from megatron_ext.files import (
     incident_stem,
 )
 from megatron_ext.io import read_jsonl
+from megatron_ext.launch_console import console
 from megatron_ext.train import CPU_FLAGS, ENTRY_POINT, cpu_runner, torchrun
 
 WORKDIRS = {False: Path("runs/demo"), True: Path("runs/demo-drill")}  # by --drill
@@ -60,7 +60,9 @@ TINY_MODEL = [
 def prepare_tiny_dataset(workdir: Path) -> tuple[Path, list[str]]:
     """Write a synthetic corpus, train a BPE on it and preprocess it (reused when present).
 
-    Returns the Megatron data prefix and the tokenizer flags that load the tokenizer.
+    Its records carry ids and the dataset a provenance sidecar naming them, so the drill's
+    incident report names the raw records behind a spike. Returns the Megatron data prefix and
+    the tokenizer flags that load the tokenizer.
     """
     data_dir = workdir / "data"
     prefix = data_dir / "tiny"
@@ -69,7 +71,7 @@ def prepare_tiny_dataset(workdir: Path) -> tuple[Path, list[str]]:
     if not document.with_suffix(".idx").exists():
         shutil.rmtree(data_dir, ignore_errors=True)
         data_dir.mkdir(parents=True)
-        corpus = write_tiny_corpus(data_dir / "corpus.jsonl")
+        corpus = write_tiny_corpus(data_dir / "corpus.jsonl", ids=True)
         status = preprocess.main(
             [
                 "--input",
@@ -83,6 +85,8 @@ def prepare_tiny_dataset(workdir: Path) -> tuple[Path, list[str]]:
                 str(tokenizer_dir),
                 "--workers",
                 "2",
+                "--provenance-key",
+                "id",
             ]
         )
         if status != 0:
@@ -221,19 +225,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Megatron's argument dump at start-up ("  name ........ value"): values like
-# error_injection_rate would otherwise pass the filter below.
-_ARGUMENT_DUMP = re.compile(r"^\s*\S+ \.{2,} ")
-
-
-def _shown(line: str) -> bool:
-    """Iteration and validation lines, megatron-ext messages and errors; not Megatron's
-    argument dump or its per-checkpoint memory report."""
-    if _ARGUMENT_DUMP.match(line) or "memory (MB)" in line:
-        return False
-    return " iteration " in line or "megatron-ext" in line or "error" in line.lower()
-
-
 def _train(command: list[str], workdir: Path, log_path: Path) -> int:
     """Run one launch, echoing iteration lines and megatron-ext messages."""
     print("+ " + " ".join(command), flush=True)
@@ -242,10 +233,8 @@ def _train(command: list[str], workdir: Path, log_path: Path) -> int:
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=workdir
         )
         assert process.stdout is not None
-        for line in process.stdout:
-            log.write(line)
-            if _shown(line):
-                print(line.rstrip(), flush=True)
+        for line in console(process.stdout, log):
+            print(line, flush=True)
         return process.wait()
 
 
@@ -319,8 +308,8 @@ def _summary(workdir: Path, shown: Path, log_path: Path, status: int, iters: int
 def _drill_rollback(workdir: Path, number: int) -> bool:
     """The drill's expected spike exit: plan and apply the rollback (skiplist --apply)."""
     print(
-        "\ndemo: the torchrun ChildFailedError above is expected: the spike detector ended "
-        "training with exit code 42 to request a rollback"
+        "\ndemo: as expected, the spike detector ended training with exit code 42 to request "
+        "a rollback (torchrun's report of it is in train.log)"
     )
     print(f"demo: spike exit -> megatron-ext skiplist --apply (rollback {number})")
     from megatron_ext.incidents.cli import main as skiplist

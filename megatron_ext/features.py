@@ -115,6 +115,7 @@ class StepRecord:
     params_norm: float | None
     num_zeros: float | None
     max_attention_logit: float | None
+    update_skipped: bool = False  # --spike-skip-update withheld this step's update
     signals: Any = None  # megatron_ext.records.signals.SignalRecord on the writing rank
 
 

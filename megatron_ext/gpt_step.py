@@ -34,6 +34,8 @@ from megatron_ext.features import Feature, FeatureSet, LossInputs, MicroBatch
 
 # Megatron-LM pretrain_gpt.py: a loss 10x the max of the first losses is "spiky".
 SPIKY_LOSS_FACTOR = 10
+# The report entries an evaluation keeps: those whose exp() is a perplexity.
+EVALUATED = ("lm loss",)
 
 # What megatron-core's BlendedDataset adds to every sample: the index of its blend member.
 DATASET_ID_KEY = "dataset_id"
@@ -79,6 +81,8 @@ def check_layout(args: Any) -> None:
             "Drop --async-save on CPU (saves are synchronous); on a GPU it is checked by "
             "tools/gpu_smoke.sh's async-save rung."
         )
+    if getattr(args, "use_megatron_fsdp", False):
+        _check_megatron_fsdp()
     if args.transformer_impl != "local":
         return
     needs = "Install Transformer Engine and run with --transformer-impl transformer_engine"
@@ -95,6 +99,24 @@ def check_layout(args: Any) -> None:
             "--transformer-impl local and no Apex, Megatron's layers use torch's LayerNorm/"
             f"RMSNorm, which does not support sequence parallelism. {needs}, or drop "
             "--sequence-parallel."
+        )
+
+
+def _check_megatron_fsdp() -> None:
+    """Megatron-FSDP's wrapper fails with a traceback, on every rank, where it cannot run:
+    on the CPU runner (measured with megatron-core 0.19.2) and without einops (anywhere)."""
+    if getattr(torch.cuda, "_megatron_ext_cpu_harness", False):
+        raise SystemExit(
+            "pretrain_gpt_ext.py: --use-megatron-fsdp is refused on the CPU runner: Megatron-"
+            "FSDP's wrapper builds torch.device(f'cuda:{torch.cuda.current_device()}') "
+            "(RuntimeError: Invalid device string: 'cuda:cpu', mcore_fsdp_adapter.py) and its "
+            "gradient reduce-scatter uses ReduceOp.PREMUL_SUM (RuntimeError: Cannot use "
+            "ReduceOp.PREMUL_SUM with Gloo). Use --use-torch-fsdp2 on CPU, or run on GPUs."
+        )
+    if importlib.util.find_spec("einops") is None:
+        raise SystemExit(
+            "pretrain_gpt_ext.py: --use-megatron-fsdp needs einops (Megatron-FSDP asserts it "
+            "while wrapping the model, after the whole start-up): pip install einops."
         )
 
 
@@ -194,6 +216,10 @@ def loss_func(
     inputs = LossInputs(micro_batch, output_tensor, mask, loss, num_tokens)
     for feature in features.using(Feature.on_loss):
         report.update(feature.on_loss(inputs) or {})
+    if not micro_batch.training:
+        # Megatron's evaluation prints every entry with exp(value) as its "PPL": a perplexity
+        # of the cross entropy only (z loss, log z: training signals, logged while training).
+        report = {name: value for name, value in report.items() if name in EVALUATED}
 
     rerun_state_machine = get_rerun_state_machine()
     if args.check_for_nan_in_loss_and_grad:

@@ -17,12 +17,15 @@ from typing import Any
 
 from megatron_ext import hooks, registry
 from megatron_ext.data.adapter import DataCheckFeature
-from megatron_ext.features import Feature, FeatureSet
+from megatron_ext.features import Feature, FeatureError, FeatureSet
+from megatron_ext.fsdp.adapter import TorchFsdpFeature
 from megatron_ext.runlock.adapter import RunLockFeature
 from megatron_ext.sample_log.adapter import SampleLogFeature
 from megatron_ext.spikes.adapter import DrillFeature, SpikeFeature
 from megatron_ext.spikes.skip_list import SkipListFeature
+from megatron_ext.spikes.update_skip import UpdateSkipFeature
 from megatron_ext.telemetry.adapter import TelemetryFeature
+from megatron_ext.telemetry.attention_logit import AttentionLogitFeature
 from megatron_ext.weight_decay.adapter import WeightDecayFeature
 from megatron_ext.zloss.adapter import ZLossFeature
 
@@ -34,10 +37,14 @@ def all_features() -> list[Feature]:
     # once the others have written this iteration's records.
     return [
         RunLockFeature(),
+        TorchFsdpFeature(),
         DataCheckFeature(),
         DrillFeature(),
         ZLossFeature(),
         WeightDecayFeature(),
+        # Before telemetry: they fill the step record's withheld update and attention logit.
+        UpdateSkipFeature(),
+        AttentionLogitFeature(),
         TelemetryFeature(),
         SampleLogFeature(),
         SkipListFeature(),
@@ -53,9 +60,50 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     return parser
 
 
+# Flags verified to be independent of the data-parallel wrapper: the run lock and the skip
+# lists (Megatron's own --iterations-to-skip, resolved before it parses).
+WRAPPER_FREE = frozenset(
+    {
+        "force_run_lock",
+        "iterations_to_skip_file",
+        "skip_sample_windows",
+        "skip_windows_global_batch",
+    }
+)
+
+
+def refuse_under_megatron_fsdp(args: Any) -> None:
+    """Refuse the megatron-ext flags set in ``args`` when Megatron-FSDP wraps the model.
+
+    Why all of them: Megatron-FSDP does not start on the CPU runner, so CI cannot check any
+    feature there, and on a run made to start (einops, the runner's device made ``cuda:0``,
+    ``--no-gradient-reduce-div-fusion``) the telemetry stopped at set-up (Megatron-FSDP builds
+    a DistributedOptimizer, not the ChainedOptimizer it reads, and has no DDP buckets) and
+    z-loss at the first loss (its per-token loss does not come back through Megatron-FSDP's
+    forward unchanged). A flag is refused until a run checks it; torch FSDP2 is checked.
+    """
+    if not getattr(args, "use_megatron_fsdp", False):
+        return
+    defaults = vars(add_megatron_ext_args(argparse.ArgumentParser()).parse_args([]))
+    used = [
+        "--" + dest.replace("_", "-")
+        for dest, default in defaults.items()
+        if dest not in WRAPPER_FREE and getattr(args, dest, default) != default
+    ]
+    if used:
+        raise FeatureError(
+            f"{', '.join(used)} with --use-megatron-fsdp: megatron-ext's features are not "
+            "verified under Megatron-FSDP (telemetry needs Megatron's ChainedOptimizer and DDP "
+            "buckets, z-loss its unchanged loss tensor; Megatron-FSDP does not run on the CPU "
+            "runner). Drop them, or train with --use-torch-fsdp2 (checked by the layout "
+            "matrix) or --use-distributed-optimizer."
+        )
+
+
 def install(args: Any, features: list[Feature] | None = None) -> FeatureSet:
     """Validate and install the enabled features (``all_features()`` unless given), then
     apply the patches they use, each bound to what its wrapper reads."""
+    refuse_under_megatron_fsdp(args)
     installed = FeatureSet.install(all_features() if features is None else features, args)
     for feature in installed.features:
         apply_patches_of(feature)

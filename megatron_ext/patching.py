@@ -314,6 +314,9 @@ class Assumption(_Versioned):
 
     def verify(self) -> None:
         if self.variants:
+            variant = self.variant_for()
+            if variant is not None and not variant.available:
+                return None  # the feature relying on it refuses to start on this version
             return self.selected().verify()
         if ":" not in self.target:
             self._verify_names()
@@ -321,7 +324,8 @@ class Assumption(_Versioned):
         _, value = _existing(self.name, self.target, self.verified_on)
         if self.assigned:
             function = inspect.isfunction(value)
-            body = value if function else getattr(value, "__init__", None)
+            # A decorated method (torch.no_grad) is read through to the function it wraps.
+            body = inspect.unwrap(value) if function else getattr(value, "__init__", None)
             code = getattr(body, "__code__", None)
             names = set(getattr(code, "co_names", ()))
             if function:  # setattr(obj, "name", ...) keeps the name as a constant

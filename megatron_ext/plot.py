@@ -1,13 +1,15 @@
-"""``megatron-ext plot``: the signals log as a four-panel PNG, with what the tracker did.
+"""``megatron-ext plot``: the signals log as a PNG of panels, with what the tracker did.
 
     megatron-ext plot --signals-dir runs/7b/signals              # -> runs/7b/signals/signals.png
     megatron-ext plot --signals-dir DIR --attempts latest        # what the run finally trained
     megatron-ext plot --signals FILE.jsonl --attempts 2,3 --out spike.png
     megatron-ext plot --signals-dir DIR --spike-large-rel 0.5    # what those thresholds flag
 
-Panels: LM loss, grad norm (pre-clip), params norm, max attention logit, and for a blend run
-the loss of each data source with the stage changes marked (:mod:`megatron_ext.plot_sources`).
-With ``--attempts all``
+Panels: LM loss, grad norm (pre-clip), params norm; the max attention logit and log Z of the
+output softmax when the run recorded them (the figure names the flags otherwise); the loss of
+each data source with the stage changes marked (:mod:`megatron_ext.plot_sources`). Steps
+whose update ``--spike-skip-update`` withheld are diamonds under the loss, counted in the
+legend. With ``--attempts all``
 (the default) every attempt (launch, requeue, rollback) is its own coloured line, so a replay
 after a rollback is seen next to what it replaced; ``latest`` plots one line, what the run
 finally trained (the last attempt, and before its restart the attempt it resumed from, and so
@@ -50,6 +52,7 @@ from megatron_ext import plot_sources
 from megatron_ext.files import SIGNALS_FILE, SIGNALS_PLOT_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.gap_log import Gap
 from megatron_ext.io import atomic_write
+from megatron_ext.plot_axes import draw_update_skips, log_axis
 from megatron_ext.plot_envelope import COLUMNS
 from megatron_ext.plot_stream import MARKERS, Series, Stats, plan_series, stream
 from megatron_ext.records.ledger import Ledger, read_incidents, read_ledger
@@ -62,16 +65,18 @@ from megatron_ext.records.spike_config import (
 )
 from megatron_ext.spikes.detector import SpikeEvent
 
-# (record field, panel title, the note shown when no iteration recorded it)
-PANELS: tuple[tuple[str, str, str], ...] = (
-    ("lm_loss", "LM loss", "not recorded"),
-    ("grad_norm", "grad norm (pre-clip)", "not recorded"),
-    ("params_norm", "params norm", "not recorded"),
+# (record field, panel title, the flag that records it: None for what every run records; a
+# panel with a flag is left out when no iteration recorded it, and the figure names the flag)
+PANELS: tuple[tuple[str, str, str | None], ...] = (
+    ("lm_loss", "LM loss", None),
+    ("grad_norm", "grad norm (pre-clip)", None),
+    ("params_norm", "params norm", None),
     (
         "max_attention_logit",
         "max attention logit",
-        "not recorded (enable --log-max-attention-logit)",
+        "--signals-attention-logit, or --log-max-attention-logit with Transformer Engine",
     ),
+    ("log_z", "log Z of the output softmax", "--log-output-z"),
 )
 MARKED_PANELS = {"lm_loss", "grad_norm"}  # what the detector reads; other panels get the line
 MAX_LISTED = 20  # candidates printed; a run stuck at NaN has one per iteration
@@ -181,20 +186,23 @@ def render(
     """The four-panel figure (drawn on an Agg canvas; :func:`save_png` writes it); ``gaps``:
     the log's gap lines (attempt, gap), iterations whose records a write failure kept out."""
     by_source = any(line.sources is not None and line.sources.envelopes for line in series)
-    figure = Figure(figsize=(12, 13 if by_source else 11), dpi=100, layout="constrained")
+    recorded = {n for n, _, _ in PANELS if any(line.envelopes[n].recorded for line in series)}
+    panels = [p for p in PANELS if p[2] is None or p[0] in recorded]
+    rows = len(panels) + by_source
+    figure = Figure(figsize=(12, max(11, 2.75 * rows)), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplots(len(PANELS) + by_source, 1, sharex=True)
+    axes = figure.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
     colours = rcParams["axes.prop_cycle"].by_key()["color"]
     _draw_plans(list(axes), plans or [])
     _draw_gaps(list(axes), gaps or [])
-    for axis, (name, panel_title, missing) in zip(axes, PANELS):
+    for axis, (name, panel_title, _) in zip(axes, panels):
         axis.set_title(panel_title, loc="left", fontsize=10)
         axis.grid(True, alpha=0.3)
-        if all(line.envelopes[name].recorded == 0 for line in series):
+        if name not in recorded:
             axis.text(
                 0.5,
                 0.5,
-                missing,
+                "not recorded",
                 transform=axis.transAxes,
                 ha="center",
                 va="center",
@@ -202,13 +210,14 @@ def render(
                 color="0.4",
             )
             axis.set_yticks([])
-        lowest = []
+        lowest, highest = [], []
         for index, line in enumerate(series):
             colour = colours[index % len(colours)]
             envelope = line.envelopes[name]
             xs, ys = envelope.points()  # NaN: a gap
             if (low := envelope.finite_min()) is not None:
                 lowest.append(low)
+                highest.append(envelope.finite_max())
             axis.plot(xs, ys, color=colour, linewidth=1.0, label=line.label)
             bad = envelope.bad()
             if len(bad):  # an empty line in axes coordinates collapses the constrained layout
@@ -242,7 +251,9 @@ def render(
                         markeredgecolor="black",
                     )
         if name == "grad_norm" and lowest and min(lowest) > 0:
-            axis.set_yscale("log")  # spikes are orders of magnitude; the baseline stays legible
+            # Spikes are orders of magnitude; the baseline stays legible.
+            log_axis(axis, min(lowest), max(highest))
+    skips = draw_update_skips(axes[0], series, colours)
     if by_source:
         plot_sources.draw(axes[-1], series, colours)
     axes[-1].set_xlabel("iteration")
@@ -264,6 +275,9 @@ def render(
     handles.append(
         Line2D([], [], linestyle="none", marker="x", color="0.5", label="NaN/Inf (top edge)")
     )
+    if skips:
+        label = f"update withheld ({skips}, loss panel's bottom edge)"
+        handles.append(Line2D([], [], linestyle="none", marker="D", color="0.5", label=label))
     if gaps:
         handles.append(Patch(color="red", alpha=0.12, hatch="//", label="not logged (gap)"))
     if plans:
@@ -274,6 +288,9 @@ def render(
     figure.legend(
         handles=handles, loc="outside lower center", ncols=min(len(handles), 6), fontsize=9
     )
+    missing = [f"{title} ({flag})" for name, title, flag in PANELS if flag and name not in recorded]
+    if missing:
+        title += "\nnot recorded: " + "; ".join(missing)
     figure.suptitle(title, x=0.01, ha="left", fontsize=11)
     return figure
 

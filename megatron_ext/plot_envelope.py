@@ -58,6 +58,10 @@ class Envelope:
         """The lowest finite value (kept exactly: it is some column's minimum)."""
         return float(min(y[:, 1].min() for y in self._ys)) if self._ys else None
 
+    def finite_max(self) -> float | None:
+        """The highest finite value (some column's maximum)."""
+        return float(max(y[:, 2].max() for y in self._ys)) if self._ys else None
+
     def bad(self) -> np.ndarray:
         """Iterations of the non-finite values kept (one per column)."""
         if not self._bad:

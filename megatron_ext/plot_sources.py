@@ -31,26 +31,25 @@ class SourceLines:
     mixtures: dict[int, dict[str, int]] = field(default_factory=dict)  # attempt -> tokens
 
     def add(self, block: Block, rows: np.ndarray) -> None:
-        if not block.sources:
+        sources = block.sources
+        if sources is None:
             return
-        iterations = block.values["iteration"][rows].tolist()
-        attempts = block.values["attempt"][rows].tolist()
-        columns: dict[str, tuple[list[int], list[float]]] = {}
-        for iteration, attempt in zip(iterations, attempts):
-            found = block.sources.get((iteration, attempt))
-            if found is None:
-                continue
-            losses, tokens = found
+        iterations = block.values["iteration"][rows]
+        attempts = block.values["attempt"][rows]
+        has_tokens, tokens = sources.has_tokens[rows], sources.tokens[rows]
+        for attempt in np.unique(attempts).tolist():
+            mine = attempts == attempt
+            totals = np.where(has_tokens[mine], tokens[mine], 0).sum(axis=0).tolist()
+            named = has_tokens[mine].any(axis=0).tolist()
             mixture = self.mixtures.setdefault(attempt, {})
-            for name, count in tokens.items():
-                mixture[name] = mixture.get(name, 0) + count
-            for name, loss in losses.items():
-                xs, ys = columns.setdefault(name, ([], []))
-                xs.append(iteration)
-                ys.append(loss)
-        for name, (xs, ys) in columns.items():
-            envelope = self.envelopes.setdefault(name, Envelope(self.start, self.width))
-            envelope.add(np.array(xs), np.array(ys), np.ones(len(xs), dtype=bool))
+            for name, total, seen in zip(sources.names, totals, named):
+                if seen:
+                    mixture[name] = mixture.get(name, 0) + total
+        for index, name in enumerate(sources.names):
+            has = sources.has_loss[rows, index]
+            if has.any():
+                envelope = self.envelopes.setdefault(name, Envelope(self.start, self.width))
+                envelope.add(iterations, sources.losses[rows, index], has)
 
 
 def shares(tokens: dict[str, int]) -> dict[str, float]:

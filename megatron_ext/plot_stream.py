@@ -12,10 +12,14 @@ What a line is, from the attempts' segments (:class:`SignalsLog`, found by bisec
 - ``latest``: what the run finally trained: the last attempt's records, before its first
   iteration those of the attempt it resumed from, and so on back (an attempt's records past a
   later attempt's restart were rolled back and are not shown);
-- marks: the tracker's ledger events, or a replay of the detector. An attempt that starts
-  mid-run is primed exactly as the training-time tracker primes itself on a restart (the last
-  ``warmup + window`` iterations it continued from, read by seeking), so a replayed spike right
-  after a rollback is caught as training would have caught it.
+- marks: the tracker's ledger events, or a replay of the detector
+  (:mod:`megatron_ext.spikes.fast_replay`: the same events, without observing the records that
+  the arrays show are quiet). An attempt that starts mid-run is primed exactly as the
+  training-time tracker primes itself on a restart (the last ``warmup + window`` iterations it
+  continued from, read by seeking), so a replayed spike right after a rollback is caught as
+  training would have caught it;
+- the iterations whose update ``--spike-skip-update`` withheld (``update_skipped``), counted
+  and kept one per envelope column, as the non-finite values are.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ from megatron_ext.plot_envelope import COLUMNS, Envelope, column_width
 from megatron_ext.plot_sources import SourceLines
 from megatron_ext.records.ledger import Ledger
 from megatron_ext.records.signals_columns import COLUMNS as FIELDS
-from megatron_ext.records.signals_columns import Block, parse_block, replay_records
+from megatron_ext.records.signals_columns import Block, parse_block
 from megatron_ext.records.signals_seek import BLOCK, OrderError, Segment, SignalsLog, report
+from megatron_ext.records.signals_sources import concat
 from megatron_ext.records.spike_config import SpikeConfig
 from megatron_ext.spikes.detector import SpikeDetector, SpikeEvent, primed
+from megatron_ext.spikes.fast_replay import FastReplay
 
-PANEL_FIELDS = ("lm_loss", "grad_norm", "params_norm", "max_attention_logit")
+PANEL_FIELDS = ("lm_loss", "grad_norm", "params_norm", "max_attention_logit", "log_z")
 MARKED_FIELDS = {"lm_loss": "loss", "grad_norm": "grad_norm"}  # panel -> event field
 MARKERS = {"spike": "^", "divergence": "X", "recovered": "v", "rollback": "s"}
 READ_BLOCK = 8 * BLOCK  # bytes parsed at a time: ~16 k lines
@@ -56,9 +62,11 @@ class Series:
     source: str = "replay"  # "ledger": what the tracker did; "replay": what it would flag
     marks: dict[str, dict[int, float]] = field(default_factory=dict)  # panel -> at events
     records: int = 0
-    detector: SpikeDetector | None = None  # replays: fed in the pass
+    detector: FastReplay | None = None  # replays: fed in the pass
     hit: set[tuple[int, int]] = field(default_factory=set)  # (iteration, attempt) of marks
     sources: SourceLines | None = None  # the per-source panel's lines
+    update_skips: int = 0  # records whose update --spike-skip-update withheld
+    skipped_at: list[np.ndarray] = field(default_factory=list)  # their first per column
 
 
 @dataclass
@@ -146,7 +154,7 @@ def plan_series(
         if line.source == "ledger":
             line.candidates = [e for a in sorted(ledger.configs) for e in _ledger_events(ledger, a)]
         else:
-            line.detector = SpikeDetector(config)
+            line.detector = FastReplay(SpikeDetector(config))
         return [line]
     lines = []
     for segment in [s for s in segments if s.attempt in chosen]:
@@ -157,7 +165,7 @@ def plan_series(
         else:
             count = config.warmup + config.window
             history = log.history(segment.attempt, segment.first_iteration, count)
-            line.detector = primed(config, history)
+            line.detector = FastReplay(primed(config, history))
         lines.append(line)
     return lines
 
@@ -169,13 +177,13 @@ def _feed(line: Series, block: Block, rows: np.ndarray, wanted: np.ndarray) -> N
         line.sources.add(block, rows)
     for name, envelope in line.envelopes.items():
         envelope.add(it, block.values[name][rows], block.present[name][rows])
+    skipped = it[block.values["update_skipped"][rows]]
+    if len(skipped):
+        line.update_skips += len(skipped)
+        bins = (skipped - line.envelopes["lm_loss"].start) // line.envelopes["lm_loss"].width
+        line.skipped_at.append(skipped[np.r_[True, bins[1:] != bins[:-1]]])
     if line.detector is not None:
-        detector, found = line.detector, []
-        for record in replay_records(block, rows):
-            found += detector.observe(record)
-            if detector.state == "rollback":
-                detector.resume()
-        for event in found:
+        for event in line.detector.feed(block, rows):
             if event.kind in ("spike", "divergence"):
                 line.candidates.append(event)
                 for name, key in MARKED_FIELDS.items():
@@ -260,9 +268,8 @@ def _take(block: Block, rows: np.ndarray) -> Block:
         {k: v[rows] for k, v in block.values.items()},
         {k: v[rows] for k, v in block.present.items()},
     )
-    if block.sources:  # only the rows' own: a held-back row must not carry a whole block's
-        keys = zip(taken.values["iteration"].tolist(), taken.values["attempt"].tolist())
-        taken.sources = {k: block.sources[k] for k in keys if k in block.sources}
+    if block.sources is not None:
+        taken.sources = block.sources.take(rows)
     return taken
 
 
@@ -270,7 +277,7 @@ def _join(first: Block, second: Block) -> Block:
     return Block(
         {k: np.concatenate([v, second.values[k]]) for k, v in first.values.items()},
         {k: np.concatenate([v, second.present[k]]) for k, v in first.present.items()},
-        sources={**first.sources, **second.sources},
+        sources=concat(first.sources, second.sources, (len(first), len(second))),
     )
 
 
@@ -284,7 +291,8 @@ def stream(log: SignalsLog, lines: list[Series]) -> Stats:
     }
     segments = log.segments() or [Segment(0, 0, -1, 0, log.size)]  # no record: still report
     replays = any(line.detector is not None for line in lines)
-    names = set(FIELDS) if replays else set(PANEL_FIELDS)  # a replay reads more fields
+    # A replay reads more fields.
+    names = set(FIELDS) if replays else {*PANEL_FIELDS, "update_skipped"}
     for segment in segments:
         takers = [(line, p) for line in lines for p in line.pieces if p[0] == segment.attempt]
         for block in _blocks(log, segment, stats, names):

@@ -162,10 +162,16 @@ COPIES: tuple[Copy, ...] = (
             f"{_DATASETS}.indexed_dataset:_IndexReader.__init__",
             f"{_DATASETS}.indexed_dataset:IndexedDataset.get",
         ),
-        used_by=(f"{_LOOKUP}.formats", "megatron_ext.records.pair", "megatron_ext.data.checks"),
-        reason="The lookup, the pair check and the split check read .idx/.bin as this reader "
-        "does (the layout is defined once, in records/pair.py): header, version 1, dtype "
-        "code, counts, then the three arrays; tokens as IndexedDataset.get slices them.",
+        used_by=(
+            f"{_LOOKUP}.formats",
+            "megatron_ext.records.pair",
+            "megatron_ext.data.checks",
+            "megatron_ext.data.provenance",
+        ),
+        reason="The lookup, the pair check, the split check and the provenance rebuild read "
+        ".idx/.bin as this reader does (the layout is defined once, in records/pair.py): "
+        "header, version 1, dtype code, counts, then the three arrays; tokens as "
+        "IndexedDataset.get slices them.",
         sources=(Source(ALL, "63a03efdcae6fc7f"),),
     ),
     Copy(

@@ -187,7 +187,10 @@ IMPORTS: tuple[Assumption, ...] = (
     _imports(f"{_CORE}.models.gpt", ("gpt_layer_specs",)),
     _imports(f"{_CORE}.num_microbatches_calculator", ("get_num_microbatches",)),
     _imports(f"{_CORE}.models.gpt.gpt_model", ("GPTModel",)),
-    _imports(f"{_CORE}.optimizer", ("ParamKey", "ParamWithNamePredicate", "distrib_optimizer")),
+    _imports(
+        f"{_CORE}.optimizer",
+        ("OptimizerConfig", "ParamKey", "ParamWithNamePredicate", "distrib_optimizer"),
+    ),
     _imports(f"{_CORE}.optimizer.optimizer", ("ChainedOptimizer",)),
     _imports(f"{_CORE}.optimizer_param_scheduler", ("combine_param_group_overrides",)),
     _imports(f"{_CORE}.parallel_state", ("get_context_parallel_group",)),
@@ -197,6 +200,8 @@ IMPORTS: tuple[Assumption, ...] = (
     _imports(f"{_CORE}.tensor_parallel", ("gather_from_sequence_parallel_region",)),
     _imports(f"{_CORE}.tensor_parallel.layers", ("param_is_not_tensor_parallel_duplicate",)),
     _imports(f"{_CORE}.tokenizers.utils.build_tokenizer", ("build_tokenizer",)),
+    _imports(f"{_CORE}.transformer.dot_product_attention", ("DotProductAttention",)),
+    _imports(f"{_CORE}.transformer.enums", ("AttnMaskType",)),
     _imports(f"{_CORE}.transformer.module", ("param_is_not_shared",)),
     _imports(
         f"{_CORE}.utils",

@@ -29,6 +29,7 @@ SHARED = {
     ),
     "real-shaped": (
         "e2e/test_spike_drill.py",
+        "e2e/test_provenance_drill.py",
         "faults/test_lookup_attempt_faults.py",
         "faults/test_rollback_target_faults.py",
     ),

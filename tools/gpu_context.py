@@ -44,6 +44,16 @@ ESTIMATES: dict[int, tuple[int, str]] = {
         "two launches of the tiny model (20 and 10 steps, ~15 s start-up each) with 6 async "
         "saves, and a check of every checkpoint's files",
     ),
+    9: (
+        50,
+        "on 2 GPUs with TE: two launches of the tiny model (10 steps on one rank, 5 at CP=2 "
+        "from its checkpoint), ~20 s start-up each; one GPU: a probe (it needs 2 GPUs and TE)",
+    ),
+    10: (
+        30,
+        "on 2 GPUs with TE: one launch of 5 steps at TP=2 + SP (rung 9's one-rank run is "
+        "reused); one GPU: a probe (skipped in seconds)",
+    ),
 }
 
 
@@ -82,6 +92,7 @@ class Context:
     python: str  # the interpreter that has megatron-core and this package
     wheels: Path | None
     env: dict[str, str] = field(default_factory=dict)
+    cache: dict[str, object] = field(default_factory=dict)  # what rungs share (one ladder run)
 
     def run(self, command: list[str], timeout: float, **kw: object) -> subprocess.CompletedProcess:
         return subprocess.run(

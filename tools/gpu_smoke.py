@@ -1,7 +1,7 @@
 """The GPU check as a ladder of rungs, for a bare one-GPU Hopper machine, in about 10 minutes.
 
     bash tools/gpu_smoke.sh                    # on the GPU machine, from the repository root
-    bash tools/gpu_smoke.sh --cpu-rehearsal    # rungs 2, 4, 5, 7, 8 through the CPU harness (CI)
+    bash tools/gpu_smoke.sh --cpu-rehearsal    # rungs 2, 4, 5, 7-10 through the CPU harness (CI)
 
 Each rung prints one JSON line (rung, name, status pass|fail|skip, seconds, the estimate of its
 GPU time and the basis of that estimate, figures, detail); a failing rung does not stop the
@@ -22,7 +22,11 @@ any rung failed.
 7. ``--fused-output-loss`` against Megatron's output layer + CE, plain and fused
    (``tools/gpu_fused_loss.py``): peak CUDA memory and time (CPU rehearsal: a tiny size);
 8. ``--async-save``: train with a save every 5 iterations, resume, every checkpoint complete
-   and loadable as the rollback planner checks it (CPU rehearsal: the CPU runner refuses it).
+   and loadable as the rollback planner checks it (CPU rehearsal: the CPU runner refuses it);
+9. context parallelism (CP=2) and 10. TP=2 + ``--sequence-parallel``: every feature against the
+   same run on one rank (``tools/gpu_rungs_parallel.py``); they need 2 GPUs and Transformer
+   Engine and skip, saying so, on a one-GPU machine (CPU rehearsal: the layout's refusal, and
+   the comparison on TP=2 without SP).
 
 Only the standard library is imported here: this runs before the venv exists.
 """
@@ -50,8 +54,9 @@ from gpu_rungs import (  # noqa: E402
     transformer_engine,
     zloss,
 )
+from gpu_rungs_parallel import parallel_layout  # noqa: E402
 
-REHEARSAL = (2, 4, 5, 7, 8)  # what the CPU rehearsal runs (the others need CUDA or a fresh venv)
+REHEARSAL = (2, 4, 5, 7, 8, 9, 10)  # what the CPU rehearsal runs (the rest need CUDA or a venv)
 
 
 # -- rungs ----------------------------------------------------------------------------------
@@ -66,6 +71,8 @@ RUNGS: dict[int, tuple[str, Callable[[Context, Rung], None]]] = {
     6: ("Transformer Engine", transformer_engine),
     7: ("fused output loss vs Megatron CE on CUDA", fused_output_loss),
     8: ("async save on one GPU", async_save),
+    9: ("context parallelism CP=2 vs one rank", parallel_layout),
+    10: ("TP=2 + sequence parallelism vs one rank", parallel_layout),
 }
 
 
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-rehearsal",
         action="store_true",
-        help="rungs 2, 4, 5, 7, 8 on the tiny model through the CPU harness",
+        help="rungs 2, 4, 5, 7-10 on the tiny model through the CPU harness",
     )
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "gpu-smoke")
     parser.add_argument(

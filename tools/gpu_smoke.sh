@@ -2,7 +2,7 @@
 # The GPU check: a ladder of rungs for a bare one-GPU H100/H200 machine, ~10 minutes in all.
 #
 #   bash tools/gpu_smoke.sh [--wheels DIR]    # on the GPU machine; each rung prints a JSON line
-#   bash tools/gpu_smoke.sh --cpu-rehearsal   # rungs 2, 4, 5, 7, 8 through the CPU harness (CI)
+#   bash tools/gpu_smoke.sh --cpu-rehearsal   # rungs 2, 4, 5, 7-10 through the CPU harness (CI)
 #
 # Rung 1 builds its own venv on top of the machine's Python (its torch), so run this with the
 # machine's python3 (PYTHON=...); the CPU rehearsal runs in the current environment.

@@ -26,6 +26,7 @@ import ctypes
 import functools
 import json
 import os
+import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_ext import patching
+from megatron_ext import cuda_connections, patching
 
 COUNTS: collections.Counter[str] = collections.Counter()
 
@@ -303,7 +304,7 @@ def install() -> None:
         return
     patching.check_version()  # refuses a megatron-core outside the supported range
     run_compiled_code_eagerly()
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    os.environ.setdefault(cuda_connections.ENV, cuda_connections.default_for(sys.argv[1:]))
     fix_mmap_threshold()
     cuda = torch.cuda
     for name in dir(cuda):
@@ -344,9 +345,31 @@ def install() -> None:
     torch.nn.Module.cuda = lambda self, *a, **k: (_count("Module.cuda"), self)[1]  # type: ignore[method-assign]
 
     _CudaToCpuMode().__enter__()
+    _cpu_device_mesh()
     _patch_megatron()
     cuda._megatron_ext_cpu_harness = True  # type: ignore[attr-defined]
     atexit.register(_dump_counts)
+
+
+def _cpu_device_mesh() -> None:
+    """A device mesh asked for on ``"cuda"`` is built on the CPU (counted ``DeviceMesh(cuda)``).
+
+    Megatron's torch FSDP2 wrapper (``--use-torch-fsdp2``) shards every module over
+    ``DeviceMesh.from_group(dp_cp_group, "cuda")``; on a CPU mesh FSDP2 all-gathers and
+    reduce-scatters with gloo, so the real FSDP2 path trains here.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.from_group
+
+    @functools.wraps(original)
+    def from_group(group: Any, device_type: str, *args: Any, **kwargs: Any) -> Any:
+        if _is_cuda_device(device_type):
+            _count("DeviceMesh(cuda)")
+            device_type = "cpu"
+        return original(group, device_type, *args, **kwargs)
+
+    DeviceMesh.from_group = staticmethod(from_group)  # type: ignore[method-assign]
 
 
 def _patch_megatron() -> None:

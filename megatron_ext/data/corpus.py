@@ -175,18 +175,23 @@ def _document(rng: random.Random) -> str:
     return "\n\n".join(paragraphs)
 
 
-def write_tiny_corpus(path: str | Path, num_docs: int = 400, seed: int = 1234) -> Path:
+def write_tiny_corpus(
+    path: str | Path, num_docs: int = 400, seed: int = 1234, ids: bool = False
+) -> Path:
     """Write ``num_docs`` documents as JSONL lines ``{"text": ...}`` and return the path.
 
     The default (400 documents, ~550 KB, ~130k tokens with a 2k-vocab BPE) covers a few dozen
     iterations of a tiny GPT at sequence length 64-128 without repeating an epoch too often.
+    ``ids``: each record also carries an ``"id"`` (``tiny-00000``, ...), as real corpora do, for
+    ``preprocess --provenance-key id``; the texts are the same either way.
     """
     rng = random.Random(seed)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
-        for _ in range(num_docs):
-            f.write(json.dumps({"text": _document(rng)}, ensure_ascii=False) + "\n")
+        for number in range(num_docs):
+            record = {"text": _document(rng)} | ({"id": f"tiny-{number:05d}"} if ids else {})
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
     return path
 
 

@@ -33,6 +33,14 @@ class EncodeError(Refusal, ValueError):
 
 def texts(line: bytes, path: Path, lineno: int, keys: list[str]) -> list[str]:
     """The values of ``keys`` in one JSONL line, or an :class:`EncodeError` naming it."""
+    return fields(line, path, lineno, keys, None)[0]
+
+
+def fields(
+    line: bytes, path: Path, lineno: int, keys: list[str], id_key: str | None
+) -> tuple[list[str], str | None]:
+    """The values of ``keys`` and the record's id under ``id_key`` (a string or an integer,
+    as text; None without ``id_key``), or an :class:`EncodeError` naming the line."""
     where = f"{path}:{lineno}"
     try:
         record = json.loads(line)
@@ -50,7 +58,16 @@ def texts(line: bytes, path: Path, lineno: int, keys: list[str]) -> list[str]:
         if not isinstance(record[key], str):
             raise EncodeError(f"{where}: {key!r} is {type(record[key]).__name__}, not a string")
         values.append(record[key])
-    return values
+    if id_key is None:
+        return values, None
+    record_id = record.get(id_key)
+    if isinstance(record_id, bool) or not isinstance(record_id, str | int):
+        what = "missing" if id_key not in record else f"a {type(record_id).__name__}"
+        raise EncodeError(
+            f"{where}: the record's id {id_key!r} (--provenance-key) is {what}, not a string or "
+            "an integer; give every record one, or name another field"
+        )
+    return values, str(record_id)
 
 
 class Encoder:
@@ -94,10 +111,11 @@ class Encoder:
         return np.concatenate(parts)
 
     def encode_line(
-        self, line: bytes, path: Path, lineno: int, keys: list[str]
-    ) -> list[np.ndarray]:
-        """Ids per key for one line (empty for a blank document)."""
-        return [
-            self.encode(text) if text.strip() else np.empty(0, dtype=np.int32)
-            for text in texts(line, path, lineno, keys)
+        self, line: bytes, path: Path, lineno: int, keys: list[str], id_key: str | None
+    ) -> tuple[list[np.ndarray], str | None]:
+        """Ids per key for one line (empty for a blank document), and the record's id."""
+        values, record_id = fields(line, path, lineno, keys, id_key)
+        encoded = [
+            self.encode(text) if text.strip() else np.empty(0, dtype=np.int32) for text in values
         ]
+        return encoded, record_id

@@ -5,7 +5,10 @@ EOD appended to every document, dtype from ``DType.optimal_dtype``), but can tra
 tokenizer offline, reports bad input as ``file:line``, skips and counts empty documents, and
 never leaves half-written outputs: everything is written to temporary names and published
 only after the whole input was processed, as a pair no reader can see mixed
-(:mod:`megatron_ext.records.pair`).
+(:mod:`megatron_ext.records.pair`). Beside each pair it writes the provenance sidecar
+(``PREFIX.prov``, :mod:`megatron_ext.records.provenance`): every document's file, line, byte
+offset and, with ``--provenance-key``, the record's id, so a document an incident names can be
+removed from the raw shards (``megatron-ext blocklist apply``).
 
 Failures end fast with a message, and remove the temporary files: a worker that dies (an
 OOM kill) breaks the pool at once instead of leaving the parent waiting for its results
@@ -26,6 +29,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -44,7 +48,9 @@ from megatron_ext.data.tokenizer import (
 )
 from megatron_ext.data.workers import encode_chunk, worker_pool
 from megatron_ext.errors import Refusal, report
+from megatron_ext.io import remove_durably, rename_durably
 from megatron_ext.records.pair import append_fingerprint, publish
+from megatron_ext.records.provenance import SUFFIX, Recorder
 
 PROG = "megatron-ext preprocess"
 
@@ -107,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a dataset even when the input holds no document (refused by default)",
     )
     p.add_argument(
+        "--provenance",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write PREFIX_KEY_document.prov: each document's file, line and byte offset "
+        "(default: on)",
+    )
+    p.add_argument(
+        "--provenance-key",
+        metavar="KEY",
+        help="also record each record's id, the value of this JSON field (a string or integer)",
+    )
+    p.add_argument(
         "--append-eod",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -115,10 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """Non-blank lines of ``path`` with 1-based line numbers (bytes: sizes drive progress)."""
+def _lines(
+    path: Path, positions: deque[tuple[int, int]] | None = None
+) -> Iterator[tuple[int, bytes]]:
+    """Non-blank lines of ``path`` with 1-based line numbers (bytes: sizes drive progress);
+    each one's (line, byte offset) is also appended to ``positions``, for the provenance of
+    the results that come back in the same order."""
+    offset = 0
     with path.open("rb") as f:
-        yield from ((n, line) for n, line in enumerate(f, 1) if line.strip())
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                if positions is not None:
+                    positions.append((n, offset))
+                yield n, line
+            offset += len(line)
 
 
 @dataclass
@@ -145,6 +173,7 @@ def _write_datasets(
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     builders: dict[str, IndexedDatasetBuilder] = {}
     stats = {key: _Stats() for key in prefixes}
+    recorders = {key: Recorder(args.input, args.provenance_key) for key in prefixes}
     eod = np.asarray([tokenizer.eod_id] if args.append_eod else [], dtype=np.int32)
     total_bytes = sum(path.stat().st_size for path in args.input)
     try:
@@ -161,16 +190,22 @@ def _write_datasets(
                 desc="preprocess",
             ) as bar,
         ):
-            for path in args.input:
-                encode = partial(encode_chunk, path=path, keys=args.json_keys)
-                for size, ids_per_key in mapper(encode, _lines(path)):
+            for shard, path in enumerate(args.input):
+                positions: deque[tuple[int, int]] = deque()
+                encode = partial(
+                    encode_chunk, path=path, keys=args.json_keys, id_key=args.provenance_key
+                )
+                for size, ids_per_key, record_id in mapper(encode, _lines(path, positions)):
                     bar.update(size)
+                    line, offset = positions.popleft()
                     for key, ids in zip(args.json_keys, ids_per_key, strict=True):
                         if not ids.size:
                             stats[key].skipped += 1
                             continue
                         document = np.concatenate([ids, eod])
                         builders[key].add_document(document, [len(document)])
+                        if args.provenance:
+                            recorders[key].add(shard, line, offset, record_id)
                         stats[key].documents += 1
                         stats[key].tokens += len(document)
         empty = [key for key in prefixes if not stats[key].documents]
@@ -183,8 +218,14 @@ def _write_datasets(
         for key, builder in builders.items():
             builder.finalize(tmp[key] + ".idx")
             append_fingerprint(tmp[key] + ".idx", tmp[key] + ".bin")
+            if args.provenance:
+                recorders[key].write(tmp[key] + SUFFIX, tmp[key] + ".idx")
         for key, prefix in prefixes.items():
+            # An old sidecar goes first: a kill below leaves none, never one of the old pair.
+            remove_durably(prefix + SUFFIX)
             publish(tmp[key], prefix)
+            if args.provenance:
+                rename_durably(tmp[key] + SUFFIX, prefix + SUFFIX)
     except BrokenProcessPool:
         raise PreprocessError(
             "a tokenizer worker process died (killed by the OOM killer or a signal); nothing "
@@ -203,7 +244,7 @@ def _write_datasets(
             with contextlib.suppress(OSError):
                 builder.data_file.close()
         for key in prefixes:
-            for ext in (".bin", ".idx"):
+            for ext in (".bin", ".idx", SUFFIX):
                 Path(tmp[key] + ext).unlink(missing_ok=True)
     return {key: (stats[key], prefixes[key]) for key in prefixes}
 
@@ -282,6 +323,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PreprocessError("--workers and --chunksize must be >= 1")
     if not args.train_tokenizer and args.tokenizer_out is not None:
         raise PreprocessError("--tokenizer-out only applies with --train-tokenizer")
+    if args.provenance_key is not None and not args.provenance:
+        raise PreprocessError("--provenance-key records ids in the sidecar; drop --no-provenance")
     _check_writable(Path(args.output_prefix).absolute().parent, "the output directory")
     if args.train_tokenizer:
         out = args.tokenizer_out or Path(f"{args.output_prefix}_tokenizer")
@@ -329,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, (s, prefix) in results.items():
         print(
             f"{key}: {s.documents} documents, {s.tokens} tokens, {s.skipped} empty skipped, "
-            f"{seconds:.1f} s -> {prefix}.bin/.idx (tokenizer: {tokenizer_dir}, "
+            f"{seconds:.1f} s -> {prefix}.bin/.idx{'/.prov' if args.provenance else ''} "
+            f"(tokenizer: {tokenizer_dir}, "
             f"vocab {tokenizer.vocab_size}, eod {tokenizer.eod_id})"
         )
     return 0

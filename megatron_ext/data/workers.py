@@ -26,12 +26,14 @@ def _init_worker(tokenizer_dir: Path) -> None:
 
 
 def encode_chunk(
-    chunk: list[tuple[int, bytes]], path: Path, keys: list[str]
-) -> list[tuple[int, list[np.ndarray]]]:
-    """(byte size, ids per key) for each line of a chunk (raises :class:`EncodeError`)."""
+    chunk: list[tuple[int, bytes]], path: Path, keys: list[str], id_key: str | None
+) -> list[tuple[int, list[np.ndarray], str | None]]:
+    """(byte size, ids per key, record id) for each line of a chunk (raises
+    :class:`EncodeError`)."""
     assert _worker_encoder is not None
     return [
-        (len(line), _worker_encoder.encode_line(line, path, lineno, keys)) for lineno, line in chunk
+        (len(line), *_worker_encoder.encode_line(line, path, lineno, keys, id_key))
+        for lineno, line in chunk
     ]
 
 

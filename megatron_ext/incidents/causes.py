@@ -33,13 +33,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from megatron_ext.records.signals import SignalRecord
+from megatron_ext.records.spike_config import ATTENTION_LOGIT_LIMIT
 
 Answer = Literal["yes", "no", "unknown"]
 
 LOOKBACK = 1000  # iterations before the onset the precursor questions read ("normal")
 RECENT = 100  # the "just before the onset" stretch compared with the rest of the lookback
 RISE = 200  # the stretch whose max attention logit must rise steadily
-LOGIT_LIMIT = 100.0  # max attention logit where bf16 softmax saturates (seed 000 ch.2 §4)
 LOGIT_TREND = 0.8  # rank correlation of the max logit with time that is "rising steadily"
 PARAMS_ACCEL = 2.0  # params-norm growth rate before the onset / the rate before that
 GRAD_RISE = 1.3  # grad-norm median of the last RECENT/4 iterations / earlier median: "rising"
@@ -178,14 +178,14 @@ def _logit(before: list[SignalRecord]) -> Question:
         else 0.0
     )
     peak = max(logits)
-    answer: Answer = "yes" if trend >= LOGIT_TREND and peak >= LOGIT_LIMIT else "no"
+    answer: Answer = "yes" if trend >= LOGIT_TREND and peak >= ATTENTION_LOGIT_LIMIT else "no"
     return Question(
         "attention-logit",
         q,
         answer,
         f"{logits[0]:.4g} -> {logits[-1]:.4g} over the last {len(logits)} "
         f"iterations, rank correlation with time {trend:.2f} (steady if >= "
-        f"{LOGIT_TREND:g}), peak {peak:.4g} (limit {LOGIT_LIMIT:g})",
+        f"{LOGIT_TREND:g}), peak {peak:.4g} (limit {ATTENTION_LOGIT_LIMIT:g})",
     )
 
 
@@ -193,21 +193,26 @@ def _rate(values: list[float]) -> float:
     return (values[-1] - values[0]) / max(len(values) - 1, 1)
 
 
+def _history(name: str, q: str, before: list[SignalRecord], signals: list[str]) -> Question | None:
+    """Why a question comparing the last RECENT iterations of ``signals`` with the ones before
+    is ``unknown``: a signal not recorded (named, to record), or too few iterations (recorded)."""
+    missing = [f"{s} (signals: --signals-dir)" for s in signals if not _values(before, s)]
+    count = min(len(_values(before, s)) for s in signals)
+    if missing or count >= 2 * RECENT:
+        return Question(name, q, "unknown", "not recorded", missing) if missing else None
+    why = (
+        f"only {count} iteration(s) before the onset, {2 * RECENT} needed (last {RECENT} vs before)"
+    )
+    return Question(name, q, "unknown", why)
+
+
 def _learning_rate(before: list[SignalRecord]) -> Question:
     q = "params norm growing faster before the onset, grad norm already rising?"
+    short = _history("learning-rate", q, before, ["params_norm", "grad_norm"])
+    if short is not None:
+        return short
     params = _values(before, "params_norm")
     grads = _values(before, "grad_norm")
-    missing = [] if len(params) >= 2 * RECENT else ["params_norm (--log-params-norm or signals)"]
-    if len(grads) < 2 * RECENT:
-        missing.append("grad_norm history")
-    if missing:
-        return Question(
-            "learning-rate",
-            q,
-            "unknown",
-            f"need {2 * RECENT} iterations of params and grad norm before the onset",
-            missing,
-        )
     recent, earlier = _rate(params[-RECENT:]), _rate(params[:-RECENT])
     accel = recent / earlier if earlier > 0 else (math.inf if recent > 0 else 0.0)
     grad_ratio = statistics.median(grads[-RECENT // 4 :]) / statistics.median(grads[:-RECENT])
@@ -294,15 +299,10 @@ def _bad_source(
 
 def _plateau(before: list[SignalRecord]) -> Question:
     q = "grad norm on a plateau below normal before the spike?"
+    short = _history("optimizer-state", q, before, ["grad_norm"])
+    if short is not None:
+        return short
     grads = _values(before, "grad_norm")
-    if len(grads) < 2 * RECENT:
-        return Question(
-            "optimizer-state",
-            q,
-            "unknown",
-            f"need {2 * RECENT} iterations of grad norm before the onset",
-            ["grad_norm history"],
-        )
     recent, earlier = statistics.median(grads[-RECENT:]), statistics.median(grads[:-RECENT])
     ratio = recent / earlier if earlier > 0 else 1.0
     return Question(

@@ -9,8 +9,9 @@ on-call engineer. Three parts, each answering a question they would otherwise an
   did not record (so the next run records them);
 - **which documents**: the onset batch's samples with the highest loss, culprit DP rank first,
   resolved to documents and text by ``megatron-ext lookup --worst`` (a subprocess: the lookup
-  loads Megatron's config machinery, the planner must not), and the command that writes them
-  as a blocklist.
+  loads Megatron's config machinery, the planner must not), each with its raw record (shard,
+  line, id) when the data has a provenance sidecar, the command that writes them as a
+  blocklist and the one that writes the shards without them (``megatron-ext blocklist apply``).
 
 Best effort for the lookup: a failed lookup is reported in its place, it never blocks the plan.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ from megatron_ext.records.signals import SignalRecord, latest_per_iteration
 LOOKUP_TIMEOUT = 600  # seconds; a lookup on a huge blend opens many index caches
 SNIPPET = 200  # characters of each document's text in the report
 DEFAULT_WORST = 8  # samples listed (skiplist --worst), and suggested with --no-lookup
+WARNING_HORIZON = 1000  # iterations before an onset in which a precursor warning counts
 
 
 def _num(value: Any) -> str:
@@ -60,6 +63,25 @@ class Report:
     documents: list[dict[str, Any]] = field(default_factory=list)
     lookup_lines: list[str] = field(default_factory=list)
     lookup_error: str | None = None
+    warnings: list[dict[str, Any]] = field(default_factory=list)  # precursors before onset
+
+    def lead_time(self) -> int | None:
+        """Iterations from the first precursor warning to the onset (None: no warning)."""
+        if not self.warnings:
+            return None
+        return self.plan.onset - min(w["iteration"] for w in self.warnings)
+
+    def _warning_line(self) -> str:
+        if not self.warnings:
+            return (
+                f"- early warning: none in the {WARNING_HORIZON} iterations before the onset "
+                "(a transient spike has no precursor)"
+            )
+        first = min(self.warnings, key=lambda w: w["iteration"])
+        return (
+            f"- early warning: **{self.lead_time()} iterations before the onset** "
+            f"({first['signal']} at iteration {first['iteration']}: {first['classification']})"
+        )
 
     def blocklist_command(self) -> str:
         """The lookup that writes these documents as a blocklist (``--emit-blocklist``)."""
@@ -68,6 +90,18 @@ class Report:
         target = incident_blocklist(ckpt_dir, self.number)
         return " ".join(["megatron-ext", *command, "--emit-blocklist", str(target)])
 
+    def apply_command(self) -> str | None:
+        """The command that writes the raw shards without these documents' records, into a
+        directory beside them (None: no document names its raw record)."""
+        files = {d["source"]["file"] for r in self.documents for d in _sourced(r)}
+        if not files:
+            return None
+        ckpt_dir = self.lookup_command[self.lookup_command.index("--from-checkpoint") + 1]
+        common = os.path.commonpath([os.path.dirname(f) for f in files])
+        out = Path(common) / f"filtered-incident-{self.number:03d}"
+        blocklist = incident_blocklist(ckpt_dir, self.number)
+        return f"megatron-ext blocklist apply --blocklist {blocklist} --out-dir {out}"
+
     def as_json(self) -> dict[str, Any]:
         return {
             **self.plan.as_json(),
@@ -75,6 +109,9 @@ class Report:
             "top_documents": self.documents,
             "lookup": self.lookup_error or "\n".join(self.lookup_lines),
             "blocklist_command": self.blocklist_command(),
+            "apply_command": self.apply_command(),
+            "early_warnings": self.warnings,
+            "lead_time": self.lead_time(),
         }
 
     def markdown(self) -> str:
@@ -91,6 +128,7 @@ class Report:
                 f"{d.culprit_source or incident.get('culprit_source')}",
                 f"- classification: {incident.get('classification')}",
                 f"- likely cause: **{d.label}**{' (diverged)' if d.diverged else ''}: {d.action}",
+                self._warning_line(),
                 f"- rollback to checkpoint: {plan.rollback_to} (moved aside: "
                 f"{plan.moved_checkpoints})",
                 f"- skip window: {plan.skip_window}",
@@ -131,7 +169,7 @@ class Report:
         for r in self.documents:
             documents = ", ".join(
                 f"{Path(r['dataset_path']).name} doc {d['document']} (tokens {d['offset']}+"
-                f"{d['count']})"
+                f"{d['count']}){_raw(d.get('source'))}"
                 for d in r["documents"]
             )
             text = " ".join(r.get("text", "").split())[:SNIPPET].replace("|", "\\|")
@@ -151,8 +189,33 @@ class Report:
                 "",
                 f"Blocklist these documents: `{self.blocklist_command()}`",
                 "",
+                self._apply_line(),
+                "",
             ]
         )
+
+    def _apply_line(self) -> str:
+        """How to remove the records from the raw shards, or why it cannot be said."""
+        command = self.apply_command()
+        if command is None:
+            return (
+                "The data has no provenance sidecar, so no raw record is named: "
+                "`megatron-ext provenance rebuild` writes one for data Megatron preprocessed."
+            )
+        return f"Then write the raw shards without their records (filtered copies): `{command}`"
+
+
+def _sourced(sample: dict[str, Any]) -> list[dict[str, Any]]:
+    """A sample's documents that name their raw record."""
+    return [d for d in sample.get("documents", []) if d.get("source")]
+
+
+def _raw(source: dict[str, Any] | None) -> str:
+    """`` from FILE:LINE (id X)`` for the report's table, or nothing."""
+    if not source:
+        return ""
+    record_id = "" if source.get("id") is None else f" (id {source['id']})"
+    return f" from {source['file']}:{source['line']}{record_id}"
 
 
 def incident_timeline(incident: dict[str, Any], history: list[SignalRecord]) -> list[SignalRecord]:
@@ -186,6 +249,19 @@ def culprit_first(samples: list[dict[str, Any]], rank: int | None) -> list[dict[
     return sorted(samples, key=lambda s: (s["dp_rank"] != rank, s["rank_by_loss"]))
 
 
+def early_warnings(plan: Plan, ledger: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The precursor warnings (ledger kind ``warning``) of the incident's attempt within
+    :data:`WARNING_HORIZON` iterations before its onset (at the onset itself included)."""
+    attempt = plan.incident.get("attempt")
+    return [
+        e
+        for e in ledger
+        if e.get("kind") == "warning"
+        and e.get("attempt") == attempt
+        and plan.onset - WARNING_HORIZON <= e.get("iteration", -1) <= plan.onset
+    ]
+
+
 def build_report(
     plan: Plan,
     ledger: list[dict[str, Any]],
@@ -202,7 +278,7 @@ def build_report(
         reproduced(incident, ledger),
     )
     command = lookup_command(plan, ckpt_dir, worst or DEFAULT_WORST)
-    report = Report(plan, number, diagnosis, command)
+    report = Report(plan, number, diagnosis, command, warnings=early_warnings(plan, ledger))
     if worst is None:
         report.lookup_error = "not looked up (--no-lookup)"
         return report

@@ -28,6 +28,7 @@ import numpy as np
 from megatron_ext import copies
 from megatron_ext.errors import report
 from megatron_ext.lookup.attempts import Attempts
+from megatron_ext.lookup.blocklist import emit_blocklist
 from megatron_ext.lookup.crosscheck import check_against_log
 from megatron_ext.lookup.cyclic import CyclicOrder
 from megatron_ext.lookup.errors import ConfigError, Refused
@@ -35,7 +36,7 @@ from megatron_ext.lookup.indices import TrainIndex
 from megatron_ext.lookup.inverse import find_document, member_of
 from megatron_ext.lookup.position import Batch
 from megatron_ext.lookup.render import (
-    document_record,
+    describe_source,
     hits_table,
     jsonl,
     samples_table,
@@ -203,16 +204,6 @@ def _batch_lines(
     return lines + [f"note: {note}" for note in session.config.notes]
 
 
-def _blocklist(session: Session, index: TrainIndex, documents: set[tuple[int, str, int]]) -> None:
-    decode = session.decode()
-    records = [
-        document_record(path, doc, index.mids[member].read_document(doc), decode)
-        for member, path, doc in sorted(documents)
-    ]
-    write_atomic(session.options.emit_blocklist, jsonl(records))
-    print(f"wrote {len(records)} document(s) to {session.options.emit_blocklist}", file=sys.stderr)
-
-
 def _emit(
     session: Session,
     lines: list[str],
@@ -274,7 +265,7 @@ def forward(session: Session) -> int:
         by = "" if chosen is None else f", attempt {chosen.number}: {chosen.fate}"
         lines += worst_lines(records, changed, len(ranked), f"sample log {directory}{by}")
     if options.emit_blocklist:
-        _blocklist(session, index, spans_of(records))
+        emit_blocklist(session, index, spans_of(records))
     extra = {
         "batch": {
             "iteration": batch.iteration,
@@ -354,6 +345,7 @@ def inverse(session: Session) -> int:
         key=lambda h: (h["iteration"], h["microbatch"], h["dp_rank"], h["offset"]),
     )
     mid = index.mids[member]
+    source = mid.source(options.document)
     trained = {h["iteration"] for h in records if not h["skipped"]}
     lines = [
         f"document {options.document} of {mid.path} ({int(mid.lengths[options.document])} tokens):"
@@ -366,6 +358,7 @@ def inverse(session: Session) -> int:
         ),
         f"data: {index.kind} {index.hash[:12]}; scanned {hits.scanned} cache entries; "
         f"run: {session.source}",
+        f"from: {describe_source(source)}" if source else "from: (no provenance sidecar)",
         *[f"note: {note}" for note in session.config.notes],
     ]
     if int((~reached).sum()):
@@ -374,10 +367,11 @@ def inverse(session: Session) -> int:
             f"past iteration {last}"
         )
     if options.emit_blocklist:
-        _blocklist(session, index, {(member, mid.path, options.document)})
+        emit_blocklist(session, index, {(member, mid.path, options.document)})
     extra = {
         "document": options.document,
         "dataset_path": mid.path,
+        "source": source,
         "data": {"kind": index.kind, "cache": index.hash},
     }
     _emit(session, lines, records, "hits", hits_table(lines, records), extra)

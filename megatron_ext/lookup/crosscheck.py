@@ -2,14 +2,20 @@
 
 The index arithmetic proves the caches and the .idx agree; only a record written during
 training proves the *tokens* are the ones trained on. When the run had ``--sample-log-dir``,
-each trained micro-batch's sample ids and token SHA-1s are on disk (:mod:`megatron_ext.sample_log`);
-any difference means the data changed since, and the answer is refused rather than shown.
+each trained micro-batch's sample ids and token SHA-1s are on disk (:mod:`megatron_ext.sample_log`).
+Other samples mean the data changed since, and the answer is refused rather than shown. The
+same samples with other tokens mean the tokens trained differ from the data on disk: changed
+since, or corrupted in flight, as a drill does: when the layout log records a drill that hit
+that batch the answer is shown, with both SHA-1s and the drill named; otherwise it is refused
+as changed data, with both SHA-1s.
 Only the answered iteration's records are read (:mod:`megatron_ext.records.sample_log_reader`
 seeks to them), so the check costs the same at iteration 100 as at 100 k, on 1 rank or 64.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +27,18 @@ from megatron_ext.lookup.gaps import gap_of, sample_log_gaps
 from megatron_ext.lookup.history import Segment
 from megatron_ext.records.sample_log import SampleRecord
 from megatron_ext.records.sample_log_reader import AttemptRecords, latest, read_iteration
+
+_DRILL = re.compile(r"^(\d+)(?:-(\d+))?:(\d+|\*)$")  # --drill-corrupt-batch START[-END]:RANK
+
+
+@dataclass(frozen=True)
+class Differ:
+    """A micro-batch trained on the answered samples, but on other tokens than the disk's."""
+
+    key: tuple[int, int, int]  # iteration, DP rank, micro-batch
+    attempt: int | None
+    trained: list[str]  # token SHA-1s training logged
+    disk: list[str]  # the data's today
 
 
 def check_against_log(
@@ -52,6 +70,7 @@ def check_against_log(
     ranks = sorted({k[1] for k in slots} | {k[1] for a in each.values() for k in a})
     logged: dict[tuple[int, int, int], SampleRecord] = {}
     matched: dict[int | None, int] = {}
+    differ: list[Differ] = []
     twice: list[str] = []
     for iteration in sorted({k[0] for k in slots}):
         for rank, groups in read_iteration(directory, iteration, ranks).items():
@@ -66,11 +85,15 @@ def check_against_log(
                     key = (iteration, rank, entry.microbatch)
                     if entry.dp_rank != rank or key not in own:
                         continue
-                    _compare(key, entry, own[key], number)
-                    matched[number] = matched.get(number, 0) + 1
+                    found = _compare(key, entry, own[key], number)
+                    if found is None:
+                        matched[number] = matched.get(number, 0) + 1
+                    else:
+                        differ.append(found)
                     if number in (answered, None):
                         logged[key] = entry
-    return _verdict(directory, slots, logged, matched, twice)
+    verdict = _verdict(directory, slots, logged, matched, twice, len(differ))
+    return verdict + "".join(_differ_note(d, segments) for d in differ)
 
 
 def _slots(records: list[dict[str, Any]]) -> dict[tuple[int, int, int], list[dict[str, Any]]]:
@@ -112,16 +135,49 @@ def _two_writers(
 
 def _compare(
     key: tuple[int, int, int], entry: SampleRecord, answered: list[dict[str, Any]], number: Any
-) -> None:
+) -> Differ | None:
+    """None when training logged these samples with these tokens; the two SHA-1 lists when
+    only the tokens differ; raises when the samples do (the answer would be wrong)."""
     ids = [r["sample_index"] for r in answered]
     digests = [r["token_sha1"] for r in answered]
-    if entry.sample_ids != ids or entry.token_sha1 != digests:
+    if entry.sample_ids != ids:
         by = f" (attempt {number})" if number is not None else ""
         raise DataChanged(
             f"iteration {key[0]} DP rank {key[1]} micro-batch {key[2]}: training{by} logged "
             f"samples {entry.sample_ids} with token SHA-1s {entry.token_sha1}, the caches and "
             f"data today give {ids} with {digests}; the data changed since training"
         )
+    return Differ(key, number, entry.token_sha1, digests) if entry.token_sha1 != digests else None
+
+
+def _differ_note(found: Differ, segments: tuple[Segment, ...]) -> str:
+    """What is known of a micro-batch trained on other tokens than the disk's: both SHA-1s,
+    and the drill of the attempt that trained it when the layout log records one."""
+    iteration, rank, micro = found.key
+    by = f" (attempt {found.attempt})" if found.attempt is not None else ""
+    note = (
+        f"\n  iteration {iteration} DP rank {rank} micro-batch {micro}{by}: the same samples, "
+        f"but the tokens trained differ from the data on disk (token SHA-1s trained "
+        f"{found.trained}, on disk {found.disk}; the answer shows the disk's)"
+    )
+    chosen = [segments[found.attempt - 1]] if found.attempt and segments else list(segments)
+    drills = [s.drill for s in chosen if s.drill and _covers(s.drill, iteration, rank)]
+    if drills:
+        return note + f": the drill --drill-corrupt-batch {drills[-1]} corrupted it in flight"
+    # No drill of that attempt hit this batch: the data on disk is not what was trained.
+    raise DataChanged(
+        note.strip().replace("; the answer shows the disk's", "")
+        + ": the data changed since training (no drill is recorded for this batch)"
+    )
+
+
+def _covers(drill: str, iteration: int, rank: int) -> bool:
+    """Whether a ``--drill-corrupt-batch`` spec corrupts this iteration on this DP rank."""
+    match = _DRILL.match(drill.strip())
+    if match is None:
+        return False
+    first, last = int(match[1]), int(match[2] or match[1])
+    return first <= iteration <= last and match[3] in ("*", str(rank))
 
 
 def _verdict(
@@ -130,8 +186,10 @@ def _verdict(
     logged: dict[tuple[int, int, int], SampleRecord],
     matched: dict[int | None, int],
     twice: list[str],
+    differ: int,
 ) -> str:
-    """What was compared, or a refusal when nothing was."""
+    """What was compared, or a refusal when nothing was (``differ``: micro-batches compared
+    whose tokens differ, named after the verdict)."""
     # Gap records are read only for ranks with an answered micro-batch the log lacks.
     missing = {k[1] for k in slots if k not in logged}
     gaps = sample_log_gaps(directory, missing) if missing else {}
@@ -147,13 +205,13 @@ def _verdict(
         else:
             absent += 1
     total = sum(matched.values())
-    if unlogged and not total:
+    if unlogged and not total + differ:
         raise Refused(
             f"--sample-log {directory}: {len(unlogged)} micro-batch(es) answered fall in a "
             f"logging gap: {unlogged[0].describe()}; nothing was compared; drop --sample-log "
             "to answer without the check"
         )
-    if absent and not total:
+    if absent and not total + differ:
         raise Refused(
             f"--sample-log {directory} has no record of the {absent} micro-batch(es) answered "
             "(the log starts later, or those DP ranks' files are missing): nothing was "
@@ -171,6 +229,8 @@ def _verdict(
             )
             + ")"
         )
+    if differ:
+        verdict += f", {differ} trained on the same samples with other tokens (below)"
     if absent:
         verdict += f", {absent} not in the log (not compared)"
     if unlogged:

@@ -46,6 +46,7 @@ class Segment:
     source: str  # for humans: where this segment comes from
     started: float | None = None  # the layout line's wall time (places sample-log attempts)
     job_id: str = ""
+    drill: str | None = None  # the attempt's --drill-corrupt-batch (layout log)
 
     def describe(self) -> str:
         layout = self.layout
@@ -77,6 +78,7 @@ def log_segments(path: Path) -> list[Segment]:
                     source=f"{path} line {number}",
                     started=record.get("wall_time"),
                     job_id=str(record.get("job_id") or ""),
+                    drill=record.get("drill_corrupt_batch"),
                 )
             )
         except (KeyError, TypeError, ValueError) as exc:

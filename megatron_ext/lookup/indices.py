@@ -28,16 +28,19 @@ a re-preprocessing the caches still "work" and silently point at other documents
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from megatron_ext.lookup.errors import CacheMissing, DataChanged, PositionError
 from megatron_ext.lookup.formats import Description, IndexedData, map_array, will_need
 from megatron_ext.records.pair import PairError, check_pair
+from megatron_ext.records.provenance import Provenance, ProvenanceError, open_sidecar
 
 GPT, BLENDED = "GPTDataset", "BlendedDataset"
 GPT_FILES = ("document_index", "sample_index", "shuffle_index")
@@ -280,6 +283,19 @@ class MidIndex:
         if pad_id is not None:
             tokens[tokens == pad_id] = 0
         return Sample(index, member, self.path, dataset_sample, stream, spans, tokens)
+
+    @functools.cached_property
+    def provenance(self) -> Provenance | None:
+        """The pair's provenance sidecar (None without one), opened on first use; one that
+        describes another ``.idx`` is refused like changed data, never used."""
+        try:
+            return open_sidecar(self.prefix, checked=True)  # check_pair ran in __init__
+        except ProvenanceError as exc:
+            raise DataChanged(f"dataset {self.path}: {exc}") from None
+
+    def source(self, document: int) -> dict[str, Any] | None:
+        """The raw record ``document`` was tokenized from (file, line, byte, id), or None."""
+        return None if self.provenance is None else self.provenance.source(int(document))
 
     def read_document(self, document: int) -> np.ndarray:
         """A whole document's tokens (int64), e.g. for a blocklist's content hash."""

@@ -28,8 +28,10 @@ def sample_record(
     skipped: bool,
     readers: list[int],
     text: str | None,
+    sources: list[dict[str, Any] | None],
 ) -> dict[str, Any]:
-    """One sample as the tool reports it (``--json`` / ``--out``)."""
+    """One sample as the tool reports it (``--json`` / ``--out``); ``sources``: each span's
+    raw record (file, line, byte, id) from the provenance sidecar, None without one."""
     record: dict[str, Any] = {
         "iteration": iteration,
         "dp_rank": dp_rank,
@@ -41,7 +43,8 @@ def sample_record(
         "dataset_sample": sample.dataset_sample,
         "stream_sample": sample.stream_sample,
         "documents": [
-            {"document": s.document, "offset": s.offset, "count": s.count} for s in sample.spans
+            {"document": s.document, "offset": s.offset, "count": s.count, "source": source}
+            for s, source in zip(sample.spans, sources)
         ],
         "tokens": sample.tokens.tolist(),
         "token_sha1": token_sha1(sample.tokens),
@@ -96,6 +99,8 @@ def samples_table(lines: list[str], records: list[dict[str, Any]], max_tokens: i
     out = [*lines, table[0]]
     for line, record in zip(table[1:], records):
         out.append(line)
+        if where := source_line(record["documents"]):
+            out.append(f"    {where}")
         if "text" in record:
             out.append(f"    text: {json.dumps(record['text'][:300], ensure_ascii=False)}")
     return "\n".join(out)
@@ -120,18 +125,37 @@ def hits_table(lines: list[str], hits: list[dict[str, Any]]) -> str:
 
 
 def document_record(
-    path: str, document: int, tokens: np.ndarray, decode: Callable[[list[int]], str] | None
+    path: str,
+    document: int,
+    tokens: np.ndarray,
+    decode: Callable[[list[int]], str] | None,
+    source: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """A blocklist entry: where the document is and a content hash that survives reordering."""
+    """A blocklist entry: where the document is, a content hash that survives reordering, and
+    its raw record (``source``: file, line, byte, id; None without a provenance sidecar), which
+    ``megatron-ext blocklist apply`` removes from the shards."""
     record: dict[str, Any] = {
         "dataset_path": path,
         "document": document,
         "num_tokens": len(tokens),
         "token_sha1": token_sha1(tokens),
+        "source": source,
     }
     if decode is not None:
         record["text"] = decode(tokens.tolist())
     return record
+
+
+def describe_source(source: dict[str, Any]) -> str:
+    """``FILE:LINE (id X)``: a raw record as people read it."""
+    where = f"{source['file']}:{source['line']}"
+    return where if source.get("id") is None else f"{where} (id {source['id']})"
+
+
+def source_line(documents: list[dict[str, Any]]) -> str | None:
+    """``from: FILE:LINE (id X), ...`` for a sample's documents with a known raw record."""
+    known = [d["source"] for d in documents if d.get("source")]
+    return "from: " + ", ".join(map(describe_source, known)) if known else None
 
 
 def spans_of(records: list[dict[str, Any]]) -> set[tuple[int, str, int]]:

@@ -29,7 +29,7 @@ from megatron_ext.lookup.history import History, Segment, read_history, segment_
 from megatron_ext.lookup.indices import TrainIndex, remap
 from megatron_ext.lookup.position import Batch
 from megatron_ext.lookup.render import sample_record
-from megatron_ext.lookup.tokenizer import TOKENIZER_PATH_ARGS, pad_token_id, tokenizer_from_args
+from megatron_ext.lookup.tokenizer import TOKENIZER_PATH_ARGS, pad_token_id, text_tokenizer
 
 LAYOUT_FLAGS = ("--micro-batch-size", "--global-batch-size", "--data-parallel-size")
 DATA_FLAGS = ("--data-path", "--train-data-path", "--data-args-path", "--per-split-data-args-path")
@@ -69,7 +69,7 @@ class Session:
         self.args = args
         self.checkpoint = checkpoint
         self.remaps = [tuple(item.split("=", 1)) for item in options.data_root]
-        self.tokenizer: Any = tokenizer_from_args(args, self.remaps) if options.text else None
+        self.tokenizer: Any = text_tokenizer(args, self.remaps) if options.text else None
         # Explicit layout flags assert the layout: the history is then not consulted.
         self.history: History | None = None
         if checkpoint is not None and not (
@@ -248,7 +248,8 @@ def batch_records(
     for k, (m, r) in enumerate(slot for slot, p in zip(slots, per_slot) for _ in p):
         # The sample (indices): its documents, checked against today's .idx, and its tokens.
         member = int(members[k])
-        sample = index.mids[member].sample(indices[k], member, int(within[k]), pad_id)
+        mid = index.mids[member]
+        sample = mid.sample(indices[k], member, int(within[k]), pad_id)
         # Rendering (render): one record, as --json, --out and the table show it.
         records.append(
             sample_record(
@@ -259,6 +260,8 @@ def batch_records(
                 skipped=batch.skipped,
                 readers=topology.readers(r),
                 text=None if decode is None else decode(sample.tokens.tolist()),
+                # Provenance (indices: the sidecar beside the pair): each document's raw record.
+                sources=[mid.source(span.document) for span in sample.spans],
             )
         )
     return index, records

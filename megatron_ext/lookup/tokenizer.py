@@ -17,6 +17,13 @@ tokenizer (``unique_identifiers``). Both differ between versions for the same to
 
 tests/unit/lookup/test_lookup_tokenizer.py holds every verified version's identifiers as
 recorded from it, and each CI tier checks its own row.
+
+Building Megatron's tokenizer imports megatron.core, torch and transformers: 8 s of CPU for a
+lookup that takes 0.5 s without ``--text``. The tokenizers ``megatron-ext preprocess`` trains
+(a local directory holding a generic fast tokenizer, no pad token, no chat template, run with
+no tokenizer flag beyond ``--tokenizer-model``) are read by the ``tokenizers`` library alone
+(:class:`LocalTokenizer`): the same text, pad id and identifiers as Megatron's, which every
+CI tier checks against the tokenizer its megatron-core builds.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -46,6 +54,71 @@ def comparable(identifiers: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 TOKENIZER_PATH_ARGS = ("tokenizer_model", "vocab_file", "merge_file")
+# Megatron's identifiers of such a tokenizer, as :func:`comparable` writes every version's.
+LOCAL_IDENTIFIERS = {
+    "class": "megatron.core.tokenizers.text.models.default_tokenizer.DefaultTokenizerText",
+    "vocab_file": "None",
+    "merges_file": "None",
+    "additional_special_tokens": "[]",
+    "use_fast": "True",
+    "trust_remote_code": "False",
+    "include_special_tokens": "True",
+}
+# Flags that would make Megatron build the tokenizer otherwise (unset: None or False).
+OTHER_FLAGS = ("vocab_file", "merge_file", "chat_template", "tokenizer_metadata", "metadata_path")
+OTHER_FLAGS += ("tokenizer_special_tokens", "special_tokens", "trust_remote_code")
+OTHER_FLAGS += ("tokenizer_hf_no_use_fast", "tokenizer_hf_no_include_special_tokens")
+
+
+class LocalTokenizer:
+    """What the lookup reads of Megatron's ``HuggingFaceTokenizer`` (:func:`text_tokenizer`
+    says when it is this): the text of ids (its ``convert_ids_to_tokens`` then the fast
+    tokenizer's decoder, as transformers' ``convert_tokens_to_string``), no pad token, the
+    identifiers. No torch, transformers or megatron.core import."""
+
+    pad = None
+
+    def __init__(self, directory: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+        self.unique_identifiers = {**LOCAL_IDENTIFIERS, "tokenizer_path": directory}
+
+    def detokenize(self, ids: list[int]) -> str:
+        tokens = [t for t in map(self.tokenizer.id_to_token, ids) if t is not None]
+        decoder = self.tokenizer.decoder
+        return decoder.decode(tokens) if decoder is not None else " ".join(tokens)
+
+
+def _local(directory: str) -> bool:
+    """A directory holding a generic fast tokenizer with no pad token and no chat template."""
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json")) as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    mapped = os.path.join(directory, "special_tokens_map.json")
+    return (
+        os.path.isfile(os.path.join(directory, "tokenizer.json"))
+        and config.get("tokenizer_class") == "PreTrainedTokenizerFast"
+        and not {"pad_token", "chat_template", "added_tokens_decoder"} & set(config)
+        and not os.path.exists(mapped)
+    )
+
+
+def text_tokenizer(args: argparse.Namespace, data_root: Sequence[tuple[str, str]] = ()) -> Any:
+    """``--text``'s tokenizer: a :class:`LocalTokenizer` where it reads the run's tokenizer as
+    Megatron would, else Megatron's (:func:`tokenizer_from_args`)."""
+    path = getattr(args, "tokenizer_model", None)
+    if (
+        args.tokenizer_type == "HuggingFaceTokenizer"
+        and isinstance(path, str)
+        and os.path.isabs(path)
+        and not any(getattr(args, name, None) for name in OTHER_FLAGS)
+        and _local(remap(path, data_root))
+    ):
+        return LocalTokenizer(remap(path, data_root))
+    return tokenizer_from_args(args, data_root)
 
 
 def tokenizer_from_args(args: argparse.Namespace, data_root: Sequence[tuple[str, str]] = ()) -> Any:

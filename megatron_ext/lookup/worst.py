@@ -25,6 +25,7 @@ from megatron_ext.files import SAMPLE_LOG_GLOB
 from megatron_ext.lookup.attempts import attempt_number
 from megatron_ext.lookup.errors import ConfigError, DataChanged, PositionError
 from megatron_ext.lookup.history import Segment
+from megatron_ext.lookup.render import source_line
 from megatron_ext.records.sample_log import SampleRecord
 from megatron_ext.records.sample_log_reader import latest, read_iteration
 
@@ -148,6 +149,8 @@ def worst_table(lines: list[str], records: list[dict[str, Any]], snippet: int = 
             + (f"  attempt {r['attempt']}" if r.get("attempt") is not None else "")
             + ("  [trained tokens differ]" if r["trained_tokens_differ"] else "")
         )
+        if where := source_line(r["documents"]):
+            out.append(f"     {where}")
         if "text" in r:
             text = " ".join(r["text"].split())
             out.append(f"     text: {text[:snippet]}{'...' if len(text) > snippet else ''}")

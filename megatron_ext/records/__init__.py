@@ -15,5 +15,7 @@ library and the lower layer (``io``, ``files``) only; no Megatron import.
   the lookup);
 - ``sources``: how the per-source records (signals, ledger, drill) name a blend member;
 - ``pair``: the fingerprinted ``.bin``/``.idx`` pair (preprocess writes it; training start-up
-  and the lookup check it).
+  and the lookup check it);
+- ``provenance``: the pair's provenance sidecar, each document's raw record (preprocess and
+  ``provenance rebuild`` write it; the lookup and ``blocklist apply`` read it).
 """

@@ -317,6 +317,21 @@ def check_pair(prefix: str) -> None:
         )
 
 
+def index_identity(idx_path: str | os.PathLike[str], *, checked: bool) -> tuple[int, int, bytes]:
+    """(sequences, bytes of header and arrays, their SHA-256): what identifies an ``.idx``
+    whatever its trailer (a provenance sidecar binds to it, :mod:`megatron_ext.records.provenance`).
+
+    ``checked``: the pair has just passed :func:`check_pair` (or was just fingerprinted), so a
+    second-version trailer's recorded SHA-256 is the arrays' own and is used as is (O(1));
+    otherwise, or without such a trailer (any other tool's ``.idx``), the arrays are hashed."""
+    with open(idx_path, "rb") as handle:
+        layout = _layout(handle, idx_path)
+    recorded = layout.trailer[2] if layout.trailer is not None else None
+    if checked and recorded is not None:
+        return layout.sequences, layout.body, recorded
+    return layout.sequences, layout.body, _body_digest(idx_path, layout.body)
+
+
 def publish(temporary: str, prefix: str) -> None:
     """Move ``TEMPORARY.bin``/``.idx`` to ``PREFIX.bin``/``.idx`` in the order above.
 

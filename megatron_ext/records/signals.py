@@ -52,6 +52,11 @@ class SignalRecord:
     max_attention_logit: float | None = None
     skipped_iter: bool = False  # the optimizer skipped the update (inf/NaN grads)
     nan_iter: bool = False
+    # Appended fields (older logs lack them): the mean log Z of the output softmax over the
+    # loss tokens (--log-output-z), and whether --spike-skip-update withheld this step's
+    # optimizer update (skipped_iter is then True too).
+    log_z: float | None = None
+    update_skipped: bool = False
 
     def as_json(self) -> dict[str, Any]:
         return json_safe(self)

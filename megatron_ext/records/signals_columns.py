@@ -8,10 +8,12 @@ separators (``JsonlAppender``). One regular expression generated from the datacl
 whole line and captures only the columns asked for, and numpy converts the captured bytes in
 bulk (its string-to-float cast rounds correctly, as ``json.loads`` does).
 
-A line the expression does not match (torn, foreign, a gap line, a field this version does not
-know, an older writer's shape) goes through ``json.loads`` and :func:`record_of` as a full read
-parses it, and joins the columns at its place: the fast path is only a faster way to the same
-values, never a guess. No Megatron imports here.
+Two shapes are the writer's: every field, or every field but the :data:`APPENDED` ones (a
+log written before they existed; a missing one reads as its default). A line of neither (torn,
+foreign, a gap line, a field this version does not know) goes through ``json.loads`` and
+:func:`record_of` as a full read parses it, and joins the columns at its place: the fast path
+is only a faster way to the same values, never a guess. The per-source fields are read as
+columns too (:mod:`megatron_ext.records.signals_sources`). No Megatron imports here.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import numpy as np
 from megatron_ext.gap_log import GAP_KEY, is_gap
 from megatron_ext.io import json_safe
 from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.signals_seek import KEY, record_of
+from megatron_ext.records.signals_seek import record_of
+from megatron_ext.records.signals_sources import SourceColumns, floats, parse_sources
 
 try:  # built by setup.py where a C compiler is present; the numpy path gives the same values
     from megatron_ext.records import _scan
@@ -48,11 +51,17 @@ COLUMNS = (
     "loss_scale",
     "max_attention_logit",
     "skipped_iter",
+    "log_z",
+    "update_skipped",
 )
 INTEGERS = {"iteration", "attempt", "consumed_samples"}
 # The fields holding a flat JSON object (name -> number); adjacent in SignalRecord's order.
 NESTED = ("bucket_grad_norms", "lm_loss_by_dataset", "tokens_by_dataset")
-BOOLEANS = {"skipped_iter"}
+BOOLEANS = {"skipped_iter", "update_skipped"}
+# SignalRecord's last fields, appended after logs were written without them: a line without
+# them is an older writer's, and reads them as their defaults (None, False).
+APPENDED = ("log_z", "update_skipped")
+_DEFAULTS = {f.name: f.default for f in fields(SignalRecord) if f.name in APPENDED}
 
 
 def _line_pattern(wanted: tuple[str, ...]) -> re.Pattern[bytes]:
@@ -65,13 +74,15 @@ def _line_pattern(wanted: tuple[str, ...]) -> re.Pattern[bytes]:
         else:  # a number, null, true/false, or "nan"/"inf" (json_safe's non-finite floats)
             value = r'[-+.\w]*|"[-\w]*"'
         parts.append(f'"{f.name}":' + (f"({value})" if f.name in wanted else f"(?:{value})"))
-    return re.compile(("^\\{" + ",".join(parts) + "\\}$").encode(), re.MULTILINE)
+    base = ",".join(parts[: len(parts) - len(APPENDED)])
+    # One more group: the appended fields' text, empty on an older writer's line.
+    appended = "((?:," + ",".join(parts[len(parts) - len(APPENDED) :]) + ")?)"
+    return re.compile(("^\\{" + base + appended + "\\}$").encode(), re.MULTILINE)
 
 
 _PATTERN = _line_pattern(COLUMNS)
 _ORDER = [f.name for f in fields(SignalRecord) if f.name in COLUMNS]
-_NON_FINITE = {b'"nan"': np.nan, b'"inf"': np.inf, b'"-inf"': -np.inf}
-_NON_FINITE |= {b'"NaN"': np.nan, b'"Infinity"': np.inf, b'"-Infinity"': -np.inf}
+_DEFAULT_TOKENS = {n: json.dumps(v).encode() for n, v in _DEFAULTS.items()}
 
 
 @dataclass
@@ -84,9 +95,8 @@ class Block:
     gaps: list[tuple[int, dict]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     slow_lines: int = 0  # lines that went through json.loads
-    # (iteration, attempt) -> (lm_loss_by_dataset, tokens_by_dataset), for the records that
-    # have per-source fields (parse_block(sources=True)); a later line wins, as in the columns.
-    sources: dict[tuple[int, int], tuple[dict, dict]] = field(default_factory=dict)
+    # Each member's loss and tokens per row (parse_block(sources=True)); None: no row has any.
+    sources: SourceColumns | None = None
 
     def __len__(self) -> int:
         return len(self.values["iteration"])
@@ -106,7 +116,7 @@ def _slow(data: bytes, offset: int, block: Block) -> list[tuple[bytes, ...]]:
             continue
         match = _PATTERN.fullmatch(line)
         if match:
-            rows.append(match.groups())
+            rows.append(_filled(match.groups()))
             continue
         block.slow_lines += 1
         try:
@@ -124,26 +134,23 @@ def _slow(data: bytes, offset: int, block: Block) -> list[tuple[bytes, ...]]:
     return rows
 
 
-def _floats(name: str, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    if not len(tokens):
-        return np.array([], dtype=np.float64), np.array([], dtype=bool)
-    first = tokens.view(np.uint8).reshape(len(tokens), -1)[:, 0]
-    null, quoted = first == ord("n"), first == ord('"')
-    values = np.full(len(tokens), np.nan)
-    number = ~(null | quoted)
-    values[number] = tokens[number].astype(np.float64)
-    for index in np.flatnonzero(quoted):
-        token = bytes(tokens[index])
-        if token not in _NON_FINITE:
-            raise ValueError(f"a signals record holds {token.decode()} for {name}, not a number")
-        values[index] = _NON_FINITE[token]
-    return values, ~null
+_TAIL = len(_ORDER) - len(APPENDED)  # the appended fields' group (see _line_pattern)
+
+
+def _filled(groups: tuple[bytes, ...]) -> tuple[bytes, ...]:
+    """A match's captures in _ORDER: an older writer's missing appended fields (an empty
+    appended group) as their defaults."""
+    if groups[_TAIL]:
+        return groups[:_TAIL] + groups[_TAIL + 1 :]
+    return groups[:_TAIL] + tuple(_DEFAULT_TOKENS[n] for n in _ORDER[_TAIL:])
 
 
 _NAMES = [f.name for f in fields(SignalRecord)]
 # The nested objects' keys add colons: count the keys after them from the end of the line.
 _NESTED = _NAMES.index(NESTED[0])
 assert _NAMES[_NESTED : _NESTED + len(NESTED)] == list(NESTED), "nested fields must be adjacent"
+assert tuple(_NAMES[-len(APPENDED) :]) == APPENDED, "APPENDED are SignalRecord's last fields"
+_SHAPES = (_NAMES, _NAMES[: -len(APPENDED)])  # the writer's line, an older writer's
 WIDTH = 24  # bytes of the longest number token (a float's repr: -2.2250738585072014e-308)
 _WORDS = 4  # 8-byte words read after a colon: the token and the byte that must end it
 _STEPS = np.arange(WIDTH)
@@ -212,14 +219,29 @@ def _vectorised(data: bytes, names: Collection[str]) -> Columns | None:
     before_end = np.searchsorted(colons, ends)
     first = np.r_[0, before_end[:-1]]  # the line's first colon
     counts = before_end - first
-    if (counts < len(_NAMES)).any():
-        return None
     words = _words(buf)
+    for shape in _SHAPES:
+        if not (counts < len(shape)).any():
+            tokens = _located(words, colons, first, counts, names, shape)
+            if tokens is not None:
+                return _defaults(tokens, names, shape, len(ends))
+    return None
+
+
+def _located(
+    words: np.ndarray,
+    colons: np.ndarray,
+    first: np.ndarray,
+    counts: np.ndarray,
+    names: Collection[str],
+    shape: list[str],
+) -> Columns | None:
+    """:func:`_vectorised`'s tokens where every line has the fields ``shape``; None if not."""
     tokens = {}
-    for index, name in enumerate(_NAMES):
+    for index, name in enumerate(shape):
         if name not in names:
             continue
-        at = first + index if index <= _NESTED else first + counts - (len(_NAMES) - index)
+        at = first + index if index <= _NESTED else first + counts - (len(shape) - index)
         colon = colons[at]
         if not _has_key(words, colon, f'"{name}"'.encode()):
             return None
@@ -234,8 +256,17 @@ def _vectorised(data: bytes, names: Collection[str]) -> Columns | None:
     return tokens
 
 
+def _defaults(tokens: Columns, names: Collection[str], shape: list[str], lines: int) -> Columns:
+    """The appended columns an older writer's lines lack, as their default's tokens."""
+    for name in APPENDED:
+        if name in names and name not in shape:
+            token = _DEFAULT_TOKENS[name]
+            tokens[name] = (np.full(lines, token, dtype=f"S{WIDTH}"), np.full(lines, len(token)))
+    return tokens
+
+
 # A qualifying line holds a `":` per field and its newline: an upper bound on a block's lines.
-_MIN_LINE = 2 * len(_NAMES) + 1
+_MIN_LINE = 2 * len(_SHAPES[-1]) + 1
 _KINDS = {"int": (0, np.int64), "float": (1, np.float64), "bool": (2, np.bool_)}
 
 
@@ -250,52 +281,35 @@ def compiled(data: bytes, names: Collection[str]) -> Columns | None:
     if _scan is None or not data.endswith(b"\n"):
         return None
     capacity = len(data) // _MIN_LINE + 1
-    specs, arrays = [], {}
-    for index, name in enumerate(_NAMES):
-        if name in names:
-            code, dtype = _KINDS[_kind(name)]
-            values = np.empty(capacity, dtype=dtype)
-            present = np.empty(capacity if code == 1 else 0, dtype=np.bool_)
-            specs.append((index, f'"{name}"'.encode(), code, values, present))
-            arrays[name] = (values, present)
-    lines = _scan.scan(data, len(_NAMES), _NESTED, tuple(specs), capacity)
-    if lines < 0:
+    for shape in _SHAPES:  # an older writer's block is refused at its first line
+        specs, arrays = [], {}
+        for index, name in enumerate(shape):
+            if name in names:
+                code, dtype = _KINDS[_kind(name)]
+                values = np.empty(capacity, dtype=dtype)
+                present = np.empty(capacity if code == 1 else 0, dtype=np.bool_)
+                specs.append((index, f'"{name}"'.encode(), code, values, present))
+                arrays[name] = (values, present)
+        lines = _scan.scan(data, len(shape), _NESTED, tuple(specs), capacity)
+        if lines >= 0:
+            break
+    else:
         return None
-    return {
+    columns = {
         name: (
             values[:lines].copy(),
             present[:lines].copy() if len(present) else np.ones(lines, dtype=bool),
         )
         for name, (values, present) in arrays.items()
     }
-
-
-# A writer's per-source fields (the nested objects hold no braces; empty ones do not match:
-# nothing to read). Found by their key, a literal the regex engine searches for fast, and
-# tied to their line's iteration and attempt afterwards: a pattern anchored at the line's
-# start had to try every line, and cost 20 µs a line on logs with no per-source field at all.
-_SOURCES = re.compile(rb'"lm_loss_by_dataset":(\{"[^{}\n]*\}),"tokens_by_dataset":(\{[^{}\n]*\})')
-
-
-def parse_sources(data: bytes) -> dict[tuple[int, int], tuple[dict, dict]]:
-    """The per-source fields of the lines in ``data`` that have them (a torn or foreign line
-    does not match, as it does not in the columns)."""
-    found: dict[tuple[int, int], tuple[dict, dict]] = {}
-    if b'"lm_loss_by_dataset":{"' not in data:  # a literal search: most logs have none
-        return found
-    for match in _SOURCES.finditer(data):
-        key = KEY.match(data, data.rfind(b"\n", 0, match.start()) + 1)
-        if key is None:
-            continue
-        try:
-            losses, tokens = json.loads(match[1]), json.loads(match[2])
-        except ValueError:
-            continue
-        found[int(key[1]), int(key[2])] = (
-            {k: float(v) for k, v in losses.items() if v is not None},
-            {k: int(v) for k, v in tokens.items()},
-        )
-    return found
+    for name in APPENDED:  # an older writer's lines: the defaults
+        if name in names and name not in columns:
+            value = _DEFAULTS[name]
+            columns[name] = (
+                np.full(lines, np.nan if value is None else value),
+                np.full(lines, value is not None),
+            )
+    return columns
 
 
 def parse_block(
@@ -305,18 +319,28 @@ def parse_block(
     of :data:`COLUMNS`; the iteration and attempt always), in line order; ``sources``: also
     the per-source fields (:attr:`Block.sources`)."""
     block = Block({}, {})
-    if sources:
-        block.sources = parse_sources(data)
     names = {"iteration", "attempt", *names}
+    aligned = _columns(block, data, offset, names)
+    if sources:
+        it, attempt = block.values["iteration"], block.values["attempt"]
+        block.sources = parse_sources(data, it, attempt, aligned)
+    return block
+
+
+def _columns(block: Block, data: bytes, offset: int, names: set[str]) -> bool:
+    """:func:`parse_block`'s columns: by the C scanner, else the numpy path, else line by
+    line. Whether each line of ``data`` is a row, in order (no line by line)."""
     columns = compiled(data, names)
     if columns is not None:
         for name in [n for n in _ORDER if n in names]:
             block.values[name], block.present[name] = columns[name]
-        return block
+        return True
     found = _vectorised(data, names)
+    aligned = found is not None
     if found is None:
-        rows = _PATTERN.findall(data)
-        if len(rows) != data.count(b"\n") + (not data.endswith(b"\n") and bool(data)):
+        rows = [_filled(r) for r in _PATTERN.findall(data)]
+        aligned = len(rows) == data.count(b"\n") + (not data.endswith(b"\n") and bool(data))
+        if not aligned:
             rows = _slow(data, offset, block)  # some line is not the writer's shape
         columns = list(zip(*rows)) if rows else [() for _ in _ORDER]
         found = {
@@ -334,8 +358,8 @@ def parse_block(
             block.values[name] = tokens == b"true"
             block.present[name] = np.ones(len(tokens), dtype=bool)
         else:
-            block.values[name], block.present[name] = _floats(name, tokens)
-    return block
+            block.values[name], block.present[name] = floats(name, tokens)
+    return aligned
 
 
 def replay_records(block: Block, rows: np.ndarray) -> list[SignalRecord]:
@@ -356,9 +380,7 @@ def replay_records(block: Block, rows: np.ndarray) -> list[SignalRecord]:
         SignalRecord(job_id="", wall_time=0.0, skipped_samples=0, **dict(zip(_ORDER, row)))
         for row in zip(*(lists[n] for n in _ORDER))
     ]
-    if block.sources:  # the detector's per-source baselines read them
-        for record in records:
-            found = block.sources.get((record.iteration, record.attempt))
-            if found is not None:
-                record.lm_loss_by_dataset, record.tokens_by_dataset = found
+    if block.sources is not None:  # the detector's per-source baselines read them
+        for row, record in zip(rows.tolist(), records):
+            record.lm_loss_by_dataset, record.tokens_by_dataset = block.sources.dicts(row)
     return records

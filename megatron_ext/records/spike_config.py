@@ -12,6 +12,10 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+# The max attention logit past which bf16 softmax saturates (seed 000 ch. 2 §4; Megatron's
+# --qk-clip-threshold default): the cause tree and the early warning both read it.
+ATTENTION_LOGIT_LIMIT = 100.0
+
 
 @dataclass(frozen=True)
 class SpikeConfig:

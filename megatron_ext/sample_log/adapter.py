@@ -10,10 +10,12 @@ Hooks, on the rank that reads the data and computes the loss (TP rank 0 of the l
   the data iterator produced it (host memory, before it moves to the GPU; drill corruption
   included, since that is what was trained on);
 - ``on_loss``: the micro-batch's token-summed training loss and lm loss (without the z-loss
-  term, see :data:`megatron_ext.features.LM_LOSS_PER_TOKEN`) and each sample's token-averaged
-  training loss, kept as device tensors;
-- ``after_step``: one host transfer for the whole iteration, then one record per micro-batch.
-  No host sync per micro-batch.
+  term, see :data:`megatron_ext.features.LM_LOSS_PER_TOKEN`) and each sample's token-summed
+  training loss and tokens, kept as device tensors;
+- ``after_step``: one host transfer for the whole iteration, then one record per micro-batch
+  (each sample's loss averaged over its tokens). No host sync per micro-batch. Under context
+  parallelism every CP rank reads the batch and holds part of each sequence: the sums are
+  added over the CP group (one all-reduce per iteration) and CP rank 0 writes.
 """
 
 from __future__ import annotations
@@ -129,13 +131,19 @@ class SampleLogFeature(Feature):
         ids, digests = note
         mask = inputs.mask.view(len(ids), -1)
         per_token = inputs.per_token.detach().float().reshape(mask.shape)
-        per_sample = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
         lm_per_token = inputs.micro_batch.extras.get(LM_LOSS_PER_TOKEN)
         loss = inputs.loss.detach().float()
         lm_loss = loss if lm_per_token is None else (lm_per_token.float() * mask).sum()
         # A new tensor: Megatron's schedule divides the returned loss in place right after this.
+        # Sums, not means: under CP this rank holds part of each sequence (after_step adds).
         scalars = torch.cat(
-            [loss.view(1), inputs.num_tokens.detach().float().view(1), lm_loss.view(1), per_sample]
+            [
+                loss.view(1),
+                inputs.num_tokens.detach().float().view(1),
+                lm_loss.view(1),
+                (per_token * mask).sum(dim=1),
+                mask.sum(dim=1),
+            ]
         )
         self.pending.append((inputs.micro_batch, ids, digests, scalars))
         return {}
@@ -146,8 +154,17 @@ class SampleLogFeature(Feature):
             return
         if self.log is None:
             self.log = SampleLog(self.args.sample_log_dir, pending[0][0].dp_rank, _job_id())
+        sums = torch.stack([values for *_, values in pending])
+        if mpu.get_context_parallel_world_size() > 1:
+            # Every CP rank read the micro-batch and trained on its part of each sequence: the
+            # whole sample's sums are theirs added, written once (by CP rank 0).
+            dist.all_reduce(sums, group=mpu.get_context_parallel_group())
+            if mpu.get_context_parallel_rank() != 0:
+                return
+        samples = (sums.shape[1] - 3) // 2
+        per_sample = sums[:, 3 : 3 + samples] / sums[:, 3 + samples :].clamp(min=1)
         # One device->host transfer per iteration for every scalar of every micro-batch.
-        scalars = torch.stack([values for *_, values in pending]).tolist()
+        scalars = torch.cat([sums[:, :3], per_sample], dim=1).tolist()
         for index, ((micro_batch, ids, digests, _), values) in enumerate(zip(pending, scalars)):
             self.log.write(
                 SampleRecord(

@@ -49,6 +49,7 @@ from megatron_ext.spikes.drill import (
     misencode,
     parse_spec,
 )
+from megatron_ext.spikes.precursors import PrecursorMonitor, PrecursorWarning, WarnConfig
 from megatron_ext.validation import check_directory, check_exit_code
 
 _DECISIONS = ("healthy", "watching", "rollback")  # broadcast as the index
@@ -72,6 +73,7 @@ class SpikeFeature(Feature):
         self.recorded = False  # this attempt's config line is in the ledger
         self.last_signals: SignalRecord | None = None  # the writer's last observed step
         self.nonfinite_reported: set[int] = set()
+        self.precursors: PrecursorMonitor | None = None  # --spike-warn, on the writer
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -87,6 +89,14 @@ class SpikeFeature(Feature):
             type=str,
             default=None,
             help=f"Spike ledger JSONL (default: SIGNALS_DIR/{SPIKE_LEDGER_FILE}).",
+        )
+        group.add_argument(
+            "--no-spike-warn",
+            dest="spike_warn",
+            action="store_false",
+            help="Do not warn of divergence precursors (a sustained rise of the grad norm, "
+            "the max attention logit or |log Z|; ledger kind 'warning', no rollback), which "
+            "--spike-detect does by default.",
         )
         group.add_argument(
             "--spike-exit-code",
@@ -118,6 +128,8 @@ class SpikeFeature(Feature):
         self.args = args
         if is_writing_rank(args.rank, args.world_size):
             self.detector = SpikeDetector(config_from_args(args))
+            config = WarnConfig.following(self.detector.config)
+            self.precursors = PrecursorMonitor(config) if args.spike_warn else None
             # A full disk must not stop training: the detector runs on in memory, and a
             # rollback request that could not be logged is not confirmed, so the supervisor
             # stops instead of rolling back blind.
@@ -134,8 +146,14 @@ class SpikeFeature(Feature):
         assert self.detector is not None
         config = self.detector.config
         path = Path(self.args.signals_dir) / SIGNALS_FILE
-        history = history_before(path, first_iteration, config.warmup + config.window)
-        self.detector = primed(config, history)
+        count = config.warmup + config.window
+        if self.precursors is not None:
+            count = max(count, self.precursors.config.horizon + self.precursors.config.recent)
+        history = history_before(path, first_iteration, count)
+        self.detector = primed(config, history[-(config.warmup + config.window) :])
+        if self.precursors is not None:  # the history's warnings were said by its attempts
+            for record in history:
+                self.precursors.observe(record)
 
     def after_step(self, record: StepRecord) -> None:
         """Runs on every rank after each logged iteration."""
@@ -159,7 +177,11 @@ class SpikeFeature(Feature):
                         record.iteration,
                     )
                 self.last_signals = signals
-                self._record(self.detector.observe(signals))
+                events = self.detector.observe(signals)
+                warnings = [] if self.precursors is None else self.precursors.observe(signals)
+                if not events and self.detector.state == "healthy":  # a precursor precedes
+                    self._warn(warnings)
+                self._record(events)
             code = _DECISIONS.index(self.detector.state)
         decision = torch.tensor(
             [code], dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu"
@@ -179,6 +201,17 @@ class SpikeFeature(Feature):
                 f"megatron-ext spike detector: {event.kind} at iteration {event.iteration} "
                 f"(onset {event.onset}, culprit DP rank {event.culprit_dp_rank}{source}): "
                 f"{event.classification}",
+                flush=True,
+            )
+
+    def _warn(self, warnings: list[PrecursorWarning]) -> None:
+        """Ledger and console; nothing else changes (no veto, no rollback)."""
+        assert self.ledger is not None
+        for warning in warnings:
+            self.ledger.append(warning.as_json(), warning.iteration)
+            print(
+                f"megatron-ext spike detector: iteration {warning.iteration}: "
+                f"{warning.classification}",
                 flush=True,
             )
 

@@ -13,9 +13,8 @@ Rules, chosen on real curves (``benchmarks/detector.py``, README "Spike detector
   something corroborates it: the grad norm ≥ ``grad_factor`` × its median, a skipped
   iteration, or the excess above its own moderate threshold. Uncorroborated, it is
   "elevated": kept out of the baseline, and a rollback after ``patience`` such iterations.
-- **Skipped iterations** (``skipped_iter``, or the loss scale dropped): evidence of trouble,
-  and their grad norm is not a measurement (an fp16 skip re-prints the last one), so it is
-  neither learned nor used. ``skip_streak`` consecutive skips start an incident by themselves.
+- **Skipped iterations** (``skipped_iter``, a loss-scale drop, a withheld update): trouble, never
+  baseline (an fp16 skip re-prints the last grad norm); ``skip_streak`` in a row flag alone.
 - **Divergence**: a non-finite loss or grad norm: rollback at once.
 - **Per-source** (blend records with ``lm_loss_by_dataset``; ``SpikeConfig.per_source``): each
   member has its own baseline (:mod:`megatron_ext.spikes.sources`) and the average is judged
@@ -185,7 +184,8 @@ class SpikeDetector:
         if not self._armed:
             self._armed = self.armed()
             if not self._armed:
-                self._learn(record, loss, grad, excess)
+                if not skipped:
+                    self._learn(record, loss, grad, excess)
                 return []
         median = self.loss.median()
         by_source = self._blend(record)
@@ -205,7 +205,8 @@ class SpikeDetector:
             if self.raised_since is not None:
                 self.elevated = self.suspicious = 0
                 self.raised_since = None
-            self._learn(record, loss, grad, excess)
+            if not skipped:  # a skipped step (overflow, withheld update) is no baseline
+                self._learn(record, loss, grad, excess)
             return []
         return self._rising(_Step(record, loss, grad, excess, skipped), rising, one_rank)
 
@@ -236,7 +237,7 @@ class SpikeDetector:
         # raise the threshold, unless it lasts (a level shift, e.g. a new data mixture).
         self.elevated = 0
         self.suspicious += 1
-        if self.suspicious > c.patience:
+        if self.suspicious > c.patience and not step.skipped:
             self._learn(step.record, step.loss, step.grad, step.excess)
         return []
 

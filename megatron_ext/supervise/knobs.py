@@ -15,12 +15,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ext import cuda_connections
 from megatron_ext.errors import UsageError
 from megatron_ext.files import LAUNCH_STATE_DIR, RESULT_REJECTED_TRACKER_FILE
 
 
 class KnobError(UsageError, ValueError):
     """A knob has a value the launcher cannot use; exit 2 with this message."""
+
+
+AUTO = "auto"  # a default the training flags decide (resolve_connections)
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,13 @@ KNOBS: tuple[Knob, ...] = (
         f"$CKPT_DIR/{LAUNCH_STATE_DIR}",
         kind="path",
     ),
-    Knob("CUDA_DEVICE_MAX_CONNECTIONS", "Megatron TP/SP communication ordering", "1"),
+    Knob(
+        cuda_connections.ENV,
+        "CUDA hardware queues: auto = 1 (TP/CP/SP kernels in issue order), "
+        f"{cuda_connections.FSDP_DEFAULT} with {' or '.join(cuda_connections.FSDP_FLAGS)} "
+        "(Megatron refuses 1 there)",
+        AUTO,
+    ),
     Knob("NCCL_IB_TIMEOUT", "InfiniBand verbs timeout (4.096 us * 2^N)", "22"),
     Knob("TORCH_NCCL_ASYNC_ERROR_HANDLING", "abort on NCCL errors and timeouts", "1"),
     Knob("OMP_NUM_THREADS", "CPU threads per worker", "8"),
@@ -223,6 +233,18 @@ def _validate(values: dict[str, str]) -> None:
         name, sep, _ = pair.partition("=")
         if not sep or not name.isidentifier():
             raise KnobError(f"EXTRA_ENV entries must be NAME=VALUE, got {pair!r}")
+
+
+def resolve_connections(config: Config, user_args: list[str]) -> None:
+    """Give ``CUDA_DEVICE_MAX_CONNECTIONS`` its value for these training flags: ``auto`` takes
+    :func:`megatron_ext.cuda_connections.default_for`, and a value Megatron would refuse
+    with them (``1`` with an FSDP flag) is refused now, before any attempt starts."""
+    name = cuda_connections.ENV
+    if config.values[name] == AUTO:
+        config.values[name] = cuda_connections.default_for(user_args)
+    problem = cuda_connections.problem(user_args, config.values[name])
+    if problem:
+        raise KnobError(problem)
 
 
 def truthy(value: str) -> bool:

@@ -59,7 +59,9 @@ class Supervisor:
         self.config = config
         self.cli_args = cli_args
         self.env = env
-        self.facts: TrainingFacts = commands.training_facts(commands.user_args(config, cli_args))
+        user_args = commands.user_args(config, cli_args)
+        self.facts: TrainingFacts = commands.training_facts(user_args)
+        knobs.resolve_connections(config, user_args)
         self.tracker_file = self.facts.tracker_file or config["TRACKER_FILE"]
         self.state = State(slurm={k: v for k, v in env.items() if k.startswith("SLURM_")})
         if config.scheduler == "slurm" and not self.state.slurm.get("SLURM_JOB_NODELIST"):

@@ -18,6 +18,9 @@ over its own grad-stats group (TP x PP for dense parameters under DDP; expert TP
 for MoE experts; the whole distributed-optimizer instance with ``--use-distributed-optimizer``)
 and the chain adds the squares. Dense and expert buckets are reduced over those groups, so
 expert buckets are counted once per expert-parallel rank, not once per expert-DP replica.
+Under torch FSDP2 a bucket is a ``fully_shard`` unit and every sum adds the data-parallel
+shards first (:mod:`.sharded`); under context parallelism a rank's loss covers its part of
+each sequence, so the worst DP rank's loss adds the CP ranks' sums first.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from megatron.core import mpu
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.training import get_tensorboard_writer, get_wandb_writer
-from megatron.training.utils import calc_params_l2_norm, get_blend_and_blend_per_split
+from megatron.training import training as megatron_training
+from megatron.training.utils import get_blend_and_blend_per_split
 
 from megatron_ext.features import (
     LM_LOSS_PER_TOKEN,
@@ -55,6 +59,13 @@ from megatron_ext.telemetry.bucket_layout import (
     params_by_group,
 )
 from megatron_ext.telemetry.bucket_norms import BucketNormer
+from megatron_ext.telemetry.sharded import (
+    UnitNormer,
+    fsdp_units,
+    is_fully_sharded,
+    snapshot,
+    update_ratio,
+)
 from megatron_ext.telemetry.sources import SourceAccumulator, format_sources
 from megatron_ext.validation import check_directory
 
@@ -91,6 +102,20 @@ def _counted(param: torch.Tensor, optimizer: Any) -> bool:
     return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, **groups)
 
 
+def step_lr(reported: float | None, now: list[float], before: list[float] | None) -> float | None:
+    """The learning rate the step used. Megatron reports its logging group's lr after the
+    scheduler stepped (the next iteration's, as its console shows it); that group is the first
+    whose lr ``now`` is the reported one, and ``before`` holds each group's lr as the step ran
+    (taken before the grad norm). No ``before`` (an overflow skip, no update): the schedule
+    stood still and the reported lr is the one."""
+    if reported is None or before is None:
+        return reported
+    for current, used in zip(now, before):
+        if current == reported:
+            return used
+    return reported
+
+
 class TelemetryFeature(Feature):
     """Bucket grad norms, the worst DP rank's loss, the update ratio and the signals log."""
 
@@ -100,7 +125,7 @@ class TelemetryFeature(Feature):
         self.args: Any = None
         self.model: list[Any] = []
         self.optimizer: Any = None
-        self.normer: BucketNormer | None = None
+        self.normer: BucketNormer | UnitNormer | None = None
         self.reductions: list[Reduction] = []
         self.pending: list[torch.Tensor] = []
         self.snapshot: list[list[torch.Tensor]] | None = None
@@ -109,6 +134,7 @@ class TelemetryFeature(Feature):
         self.writer: SignalsWriter | None = None
         self.members: list[str] = []
         self.sources: SourceAccumulator | None = None
+        self.step_lrs: list[float] | None = None  # each param group's lr as the step ran
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -180,11 +206,17 @@ class TelemetryFeature(Feature):
 
     def _layout_buckets(self) -> None:
         """Bucket views and reduction slots (:mod:`megatron_ext.telemetry.bucket_layout`),
-        with Megatron's filters and this rank's pipeline stage and expert-parallel rank."""
+        with Megatron's filters and this rank's pipeline stage and expert-parallel rank; under
+        torch FSDP2 a bucket is a ``fully_shard`` unit (:mod:`megatron_ext.telemetry.sharded`)."""
         part = self.optimizer.chained_optimizers[0]  # every part carries the same TP groups
-        views = bucket_views(self.model, lambda p: _counted(p, part), param_is_not_shared)
         groups = grad_stats_groups(self.optimizer.chained_optimizers, bool(self.args.num_experts))
-        self.normer = BucketNormer([*views[False], *views[True]])
+        if is_fully_sharded(self.model):
+            parts = self.optimizer.chained_optimizers
+            units, self.normer = fsdp_units(self.model, lambda p: _counted(p, part), parts)
+            views = {False: units, True: []}
+        else:
+            views = bucket_views(self.model, lambda p: _counted(p, part), param_is_not_shared)
+            self.normer = BucketNormer([*views[False], *views[True]])
         self.reductions = assign_slots(
             views,
             groups,
@@ -198,6 +230,7 @@ class TelemetryFeature(Feature):
         """Grads are reduced and not yet clipped."""
         if optimizer is not self.optimizer:
             return
+        self.step_lrs = [group["lr"] for group in optimizer.param_groups]
         if self.normer is not None:
             local = self.normer()
             # fp16: grad_data holds scaled grads; the loss scale stays a tensor (no host sync).
@@ -211,7 +244,7 @@ class TelemetryFeature(Feature):
                 dist.all_reduce(slots, group=reduction.group)
                 self.pending.append(slots)
         if self.args.signals_update_ratio:
-            self.snapshot = [[p.detach().float().clone() for p in ps] for _, ps in self._params()]
+            self.snapshot = snapshot(self._params())
 
     def _params(self) -> list[tuple[Any, list[torch.Tensor]]]:
         """This rank's counted optimizer parameters per grad-stats group."""
@@ -235,28 +268,19 @@ class TelemetryFeature(Feature):
 
     # -- after_step ---------------------------------------------------------------------
     def _update_ratio(self) -> float | None:
-        """||Δθ|| / ||θ|| over the whole model: fused per-tensor norms, one all-reduce per
-        grad-stats group."""
+        """||Δθ|| / ||θ|| since the snapshot (:func:`.sharded.update_ratio`)."""
         if self.snapshot is None:
             return None
-        delta = norm = 0.0
-        for (group, params), before in zip(self._params(), self.snapshot):
-            current = [p.detach().float() for p in params]
-            device = current[0].device if current else torch.device("cpu")
-            sums = torch.zeros(2, dtype=torch.float64, device=device)
-            if current:
-                deltas = torch._foreach_sub(current, before)
-                for row, tensors in enumerate((deltas, current)):
-                    sums[row] = torch.stack(torch._foreach_norm(tensors)).double().square().sum()
-            dist.all_reduce(sums, group=group)
-            delta, norm = delta + sums[0].item(), norm + sums[1].item()
-        self.snapshot = None
-        return math.sqrt(delta) / math.sqrt(norm) if norm > 0 else None
+        ratio, self.snapshot = update_ratio(self._params(), self.snapshot), None
+        return ratio
 
     def _worst_rank(self) -> tuple[float | None, int | None]:
         if not mpu.is_pipeline_last_stage() or not torch.is_tensor(self.loss_tokens):
             return None, None
-        local = (self.loss_sum / self.loss_tokens).reshape(1)
+        totals = torch.stack([torch.as_tensor(self.loss_sum), self.loss_tokens])
+        if mpu.get_context_parallel_world_size() > 1:  # a CP rank's sums cover its sequence part
+            dist.all_reduce(totals, group=mpu.get_context_parallel_group())
+        local = (totals[0] / totals[1]).reshape(1)
         gathered = [torch.zeros_like(local) for _ in range(mpu.get_data_parallel_world_size())]
         dist.all_gather(gathered, local, group=mpu.get_data_parallel_group())
         values = torch.cat(gathered).tolist()
@@ -279,8 +303,8 @@ class TelemetryFeature(Feature):
             by_dataset = self.sources.reduce(group)
         update_ratio = self._update_ratio()
         params_norm = record.params_norm
-        if self.args.signals_dir and params_norm is None:
-            params_norm = calc_params_l2_norm(self.model)
+        if self.args.signals_dir and params_norm is None:  # the patched one (FSDP2: global)
+            params_norm = megatron_training.calc_params_l2_norm(self.model)
         if not _is_writer():
             return
         self._log_buckets(record.iteration, buckets)
@@ -306,16 +330,25 @@ class TelemetryFeature(Feature):
             tokens_by_dataset=by_dataset[1],
             params_norm=params_norm,
             update_ratio=update_ratio,
-            lr=record.learning_rate,
+            lr=step_lr(
+                record.learning_rate,
+                [group["lr"] for group in self.optimizer.param_groups],
+                self.step_lrs,
+            ),
             loss_scale=record.loss_scale,
             num_zeros=record.num_zeros,
             max_attention_logit=(
-                record.max_attention_logit if self.args.log_max_attention_logit else None
+                record.max_attention_logit
+                if self.args.log_max_attention_logit or self.args.signals_attention_logit
+                else None
             ),
             skipped_iter=record.skipped_iter,
             nan_iter=any(not math.isfinite(v) for v in losses.values()),
+            log_z=losses.get("log z"),
+            update_skipped=record.update_skipped,
         )
         self.writer.write(record.signals)
+        self.step_lrs = None
 
     def _check(self, iteration: int, bucket_sum_sq: float, grad_norm: float) -> None:
         expected = grad_norm * grad_norm

@@ -19,6 +19,12 @@ its detached per-token CE and log²Z next to the loss tensor it returned; the lo
 loudly if it was handed a tensor this method did not return. It also puts that per-token CE
 on the micro-batch, so that the worst-DP-rank loss and the sample log measure what ``lm loss``
 measures, not the training loss.
+
+``--log-output-z`` (a signal, any coefficient): the same one-pass kernel also gives the signed
+mean ``log Z`` per step (``log z`` in Megatron's log and TensorBoard, ``log_z`` in the signals
+log), the precursor of an output-logit divergence (Wortsman et al. 2023): at ``c = 0`` the
+patched method's loss and gradient are Megatron's cross entropy bit for bit
+(tests/unit/zloss/test_z_off_exact.py), so turning the signal on changes no number.
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ class ZLossFeature(Feature):
         self.dummy_wgrad = True  # as Megatron's fused linear, unless installed without overlap
         # (training loss returned, per-token CE, per-token log²Z) of the calls since the last
         # loss function; MTP heads' calls come first, the main head's last.
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.log_z = False  # --log-output-z
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -79,9 +86,17 @@ class ZLossFeature(Feature):
             "picks 2^25 / (V/TP) rounded down to a power of two, in [64, 4096] (~128 MiB of "
             "fp32 logits per chunk).",
         )
+        group.add_argument(
+            "--log-output-z",
+            action="store_true",
+            help="Log the mean log Z of the output softmax per training step (TensorBoard "
+            "'log z', signals field log_z): an output-logit divergence drifts it away from 0 "
+            "long before the loss blows up. Computed in the cross entropy's own pass (at "
+            "--z-loss-coeff 0 the loss is Megatron's bit for bit).",
+        )
 
     def enabled(self, args: Any) -> bool:
-        return args.z_loss_coeff != 0 or args.fused_output_loss
+        return args.z_loss_coeff != 0 or args.fused_output_loss or args.log_output_z
 
     def validate(self, args: Any) -> None:
         coeff = args.z_loss_coeff
@@ -89,12 +104,12 @@ class ZLossFeature(Feature):
             raise FeatureError(f"--z-loss-coeff must be a finite number >= 0, got {coeff}.")
         if args.fused_output_loss:
             _validate_fused(args)
-        if coeff != 0 and args.cross_entropy_loss_fusion:
+        if (coeff != 0 or args.log_output_z) and args.cross_entropy_loss_fusion:
             raise FeatureError(
-                "--z-loss-coeff cannot be combined with --cross-entropy-loss-fusion: the "
-                "z-loss replaces Megatron's cross entropy with its own one-pass CE + z kernel, "
-                "so the fused cross entropy would be silently ignored. Drop "
-                "--cross-entropy-loss-fusion."
+                "--z-loss-coeff and --log-output-z cannot be combined with "
+                "--cross-entropy-loss-fusion: they replace Megatron's cross entropy with the "
+                "overlay's one-pass CE + z kernel, so the fused cross entropy would be silently "
+                "ignored. Drop --cross-entropy-loss-fusion."
             )
 
     def install(self, args: Any) -> None:
@@ -103,14 +118,19 @@ class ZLossFeature(Feature):
         self.coeff = float(args.z_loss_coeff)
         self.chunk_tokens = args.fused_output_loss_chunk_tokens or None
         self.fused = bool(args.fused_output_loss)
+        self.log_z = bool(args.log_output_z)
         # DDP marks a parameter ready for its bucket's all-reduce in its .grad hook, so with
         # overlapped reduction the weight needs a (dummy) .grad even when main_grad has it.
         self.dummy_wgrad = bool(getattr(args, "overlap_grad_reduce", False))
 
     def needs_patch(self, name: str) -> bool:
-        """``zloss-output-layer`` with a coefficient (the MTP heads' loss, and the main
-        head's without fusion); ``fused-output-loss`` with its flag."""
-        return {"zloss-output-layer": self.coeff != 0, "fused-output-loss": self.fused}[name]
+        """``zloss-output-layer`` with a coefficient or ``--log-output-z`` (the MTP heads'
+        loss, and the main head's without fusion); ``fused-output-loss`` with its flag."""
+        return {"zloss-output-layer": self.tracks(), "fused-output-loss": self.fused}[name]
+
+    def tracks(self) -> bool:
+        """Whether the loss calls keep their per-token terms for :meth:`on_loss`."""
+        return self.coeff != 0 or self.log_z
 
     def on_loss(self, inputs: LossInputs) -> dict[str, torch.Tensor]:
         """``lm loss`` (pure CE) and ``z loss`` (mean log²Z) report entries; the per-token CE
@@ -119,24 +139,29 @@ class ZLossFeature(Feature):
         Same ``[masked sum, token count]`` form as the loss function's own ``lm loss``, so
         Megatron averages them over micro-batches and data-parallel ranks exactly as the CE.
         """
-        if self.coeff == 0:  # --fused-output-loss alone: the loss is the pure CE already
+        if not self.tracks():  # --fused-output-loss alone: the loss is the pure CE already
             return {}
         pending, self.pending = self.pending, []
-        terms = [(ce, z) for loss, ce, z in pending if loss is inputs.per_token]
+        terms = [(ce, z, lz) for loss, ce, z, lz in pending if loss is inputs.per_token]
         if not terms:
             raise RuntimeError(
                 "z-loss: the loss function got a tensor that compute_language_model_loss did "
                 f"not return ({len(pending)} calls since the last micro-batch); Megatron's loss "
                 "path changed, re-verify megatron_ext.zloss.adapter."
             )
-        cross_entropy, z_loss = terms[-1]
-        # The other features' lm-loss readers (worst DP rank, sample log) take the pure CE.
-        inputs.micro_batch.extras[LM_LOSS_PER_TOKEN] = cross_entropy
+        cross_entropy, z_loss, log_z = terms[-1]
+        reported: list[tuple[str, torch.Tensor]] = []
+        if self.coeff != 0:
+            # The other features' lm-loss readers (worst DP rank, sample log) take the pure CE.
+            inputs.micro_batch.extras[LM_LOSS_PER_TOKEN] = cross_entropy
+            reported += [("lm loss", cross_entropy), ("z loss", z_loss)]
+        if self.log_z and inputs.micro_batch.training:  # a signal, not an evaluation metric
+            reported.append(("log z", log_z))
         return {
             name: torch.cat(
                 [torch.sum(term.reshape(-1) * inputs.mask).view(1), inputs.num_tokens.view(1)]
             )
-            for name, term in (("lm loss", cross_entropy), ("z loss", z_loss))
+            for name, term in reported
         }
 
 
@@ -187,12 +212,16 @@ def with_z_loss(
             overwrite_logits=True,
         )
         loss = terms.loss.transpose(0, 1).contiguous()
-        feature.pending.append(
-            (loss, terms.cross_entropy.transpose(0, 1), terms.z_loss.transpose(0, 1))
-        )
+        feature.pending.append(_kept(loss, terms))
         return loss
 
     return compute_language_model_loss
+
+
+def _kept(loss: torch.Tensor, terms: Any) -> tuple[torch.Tensor, ...]:
+    """What a loss call leaves for :meth:`ZLossFeature.on_loss`: the ``[b, s]`` loss it
+    returned and its per-token CE, log²Z and log Z, ``[b, s]`` too."""
+    return (loss, *(t.transpose(0, 1) for t in (terms.cross_entropy, terms.z_loss, terms.log_z)))
 
 
 # -- --fused-output-loss ----------------------------------------------------------------------
@@ -272,10 +301,8 @@ def fused_output_processor(
         dummy_wgrad=feature.dummy_wgrad,
     )
     loss = terms.loss.transpose(0, 1).contiguous()
-    if feature.coeff != 0.0:
-        feature.pending.append(
-            (loss, terms.cross_entropy.transpose(0, 1), terms.z_loss.transpose(0, 1))
-        )
+    if feature.tracks():
+        feature.pending.append(_kept(loss, terms))
     return loss
 
 

@@ -29,13 +29,15 @@ __all__ = ["ZLossTerms", "cross_entropy_and_z_loss", "vocab_parallel_cross_entro
 class ZLossTerms(NamedTuple):
     """Per-token ``[s, b]`` float32 terms of one call.
 
-    ``loss`` (differentiable) is ``cross_entropy + coeff * z_loss``; ``cross_entropy`` and
-    ``z_loss`` (= log²Z, unscaled) are detached, for logging.
+    ``loss`` (differentiable) is ``cross_entropy + coeff * z_loss``; ``cross_entropy``,
+    ``z_loss`` (= log²Z, unscaled) and ``log_z`` (signed: an output-logit divergence drifts
+    it away from 0, which log²Z cannot tell from noise around 0) are detached, for logging.
     """
 
     loss: torch.Tensor
     cross_entropy: torch.Tensor
     z_loss: torch.Tensor
+    log_z: torch.Tensor
 
 
 def _default_tp_group() -> dist.ProcessGroup | None:
@@ -64,7 +66,7 @@ class _CrossEntropyWithZLoss(torch.autograd.Function):
         coeff: float,
         tp_group: dist.ProcessGroup | None,
         overwrite_logits: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         rank = 0 if tp_group is None else dist.get_rank(tp_group)
         world = 1 if tp_group is None else dist.get_world_size(tp_group)
 
@@ -114,8 +116,8 @@ class _CrossEntropyWithZLoss(torch.autograd.Function):
         shifted.div_(denominator.unsqueeze(-1))
 
         ctx.save_for_backward(shifted, target_mask, masked_target_1d)
-        ctx.mark_non_differentiable(cross_entropy, z_loss)
-        return loss, cross_entropy, z_loss
+        ctx.mark_non_differentiable(cross_entropy, z_loss, log_z)
+        return loss, cross_entropy, z_loss, log_z
 
     @staticmethod
     def backward(  # type: ignore[override]

@@ -46,12 +46,14 @@ class OutputLossTerms(NamedTuple):
     """Per-token float32 terms, shaped like the labels.
 
     ``loss`` (differentiable w.r.t. hidden states and weight) is ``cross_entropy + coeff ·
-    z_loss``; ``cross_entropy`` and ``z_loss`` (= log²Z, unscaled) are detached, for logging.
+    z_loss``; ``cross_entropy``, ``z_loss`` (= log²Z, unscaled) and ``log_z`` are detached,
+    for logging.
     """
 
     loss: torch.Tensor
     cross_entropy: torch.Tensor
     z_loss: torch.Tensor
+    log_z: torch.Tensor
 
 
 def default_chunk_tokens(vocab_per_rank: int) -> int:
@@ -131,15 +133,15 @@ class _FusedOutputLoss(torch.autograd.Function):
         labels: torch.Tensor,
         token_weights: torch.Tensor,
         options: dict[str, Any],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         group = options["tp_group"]
         world = 1 if group is None else dist.get_world_size(group)
         reduce_group = group if world > 1 else None
         vocab_start = (0 if group is None else dist.get_rank(group)) * weight.size(0)
         coeff, scale, chunk = options["coeff"], options["logit_scale"], options["chunk_tokens"]
         tokens = hidden.size(0)
-        loss, cross_entropy, z_loss = (
-            torch.empty(tokens, dtype=torch.float32, device=hidden.device) for _ in range(3)
+        loss, cross_entropy, z_loss, log_zs = (
+            torch.empty(tokens, dtype=torch.float32, device=hidden.device) for _ in range(4)
         )
         grads = options["needs_grad"]
         # Megatron's scale known in forward: the weight gradient goes to main_grad chunk by
@@ -162,6 +164,7 @@ class _FusedOutputLoss(torch.autograd.Function):
                 h, weight, labels[start:end], vocab_start, coeff, scale, reduce_group
             )
             loss[start:end], cross_entropy[start:end], z_loss[start:end] = chunk_loss, ce, z
+            log_zs[start:end] = log_z
             if not grads:
                 del work  # before the next chunk's logits exist: one chunk buffer at a time
                 continue
@@ -185,8 +188,8 @@ class _FusedOutputLoss(torch.autograd.Function):
             )
             ctx.weight = weight
             ctx.options = options
-        ctx.mark_non_differentiable(cross_entropy, z_loss)
-        return loss, cross_entropy, z_loss
+        ctx.mark_non_differentiable(cross_entropy, z_loss, log_zs)
+        return loss, cross_entropy, z_loss, log_zs
 
     @staticmethod
     def backward(  # type: ignore[override]

@@ -20,6 +20,8 @@ each version:
   its one per-version difference (the bucket norms' duplicate filter) is a registry variant
   verified on every version, and the row's two launches (4 ranks) were a quarter of a
   tier's time;
+- ``--spike-skip-update``: refused on 0.17 (no ``grad_norm_skip_threshold``) with the reason,
+  accepted on 0.18+;
 - the lookup's copies of Megatron logic (digests per version), its flag spec, tokenizer
   descriptions and index logic against the version's own datasets, and lookup equal to the
   sample log under ``--rampup-batch-size`` (0.17 ramps, 0.18+ ignores it).
@@ -38,6 +40,7 @@ PATHS = (
     "tests/unit/lookup/test_lookup_tokenizer.py",
     "tests/unit/lookup/test_lookup_formats.py",
     "tests/unit/lookup/test_lookup_schedule.py",
+    "tests/unit/spikes/test_update_skip.py",
     "tests/e2e/test_lookup_training.py",
     "tests/e2e/test_pretrain.py",
 )

@@ -1,7 +1,8 @@
 """The GPU check's CPU rehearsal: the same ladder script, rungs 2 (every feature), 4 (overhead
-arms), 5 (drill -> plan -> apply -> restart -> lookup), 7 (fused output loss, tiny size) and 8
-(async save: refused by the CPU runner) through the CPU harness, so the orchestration cannot
-rot between GPU loans."""
+arms), 5 (drill -> plan -> apply -> restart -> lookup), 7 (fused output loss, tiny size), 8
+(async save: refused by the CPU runner), 9 and 10 (CP=2, TP=2 + SP: refused by the CPU runner,
+their comparison with the one-rank run made on TP=2) through the CPU harness, so the
+orchestration cannot rot between GPU loans."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ def test_cpu_rehearsal_of_the_gpu_ladder(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     rungs = {line["rung"]: line for line in lines if "rung" in line}
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert sorted(rungs) == [1, 2, 3, 4, 5, 6, 7, 8], "every rung prints one JSON line"
+    assert sorted(rungs) == list(range(1, 11)), "every rung prints one JSON line"
     for number, rung in rungs.items():
         assert rung["estimate_gpu_s"] > 0 and rung["estimate_basis"], number
-        assert rung["status"] == ("pass" if number in (2, 4, 5, 7, 8) else "skip"), rung
+        assert rung["status"] == ("pass" if number in (2, 4, 5, 7, 8, 9, 10) else "skip"), rung
     assert rungs[2]["figures"]["iterations"] == 40 and rungs[2]["figures"]["buckets"] > 1
     assert rungs[4]["figures"]["ratio"] > 0
     assert rungs[7]["figures"]["time_vs_megatron_ce"] > 0  # the fused head ran against both CEs
@@ -39,4 +40,8 @@ def test_cpu_rehearsal_of_the_gpu_ladder(tmp_path: Path) -> None:
     assert drill["incidents"] == 1 and drill["lookup_exit"] == 0
     assert drill["skip_window"][0] <= drill["onset"] <= drill["skip_window"][1]
     assert rungs[8]["figures"]["exit"] not in (0, None)  # refused, at once, on CPU
+    for number in (9, 10):  # refused on CPU; the comparison ran on every iteration and batch
+        figures = rungs[number]["figures"]
+        assert figures["refused_on_cpu"] and figures["iterations"] == 5, figures
+        assert figures["micro_batches"] == 10 and figures["max_rel_diff_lm_loss"] < 1e-4
     assert lines[-1]["summary"] and lines[-1]["failed"] == []

@@ -4,7 +4,9 @@ One first launch per layout (every feature on, drill included) proves its losses
 single-rank base, Σ bucket² = grad-norm² with global layer names, the weight-decay update,
 the signals, the drill's exit on every rank, and sample log + lookup + reader ranks. The
 drill restart past the spike runs for ``pp2-tied``; the kill -9 resume (bit-exact) for
-``dp2-pp2-distopt-tied``. Layouts that cannot run on CPU (SP, CP) are refused at start-up.
+``dp2-pp2-distopt-tied``; the resume of the first launch's checkpoint (bit-exact) for
+``fsdp2-dp2`` (torch FSDP2 on a CPU device mesh). Layouts that cannot run on CPU (SP, CP,
+Megatron-FSDP) are refused at start-up, each with its reason.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ def test_first_iteration_losses_equal_the_single_rank_run(matrix: Matrix, name: 
     rtol = BF16_RTOL if layout.bf16 else 1e-5
     assert first.lm_loss == pytest.approx(reference.lm_loss, rel=rtol)
     assert first.z_loss == pytest.approx(reference.z_loss, rel=rtol)
+    assert first.log_z == pytest.approx(reference.log_z, rel=rtol)
+    assert first.max_attention_logit == pytest.approx(reference.max_attention_logit, rel=rtol)
     # Same weights, different reductions: fp32 grad norms agree to summation order.
     assert first.grad_norm == pytest.approx(reference.grad_norm, rel=1e-2 if layout.bf16 else 1e-4)
 
@@ -295,12 +299,47 @@ def test_kill_9_after_a_checkpoint_then_resume_is_bit_exact(matrix: Matrix, name
     """R resumes K (killed right after its checkpoint of FIRST) and must replay U (the first
     launch) bit for bit up to the same spike exit: losses, norms, the worst rank, the update
     ratio, every sample record and the detector's decision (primed from K's signals)."""
-    uninterrupted = matrix.first(name)
     killed, resumed = matrix.resume(name)
     assert killed.returncode != 0 and not killed.exits(), "K must die by SIGKILL"
+    _assert_replays(matrix.first(name), killed.workdir, resumed)
+
+
+@pytest.mark.parametrize("name", [layout.name for layout in LAYOUTS if layout.replay])
+def test_resume_of_the_first_checkpoint_replays_the_first_launch(matrix: Matrix, name: str) -> None:
+    """A resume from a copy of the first launch's checkpoint of FIRST (its signals and ledger
+    cut at FIRST) retraces the first launch bit for bit: the layout's checkpoint saves and
+    loads everything the step depends on (for FSDP2: the sharded optimizer state and Adam's
+    step, registry fixes fsdp2-checkpoint-param-ids and fsdp2-resume-adam-step)."""
+    resumed = matrix.replay(name)
+    _assert_replays(matrix.first(name), resumed.workdir, resumed)
+
+
+def test_fsdp2_shards_over_a_cpu_mesh_and_its_buckets_are_the_fully_shard_units(
+    matrix: Matrix,
+) -> None:
+    """The row is torch FSDP2 (every rank built its mesh through the runner's shim), its
+    buckets are Megatron's fully_shard units (the embedding, each layer, the root's rest), and
+    its params norm is the model's: one small step from the base's weights of FIRST - 1, not
+    one shard's (~0.7 of it at DP=2: megatron-core's, without fsdp2-global-params-norm)."""
+    layout, run = BY_NAME["fsdp2-dp2"], matrix.first("fsdp2-dp2")
+    assert all(counts.get("DeviceMesh(cuda)") for counts in run.shim_counts().values())
+    base = {r.iteration: r for r in _signals(matrix.base(layout).workdir)}[FIRST - 1]
+    assert _trained(run)[0].params_norm == pytest.approx(base.params_norm, rel=1e-2)
+    layers = layout.num_layers
+    spans = [name.split("[")[0] for name in _trained(run)[0].bucket_grad_norms]
+    assert spans == [
+        "b0:no-layers",
+        *(f"b{i + 1}:layers{i}-{i}" for i in range(layers)),
+        f"b{layers + 1}:no-layers",
+    ]
+
+
+def _assert_replays(uninterrupted: Run, files: Path, resumed: Run) -> None:
+    """``resumed`` (whose signals and ledger are under ``files``) replays ``uninterrupted``
+    from FIRST + 1 to its spike exit, bit for bit."""
     assert {e["exit_code"] for e in resumed.exits().values()} == {EXIT_CODE_SPIKE}
     expected = {r.iteration: r for r in _trained(uninterrupted)}
-    replayed = {r.iteration: r for r in latest_per_iteration(_signals(killed.workdir))}
+    replayed = {r.iteration: r for r in latest_per_iteration(_signals(files))}
     assert sorted(replayed) == sorted(expected)
     for k in range(FIRST + 1, max(expected) + 1):
         a, b = expected[k].as_json(), replayed[k].as_json()
@@ -309,7 +348,7 @@ def test_kill_9_after_a_checkpoint_then_resume_is_bit_exact(matrix: Matrix, name
         assert a == b, k
     original = {k: r for k, r in _keyed(uninterrupted).items() if k[0] > FIRST}
     assert _keyed(resumed) == original
-    decisions = [_ledger(run.workdir) for run in (uninterrupted, killed)]
+    decisions = [_ledger(run_dir) for run_dir in (uninterrupted.workdir, files)]
     for events in decisions:  # the window holds wall times and attempts: the rest must match
         for event in events:
             event.pop("window"), event.pop("attempt")
@@ -334,3 +373,28 @@ def test_sequence_and_context_parallelism_are_refused_without_transformer_engine
         assert result.returncode != 0
         assert message in output, output[-3000:]
         assert "initializing torch distributed" not in output, "refused after start-up"
+
+
+def test_fsdp_layouts_that_cannot_start_are_refused_at_start_up(data_args: list[str]) -> None:
+    """Megatron-FSDP on the CPU runner (its wrapper builds a 'cuda:<device>' string and
+    reduce-scatters with PREMUL_SUM, which gloo lacks), and an FSDP with
+    CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron asserts): one line each, before distributed init,
+    no traceback."""
+    cases = {
+        "--use-megatron-fsdp is refused on the CPU runner": (
+            ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
+            {},
+        ),
+        "CUDA_DEVICE_MAX_CONNECTIONS=1 with --use-torch-fsdp2: Megatron asserts": (
+            ["--use-torch-fsdp2"],
+            {"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+        ),
+    }
+    with ThreadPoolExecutor(len(cases)) as pool:
+        runs = [pool.submit(rank0_alone, [*data_args, *f], env) for f, env in cases.values()]
+    for message, run in zip(cases, runs):
+        result = run.result()
+        output = result.stdout + result.stderr
+        assert result.returncode == 1, output[-3000:]
+        assert message in output, output[-3000:]
+        assert "Traceback" not in output and "initializing torch distributed" not in output

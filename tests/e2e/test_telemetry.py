@@ -35,14 +35,18 @@ def _assert_buckets_cover_grad_norm(run: Run) -> list[SignalRecord]:
 
 def _assert_signal_fields(run: Run, records: list[SignalRecord], dp: int) -> None:
     lm_losses = _console(run, "lm loss")
+    # Megatron's console prints the next iteration's rate; the record holds the step's own.
+    next_lrs = _console(run, "learning rate")
     per_rank = run.records()
     for r in records:
         if r.iteration != 2:  # Megatron's console averages iterations 1-2 at iteration 2
             assert r.lm_loss == pytest.approx(lm_losses[r.iteration], rel=1e-6)
         assert r.consumed_samples == 8 * r.iteration and r.skipped_samples == 0
-        assert r.params_norm > 0 and r.lr > 0 and r.update_ratio < 1
-        # Linear warm-up from lr 0: the first optimizer step moves nothing.
-        assert (r.update_ratio > 0) == (r.iteration > 1)
+        assert r.params_norm > 0 and r.update_ratio < 1
+        # Linear warm-up from lr 0: the first optimizer step ran at lr 0 and moved nothing.
+        assert (r.update_ratio > 0) == (r.iteration > 1) == (r.lr > 0)
+        if r.iteration - 1 in next_lrs:
+            assert r.lr == pytest.approx(next_lrs[r.iteration - 1], rel=1e-6)
         assert r.loss_scale == 1.0 and not r.skipped_iter and not r.nan_iter
         # The worst DP rank's local loss, recomputed from the per-rank sample log.
         local = {

@@ -63,8 +63,9 @@ def _trained(records: dict, iteration: int) -> dict[tuple[int, int], list[int]]:
     "after a real drill (onset 32 trained by attempt 1, rolled back to 25, 26-37 skipped by "
     "attempt 2), `lookup --iteration 32 --dp-rank 1 [--sample-log] [--worst]`, and 30",
     "answered with attempt 1's batch (the onset's, equal to its sample log), naming both "
-    "attempts and what became of it; attempt 1's records compared (the in-flight corruption "
-    "refused as changed tokens on rank 1); --worst labelled attempt 1, no SKIPPED header",
+    "attempts and what became of it; attempt 1's records compared (rank 1's in-flight "
+    "corruption answered: same samples, trained tokens differ from disk, both SHA-1s and the "
+    "drill named); --worst labelled attempt 1, no SKIPPED header",
     area="lookup",
 )
 def test_lookup_answers_the_onset_and_the_rolled_back_iterations_per_attempt(
@@ -88,12 +89,16 @@ def test_lookup_answers_the_onset_and_the_rolled_back_iterations_per_attempt(
     assert code == 0, err
     assert "SKIPPED" not in out and f"answer: what attempt 1 read at iteration {ONSET}" in out
     assert "attempt 1 (from iteration 1" in out and ROLLED_BACK in out
-    # Rank 1's tokens were mis-encoded in flight: attempt 1's record says so, not "skipped".
+    # Rank 1's tokens were mis-encoded in flight: the samples are the ones trained, their
+    # tokens not the disk's. Said, with both SHA-1s and the drill the layout log records.
     code, out, err = _lookup(
         capsys, work, "--iteration", str(ONSET), "--dp-rank", "1", "--sample-log", samples
     )
-    assert code == 1 and "training (attempt 1) logged samples" in err, (out, err)
-    assert "the data changed since training" in err
+    assert code == 0 and "the data changed since training" not in out + err, (out, err)
+    assert "2 trained on the same samples with other tokens" in out, out
+    assert out.count("the same samples, but the tokens trained differ from the data on disk") == 2
+    assert "token SHA-1s trained ['" in out and "], on disk ['" in out
+    assert f"the drill --drill-corrupt-batch {BAD[0]}-{BAD[1]}:1 corrupted it in flight" in out
     code, out, err = _lookup(
         capsys, work, "--iteration", str(ONSET), "--dp-rank", "0", "--sample-log", samples
     )

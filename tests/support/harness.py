@@ -101,6 +101,7 @@ EXPECTED_SHIMS = {
     "Module.cuda",
     "initialize_megatron(allow_no_cuda)",
     "torch.compile(eager)",
+    "DeviceMesh(cuda)",  # torch FSDP2's mesh (--use-torch-fsdp2)
 }
 
 # Exactly the shims the world-size-1 run (test_pretrain.py) fires, per megatron-core minor:
@@ -258,10 +259,15 @@ def run_skiplist(work: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*command, *extra], capture_output=True, text=True)
 
 
-def rank0_alone(flags: list[str]) -> subprocess.CompletedProcess[str]:
+def rank0_alone(
+    flags: list[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """The entry point through the harness as rank 0 of 2, without torchrun: a refusal must
-    come before distributed init (which would wait for a rank 1 that never starts)."""
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    come before distributed init (which would wait for a rank 1 that never starts). ``env``
+    adds to the environment."""
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", OMP_NUM_THREADS="1") | (
+        env or {}
+    )
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29599")
     command = [sys.executable, str(RUNNER), *TINY_MODEL, *CPU_FLAGS, *TINY_TRAINING, *flags]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)

@@ -11,13 +11,16 @@ resume) are plain resumes of the layout's own checkpoints.
 
 Every layout run has z-loss, weight-decay multipliers, bucket norms, signals with the update
 ratio, the spike detector, the sample log and the drill (garbage tokens on the last DP rank
-at ``BAD``): its first launch ends with the detector's exit on every rank. The layouts marked
+at ``BAD``): its first launch ends with the detector's exit on every rank. A ``replay`` layout
+also resumes a copy of its first launch's checkpoint of ``FIRST``, which must retrace the
+first launch bit for bit (one launch where ``resume`` takes two). The layouts marked
 ``FUSED`` also run ``--fused-output-loss`` (the bases never do), so their first iteration is
 the fused head against the unfused one, and the kill -9 resume is proven with it on.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from collections.abc import Callable, Iterable
@@ -29,6 +32,12 @@ from typing import Any, TypeVar
 import torch
 
 from megatron_ext.demo import TINY_MODEL
+from megatron_ext.files import (
+    CHECKPOINT_TRACKER_FILE,
+    SIGNALS_FILE,
+    SPIKE_LEDGER_FILE,
+    checkpoint_dir,
+)
 from tests.support.harness import TELEMETRY, Run, launch, run_skiplist
 
 TRAIN_ITERS = 25
@@ -118,6 +127,9 @@ class Layout:
     bf16: bool = False
     restart: bool = False  # drill restart (plan, apply, relaunch past the spike)
     resume: bool = False  # kill -9 after the first checkpoint, resume, compare bit for bit
+    # Resume a copy of the first launch's checkpoint of FIRST and compare bit for bit: the
+    # exact-resume check at one launch (the first launch is its own killed run).
+    replay: bool = False
 
     @property
     def tied(self) -> bool:
@@ -184,8 +196,16 @@ LAYOUTS = (
         dp=2,
         bf16=True,
     ),
+    # torch FSDP2 over a CPU device mesh (the runner's shim): bucket norms are fully_shard
+    # units, params norm and update ratio add the DP shards, the checkpoint is torch_dist.
+    Layout("fsdp2-dp2", "dense", 2, ("--use-torch-fsdp2", *FUSED_FLAGS), dp=2, replay=True),
 )
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
+
+
+# log Z (the z-loss kernel's) and the local attention's max logit: one value per global batch,
+# so every layout must give the single-rank run's.
+PRECURSOR_SIGNALS = ("--log-output-z", "--signals-attention-logit")
 
 
 def base_args(work: Path, data_args: list[str]) -> list[str]:
@@ -196,6 +216,7 @@ def base_args(work: Path, data_args: list[str]) -> list[str]:
         *COMMON,
         "--z-loss-coeff",
         str(Z_LOSS),
+        *PRECURSOR_SIGNALS,
         "--signals-dir",
         str(work / "signals"),
         "--save",
@@ -228,6 +249,7 @@ def layout_args(layout: Layout, work: Path, data_args: list[str]) -> list[str]:
         *decay,
         "--z-loss-coeff",
         str(Z_LOSS),
+        *PRECURSOR_SIGNALS,
         *TELEMETRY,
         "--signals-dir",
         str(work / "signals"),
@@ -360,3 +382,21 @@ class Matrix:
             return killed, self._again(layout, killed.workdir, f"{name}-R")
 
         return self._once(f"{name}/resume", make)
+
+    def replay(self, name: str) -> Run:
+        """A resume from a copy of the first launch's checkpoint of FIRST, with its signals and
+        spike ledger as they stood at FIRST; its own sample log, up to the drill's exit."""
+
+        def make() -> Run:
+            first, work = self.first(name), self.root / f"{name}-replay"
+            saved = checkpoint_dir(first.workdir / "ckpt", FIRST)
+            shutil.copytree(saved, work / "ckpt" / saved.name)
+            (work / "ckpt" / CHECKPOINT_TRACKER_FILE).write_text(str(FIRST))
+            (work / "signals").mkdir()
+            for file in (SIGNALS_FILE, SPIKE_LEDGER_FILE):
+                lines = (first.workdir / "signals" / file).read_text().splitlines(keepends=True)
+                kept = [line for line in lines if json.loads(line)["iteration"] <= FIRST]
+                (work / "signals" / file).write_text("".join(kept))
+            return self._again(BY_NAME[name], work, work.name)
+
+        return self._once(f"{name}/replay", make)

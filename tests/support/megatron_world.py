@@ -195,6 +195,7 @@ PLAIN_OUTPUT_LOSS = {
     "cross_entropy_loss_fusion": False,
     "fused_output_loss": False,
     "fused_output_loss_chunk_tokens": 0,
+    "log_output_z": False,
 }
 
 

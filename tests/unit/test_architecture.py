@@ -131,6 +131,7 @@ FEATURE_FOLDERS = (
     "data",
     "incidents",
     "runlock",
+    "fsdp",
 )
 # The shared lower layer: what every feature and tool may import, and which imports only itself.
 # checkpoint_state (reads Megatron's tracker files), quiet, stop_signals, attempt_end (how an
@@ -154,6 +155,8 @@ LOWER = (
     "megatron_ext.stop_signals",
     "megatron_ext.attempt_end",
     "megatron_ext.process_exit",
+    "megatron_ext.dtensors",
+    "megatron_ext.cuda_connections",
 )
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 
-from megatron_ext import demo
+from megatron_ext import demo, launch_console
 from megatron_ext.checkpoint_state import COMMON_STATE_KEY
 from megatron_ext.files import CHECKPOINT_METADATA_FILE, CHECKPOINT_TRACKER_FILE, checkpoint_dir
 
@@ -30,7 +30,27 @@ def test_the_filter_drops_megatrons_argument_dump_and_memory_report() -> None:
         "  logits_load_ignore_errors ....................... False",
         "[Rank 0] (before save_checkpoint for iteration 5) memory (MB) | allocated: 0.00",
     ]
-    assert [line for line in shown + hidden if demo._shown(line)] == shown
+    assert [line for line in shown + hidden if launch_console.shown(line)] == shown
+
+
+def test_a_refusal_is_shown_alone_and_torchrun_s_report_kept_in_the_log() -> None:
+    """What a start-up refusal printed on the demo's console: the refusal, then torchrun's
+    ChildFailedError traceback (its lines say "error"). The log keeps every line."""
+    refusal = "megatron-ext: spike detector: need window >= 3 (got window=2)"
+    launcher = [
+        "E1203 16:14:57.119000 32051 torch/distributed/elastic/multiprocessing/api.py:1002] "
+        "failed (exitcode: 1) local_rank: 0 (pid: 32252) of binary: /venv/bin/python3.12",
+        "Traceback (most recent call last):",
+        '  File "/venv/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 380',
+        "    raise ChildFailedError(",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "  error_file: <N/A>",
+        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html",
+    ]
+    lines = [" iteration        1/      40 | lm loss: 6.8", refusal, *launcher]
+    log = io.StringIO()
+    assert list(launch_console.console([f"{line}\n" for line in lines], log)) == lines[:2]
+    assert log.getvalue() == "".join(f"{line}\n" for line in lines)
 
 
 def _checkpoint(workdir: Path, iteration: int, train_iters: int, global_batch: int) -> None:

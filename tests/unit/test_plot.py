@@ -13,11 +13,13 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from megatron_ext import cli
 from megatron_ext.files import incident_stem
 from megatron_ext.io import JsonlAppender, atomic_write_json
-from megatron_ext.plot import PANELS, build_series, main, render
+from megatron_ext.plot import build_series, main, render
+from megatron_ext.plot_axes import log_ticks
 from megatron_ext.records.ledger import config_record, read_ledger
 from megatron_ext.records.signals import SignalRecord
 from megatron_ext.records.signals_writer import SignalsWriter
@@ -111,21 +113,61 @@ def test_attempt_selection(log: Path) -> None:
         build_series(log, "first", CONFIG)
 
 
-def test_unrecorded_panel_says_how_to_record_it(log: Path) -> None:
+def _titles(figure) -> list[str]:
+    return [axis.get_title(loc="left") for axis in figure.axes]
+
+
+def test_an_unrecorded_optional_panel_is_left_out_and_its_flag_named(log: Path) -> None:
     figure = render(_series(log), "t")
-    notes = {
-        title: [t.get_text() for t in axis.texts]
-        for (_, title, _), axis in zip(PANELS, figure.axes)
-    }
-    assert notes["max attention logit"] == ["not recorded (enable --log-max-attention-logit)"]
-    assert notes["LM loss"] == notes["grad norm (pre-clip)"] == notes["params norm"] == []
+    assert _titles(figure) == ["LM loss", "grad norm (pre-clip)", "params norm"]
+    assert not any(axis.texts for axis in figure.axes)
     assert figure.axes[1].get_yscale() == "log"
+    note = figure.get_suptitle()
+    assert "not recorded: max attention logit (--signals-attention-logit" in note
+    assert "log Z of the output softmax (--log-output-z)" in note
     lines = log.read_text().splitlines(keepends=True)
-    for number in range(5):
+    for number in range(5):  # the attention logit recorded at iterations 1-5, log Z at 1-60
         lines[number] = lines[number].replace(':null,"skipped_iter', ':30.0,"skipped_iter')
+    lines = [line.replace('"log_z":null', '"log_z":2.5') for line in lines]
     log.write_text("".join(lines))
     figure = render(_series(log), "t")
-    assert not figure.axes[3].texts
+    assert _titles(figure)[3:] == ["max attention logit", "log Z of the output softmax"]
+    assert not figure.axes[3].texts and "not recorded" not in figure.get_suptitle()
+    assert figure.axes[4].lines[0].get_ydata()[:3].tolist() == [2.5, 2.5, 2.5]
+
+
+def test_the_grad_norm_axis_is_labelled_within_a_decade(tmp_path: Path) -> None:
+    """A healthy grad norm stays within a decade (the demo's: 0.9-1.7): matplotlib's log axis
+    labelled it twice (1 and 9x10^-1); round numbers now, four at least."""
+    writer = SignalsWriter(tmp_path)
+    for i in range(1, 41):
+        writer.write(_record(i, _healthy_loss(i), 0.9 + 0.8 * abs(math.sin(i / 7))))
+    (line,) = build_series(writer.path, "all", CONFIG)[0]
+    figure = render([line], "t")
+    FigureCanvasAgg(figure).draw()
+    axis = figure.axes[1]
+    low, high = axis.get_ylim()
+    labels = [t for t in axis.yaxis.get_majorticklabels() if t.get_text()]
+    shown = [t for t in labels if low <= t.get_position()[1] <= high]
+    assert axis.get_yscale() == "log" and len(shown) >= 4, [t.get_text() for t in shown]
+    assert all("times" not in t.get_text() for t in shown)  # 1.2, not 1.2x10^0
+    assert log_ticks(0.9, 2.7) == [1.2, 1.6, 2.0, 2.4]  # 1, 1.5, 2: too few
+    assert log_ticks(0.01, 50.0) == []  # past two decades: matplotlib's powers of ten
+
+
+def test_withheld_updates_are_marked_and_counted(tmp_path: Path) -> None:
+    writer = SignalsWriter(tmp_path)
+    for i in range(1, 41):
+        record = _record(i, _healthy_loss(i), 1.0)
+        record.update_skipped = record.skipped_iter = i in (12, 13, 30)
+        writer.write(record)
+    (line,) = build_series(writer.path, "all", CONFIG)[0]
+    assert line.update_skips == 3
+    figure = render([line], "t")
+    diamonds = [mark for mark in figure.axes[0].lines if mark.get_marker() == "D"]
+    assert [d.get_xdata().tolist() for d in diamonds] == [[12, 13, 30]]
+    labels = [t.get_text() for t in figure.legends[0].get_texts()]
+    assert "update withheld (3, loss panel's bottom edge)" in labels
 
 
 def test_cli_writes_a_png_atomically(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -271,9 +313,9 @@ def test_the_per_source_panel_has_a_line_per_source_and_marks_the_stage_change(
     # The replayed detector reads the sources too: the stage change flags nothing.
     assert [e for e in line.candidates if e.kind == "spike"] == []
     figure = render([line], "blend")
-    assert len(figure.axes) == len(PANELS) + 1
+    assert len(figure.axes) == 4  # loss, grad norm, params norm (nothing optional recorded)
     assert figure.axes[-1].get_title(loc="left") == "LM loss by data source"
     assert [t.get_text() for t in figure.axes[-1].texts] == ["stage: code 90%, prose 10%"]
-    # A log without per-source fields keeps the four panels.
+    # A log without per-source fields has no such panel.
     (plain,) = build_series(_write_log(tmp_path / "plain"), "latest", CONFIG)[0]
-    assert len(render([plain], "plain").axes) == len(PANELS)
+    assert len(render([plain], "plain").axes) == 3

@@ -12,11 +12,14 @@ import pytest
 
 from megatron_ext import plot_stream
 from megatron_ext.plot import build_series, render
+from megatron_ext.records import signals_sources
 from megatron_ext.records.ledger import Ledger
-from megatron_ext.records.signals import SignalRecord
+from megatron_ext.records.signals import SignalRecord, read_signals
 from megatron_ext.records.signals_seek import SignalsLog
 from megatron_ext.records.signals_writer import SignalsWriter
 from megatron_ext.records.spike_config import SpikeConfig
+from megatron_ext.spikes.detector import replay
+from tests.support.default_run import SOURCE, lines
 
 CONFIG = SpikeConfig(window=20, warmup=20, patience=5)
 
@@ -112,3 +115,51 @@ def test_a_gap_line_is_drawn_as_a_missing_stretch(tmp_path: Path) -> None:
     figure = render(lines, "t", None, stats.gaps)
     for axis in figure.axes:
         assert [(p.get_x(), p.get_width()) for p in axis.patches] == [(1000.5, 20)]
+
+
+def _default_run_log(directory: Path, length: int) -> Path:
+    """What a default run writes (tests/support/default_run.py: the demo's own record, one
+    source, no ledger), a falling loss with two spikes."""
+    rng = random.Random(length)
+    directory.mkdir(parents=True)
+
+    def moving():
+        for i in range(1, length + 1):
+            loss = 2.0 + 3.0 / (1 + i / 1000) + rng.gauss(0, 0.02)
+            loss += 3.0 if i in (length // 2, length - 300) else 0.0
+            yield {
+                "iteration": i,
+                "attempt": 1,
+                "wall_time": 1.7e9 + i,
+                "consumed_samples": 8 * i,
+                "lm_loss": loss,
+                "max_local_loss": loss,
+                "grad_norm": 1.0 + rng.gauss(0, 0.05),
+                "params_norm": 20.0 + i * 1e-5,
+                "lr": 3e-4,
+                "source_loss": loss,
+            }
+
+    path = directory / "signals.jsonl"
+    path.write_text("".join(lines(moving())))
+    return path
+
+
+def test_a_default_run_s_log_costs_no_python_call_per_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's 38 s: two json.loads per line for the per-source fields and a detector
+    call per record. On logs 4x apart the detector observes the same few records, no line
+    goes through json.loads, and the replay's events are the full replay's."""
+    monkeypatch.setattr(signals_sources, "_keyed", None)  # the json.loads path: not taken
+    observed = {}
+    for length in (8000, 32000):
+        path = _default_run_log(tmp_path / str(length), length)
+        (line,), stats = build_series(path, "all", SpikeConfig(), columns=100)
+        assert stats.records == length and stats.slow_lines == 0
+        assert line.sources is not None and list(line.sources.envelopes) == [SOURCE]
+        expected = [e for e in replay(read_signals(path), SpikeConfig()) if e.kind == "spike"]
+        assert [e.as_json() for e in line.candidates] == [e.as_json() for e in expected]
+        assert len(expected) == 2
+        observed[length] = line.detector.observed
+    assert observed[32000] <= observed[8000] + 200 and observed[8000] < 1000, observed

@@ -189,7 +189,10 @@ def test_patches_command_lists_every_touch_and_the_hooks_users() -> None:
         versions = (entry if form is None else form).verified_on
         assert f"variant: {'' if form else 'this entry' if entry.variants else 'one form'}" in out
         assert found in versions, (entry.name, versions)
-    assert "hook after_step, used by: telemetry, sample_log, spikes" in out
+    assert (
+        "hook after_step, used by: update_skip, attention_logit, telemetry, sample_log, spikes"
+        in out
+    )
     assert "on_batch: called from megatron_ext.gpt_step.get_batch" in out
     assert (
         "relies on: megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucket "

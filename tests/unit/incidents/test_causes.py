@@ -141,3 +141,48 @@ def test_one_sources_own_jump_is_bad_data_in_that_source() -> None:
             r.lm_loss_by_dataset["prose"] *= 1.6
     d = diagnose(_incident("spike"), records)
     assert d.culprit_source is None and d.cause != "bad-source"
+
+
+def test_the_report_gives_the_lead_time_of_a_precursor_warning(tmp_path: Path) -> None:
+    records = _run()
+    warning = {"kind": "warning", "iteration": ONSET - 310, "attempt": 1, "signal": "log_z"}
+    warning["classification"] = "early warning: log_z falling for 10+ steps"
+    ledger = [
+        {**warning, "iteration": ONSET - 2000},  # an old episode: not this incident's
+        {**warning, "attempt": 0},  # another attempt's
+        warning,
+        {**warning, "iteration": ONSET - 20, "signal": "grad_norm"},
+        _incident("spike"),
+        _incident(),
+    ]
+    plan = make_plan(ledger, records, [ONSET - 200], [], PlanConfig(), None, str(tmp_path))
+    report = build_report(plan, ledger, records, tmp_path, 1, worst=None)
+    assert report.lead_time() == 310
+    assert "- early warning: **310 iterations before the onset** (log_z at iteration" in (
+        report.markdown()
+    )
+    assert report.as_json()["lead_time"] == 310
+    assert len(report.as_json()["early_warnings"]) == 2
+    quiet = build_report(plan, ledger[-2:], records, tmp_path, 1, worst=None)
+    assert quiet.lead_time() is None
+    assert "- early warning: none in the 1000 iterations before the onset" in quiet.markdown()
+
+
+def test_a_short_run_is_too_short_for_the_history_questions_not_missing_its_grad_norms() -> None:
+    """The demo's drill spikes at iteration 40: its grad norms are recorded, the 200
+    iterations the history questions compare are not there. The report said "grad_norm
+    history" under the signals the run did not record; it names the iterations now."""
+    onset = 40
+    records = _records(onset + 10, {onset: (5.0, 6.0), onset + 1: (3.0, 1.0)})
+    for r in records:
+        r.params_norm = 100 + 0.01 * r.iteration
+    incident = {**_incident(), "onset": onset, "iteration": onset + 5}
+    d = diagnose(incident, records)
+    assert not [m for m in d.missing if "grad_norm" in m or "params_norm" in m], d.missing
+    steps = {s.name: s for s in d.steps}
+    for name in ("learning-rate", "optimizer-state"):
+        assert steps[name].answer == "unknown"
+        assert steps[name].evidence.startswith("only 39 iteration(s) before the onset")
+    for r in records:
+        r.grad_norm = None  # not recorded at all: named, with how to record it
+    assert "grad_norm (signals: --signals-dir)" in diagnose(incident, records).missing

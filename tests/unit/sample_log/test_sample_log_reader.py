@@ -10,13 +10,15 @@ whole files fails here.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from megatron_ext.files import sample_log_attempts_file, sample_log_file
 from megatron_ext.lookup.crosscheck import check_against_log
-from megatron_ext.lookup.errors import TwoWriters
+from megatron_ext.lookup.errors import DataChanged, TwoWriters
+from megatron_ext.lookup.history import Segment
 from megatron_ext.lookup.worst import ranked_samples
 from megatron_ext.records.sample_log import SampleLog, SampleRecord, read_records
 from megatron_ext.records.sample_log_reader import RankLog, latest
@@ -232,3 +234,50 @@ def test_two_writers_interleaved_in_one_file_are_found_and_refused(tmp_path: Pat
         with warnings.catch_warnings(), pytest.raises(TwoWriters, match="two different records"):
             warnings.simplefilter("ignore")
             check_against_log(tmp_path, answered, {2: answered}, answered=2)
+
+
+def _answer(record: SampleRecord, digests: list[str] | None = None) -> list[dict]:
+    return [
+        {
+            "iteration": record.iteration,
+            "dp_rank": record.dp_rank,
+            "microbatch": record.microbatch,
+            "sample_index": sample,
+            "token_sha1": digest,
+            "skipped": False,
+        }
+        for sample, digest in zip(record.sample_ids, digests or record.token_sha1)
+    ]
+
+
+def test_tokens_corrupted_in_flight_are_said_with_both_digests_and_the_drill(
+    tmp_path: Path,
+) -> None:
+    """After `demo --drill`, `lookup --sample-log` of the onset batch refused with "the data
+    changed since training": the drill corrupted the batch in flight. The same samples with
+    other tokens are answered when the layout log records a drill that hit that batch, both
+    SHA-1s shown and the drill named; without one (or a drill of another rank) it is changed
+    data, refused with both SHA-1s; other samples are refused as before."""
+    _attempt(tmp_path, 1, range(1, 6), 1)
+    trained = _record(4, 1, 2, 1)
+    disk = [f"{i + 7:040x}" for i in trained.sample_ids]  # what the data gives today
+    answered = _answer(trained, disk)
+    plain = Segment(1, 0, {}, frozenset(), {}, "layout log line 1")
+    verdict = check_against_log(
+        tmp_path, answered, segments=(replace(plain, drill="3-4:1"),), answered=1
+    )
+    first, note = verdict.splitlines()
+    assert first == (
+        "sample log: 0 micro-batches match the training record, 1 trained on the same "
+        "samples with other tokens (below)"
+    )
+    assert note.startswith("  iteration 4 DP rank 1 micro-batch 2 (attempt 1): the same samples")
+    assert f"trained {trained.token_sha1}, on disk {disk}" in note
+    assert note.endswith("the drill --drill-corrupt-batch 3-4:1 corrupted it in flight")
+    for segments in ((plain,), (replace(plain, drill="3-4:0"),)):  # none, or rank 0's
+        with pytest.raises(DataChanged, match="no drill is recorded for this batch") as refused:
+            check_against_log(tmp_path, answered, segments=segments, answered=1)
+        assert f"trained {trained.token_sha1}, on disk {disk}" in str(refused.value)
+    other = [dict(r, sample_index=r["sample_index"] + 1) for r in answered]
+    with pytest.raises(DataChanged, match="the data changed since training"):
+        check_against_log(tmp_path, other, segments=(plain,), answered=1)

@@ -68,6 +68,36 @@ def test_help_prints_exit_code_table(h: Harness, script: Path):
     assert "#SBATCH" not in r.stdout
 
 
+PYTHON_311 = """#!/bin/bash
+# python from PATH on a fresh machine: 3.11, as the launchers' version probes see it
+case "$*" in *print*) echo 3.11 ;; *) exit 1 ;; esac
+"""
+
+
+@pytest.mark.parametrize("script", [SBATCH, SINGLE])
+def test_without_an_activated_virtualenv_the_checkout_s_venv_runs_or_one_line_says_why(
+    h: Harness, script: Path
+):
+    """README's `launch/run_single_node.sh --help` from a fresh set-up, the virtualenv not
+    activated: `python` on PATH was 3.11 and the package's first import died in a SyntaxError
+    traceback. The checkout's .venv runs it; without one, one line says what to set."""
+    del h.env["MEGATRON_EXT_PYTHON"]
+    write_exe(h.bin / "python", PYTHON_311)
+    if (REPO / ".venv" / "bin" / "python").exists():
+        r = h.run(script, "--help")
+        assert r.returncode == 0 and "MAX_RESTARTS" in r.stdout, r.stderr
+    bare = h.tmp / "checkout"  # a checkout without .venv
+    (bare / "megatron_ext" / "supervise").mkdir(parents=True)
+    (bare / "megatron_ext" / "supervise" / "runner.py").touch()
+    (bare / "launch").mkdir()
+    shutil.copy(REPO / "launch" / "python.sh", bare / "launch")
+    r = h.run(script, "--help", MEGATRON_EXT_ROOT=str(bare))
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"{script.name}: megatron-ext needs Python >= 3.12 and python is 3.11" in r.stderr
+    assert "set MEGATRON_EXT_PYTHON" in r.stderr
+
+
 def test_shellcheck_clean():
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:

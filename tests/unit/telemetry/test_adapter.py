@@ -33,6 +33,7 @@ def _args(signals_dir: Path) -> object:
         consumed_train_samples=2,
         skipped_train_samples=0,
         log_max_attention_logit=False,
+        signals_attention_logit=False,
         signals_by_dataset=True,
         data_path=None,
         data_args_path=None,

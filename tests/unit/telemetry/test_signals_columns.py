@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.io import json_safe
-from megatron_ext.records import signals_columns
+from megatron_ext.records import signals_columns, signals_sources
 from megatron_ext.records.signals import SignalRecord
 from megatron_ext.records.signals_columns import (
     COLUMNS,
@@ -117,19 +117,76 @@ def test_torn_foreign_gap_and_reordered_lines_are_parsed_as_json_loads_does(scan
     _check(block, records)
 
 
+def _sources(block) -> list:
+    """Each row's per-source fields as a record holds them (text: NaN == NaN)."""
+    rows = range(len(block)) if block.sources is not None else []
+    return [json.dumps(json_safe(block.sources.dicts(row))) for row in rows]
+
+
+def _record_sources(records: list[SignalRecord]) -> list:
+    return [json.dumps(json_safe((r.lm_loss_by_dataset, r.tokens_by_dataset))) for r in records]
+
+
 def test_per_source_fields_are_read_with_the_columns_and_reach_a_replay(scanner: str) -> None:
-    records = _records(200)
+    records = _records(200)  # a quarter of the lines without per-source fields
     block = parse_block(b"".join(_line(r) for r in records), 0, sources=True)
     assert block.slow_lines == 0
     _check(block, records)  # keys with colons inside the nested objects move no column
-    with_sources = [r for r in records if r.lm_loss_by_dataset]
-    assert len(block.sources) == len(with_sources) == 150
-    for record in with_sources:
-        losses, tokens = block.sources[record.iteration, record.attempt]
-        assert json.dumps(json_safe(losses)) == json.dumps(json_safe(record.lm_loss_by_dataset))
-        assert tokens == record.tokens_by_dataset
+    assert _sources(block) == _record_sources(records)
     replayed = replay_records(block, np.arange(len(block)))
     assert [r.tokens_by_dataset for r in replayed] == [r.tokens_by_dataset for r in records]
+    assert _record_sources(replayed) == _record_sources(records)
+
+
+def test_the_same_members_on_every_line_are_read_without_json_loads(
+    scanner: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's lines name the same members: one pattern for the block, numpy converts."""
+    records = [r for r in _records(300) if r.lm_loss_by_dataset]
+    for record in records[::7]:
+        record.lm_loss_by_dataset["web"] = math.nan  # json_safe writes "nan"
+    data = b"".join(_line(r) for r in records)
+    expected = _record_sources(records)
+    monkeypatch.setattr(signals_sources, "_keyed", None)  # the json.loads path: not taken
+    block = parse_block(data, 0, sources=True)
+    assert _sources(block) == expected and block.sources.members().tolist() == [2] * len(records)
+    one = [r for r in _records(40) if r.lm_loss_by_dataset]
+    for record in one:  # a single dataset: one member (what a default run writes)
+        record.lm_loss_by_dataset = {"tiny_text_document": record.lm_loss or 1.0}
+        record.tokens_by_dataset = {"tiny_text_document": 512}
+    block = parse_block(b"".join(_line(r) for r in one), 0, sources=True)
+    assert _sources(block) == _record_sources(one)
+    monkeypatch.undo()
+    records[5].lm_loss_by_dataset = {"web": 1.5}  # a member missing from one line: json.loads
+    block = parse_block(b"".join(_line(r) for r in records), 0, sources=True)
+    assert _sources(block) == _record_sources(records)
+
+
+def _older(line: bytes) -> bytes:
+    """The line as a writer before the APPENDED fields wrote it."""
+    cut = line.index(b',"' + signals_columns.APPENDED[0].encode() + b'":')
+    return line[:cut] + b"}\n"
+
+
+def test_an_older_writer_s_lines_take_the_fast_path_with_the_defaults(scanner: str) -> None:
+    records = _records(120)
+    for record in records[::3]:
+        record.log_z, record.update_skipped = 9.5, True
+    data = b"".join(_older(_line(r)) for r in records)
+    assert (compiled(data, COLUMNS) is not None) == (scanner == "c")
+    block = parse_block(data, 0, sources=True)
+    assert block.slow_lines == 0 and not block.problems
+    for record in records:
+        record.log_z, record.update_skipped = None, False
+    _check(block, records)
+    assert _sources(block) == _record_sources(records)
+    # Both shapes in one block (a run upgraded mid-log): each line read as json.loads reads it.
+    records[60].log_z, records[61].update_skipped = 2.25, True
+    lines = [_older(_line(r)) for r in records[:60]] + [_line(r) for r in records[60:]]
+    block = parse_block(b"".join(lines), 0, sources=True)
+    assert block.slow_lines == 0 and not block.problems
+    _check(block, records)
+    assert _sources(block) == _record_sources(records)
 
 
 def test_setup_builds_the_c_scanner() -> None:
@@ -154,7 +211,7 @@ def _both(data: bytes, names=COLUMNS) -> tuple[object, object]:
                 block.problems,
                 block.gaps,
                 block.slow_lines,
-                sorted(block.sources.items()),
+                _sources(block),
             )
         except (ValueError, OverflowError) as exc:
             outcome = (type(exc), str(exc))

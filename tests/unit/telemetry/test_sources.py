@@ -104,6 +104,7 @@ def _feature(tmp_path: Path, data_path: list[str], by_dataset: bool = True):
             consumed_train_samples=8,
             skipped_train_samples=0,
             log_max_attention_logit=False,
+            signals_attention_logit=False,
             signals_by_dataset=by_dataset,
         )
     )

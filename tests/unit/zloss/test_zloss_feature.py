@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ext.features import FeatureError, LossInputs, MicroBatch
+from megatron_ext.features import FeatureError, FeatureSet, LossInputs, MicroBatch
+from megatron_ext.gpt_step import loss_func
 from megatron_ext.registry import patch
 from megatron_ext.zloss import cross_entropy_and_z_loss
 from megatron_ext.zloss.adapter import ZLossFeature, with_z_loss
@@ -23,6 +24,7 @@ def _args(**overrides: object) -> SimpleNamespace:
             "z_loss_coeff": 1e-4,
             "cross_entropy_loss_fusion": False,
             "fused_output_loss": False,
+            "log_output_z": False,
             **overrides,
         }
     )
@@ -89,3 +91,23 @@ def test_loss_function_reports_the_main_heads_pure_ce_and_z() -> None:
     compute_loss(SimpleNamespace(tp_group=None), labels, logits.clone())
     with pytest.raises(RuntimeError, match="compute_language_model_loss did not return"):
         feature.on_loss(_inputs(mtp_head, mask))
+
+
+def test_evaluation_reports_no_perplexity_of_the_z_loss_nor_of_log_z() -> None:
+    """Megatron prints exp(value) as "PPL" for every evaluation entry: "z loss PPL: 4.85E+08"
+    meant nothing. Training keeps both entries; evaluation keeps the cross entropy only."""
+    feature = ZLossFeature()
+    feature.coeff, feature.log_z = 1e-4, True
+    ZLOSS.verify()
+    compute_loss = with_z_loss(None, feature)  # type: ignore[arg-type]
+    logits, target, mask = _problem()
+    labels = target.transpose(0, 1).contiguous()
+    features = FeatureSet(
+        SimpleNamespace(check_for_nan_in_loss_and_grad=False, check_for_spiky_loss=False),
+        (feature,),
+    )
+    for training, expected in ((True, ["lm loss", "z loss", "log z"]), (False, ["lm loss"])):
+        per_token = compute_loss(SimpleNamespace(tp_group=None), labels, logits.clone())
+        micro_batch = MicroBatch(1, training, 0)
+        _, _, report = loss_func(features, mask.T.reshape(-1), micro_batch, per_token)
+        assert list(report) == expected

@@ -430,6 +430,7 @@ def _args(**overrides: object) -> SimpleNamespace:
             "fused_output_loss": True,
             "fused_output_loss_chunk_tokens": 0,
             "defer_embedding_wgrad_compute": False,
+            "log_output_z": False,
             **overrides,
         }
     )

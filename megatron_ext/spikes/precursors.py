@@ -1,0 +1,215 @@
+"""Early warning: divergence precursors in the signals, before the loss moves (no Megatron
+imports).
+
+Seed 000 (chapters 二, 五) and Wortsman et al. (2023): a divergence shows hundreds of steps
+ahead as a steady climb of the max attention logit (attention-logit growth), a drift of the
+output softmax normaliser log Z (output-logit divergence) or a slowly rising grad norm, while a
+transient spike has no precursor. The spike detector reacts to the loss; this monitor watches
+those three signals for a *sustained* rise and warns: a ledger event (kind ``warning``) and a
+console line, never a rollback and never a checkpoint veto. The incident report then gives the
+warning's lead time over the onset.
+
+Rule, per signal, on a transformed value ``v`` (the log of the grad norm and of the attention
+logit, so a rise is a ratio; log Z as it is, in nats):
+
+- ``m`` is the median of the last ``recent`` values (one bad step cannot move it);
+- the reference is the lowest ``m`` over the ``horizon`` before those values (log Z: the ``m``
+  furthest from the current one on the other side, as its drift can go either way), so a rise
+  is measured from where the signal was, not from a baseline that follows it up;
+- ``m`` must stand ``rise`` above the reference for ``persist`` consecutive steps, and the last
+  ``recent`` values must trend the same way (Spearman rank correlation with time ≥
+  ``trend``): a plateau after a jump is not a precursor, a climb is;
+- and the loss must not have improved since the reference (the median of its last ``recent``
+  values within ``improving`` of what it was then): learning itself grows the attention logits
+  and log Z (a small model's max logit climbs from ~0.2 to thousands while its loss halves); a
+  climb that bought the loss nothing is the precursor.
+
+One warning per signal per episode; the signal re-arms once ``m`` is back within half the rise
+of its reference.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_ext.io import json_safe
+from megatron_ext.records.signals import SignalRecord
+from megatron_ext.records.spike_config import ATTENTION_LOGIT_LIMIT, SpikeConfig
+
+
+@dataclass(frozen=True)
+class Precursor:
+    """One watched signal: its field, how a value is read and the rise that warns."""
+
+    field: str
+    rise: float  # in the transformed unit: log-ratio, or nats for log Z
+    log: bool  # compare logarithms (a ratio) rather than values
+    two_sided: bool = False
+    floor: float | None = None  # the signal's own level it must also be past (raw units)
+
+    def value(self, record: SignalRecord) -> float | None:
+        raw = getattr(record, self.field)
+        if raw is None or not math.isfinite(raw) or (self.log and raw <= 0):
+            return None
+        return math.log(raw) if self.log else raw
+
+
+# Grad norm x2; the attention logit x1.5 and past ATTENTION_LOGIT_LIMIT (seed 000 ch. 2 §4:
+# bf16 softmax saturates around 100; Megatron's --qk-clip-threshold defaults to 100: healthy
+# small runs climb steadily from ~0.2 to tens early on); log Z 2 nats. README "Early warning".
+PRECURSORS = (
+    Precursor("grad_norm", math.log(2.0), log=True),
+    Precursor("max_attention_logit", math.log(1.5), log=True, floor=ATTENTION_LOGIT_LIMIT),
+    Precursor("log_z", 5.0, log=False, two_sided=True),
+)
+
+
+@dataclass(frozen=True)
+class WarnConfig:
+    """Windows of the rule (module docstring); the rises are per signal (:data:`PRECURSORS`).
+    The defaults are :meth:`following` the detector's defaults."""
+
+    recent: int = 20
+    persist: int = 10
+    horizon: int = 500
+    trend: float = 0.5
+    warmup: int = 100  # steps before any warning (the loss and every norm still settle)
+    improving: float = 0.02  # a loss median this much below the reference's: learning
+
+    @classmethod
+    def following(cls, detector: SpikeConfig) -> WarnConfig:
+        """Windows scaled with the detector's (``--spike-window``, ``--spike-warmup``): a run
+        short and steep enough to need a small detector window needs short precursors too."""
+        window = detector.window
+        return cls(
+            recent=max(3, window // 5),
+            persist=max(2, window // 10),
+            horizon=5 * window,
+            warmup=detector.warmup,
+        )
+
+
+@dataclass
+class PrecursorWarning:
+    """A ledger line of kind ``warning``."""
+
+    iteration: int
+    attempt: int
+    signal: str
+    value: float
+    reference: float
+    classification: str
+    kind: str = "warning"
+
+    def as_json(self) -> dict[str, Any]:
+        return json_safe(self)
+
+
+@dataclass
+class _Track:
+    values: deque[float]
+    medians: deque[tuple[int, float, float]]  # (iteration, m, loss median then), the horizon
+    above: int = 0
+    warned: bool = False
+    reference: float | None = None
+
+
+def _spearman(values: list[float]) -> float:
+    if len(set(values)) < 2:
+        return 0.0
+    return statistics.correlation(range(len(values)), values, method="ranked")
+
+
+@dataclass
+class PrecursorMonitor:
+    """Feed :meth:`observe` one record per iteration; it returns the warnings it raises."""
+
+    config: WarnConfig = field(default_factory=WarnConfig)
+    seen: int = 0
+    tracks: dict[str, _Track] = field(default_factory=dict)
+    losses: deque[float] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.losses = deque(maxlen=c.recent)
+        for p in PRECURSORS:
+            self.tracks[p.field] = _Track(deque(maxlen=c.recent), deque())
+
+    def observe(self, record: SignalRecord) -> list[PrecursorWarning]:
+        self.seen += 1
+        if record.skipped_iter:
+            return []  # not a measurement of the model's trajectory
+        if record.lm_loss is not None and math.isfinite(record.lm_loss):
+            self.losses.append(record.lm_loss)
+        if len(self.losses) < self.config.recent:
+            return []
+        warnings = []
+        for precursor in PRECURSORS:
+            warning = self._step(precursor, self.tracks[precursor.field], record)
+            if warning is not None:
+                warnings.append(warning)
+        return warnings
+
+    def _step(self, p: Precursor, track: _Track, record: SignalRecord) -> PrecursorWarning | None:
+        value = p.value(record)
+        if value is None:
+            return None
+        c = self.config
+        track.values.append(value)
+        if len(track.values) < c.recent:
+            return None
+        m, loss = statistics.median(track.values), statistics.median(self.losses)
+        if self.seen < c.warmup:
+            return None  # the reference starts after the warm-up's settling
+        horizon = track.medians
+        while horizon and horizon[0][0] <= record.iteration - c.horizon:
+            horizon.popleft()
+        past = [(v, lo) for i, v, lo in horizon if i <= record.iteration - c.recent]
+        horizon.append((record.iteration, m, loss))
+        if not past:
+            return None
+        reference, loss_then = min(past)
+        highest = max(past)
+        if p.two_sided and highest[0] - m > m - reference:
+            reference, loss_then = highest
+        drift = m - reference
+        trend = _spearman(list(track.values))
+        level = math.exp(m) if p.log else m
+        rising = (
+            abs(drift) >= p.rise
+            and trend * math.copysign(1.0, drift) >= c.trend
+            and (p.floor is None or level >= p.floor)
+            # Learning moves these signals too: a move that bought the loss nothing is not.
+            and loss >= loss_then * (1.0 - c.improving)
+        )
+        if abs(drift) < p.rise / 2:
+            track.warned = False
+        track.above = track.above + 1 if rising else 0
+        if track.warned or track.above < c.persist:
+            return None
+        track.warned = True
+        value, ref = (math.exp(m), math.exp(reference)) if p.log else (m, reference)
+        change = f"{math.exp(drift):.2f}x" if p.log else f"{drift:+.2f} nats"
+        return PrecursorWarning(
+            iteration=record.iteration,
+            attempt=record.attempt,
+            signal=p.field,
+            value=value,
+            reference=ref,
+            classification=(
+                f"early warning: {p.field} {'rising' if drift > 0 else 'falling'} for "
+                f"{c.persist}+ steps: median of the last {c.recent} {value:.4g} vs "
+                f"{ref:.4g} within the last {c.horizon} ({change}, trend "
+                f"{trend:.2f}); a divergence precursor, no rollback"
+            ),
+        )
+
+
+def replay(records: list[SignalRecord], config: WarnConfig | None = None) -> list[PrecursorWarning]:
+    """Offline: every warning over ``records`` (the benchmark, the plot)."""
+    monitor = PrecursorMonitor(config or WarnConfig())
+    return [w for r in records for w in monitor.observe(r)]

@@ -1,0 +1,141 @@
+"""Bucket norms and the update ratio over sharded parameters (torch FSDP2), no Megatron imports.
+
+Why a bucket is an FSDP unit: under ``--use-torch-fsdp2`` there are no DDP buckets; Megatron
+hands each TransformerLayer, the embedding and the root module (what remains: final norm,
+output layer) to torch's ``fully_shard`` (registry assumption ``fsdp2-units``), and each such
+unit all-gathers and reduce-scatters as one, the role a DDP bucket plays. A unit's norm is over
+the local shards of its gradients that Megatron's grad norm counts on this rank (no
+tensor-parallel duplicates), summed over the shards' mesh group (:mod:`megatron_ext.dtensors`)
+and then, like a DDP bucket, over the grad-stats group: Σ unit² = grad-norm². Gradients are
+read every step (FSDP2 gives a parameter a new sharded ``.grad`` after ``zero_grad``); names
+carry global layer numbers as DDP buckets' do. Under DDP and the distributed optimizer every
+function here reduces to the plain per-tensor sums (no DTensor, no shard group).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from megatron_ext import dtensors
+from megatron_ext.telemetry.bucket_norms import (
+    BucketView,
+    bucket_name,
+    global_layer_name,
+    layer_paths,
+)
+
+Counted = Callable[[torch.Tensor], bool]
+
+
+def is_fully_sharded(chunks: Iterable[Any]) -> bool:
+    """Whether ``chunks`` were wrapped by torch FSDP2 (they hold ``fully_shard`` units)."""
+    return any(isinstance(m, FSDPModule) for chunk in chunks for m in chunk.modules())
+
+
+class UnitNormer:
+    """Each FSDP unit's squared gradient norm, summed over the shard group (one fused
+    ``_foreach_norm`` in fp32 and one all-reduce per step); same interface as
+    :class:`~megatron_ext.telemetry.bucket_norms.BucketNormer`. Parameters whose shard here is
+    empty (a dimension smaller than the mesh) add nothing and are left out once."""
+
+    def __init__(
+        self, units: list[list[torch.Tensor]], counted: Counted, holders: dict[int, torch.Tensor]
+    ) -> None:
+        self.count = len(units)
+        self.groups = dtensors.shard_groups(p for params in units for p in params)
+        self.params = [  # (unit, the tensor whose .grad Megatron's norm reads)
+            (i, holders.get(id(p), p))
+            for i, params in enumerate(units)
+            for p in params
+            if counted(p) and dtensors.local(p).numel()
+        ]
+        self.device = next((p.device for params in units for p in params), torch.device("cpu"))
+        self.owner = torch.tensor([i for i, _ in self.params], dtype=torch.long, device=self.device)
+
+    def __call__(self) -> torch.Tensor:
+        totals = torch.zeros(self.count, dtype=torch.float64, device=self.device)
+        grads = [p.grad for _, p in self.params]
+        if any(g is None for g in grads):  # a parameter without a gradient this step
+            owner = torch.tensor([i for (i, _), g in zip(self.params, grads) if g is not None])
+            owner, grads = owner.to(self.device), [g for g in grads if g is not None]
+        else:
+            owner = self.owner
+        if grads:
+            locals_ = [dtensors.local(g) for g in grads]
+            norms = torch._foreach_norm(locals_, 2, dtype=torch.float32)
+            totals.index_add_(0, owner, torch.stack(norms).double().square())
+        return dtensors.sum_over_shards(totals, self.groups)
+
+
+def main_params(parts: Iterable[Any]) -> dict[int, torch.Tensor]:
+    """Model parameter id -> its fp32 main parameter, for the chained optimizer ``parts`` that
+    keep one (Megatron's Float16Optimizer under --bf16, registry ``float16-main-params``): the
+    main parameter's gradient is the one Megatron's norm reads, and it frees the model's."""
+    return {
+        id(model): main
+        for part in parts
+        for models, mains in zip(
+            getattr(part, "float16_groups", ()), getattr(part, "fp32_from_float16_groups", ())
+        )
+        for model, main in zip(models, mains)
+    }
+
+
+def fsdp_units(
+    chunks: Iterable[Any], counted: Counted, parts: Iterable[Any]
+) -> tuple[list[BucketView], UnitNormer]:
+    """One named view per FSDP unit holding parameters (in module order), and their normer
+    (over the gradients of the optimizer ``parts``' main parameters where they keep them).
+
+    A parameter belongs to the innermost ``fully_shard`` module above it. A unit is listed
+    whatever ``counted`` says of its parameters (TP ranks must name the same units); its
+    counted gradients are what its norm adds.
+    """
+    units: list[list[torch.Tensor]] = []
+    views: list[BucketView] = []
+    for chunk in chunks:
+        paths = layer_paths(chunk.named_modules())
+        owner: dict[int, str] = {}
+        for module_name, module in chunk.named_modules():  # parents first: inner units win
+            if isinstance(module, FSDPModule):
+                owner |= {id(p): module_name for p in module.parameters()}
+        members: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for name, param in chunk.named_parameters():
+            members.setdefault(owner.get(id(param), ""), []).append((name, param))
+        for found in members.values():
+            names = [global_layer_name(n, paths) for n, _ in found]
+            views.append(BucketView(name=bucket_name(len(views), names), segments=()))
+            units.append([p for _, p in found])
+    return views, UnitNormer(units, counted, main_params(parts))
+
+
+def snapshot(sets: list[tuple[Any, list[torch.Tensor]]]) -> list[list[torch.Tensor]]:
+    """An fp32 copy of this rank's part of each set's parameters (for the update ratio)."""
+    return [[dtensors.local(p.detach()).float().clone() for p in ps] for _, ps in sets]
+
+
+def update_ratio(
+    sets: list[tuple[Any, list[torch.Tensor]]], before: list[list[torch.Tensor]]
+) -> float | None:
+    """||Δθ|| / ||θ|| over the whole model: per set (its grad-stats group, its counted
+    parameters) fused per-tensor norms of this rank's part, added over the shard group and
+    then over the set's group."""
+    delta = norm = 0.0
+    for (group, params), old in zip(sets, before):
+        current = [dtensors.local(p.detach()).float() for p in params]
+        device = current[0].device if current else torch.device("cpu")
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        if current:
+            deltas = torch._foreach_sub(current, old)
+            for row, tensors in enumerate((deltas, current)):
+                sums[row] = torch.stack(torch._foreach_norm(tensors)).double().square().sum()
+        dtensors.sum_over_shards(sums, dtensors.shard_groups(params))
+        dist.all_reduce(sums, group=group)
+        delta, norm = delta + sums[0].item(), norm + sums[1].item()
+    return math.sqrt(delta) / math.sqrt(norm) if norm > 0 else None
