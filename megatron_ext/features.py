@@ -56,6 +56,14 @@ def writing_rank(world_size: int) -> int:
     return world_size - 1
 
 
+def collective_device() -> str:
+    """Where a feature's collective tensor must live: NCCL reduces CUDA tensors only, gloo
+    (the CPU harness) CPU ones."""
+    import torch  # late: this module is imported by cores that never communicate
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def is_writing_rank(rank: int, world_size: int) -> bool:
     """Whether ``rank`` is :func:`writing_rank`."""
     return rank == writing_rank(world_size)

@@ -31,6 +31,7 @@ from megatron_ext.features import (
     FeatureError,
     MicroBatch,
     StepRecord,
+    collective_device,
     is_writing_rank,
     writing_rank,
 )
@@ -183,9 +184,7 @@ class SpikeFeature(Feature):
                     self._warn(warnings)
                 self._record(events)
             code = _DECISIONS.index(self.detector.state)
-        decision = torch.tensor(
-            [code], dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu"
-        )
+        decision = torch.tensor([code], dtype=torch.int64, device=collective_device())
         dist.broadcast(decision, src=writing_rank(dist.get_world_size()))
         self.decision = _DECISIONS[int(decision.item())]
         if self.decision == "rollback":

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron_ext.features import collective_device
+
 if TYPE_CHECKING:
     from megatron_ext.spikes.adapter import SpikeFeature
 
@@ -65,8 +67,7 @@ def _culprits(machine: Any) -> list[int]:
     from megatron.core import parallel_state
 
     mine = parallel_state.get_data_parallel_rank() if machine.failed_validation_call else -1
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces CUDA tensors only
-    ranks = torch.full((dist.get_world_size(),), -1, dtype=torch.int64, device=device)
+    ranks = torch.full((dist.get_world_size(),), -1, dtype=torch.int64, device=collective_device())
     ranks[dist.get_rank()] = mine
     dist.all_reduce(ranks, op=dist.ReduceOp.MAX)
     return sorted({int(r) for r in ranks.tolist() if r >= 0})

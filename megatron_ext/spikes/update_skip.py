@@ -30,7 +30,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.features import Feature, FeatureError, StepRecord, is_writing_rank, writing_rank
+from megatron_ext.features import (
+    Feature,
+    FeatureError,
+    StepRecord,
+    collective_device,
+    is_writing_rank,
+    writing_rank,
+)
 from megatron_ext.files import SIGNALS_FILE
 from megatron_ext.records.signals_seek import history_before
 from megatron_ext.spikes.update_gate import GateConfig, UpdateGate
@@ -139,8 +146,7 @@ class UpdateSkipFeature(Feature):
             ][-config.window :]
             values[0] = len(history)
             values[1 : 1 + len(norms)] = torch.tensor(norms, dtype=torch.float64)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        values = values.to(device)
+        values = values.to(collective_device())
         dist.broadcast(values, src=writing_rank(world))
         seen, norms = values[0].item(), values[1:].tolist()
         self.gate.prime(int(seen), [n for n in norms if math.isfinite(n)])

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.features import Feature, FeatureError, StepRecord
+from megatron_ext.features import Feature, FeatureError, StepRecord, collective_device
 
 
 class AttentionLogitFeature(Feature):
@@ -95,9 +95,8 @@ class AttentionLogitFeature(Feature):
 
     def after_step(self, record: StepRecord) -> None:
         """Every rank: the max over every rank's layers and micro-batches."""
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         local = self.step_max if self.step_max is not None else torch.full((1,), -torch.inf)
-        local = local.to(device)
+        local = local.to(collective_device())
         dist.all_reduce(local, op=dist.ReduceOp.MAX)
         self.step_max = None
         value = float(local.item())
