@@ -37,9 +37,9 @@ def prepare_skips(argv: list[str]) -> list[str]:
     ``--iterations-to-skip-file``, any spelling argparse accepts) and the list persisted with
     the checkpoints being loaded, printed once. An interrupted ``skiplist --apply`` in
     ``--load`` is finished first, so the tracker and the persisted list are its result."""
+    from megatron_ext.common.records.skip_ranges import load_dir, resolve_argv
+    from megatron_ext.common.run_lock import RunLockHeld, held
     from megatron_ext.incidents.transaction import journal_path, settle_at_startup
-    from megatron_ext.records.skip_ranges import load_dir, resolve_argv
-    from megatron_ext.run_lock import RunLockHeld, held
 
     load = load_dir(argv)
     if load and _rank() == 0 and journal_path(load).exists():
@@ -92,10 +92,10 @@ def _require_cuda() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """:func:`train`; a megatron-ext refusal ends the rank with its message and exit code,
-    no traceback (:func:`megatron_ext.errors.exit_on_error`), and a failed rank ends its
-    helper processes first (:mod:`megatron_ext.process_exit`)."""
-    from megatron_ext.errors import exit_on_error
-    from megatron_ext.process_exit import ending_children_on_failure
+    no traceback (:func:`megatron_ext.common.errors.exit_on_error`), and a failed rank ends its
+    helper processes first (:mod:`megatron_ext.common.process_exit`)."""
+    from megatron_ext.common.errors import exit_on_error
+    from megatron_ext.common.process_exit import ending_children_on_failure
 
     ending_children_on_failure(
         lambda: exit_on_error(lambda: train(sys.argv[1:] if argv is None else argv))
@@ -106,38 +106,39 @@ def train(argv: list[str]) -> None:
     """Parse Megatron + megatron-ext arguments, install patches and run ``pretrain``."""
     wants_help = "-h" in argv or "--help" in argv
     if wants_help:  # help is not training: keep optional-dependency import warnings out of it
-        from megatron_ext.quiet import silence_import_noise
+        from megatron_ext.common.quiet import silence_import_noise
 
         silence_import_noise()
     else:
         _require_cuda()
         argv = _default_transformer_impl(argv)
-        from megatron_ext import cuda_connections
+        from megatron_ext.common import cuda_connections
 
         # Before Megatron's parser, whose FSDP check is an assertion traceback.
         cuda_connections.check(argv, os.environ)
-    from megatron_ext import patching
+    from megatron_ext.registry import patching
 
     # Before any Megatron import: a version outside the supported range is refused with the
-    # range and how to install a supported one (megatron_ext.versions), not an ImportError.
+    # range and how to install a supported one (megatron_ext.common.versions), not an ImportError.
     patching.check_version()
     sys.argv = [sys.argv[0], *prepare_skips(argv)]
 
     from megatron.training import set_startup_timestamps
 
-    from megatron_ext import loop, registry
-    from megatron_ext.entry import Wiring
+    from megatron_ext.loop import install as loop
+    from megatron_ext.loop.entry import Wiring
+    from megatron_ext.registry import table as registry
 
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
     registry.verify_all()
     for fix in registry.BUGFIXES:
         fix.apply()
     # The runner, batch helper and model provider verified for the installed megatron-core
-    # (megatron_ext.entry; registry entries entry-point, batch-on-this-rank).
+    # (megatron_ext.loop.entry; registry entries entry-point, batch-on-this-rank).
     run = registry.assumption("entry-point").selected().wrap
     broadcast = registry.assumption("batch-on-this-rank").selected().wrap
     assert run is not None and broadcast is not None, "registry entry without its runner"
-    from megatron_ext import attempt_end
+    from megatron_ext.common import attempt_end
 
     try:
         run(

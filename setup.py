@@ -5,7 +5,7 @@ from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
 
-# The supported range is declared once, in megatron_ext/versions.py (standard library only):
+# The supported range is declared once, in megatron_ext/common/versions.py (standard library only):
 # read as a file, so that building never imports the package or Megatron.
 VERSIONS = runpy.run_path(str(Path(__file__).parent / "megatron_ext" / "versions.py"))
 
@@ -25,8 +25,8 @@ setup(
     # without a C compiler the install goes on, and the numpy path gives the same values.
     ext_modules=[
         Extension(
-            "megatron_ext.records._scan",
-            ["megatron_ext/records/_scan.c"],
+            "megatron_ext.common.records._scan",
+            ["megatron_ext/common/records/_scan.c"],
             extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE"],
             optional=True,
         )

@@ -52,9 +52,9 @@ from benchmarks.anchors import (  # noqa: E402
 )
 from benchmarks.curves import Curve, load_curve, load_curves  # noqa: E402
 from benchmarks.fingerprints import EXPECTED_CAUSE, FINGERPRINTS, cases  # noqa: E402
+from megatron_ext.common.records.signals import SignalRecord  # noqa: E402
+from megatron_ext.common.records.spike_config import SpikeConfig  # noqa: E402
 from megatron_ext.incidents.causes import diagnose  # noqa: E402
-from megatron_ext.records.signals import SignalRecord  # noqa: E402
-from megatron_ext.records.spike_config import SpikeConfig  # noqa: E402
 from megatron_ext.spikes.detector import SpikeDetector  # noqa: E402
 
 WITHIN = 2  # logged points after the onset a flag may come

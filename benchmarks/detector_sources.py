@@ -42,8 +42,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the launch helpers: tests.support
 
-from megatron_ext.records.signals import SignalRecord, latest_per_iteration, read_signals  # noqa: E402
-from megatron_ext.records.spike_config import SpikeConfig  # noqa: E402
+from megatron_ext.common.records.signals import SignalRecord, latest_per_iteration, read_signals  # noqa: E402
+from megatron_ext.common.records.spike_config import SpikeConfig  # noqa: E402
 from megatron_ext.spikes.detector import SpikeDetector, replay  # noqa: E402
 from tests.support.harness import launch  # noqa: E402
 from tests.support.sources import CODE, PROSE, blend_args, prepare_sources  # noqa: E402

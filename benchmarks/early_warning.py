@@ -32,8 +32,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_ext.records.signals import SignalRecord  # noqa: E402
-from megatron_ext.records.spike_config import SpikeConfig  # noqa: E402
+from megatron_ext.common.records.signals import SignalRecord  # noqa: E402
+from megatron_ext.common.records.spike_config import SpikeConfig  # noqa: E402
 from megatron_ext.spikes.detector import SpikeDetector, SpikeEvent  # noqa: E402
 from megatron_ext.spikes.precursors import (  # noqa: E402
     PrecursorMonitor,

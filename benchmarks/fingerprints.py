@@ -33,7 +33,7 @@ import math
 import random
 from dataclasses import dataclass, replace
 
-from megatron_ext.records.signals import SignalRecord
+from megatron_ext.common.records.signals import SignalRecord
 
 FINGERPRINTS = ("bad-batch", "learning-rate", "bf16", "attention-logit", "optimizer-state")
 EXPECTED_CAUSE = {

@@ -46,9 +46,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.common.io import atomic_write, atomic_write_json, from_json
+from megatron_ext.common.records.signals import latest_per_iteration, read_signals
 from megatron_ext.demo import prepare_tiny_dataset
-from megatron_ext.io import atomic_write, atomic_write_json, from_json
-from megatron_ext.records.signals import latest_per_iteration, read_signals
 from megatron_ext.train import CPU_FLAGS, cpu_runner
 
 ARMS: dict[str, list[str]] = {
@@ -101,7 +101,7 @@ def supported(flags: list[str]) -> list[str]:
     """The flags of ``flags`` that this megatron-ext's features accept (all store_true)."""
     with warnings.catch_warnings():  # importing Megatron warns of every missing CUDA kernel
         warnings.simplefilter("ignore")
-        from megatron_ext.loop import add_megatron_ext_args
+        from megatron_ext.loop.install import add_megatron_ext_args
     parser = add_megatron_ext_args(argparse.ArgumentParser(add_help=False))
     return [f for f in flags if not parser.parse_known_args([f])[1]]
 

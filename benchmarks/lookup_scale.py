@@ -108,8 +108,8 @@ def _line(iteration: int, rank: int, microbatch: int, digest: str, losses: list[
 
 def build_log(root: Path, scale: float) -> None:
     """DP=64 sample log: attempt 1 trains 1..80 %, attempt 2 resumes at 70 % to the end."""
-    from megatron_ext.io import json_safe, token_sha1
-    from megatron_ext.records.sample_log import SampleLog, SampleRecord
+    from megatron_ext.common.io import json_safe, token_sha1
+    from megatron_ext.common.records.sample_log import SampleLog, SampleRecord
 
     iterations = _count("iterations", scale)
     digest = json.dumps(token_sha1(np.zeros(SEQ, dtype=np.int64)))  # sparse .bin: all 0

@@ -43,9 +43,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 sys.path.insert(0, str(REPO))  # tests.support: the default-run record, loadable checkpoints
 
-from megatron_ext.io import json_safe  # noqa: E402
-from megatron_ext.records.ledger import config_record  # noqa: E402
-from megatron_ext.records.spike_config import SpikeConfig  # noqa: E402
+from megatron_ext.common.io import json_safe  # noqa: E402
+from megatron_ext.common.records.ledger import config_record  # noqa: E402
+from megatron_ext.common.records.spike_config import SpikeConfig  # noqa: E402
 from megatron_ext.spikes.detector import SpikeDetector  # noqa: E402
 from tests.support.checkpoints import write_loadable_checkpoint  # noqa: E402
 from tests.support.default_run import lines, record  # noqa: E402
@@ -180,7 +180,7 @@ def main() -> int:
                 check=True,
             ).stdout
             subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-            scanner = Path("megatron_ext/records/_scan.c")
+            scanner = Path("megatron_ext/common/records/_scan.c")
             if (old / scanner).is_file() and (old / scanner).read_bytes() == (
                 REPO / scanner
             ).read_bytes():

@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from megatron_ext import run_lock as runlock
-from megatron_ext.io import atomic_write
+from megatron_ext.common import run_lock as runlock
+from megatron_ext.common.io import atomic_write
 
 
 def median_ms(action: Callable[[], object], reps: int) -> float:

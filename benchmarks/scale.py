@@ -143,7 +143,7 @@ def build(setting: Setting, tokenizer: list[str]) -> dict[str, object]:
 def _data_checks(setting: Setting) -> list[str]:
     code = (
         "import sys\n"
-        "from megatron_ext.records.pair import check_pair\n"
+        "from megatron_ext.common.records.pair import check_pair\n"
         "from megatron_ext.data.checks import split_sizes\n"
         "for prefix in sys.argv[1:]:\n"
         "    check_pair(prefix)\n"

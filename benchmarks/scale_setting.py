@@ -109,7 +109,7 @@ def long_tailed_lengths(documents: int, tokens: int, rng: np.random.Generator) -
 
 def build_corpus(setting: Setting, seed: int = 1234) -> dict[str, int]:
     """Real ``.idx`` files with their fingerprint, sparse ``.bin`` files; returns the sizes."""
-    from megatron_ext.records.pair import append_fingerprint
+    from megatron_ext.common.records.pair import append_fingerprint
 
     rng = np.random.default_rng(seed)
     (setting.root / "data").mkdir(parents=True, exist_ok=True)
@@ -217,9 +217,9 @@ def build_signals(setting: Setting) -> tuple[int, int]:
     default_run.py``: a real record of ``megatron-ext demo``, per-source fields included), and
     ``signals/spikes.jsonl`` written by the real detector fed the records around the spike;
     returns (iterations, onset)."""
-    from megatron_ext.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
-    from megatron_ext.records.ledger import config_record
-    from megatron_ext.records.spike_config import SpikeConfig
+    from megatron_ext.common.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
+    from megatron_ext.common.records.ledger import config_record
+    from megatron_ext.common.records.spike_config import SpikeConfig
     from megatron_ext.spikes.detector import SpikeDetector
     from tests.support.default_run import lines, record
 
@@ -268,8 +268,8 @@ def build_sample_logs(setting: Setting, args: Any) -> int:
     """``samples/samples-dp{r}.jsonl`` for DP=64 over the first iterations, each record the
     global sample ids Megatron's sampler gives that rank's micro-batch (``(i-1)·1024 +
     m·4·64 + r·4 + k``) and the SHA-1 of its tokens (all 0: the sparse ``.bin``)."""
-    from megatron_ext.io import token_sha1
-    from megatron_ext.records.sample_log import append_layout, layout_record
+    from megatron_ext.common.io import token_sha1
+    from megatron_ext.common.records.sample_log import append_layout, layout_record
 
     write_attempt_indexes(setting)
 
@@ -301,7 +301,7 @@ def write_attempt_indexes(setting: Setting) -> None:
     """``samples/attempts-dp{r}.jsonl`` as the sample log's writer keeps it: one attempt, its
     records from byte 0 (without it, readers fall back to reading each file whole, as for a
     log written before the index existed)."""
-    from megatron_ext.files import sample_log_attempts_file
+    from megatron_ext.common.files import sample_log_attempts_file
 
     directory = setting.root / "samples"
     directory.mkdir(parents=True, exist_ok=True)

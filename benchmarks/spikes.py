@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the loadable-checkpoint helper: tests.support
 
-from megatron_ext.records.signals import SignalRecord  # noqa: E402
-from megatron_ext.records.spike_config import SpikeConfig  # noqa: E402
+from megatron_ext.common.records.signals import SignalRecord  # noqa: E402
+from megatron_ext.common.records.spike_config import SpikeConfig  # noqa: E402
 from megatron_ext.spikes.detector import SpikeDetector  # noqa: E402
 from tests.support.checkpoints import write_loadable_checkpoint  # noqa: E402
 

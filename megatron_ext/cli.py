@@ -2,8 +2,8 @@
 
 Each subcommand's implementation owns its own parser; this module only dispatches, so the
 ``tools/`` wrappers and the subcommands share one code path. It also keeps optional-dependency
-import warnings out of the commands' output (:mod:`megatron_ext.quiet`; training launched by a
-command runs in its own processes and keeps them).
+import warnings out of the commands' output (:mod:`megatron_ext.common.quiet`; training launched by
+a command runs in its own processes and keeps them).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-from megatron_ext.errors import exit_on_error
-from megatron_ext.quiet import silence_import_noise
+from megatron_ext.common.errors import exit_on_error
+from megatron_ext.common.quiet import silence_import_noise
 
 USAGE = """usage: megatron-ext <command> [args]
 
@@ -36,12 +36,12 @@ COMMANDS: dict[str, str] = {
     "preprocess": "megatron_ext.data.preprocess",
     "demo": "megatron_ext.demo",
     "train": "megatron_ext.train",
-    "patches": "megatron_ext.patch_report",
+    "patches": "megatron_ext.registry.report",
     "skiplist": "megatron_ext.incidents.cli",
     "lookup": "megatron_ext.lookup.cli",
     "provenance": "megatron_ext.data.provenance",
     "blocklist": "megatron_ext.data.blocklist",
-    "plot": "megatron_ext.plot",
+    "plot": "megatron_ext.plot.draw",
     "supervise": "megatron_ext.supervise.cli",
 }
 

@@ -20,17 +20,17 @@ from pathlib import Path
 
 import torch
 
-from megatron_ext.checkpoint_state import UnreadableState, read_saved_args
-from megatron_ext.data import preprocess
-from megatron_ext.data.corpus import write_tiny_corpus
-from megatron_ext.data.tokenizer import megatron_tokenizer_args
-from megatron_ext.files import (
+from megatron_ext.common.checkpoint_state import UnreadableState, read_saved_args
+from megatron_ext.common.files import (
     CHECKPOINT_TRACKER_FILE,
     SPIKE_LEDGER_FILE,
     checkpoint_dir,
     incident_stem,
 )
-from megatron_ext.io import read_jsonl
+from megatron_ext.common.io import read_jsonl
+from megatron_ext.data import preprocess
+from megatron_ext.data.corpus import write_tiny_corpus
+from megatron_ext.data.tokenizer import megatron_tokenizer_args
 from megatron_ext.launch_console import console
 from megatron_ext.train import CPU_FLAGS, ENTRY_POINT, cpu_runner, torchrun
 

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_ext.files import INCIDENTS_DIR
-from megatron_ext.records.signals import latest_per_iteration, read_signals
+from megatron_ext.common.files import INCIDENTS_DIR
+from megatron_ext.common.records.signals import latest_per_iteration, read_signals
 
 if TYPE_CHECKING:
     from gpu_context import Context, Rung
@@ -238,8 +238,8 @@ def async_save(ctx: Context, rung: Rung) -> None:
     checkpoint must be one the rollback planner would accept (complete, loadable files). The
     CPU runner refuses the flag (its checkpoint worker cannot start there): the rehearsal
     checks that refusal instead, and that it comes at once."""
-    from megatron_ext.checkpoint_state import checkpoint_problem
-    from megatron_ext.files import CHECKPOINT_DIR, read_checkpoint_tracker
+    from megatron_ext.common.checkpoint_state import checkpoint_problem
+    from megatron_ext.common.files import CHECKPOINT_DIR, read_checkpoint_tracker
 
     workdir = ctx.work / "async-save"
     first = ctx.demo(workdir, ["--fresh", "--iters", "20"], ASYNC_FLAGS, timeout=600)

@@ -27,9 +27,9 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_ext.files import CHECKPOINT_TRACKER_FILE, checkpoint_dir
-from megatron_ext.records.sample_log import read_records
-from megatron_ext.records.signals import latest_per_iteration, read_signals
+from megatron_ext.common.files import CHECKPOINT_TRACKER_FILE, checkpoint_dir
+from megatron_ext.common.records.sample_log import read_records
+from megatron_ext.common.records.signals import latest_per_iteration, read_signals
 
 if TYPE_CHECKING:
     from gpu_context import Context, Rung

@@ -42,7 +42,7 @@ if __name__ == "__main__":  # checkpoint saving spawns helper processes that re-
     shims.install()
 
     import pretrain_gpt_ext
-    from megatron_ext.fixes import start_results_queue
+    from megatron_ext.registry.fixes import start_results_queue
 
     start_results_queue("fork")  # now, while this process has one thread (see its docstring)
     shims.record_batch_reads()

@@ -6,7 +6,7 @@ shims redirect exactly those calls to the CPU so CI (no GPU) runs the genuine tr
 
 Rules, enforced here:
 - ranged: :func:`install` refuses any megatron-core outside the supported range
-  (:mod:`megatron_ext.versions`, the same check as the entry point's); the shims needed on
+  (:mod:`megatron_ext.common.versions`, the same check as the entry point's); the shims needed on
   each verified version are counted by tests (tests/unit/cpu/);
 - counted: every shim increments a counter, dumped per rank as JSON at exit, so tests can
   assert which CUDA touch points the loop hit;
@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_ext import cuda_connections, patching
+from megatron_ext.common import cuda_connections
+from megatron_ext.registry import patching
 
 COUNTS: collections.Counter[str] = collections.Counter()
 
@@ -229,7 +230,7 @@ def resident_bytes() -> int:
 
 def record_batch_reads() -> None:
     """Count the micro-batches ``gpt_step.get_batch`` reads on this rank (readers only)."""
-    from megatron_ext import gpt_step
+    from megatron_ext.loop import gpt_step
 
     original = gpt_step.get_batch
     sample_rss = bool(os.environ.get("MEGATRON_EXT_HARNESS_RSS"))
@@ -376,7 +377,7 @@ def _patch_megatron() -> None:
     """The Megatron-side shim: ``initialize_megatron`` must not require CUDA.
 
     (The ``compile_helpers`` failure is not CPU-specific; the package fixes it for everyone,
-    see ``megatron_ext.fixes``.)
+    see ``megatron_ext.registry.fixes``.)
     """
     from megatron.training import initialize
 

@@ -6,7 +6,7 @@ For every prefix of the run's blend (``--data-path``, or the per-split paths):
 - the ``.bin``/``.idx`` pair is complete, the ``.idx`` is a consistent index of its ``.bin``
   (counts, lengths, pointers, document indices: a truncated or edited one would die in a
   Megatron traceback or train on wrong tokens) and, when it carries megatron-ext's
-  fingerprint, the pair is the one recorded (:mod:`megatron_ext.records.pair`);
+  fingerprint, the pair is the one recorded (:mod:`megatron_ext.common.records.pair`);
 - every split that Megatron will build holds at least one sample
   (:mod:`megatron_ext.data.checks`; otherwise megatron-core 0.19.2 loops forever).
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_ext.common.features import Feature, FeatureError
+from megatron_ext.common.records.pair import PairError, check_pair
 from megatron_ext.data.checks import split_sizes, too_small
-from megatron_ext.features import Feature, FeatureError
-from megatron_ext.records.pair import PairError, check_pair
 
 
 def _splits(args: Any) -> list[tuple[str, list[tuple[float, float] | None], str]]:

@@ -6,8 +6,8 @@ shards, writing filtered copies (never in place) and counting what was removed.
     megatron-ext blocklist apply --blocklist bad.jsonl --out-dir /data/filtered
 
 Each entry of a blocklist (``lookup --emit-blocklist``) names its raw record through the
-provenance sidecar (:mod:`megatron_ext.records.provenance`): shard, line, byte offset, id, and
-the shard's size and sampled fingerprint when the sidecar was written. Before anything is
+provenance sidecar (:mod:`megatron_ext.common.records.provenance`): shard, line, byte offset, id,
+and the shard's size and sampled fingerprint when the sidecar was written. Before anything is
 written, every named shard must still be that shard (a shard edited since would hold other
 records at those lines) and every named line must hold that record (it starts at the recorded
 byte and, with ids, carries the recorded id). Then each shard with a named record is copied
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from megatron_ext.errors import Refusal, UsageError, report
-from megatron_ext.io import atomic_write
-from megatron_ext.records.pair import fingerprint
+from megatron_ext.common.errors import Refusal, UsageError, report
+from megatron_ext.common.io import atomic_write
+from megatron_ext.common.records.pair import fingerprint
 
 PROG = "megatron-ext blocklist"
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_ext.records.pair import HEADER, ITEM_SIZES
+from megatron_ext.common.records.pair import HEADER, ITEM_SIZES
 
 SPLIT_NAMES = ("train", "validation", "test")
 

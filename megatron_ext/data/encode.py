@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_ext.common.errors import Refusal
 from megatron_ext.data.tokenizer import LoadedTokenizer
-from megatron_ext.errors import Refusal
 
 WINDOW_CHARS = 1 << 18
 

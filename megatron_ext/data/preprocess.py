@@ -5,8 +5,8 @@ EOD appended to every document, dtype from ``DType.optimal_dtype``), but can tra
 tokenizer offline, reports bad input as ``file:line``, skips and counts empty documents, and
 never leaves half-written outputs: everything is written to temporary names and published
 only after the whole input was processed, as a pair no reader can see mixed
-(:mod:`megatron_ext.records.pair`). Beside each pair it writes the provenance sidecar
-(``PREFIX.prov``, :mod:`megatron_ext.records.provenance`): every document's file, line, byte
+(:mod:`megatron_ext.common.records.pair`). Beside each pair it writes the provenance sidecar
+(``PREFIX.prov``, :mod:`megatron_ext.common.records.provenance`): every document's file, line, byte
 offset and, with ``--provenance-key``, the record's id, so a document an incident names can be
 removed from the raw shards (``megatron-ext blocklist apply``).
 
@@ -39,6 +39,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from megatron_ext.common.errors import Refusal, report
+from megatron_ext.common.io import remove_durably, rename_durably
+from megatron_ext.common.records.pair import append_fingerprint, publish
+from megatron_ext.common.records.provenance import SUFFIX, Recorder
 from megatron_ext.data.encode import EncodeError, texts
 from megatron_ext.data.tokenizer import (
     TOKENIZER_FILE,
@@ -47,10 +51,6 @@ from megatron_ext.data.tokenizer import (
     train_bpe_tokenizer,
 )
 from megatron_ext.data.workers import encode_chunk, worker_pool
-from megatron_ext.errors import Refusal, report
-from megatron_ext.io import remove_durably, rename_durably
-from megatron_ext.records.pair import append_fingerprint, publish
-from megatron_ext.records.provenance import SUFFIX, Recorder
 
 PROG = "megatron-ext preprocess"
 
@@ -341,7 +341,7 @@ class _Terminated(Exception):
     """SIGTERM arrived: unwind so every temporary file is removed.
 
     An internal control-flow signal (``main`` reports it and exits 128 + SIGTERM), not a
-    refusal, so it is no :class:`~megatron_ext.errors.MegatronExtError`."""
+    refusal, so it is no :class:`~megatron_ext.common.errors.MegatronExtError`."""
 
 
 def _on_sigterm(signum: int, frame: object) -> None:

@@ -8,7 +8,7 @@ sidecar says.
 ``rebuild``: Megatron's ``tools/preprocess_data.py`` drops where each document came from. It
 reads its input line by line and adds one document per line (a line whose text tokenizes to
 nothing adds a document without sequences); ``megatron-ext preprocess`` adds one per line with
-text. So the sidecar (:mod:`megatron_ext.records.provenance`) can be rebuilt from the same
+text. So the sidecar (:mod:`megatron_ext.common.records.provenance`) can be rebuilt from the same
 input files in the same order: the ``.idx``'s document count must equal the inputs' records
 (or their records with text), each document's sequences come from its record, and a sample of
 documents (``--verify``, spread over the whole dataset, first and last included) is re-tokenised
@@ -29,11 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_ext.data.encode import EncodeError, fields
-from megatron_ext.data.tokenizer import load_tokenizer
-from megatron_ext.errors import Refusal, report
-from megatron_ext.records.pair import DTYPES, HEADER, PairError, check_pair
-from megatron_ext.records.provenance import (
+from megatron_ext.common.errors import Refusal, report
+from megatron_ext.common.records.pair import DTYPES, HEADER, PairError, check_pair
+from megatron_ext.common.records.provenance import (
     SUFFIX,
     ProvenanceError,
     Recorder,
@@ -41,6 +39,8 @@ from megatron_ext.records.provenance import (
     shard_entry,
     write_sidecar,
 )
+from megatron_ext.data.encode import EncodeError, fields
+from megatron_ext.data.tokenizer import load_tokenizer
 
 PROG = "megatron-ext provenance"
 DEFAULT_VERIFY = 256

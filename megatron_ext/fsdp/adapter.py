@@ -1,9 +1,9 @@
 """The torch FSDP2 feature: enabled by Megatron's own ``--use-torch-fsdp2``, no flag of its own.
 
 Under FSDP2 every parameter (and its gradient) is a ``DTensor`` shard over the data-parallel
-mesh (:mod:`megatron_ext.dtensors`), and three megatron-core paths read a shard as if it were
+mesh (:mod:`megatron_ext.common.dtensors`), and three megatron-core paths read a shard as if it were
 the parameter (found by the layout matrix's ``fsdp2-dp2`` row; megatron-core 0.17.1 to 0.19.2).
-This feature's registry patches (``megatron_ext.registry_fsdp``), bound to it:
+This feature's registry patches (``megatron_ext.registry.fsdp``), bound to it:
 
 - ``fsdp2-global-params-norm``: Megatron's params norm (``--log-params-norm``, the signals'
   ``params_norm``) is the local shard's, 13.98 where the model's is 19.78 at DP=2; the squares
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from megatron_ext import dtensors
-from megatron_ext.features import Feature
-from megatron_ext.files import checkpoint_dir
+from megatron_ext.common import dtensors
+from megatron_ext.common.features import Feature
+from megatron_ext.common.files import checkpoint_dir
 
 
 class TorchFsdpFeature(Feature):

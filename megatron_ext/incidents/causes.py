@@ -32,8 +32,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.spike_config import ATTENTION_LOGIT_LIMIT
+from megatron_ext.common.records.signals import SignalRecord
+from megatron_ext.common.records.spike_config import ATTENTION_LOGIT_LIMIT
 
 Answer = Literal["yes", "no", "unknown"]
 

@@ -9,7 +9,7 @@ list that ``pretrain_gpt_ext.py`` reads from ``--load``, so the same launch comm
 with the plan.
 
 The rollback target is a checkpoint Megatron can load (its metadata, index and every data file
-it names present and long enough: :func:`megatron_ext.checkpoint_state.checkpoint_problem`,
+it names present and long enough: :func:`megatron_ext.common.checkpoint_state.checkpoint_problem`,
 run on the candidates newest first until one passes). A damaged candidate is passed over,
 named with what is wrong in the plan (``passed_over``) and on the console, and moved aside with
 the newer ones; when none is loadable the plan is refused and nothing is moved.
@@ -36,15 +36,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_ext import exit_codes
-from megatron_ext.checkpoint_state import (
+from megatron_ext.common import exit_codes
+from megatron_ext.common.checkpoint_state import (
     CheckpointUnreadable,
     UnreadableState,
     checkpoint_problem,
     load_common_state,
     read_saved_args,
 )
-from megatron_ext.files import (
+from megatron_ext.common.files import (
     CHECKPOINT_TRACKER_FILE,
     LAST_PLAN_SKIP_FILE,
     SIGNALS_FILE,
@@ -55,6 +55,11 @@ from megatron_ext.files import (
     read_checkpoint_tracker,
     rolled_back_dir,
 )
+from megatron_ext.common.io import atomic_write, atomic_write_json, read_jsonl
+from megatron_ext.common.records.signals_seek import read_window
+from megatron_ext.common.records.skip_ranges import format_windows, read_file, read_windows
+from megatron_ext.common.records.skip_windows import Window
+from megatron_ext.common.run_lock import RunLockHeld, held
 from megatron_ext.incidents import repeats, transaction
 from megatron_ext.incidents.planner import (
     Plan,
@@ -68,11 +73,6 @@ from megatron_ext.incidents.planner import (
     take_down_to,
 )
 from megatron_ext.incidents.report import DEFAULT_WORST, build_report
-from megatron_ext.io import atomic_write, atomic_write_json, read_jsonl
-from megatron_ext.records.signals_seek import read_window
-from megatron_ext.records.skip_ranges import format_windows, read_file, read_windows
-from megatron_ext.records.skip_windows import Window
-from megatron_ext.run_lock import RunLockHeld, held
 
 ONSET_LOOKBACK = 10_000  # iterations of signals read before the incident
 

@@ -20,18 +20,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_ext.errors import UsageError
-from megatron_ext.files import (
+from megatron_ext.common.errors import UsageError
+from megatron_ext.common.files import (
     CHECKPOINT_COMMON_FILE,
     CHECKPOINT_DIR,
     CHECKPOINT_METADATA_FILE,
     LEGACY_RANK_DIR_GLOB,
     checkpoint_dir,
 )
+from megatron_ext.common.io import from_json
+from megatron_ext.common.records.signals import SignalRecord
+from megatron_ext.common.records.skip_ranges import to_ranges
 from megatron_ext.incidents import repeats
-from megatron_ext.io import from_json
-from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.skip_ranges import to_ranges
 
 # Walk the onset back while the grad norm was already this far above its baseline.
 ONSET_GRAD_FACTOR = 2.0

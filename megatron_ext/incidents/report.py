@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.files import incident_blocklist
+from megatron_ext.common.files import incident_blocklist
+from megatron_ext.common.records.signals import SignalRecord, latest_per_iteration
 from megatron_ext.incidents.causes import Diagnosis, diagnose
 from megatron_ext.incidents.planner import Plan, reproduced
-from megatron_ext.records.signals import SignalRecord, latest_per_iteration
 
 LOOKUP_TIMEOUT = 600  # seconds; a lookup on a huge blend opens many index caches
 SNIPPET = 200  # characters of each document's text in the report

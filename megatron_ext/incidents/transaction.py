@@ -18,7 +18,7 @@ Every step is idempotent, so a journal found later is **finished** by re-running
 ``skiplist --apply`` or by the training start-up (``pretrain_gpt_ext.py``, before Megatron
 reads the tracker), or **undone** with ``skiplist --undo`` (moves back first, then the tracker
 and skip list are restored). At every step boundary the tracker names a checkpoint that
-exists. ``MEGATRON_EXT_TEST_KILL_AT_STEP=k`` (tests only, :func:`megatron_ext.io.kill_point`)
+exists. ``MEGATRON_EXT_TEST_KILL_AT_STEP=k`` (tests only, :func:`megatron_ext.common.io.kill_point`)
 makes the process SIGKILL itself right after step k, so the fault tests kill a real process at
 every boundary.
 """
@@ -32,15 +32,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.errors import UsageError
-from megatron_ext.files import (
+from megatron_ext.common.errors import UsageError
+from megatron_ext.common.files import (
     APPLY_JOURNAL_FILE,
     CHECKPOINT_TRACKER_FILE,
     SKIPPED_ITERATIONS_FILE,
     applied_incidents_file,
     checkpoint_dir,
 )
-from megatron_ext.io import (
+from megatron_ext.common.io import (
     JsonlAppender,
     atomic_write,
     atomic_write_json,

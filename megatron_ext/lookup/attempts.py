@@ -12,7 +12,7 @@ incident is about. So an iteration is answered per attempt:
   it; a later attempt that started at or before ``k`` rolled that training back, and it then
   either trained ``k`` again or skipped it. Whether a rolled-back attempt got as far as ``k``
   only its records in the sample log can tell: one rank's records of ``k`` are read (a few
-  8 KiB reads, :mod:`megatron_ext.records.sample_log_reader`). One that stopped before ``k``
+  8 KiB reads, :mod:`megatron_ext.common.records.sample_log_reader`). One that stopped before ``k``
   (a plain resume, a rollback from before ``k``) is left out; without a sample log it is
   listed as one that may have trained it, and not chosen as the answer;
 - a sample-log attempt (one ``attempts-dp{rank}.jsonl`` line, written at its first record) is
@@ -28,10 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext.files import sample_log_file
+from megatron_ext.common.files import sample_log_file
+from megatron_ext.common.records.sample_log_reader import Attempt, AttemptRecords, RankLog
 from megatron_ext.lookup.errors import ConfigError, NotTrained
 from megatron_ext.lookup.history import History, Segment
-from megatron_ext.records.sample_log_reader import Attempt, AttemptRecords, RankLog
 
 
 @dataclass(frozen=True)

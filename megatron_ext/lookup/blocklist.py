@@ -3,7 +3,7 @@ reads them.
 
 One JSON line per document: its dataset and index, a content hash that survives reordering
 (``token_sha1``), its text with ``--text``, and its raw record (``source``: shard, line, byte
-offset, id; :mod:`megatron_ext.records.provenance`), which ``megatron-ext blocklist apply``
+offset, id; :mod:`megatron_ext.common.records.provenance`), which ``megatron-ext blocklist apply``
 removes from the raw shards, writing filtered copies. A document whose dataset has no
 provenance sidecar is still listed (by index and hash) and counted, with the command that
 writes one.

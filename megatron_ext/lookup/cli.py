@@ -25,8 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_ext import copies
-from megatron_ext.errors import report
+from megatron_ext.common.errors import report
 from megatron_ext.lookup.attempts import Attempts
 from megatron_ext.lookup.blocklist import emit_blocklist
 from megatron_ext.lookup.crosscheck import check_against_log
@@ -51,7 +50,8 @@ from megatron_ext.lookup.worst import (
     worst_lines,
     worst_table,
 )
-from megatron_ext.registry_copies import COPIES
+from megatron_ext.registry import copy_check as copies
+from megatron_ext.registry.copies import COPIES
 
 
 def build_parser() -> argparse.ArgumentParser:

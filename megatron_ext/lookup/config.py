@@ -14,8 +14,8 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext.checkpoint_state import CheckpointUnreadable, load_common_state
-from megatron_ext.files import (
+from megatron_ext.common.checkpoint_state import CheckpointUnreadable, load_common_state
+from megatron_ext.common.files import (
     CHECKPOINT_COMMON_FILE,
     CHECKPOINT_METADATA_FILE,
     TrackerError,
@@ -58,7 +58,7 @@ class Checkpoint:
 def load_checkpoint(path: str | Path, step: int | None = None) -> Checkpoint:
     """Read the saved args of a torch_dist checkpoint (a --save dir or one ``iter_*`` dir).
 
-    Read by :mod:`megatron_ext.checkpoint_state` (no Megatron import); a layout it does not
+    Read by :mod:`megatron_ext.common.checkpoint_state` (no Megatron import); a layout it does not
     know is read by Megatron's ``load_common_state_dict``.
     """
     root = Path(path)

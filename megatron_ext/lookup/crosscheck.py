@@ -8,7 +8,7 @@ same samples with other tokens mean the tokens trained differ from the data on d
 since, or corrupted in flight, as a drill does: when the layout log records a drill that hit
 that batch the answer is shown, with both SHA-1s and the drill named; otherwise it is refused
 as changed data, with both SHA-1s.
-Only the answered iteration's records are read (:mod:`megatron_ext.records.sample_log_reader`
+Only the answered iteration's records are read (:mod:`megatron_ext.common.records.sample_log_reader`
 seeks to them), so the check costs the same at iteration 100 as at 100 k, on 1 rank or 64.
 """
 
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.files import SAMPLE_LOG_GLOB, sample_log_file
-from megatron_ext.gap_log import Gap
+from megatron_ext.common.files import SAMPLE_LOG_GLOB, sample_log_file
+from megatron_ext.common.gap_log import Gap
+from megatron_ext.common.records.sample_log import SampleRecord
+from megatron_ext.common.records.sample_log_reader import AttemptRecords, latest, read_iteration
 from megatron_ext.lookup.attempts import attempt_number
 from megatron_ext.lookup.errors import DataChanged, Refused, TwoWriters
 from megatron_ext.lookup.gaps import gap_of, sample_log_gaps
 from megatron_ext.lookup.history import Segment
-from megatron_ext.records.sample_log import SampleRecord
-from megatron_ext.records.sample_log_reader import AttemptRecords, latest, read_iteration
 
 _DRILL = re.compile(r"^(\d+)(?:-(\d+))?:(\d+|\*)$")  # --drill-corrupt-batch START[-END]:RANK
 

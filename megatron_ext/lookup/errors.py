@@ -6,8 +6,8 @@ on-call engineer acting on a wrong "rank 17 trained on document 83" would block 
 
 from __future__ import annotations
 
-from megatron_ext import exit_codes
-from megatron_ext.errors import Refusal
+from megatron_ext.common import exit_codes
+from megatron_ext.common.errors import Refusal
 
 
 class Refused(Refusal):

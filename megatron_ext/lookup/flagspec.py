@@ -14,7 +14,7 @@ it. It hands the whole job back to Megatron's parser (exact, slow) when no spec 
 for the installed megatron-core, or when the command line uses one of the few flags whose
 value Megatron converts with its own code (``--attention-backend``, ``--moe-layer-freq``, ...).
 Defaults that are Megatron objects (``AttnBackend.auto``) become inert stand-ins
-(:func:`~megatron_ext.checkpoint_state.stand_in`); the lookup never reads them.
+(:func:`~megatron_ext.common.checkpoint_state.stand_in`); the lookup never reads them.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from megatron_ext import versions
-from megatron_ext.checkpoint_state import stand_in
+from megatron_ext.common import versions
+from megatron_ext.common.checkpoint_state import stand_in
 
 SPEC_DIR = Path(__file__).with_name("megatron_flags")
 _TYPES: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": bool, None: None}
@@ -44,7 +44,7 @@ class NeedsMegatron(Exception):
     """The command line uses a flag whose value only Megatron's own code can convert.
 
     An internal control-flow signal (the caller falls back to Megatron's parser), not a
-    refusal, so it is no :class:`~megatron_ext.errors.MegatronExtError`."""
+    refusal, so it is no :class:`~megatron_ext.common.errors.MegatronExtError`."""
 
 
 def _plain(value: Any) -> bool:

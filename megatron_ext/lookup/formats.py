@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.common.records.pair import DTYPES, HEADER, INDEX_MAGIC, INDEX_VERSION
 from megatron_ext.lookup.errors import ConfigError, DataChanged
-from megatron_ext.records.pair import DTYPES, HEADER, INDEX_MAGIC, INDEX_VERSION
 
 Blend = tuple[list[str], list[float] | None]
 

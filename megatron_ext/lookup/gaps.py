@@ -1,7 +1,7 @@
 """Logging gaps in the sample log: iterations trained while the log could not be written.
 
 A full disk under ``--sample-log-dir`` no longer stops training; the records it kept out are
-named by one gap record per outage (:mod:`megatron_ext.gap_log`). ``lookup --sample-log``
+named by one gap record per outage (:mod:`megatron_ext.common.gap_log`). ``lookup --sample-log``
 must then say "trained, not logged" for those iterations, not "not in the log".
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_ext.files import sample_log_file
-from megatron_ext.gap_log import Gap, read_gaps
+from megatron_ext.common.files import sample_log_file
+from megatron_ext.common.gap_log import Gap, read_gaps
 
 
 def sample_log_gaps(directory: str | Path, dp_ranks: set[int]) -> dict[int, list[Gap]]:

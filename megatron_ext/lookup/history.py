@@ -16,7 +16,7 @@ iterations its own attempt trained. Two records give the history:
 Iteration ``k`` was last trained by the latest attempt that started at or before ``k``: the
 last such line of the layout log, else the checkpoint segment that starts latest. An
 iteration no record covers is a gap: refused, never answered with another layout.
-No Megatron import here (checkpoints are read through :mod:`megatron_ext.checkpoint_state`).
+No Megatron import here (checkpoints are read through :mod:`megatron_ext.common.checkpoint_state`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.files import CHECKPOINT_DIR, LAYOUT_FILE
-from megatron_ext.io import read_jsonl
+from megatron_ext.common.files import CHECKPOINT_DIR, LAYOUT_FILE
+from megatron_ext.common.io import read_jsonl
+from megatron_ext.common.records.sample_log import DATA_FIELDS, LAYOUT_FIELDS
 from megatron_ext.lookup.errors import ConfigError, PositionError
-from megatron_ext.records.sample_log import DATA_FIELDS, LAYOUT_FIELDS
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ a re-preprocessing the caches still "work" and silently point at other documents
 
 - each description's md5 equals the hash in the file names, and a blend's member descriptions
   are exactly the ones embedded in the blend's description;
-- per dataset, :func:`~megatron_ext.records.pair.check_pair`, as training start-up runs it: the
-  ``.idx`` is a consistent index of its ``.bin`` (one chunked pass: a flipped pointer reads
+- per dataset, :func:`~megatron_ext.common.records.pair.check_pair`, as training start-up runs it:
+  the ``.idx`` is a consistent index of its ``.bin`` (one chunked pass: a flipped pointer reads
   other tokens while every count below still agrees) and the pair is the one its fingerprint
   records;
 - O(1) per dataset: the ``.bin`` size matches the ``.idx``; the train split's document count and
@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.common.records.pair import PairError, check_pair
+from megatron_ext.common.records.provenance import Provenance, ProvenanceError, open_sidecar
 from megatron_ext.lookup.errors import CacheMissing, DataChanged, PositionError
 from megatron_ext.lookup.formats import Description, IndexedData, map_array, will_need
-from megatron_ext.records.pair import PairError, check_pair
-from megatron_ext.records.provenance import Provenance, ProvenanceError, open_sidecar
 
 GPT, BLENDED = "GPTDataset", "BlendedDataset"
 GPT_FILES = ("document_index", "sample_index", "shuffle_index")

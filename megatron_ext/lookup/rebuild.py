@@ -19,10 +19,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from megatron_ext.common.records.pair import PairError, check_pair
 from megatron_ext.lookup.config import RunConfig, eval_sizes
 from megatron_ext.lookup.errors import DataChanged
 from megatron_ext.lookup.formats import blend_and_blend_per_split
-from megatron_ext.records.pair import PairError, check_pair
 
 
 class _Progress(logging.Handler):
@@ -95,7 +95,7 @@ def rebuild_caches(config: RunConfig, phase: int, cache_dir: str | None) -> None
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
-    from megatron_ext.gpt_step import gpt_dataset_config_from_args
+    from megatron_ext.loop.gpt_step import gpt_dataset_config_from_args
 
     args = copy.copy(config.args)
     if cache_dir is not None:

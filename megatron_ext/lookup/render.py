@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_ext.io import atomic_write, token_sha1
+from megatron_ext.common.io import atomic_write, token_sha1
 from megatron_ext.lookup.indices import Sample
 
 
@@ -166,7 +166,8 @@ def spans_of(records: list[dict[str, Any]]) -> set[tuple[int, str, int]]:
 
 
 def write_atomic(path: str | os.PathLike[str], lines: Iterable[str]) -> None:
-    """Write text lines to ``path`` atomically (all or nothing, see :mod:`megatron_ext.io`)."""
+    """Write text lines to ``path`` atomically (all or nothing, see
+    :mod:`megatron_ext.common.io`)."""
     atomic_write(path, "".join(line + "\n" for line in lines))
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from megatron_ext.checkpoint_state import CheckpointUnreadable, load_common_state
-from megatron_ext.files import CHECKPOINT_DIR
+from megatron_ext.common.checkpoint_state import CheckpointUnreadable, load_common_state
+from megatron_ext.common.files import CHECKPOINT_DIR
 from megatron_ext.lookup.attempts import AttemptAt, Attempts, attempts_at
 from megatron_ext.lookup.caches import open_train_index
 from megatron_ext.lookup.config import (

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.files import SAMPLE_LOG_GLOB
+from megatron_ext.common.files import SAMPLE_LOG_GLOB
+from megatron_ext.common.records.sample_log import SampleRecord
+from megatron_ext.common.records.sample_log_reader import latest, read_iteration
 from megatron_ext.lookup.attempts import attempt_number
 from megatron_ext.lookup.errors import ConfigError, DataChanged, PositionError
 from megatron_ext.lookup.history import Segment
 from megatron_ext.lookup.render import source_line
-from megatron_ext.records.sample_log import SampleRecord
-from megatron_ext.records.sample_log_reader import latest, read_iteration
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ import sys
 import time
 from typing import Any
 
-from megatron_ext.features import Feature, FeatureError
-from megatron_ext.run_lock import Lease, RunLockHeld, acquire
+from megatron_ext.common.features import Feature, FeatureError
+from megatron_ext.common.run_lock import Lease, RunLockHeld, acquire
 
 
 class RunLockFeature(Feature):

@@ -10,7 +10,7 @@ Hooks, on the rank that reads the data and computes the loss (TP rank 0 of the l
   the data iterator produced it (host memory, before it moves to the GPU; drill corruption
   included, since that is what was trained on);
 - ``on_loss``: the micro-batch's token-summed training loss and lm loss (without the z-loss
-  term, see :data:`megatron_ext.features.LM_LOSS_PER_TOKEN`) and each sample's token-summed
+  term, see :data:`megatron_ext.common.features.LM_LOSS_PER_TOKEN`) and each sample's token-summed
   training loss and tokens, kept as device tensors;
 - ``after_step``: one host transfer for the whole iteration, then one record per micro-batch
   (each sample's loss averaged over its tokens). No host sync per micro-batch. Under context
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import mpu
 
-from megatron_ext.features import (
+from megatron_ext.common.features import (
     LM_LOSS_PER_TOKEN,
     Feature,
     FeatureError,
@@ -37,9 +37,14 @@ from megatron_ext.features import (
     MicroBatch,
     StepRecord,
 )
-from megatron_ext.io import token_sha1
-from megatron_ext.records.sample_log import SampleLog, SampleRecord, append_layout, layout_record
-from megatron_ext.validation import check_directory
+from megatron_ext.common.io import token_sha1
+from megatron_ext.common.records.sample_log import (
+    SampleLog,
+    SampleRecord,
+    append_layout,
+    layout_record,
+)
+from megatron_ext.common.validation import check_directory
 
 SAMPLE_ID_KEY = "sample_id"  # added to every train sample by SampleIdDataset
 _NOTE = "sample_log"  # key of this feature's note in MicroBatch.extras

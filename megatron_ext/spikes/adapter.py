@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext import exit_codes
-from megatron_ext.features import (
+from megatron_ext.common import exit_codes
+from megatron_ext.common.features import (
     Feature,
     FeatureError,
     MicroBatch,
@@ -35,13 +35,14 @@ from megatron_ext.features import (
     is_writing_rank,
     writing_rank,
 )
-from megatron_ext.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
-from megatron_ext.gap_log import GapLog
-from megatron_ext.records.ledger import config_record
-from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.signals_seek import history_before
-from megatron_ext.records.sources import member_names, train_blend
-from megatron_ext.records.spike_config import add_detector_args, config_from_args
+from megatron_ext.common.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
+from megatron_ext.common.gap_log import GapLog
+from megatron_ext.common.records.ledger import config_record
+from megatron_ext.common.records.signals import SignalRecord
+from megatron_ext.common.records.signals_seek import history_before
+from megatron_ext.common.records.sources import member_names, train_blend
+from megatron_ext.common.records.spike_config import add_detector_args, config_from_args
+from megatron_ext.common.validation import check_directory, check_exit_code
 from megatron_ext.spikes.detector import SpikeDetector, SpikeEvent, primed
 from megatron_ext.spikes.drill import (
     CORRUPTIONS,
@@ -51,7 +52,6 @@ from megatron_ext.spikes.drill import (
     parse_spec,
 )
 from megatron_ext.spikes.precursors import PrecursorMonitor, PrecursorWarning, WarnConfig
-from megatron_ext.validation import check_directory, check_exit_code
 
 _DECISIONS = ("healthy", "watching", "rollback")  # broadcast as the index
 

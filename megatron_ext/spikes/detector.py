@@ -37,9 +37,9 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from megatron_ext.io import json_safe
-from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.spike_config import SpikeConfig
+from megatron_ext.common.io import json_safe
+from megatron_ext.common.records.signals import SignalRecord
+from megatron_ext.common.records.spike_config import SpikeConfig
 from megatron_ext.spikes.sources import SourceBaselines
 from megatron_ext.spikes.windows import RollingWindow
 

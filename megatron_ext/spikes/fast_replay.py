@@ -40,8 +40,8 @@ from collections import deque
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.signals_columns import Block, replay_records
+from megatron_ext.common.records.signals import SignalRecord
+from megatron_ext.common.records.signals_columns import Block, replay_records
 from megatron_ext.spikes.detector import SpikeDetector, SpikeEvent
 
 Chunk = tuple[Block, np.ndarray]  # rows of a block, in order

@@ -36,9 +36,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_ext.io import json_safe
-from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.spike_config import ATTENTION_LOGIT_LIMIT, SpikeConfig
+from megatron_ext.common.io import json_safe
+from megatron_ext.common.records.signals import SignalRecord
+from megatron_ext.common.records.spike_config import ATTENTION_LOGIT_LIMIT, SpikeConfig
 
 
 @dataclass(frozen=True)

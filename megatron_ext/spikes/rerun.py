@@ -24,7 +24,7 @@ so during logged iteration k it is k (Megatron's own messages and tracker lines 
 verified on 0.17.1-0.19.2 by a NaN injected at logged iteration 11, reported as "#12").
 
 Both wrappers are bound to the installed :class:`~megatron_ext.spikes.adapter.SpikeFeature`
-and registered in :mod:`megatron_ext.registry` (``spike-rerun-verdict``,
+and registered in :mod:`megatron_ext.registry.table` (``spike-rerun-verdict``,
 ``spike-rerun-disabled``); without ``--spike-detect`` Megatron's behaviour is unchanged.
 """
 
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_ext.features import collective_device
+from megatron_ext.common.features import collective_device
 
 if TYPE_CHECKING:
     from megatron_ext.spikes.adapter import SpikeFeature

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_ext.features import Feature, FeatureError
-from megatron_ext.files import SKIPPED_ITERATIONS_FILE
-from megatron_ext.io import atomic_write
-from megatron_ext.records.skip_ranges import WINDOWS_BATCH_FLAG, WINDOWS_FLAG, persisted_text
+from megatron_ext.common.features import Feature, FeatureError
+from megatron_ext.common.files import SKIPPED_ITERATIONS_FILE
+from megatron_ext.common.io import atomic_write
+from megatron_ext.common.records.skip_ranges import WINDOWS_BATCH_FLAG, WINDOWS_FLAG, persisted_text
 
 
 class SkipListFeature(Feature):

@@ -18,7 +18,7 @@ stage) counts as on its baseline until it has one.
 
 from __future__ import annotations
 
-from megatron_ext.records.signals import SignalRecord
+from megatron_ext.common.records.signals import SignalRecord
 from megatron_ext.spikes.windows import RollingWindow
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.features import (
+from megatron_ext.common.features import (
     Feature,
     FeatureError,
     StepRecord,
@@ -38,8 +38,8 @@ from megatron_ext.features import (
     is_writing_rank,
     writing_rank,
 )
-from megatron_ext.files import SIGNALS_FILE
-from megatron_ext.records.signals_seek import history_before
+from megatron_ext.common.files import SIGNALS_FILE
+from megatron_ext.common.records.signals_seek import history_before
 from megatron_ext.spikes.update_gate import GateConfig, UpdateGate
 
 

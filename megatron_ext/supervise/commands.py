@@ -15,10 +15,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext import attempt_end, exit_codes
-from megatron_ext.files import SPIKE_LEDGER_FILE
+from megatron_ext.common import attempt_end, exit_codes
+from megatron_ext.common.files import SPIKE_LEDGER_FILE
+from megatron_ext.common.validation import check_exit_code
 from megatron_ext.supervise.knobs import TRAINING_ENV, Config, KnobError
-from megatron_ext.validation import check_exit_code
 
 # Under torchrun every worker runs in this wrapper: it records the worker's own exit code
 # (torchrun turns any failure into 1) and the node it ran on in
@@ -117,7 +117,7 @@ def train_args(config: Config, cli_args: list[str]) -> list[str]:
 
 def training_env(config: Config, rc_dir: Path | None, attempt_end_file: Path) -> list[str]:
     """``env NAME=VALUE ...``: visible in --dry-run, and what the workers get (rank 0 records
-    there how the attempt ended: :mod:`megatron_ext.attempt_end`)."""
+    there how the attempt ended: :mod:`megatron_ext.common.attempt_end`)."""
     env = ["env", *(f"{name}={config[name]}" for name in TRAINING_ENV), "PYTHONUNBUFFERED=1"]
     env.append(f"{attempt_end.ENV}={attempt_end_file}")
     if rc_dir is not None:

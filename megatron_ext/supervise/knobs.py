@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext import cuda_connections
-from megatron_ext.errors import UsageError
-from megatron_ext.files import LAUNCH_STATE_DIR, RESULT_REJECTED_TRACKER_FILE
+from megatron_ext.common import cuda_connections
+from megatron_ext.common.errors import UsageError
+from megatron_ext.common.files import LAUNCH_STATE_DIR, RESULT_REJECTED_TRACKER_FILE
 
 
 class KnobError(UsageError, ValueError):
@@ -237,7 +237,7 @@ def _validate(values: dict[str, str]) -> None:
 
 def resolve_connections(config: Config, user_args: list[str]) -> None:
     """Give ``CUDA_DEVICE_MAX_CONNECTIONS`` its value for these training flags: ``auto`` takes
-    :func:`megatron_ext.cuda_connections.default_for`, and a value Megatron would refuse
+    :func:`megatron_ext.common.cuda_connections.default_for`, and a value Megatron would refuse
     with them (``1`` with an FSDP flag) is refused now, before any attempt starts."""
     name = cuda_connections.ENV
     if config.values[name] == AUTO:

@@ -37,8 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_ext import exit_codes
-from megatron_ext.attempt_end import AttemptEnd
+from megatron_ext.common import exit_codes
+from megatron_ext.common.attempt_end import AttemptEnd
 
 Action = Literal["finish", "restart", "rollback", "stop"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_ext.files import UNCHARGED_REQUEUES_FILE, TrackerError, read_checkpoint_tracker
-from megatron_ext.io import atomic_write
+from megatron_ext.common.files import UNCHARGED_REQUEUES_FILE, TrackerError, read_checkpoint_tracker
+from megatron_ext.common.io import atomic_write
 
 
 def tracker(ckpt_dir: Path) -> int | None:

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
-from megatron_ext import attempt_end, exit_codes
-from megatron_ext import run_lock as runlock
-from megatron_ext.files import ATTEMPT_END_FILE
-from megatron_ext.io import read_jsonl
+from megatron_ext.common import attempt_end, exit_codes
+from megatron_ext.common import run_lock as runlock
+from megatron_ext.common.files import ATTEMPT_END_FILE
+from megatron_ext.common.io import read_jsonl
 from megatron_ext.supervise import commands, knobs, policy, progress
 from megatron_ext.supervise.commands import TrainingFacts
 from megatron_ext.supervise.knobs import Config, KnobError

@@ -40,7 +40,7 @@ from megatron.training import get_tensorboard_writer, get_wandb_writer
 from megatron.training import training as megatron_training
 from megatron.training.utils import get_blend_and_blend_per_split
 
-from megatron_ext.features import (
+from megatron_ext.common.features import (
     LM_LOSS_PER_TOKEN,
     Feature,
     FeatureError,
@@ -48,9 +48,10 @@ from megatron_ext.features import (
     StepRecord,
     is_writing_rank,
 )
-from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.signals_writer import SignalsWriter
-from megatron_ext.records.sources import member_names, train_blend
+from megatron_ext.common.records.signals import SignalRecord
+from megatron_ext.common.records.signals_writer import SignalsWriter
+from megatron_ext.common.records.sources import member_names, train_blend
+from megatron_ext.common.validation import check_directory
 from megatron_ext.telemetry.bucket_layout import (
     Reduction,
     assign_slots,
@@ -67,7 +68,6 @@ from megatron_ext.telemetry.sharded import (
     update_ratio,
 )
 from megatron_ext.telemetry.sources import SourceAccumulator, format_sources
-from megatron_ext.validation import check_directory
 
 # Σ bucket² must equal grad-norm² to this relative tolerance (fp32 summation-order noise).
 NORM_CHECK_RTOL = 1e-5

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.features import Feature, FeatureError, StepRecord, collective_device
+from megatron_ext.common.features import Feature, FeatureError, StepRecord, collective_device
 
 
 class AttentionLogitFeature(Feature):

@@ -5,7 +5,8 @@ hands each TransformerLayer, the embedding and the root module (what remains: fi
 output layer) to torch's ``fully_shard`` (registry assumption ``fsdp2-units``), and each such
 unit all-gathers and reduce-scatters as one, the role a DDP bucket plays. A unit's norm is over
 the local shards of its gradients that Megatron's grad norm counts on this rank (no
-tensor-parallel duplicates), summed over the shards' mesh group (:mod:`megatron_ext.dtensors`)
+tensor-parallel duplicates), summed over the shards' mesh group
+(:mod:`megatron_ext.common.dtensors`)
 and then, like a DDP bucket, over the grad-stats group: Σ unit² = grad-norm². Gradients are
 read every step (FSDP2 gives a parameter a new sharded ``.grad`` after ``zero_grad``); names
 carry global layer numbers as DDP buckets' do. Under DDP and the distributed optimizer every
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from megatron_ext import dtensors
+from megatron_ext.common import dtensors
 from megatron_ext.telemetry.bucket_norms import (
     BucketView,
     bucket_name,

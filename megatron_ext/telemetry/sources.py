@@ -39,7 +39,7 @@ class SourceAccumulator:
             raise RuntimeError(
                 f"megatron-ext telemetry: a micro-batch of a {len(self.names)}-member blend "
                 "came without dataset_id (registry assumption blended-dataset-id); "
-                "re-verify megatron_ext.gpt_step against megatron-core's BlendedDataset"
+                "re-verify megatron_ext.loop.gpt_step against megatron-core's BlendedDataset"
             )
         if dataset_ids is None:
             index = torch.zeros(rows, dtype=torch.int64, device=self.sums.device)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.features import Feature, FeatureError
+from megatron_ext.common.features import Feature, FeatureError
 from megatron_ext.weight_decay.core import (
     EMBEDDING_FLAG,
     OUTPUT_LAYER_FLAG,

@@ -63,7 +63,7 @@ import fnmatch
 import math
 from dataclasses import dataclass, field
 
-from megatron_ext.errors import Refusal
+from megatron_ext.common.errors import Refusal
 
 EMBEDDING_PREFIX = "embedding."
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"

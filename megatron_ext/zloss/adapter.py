@@ -41,7 +41,7 @@ from megatron.core.inference import utils as inference_utils
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-from megatron_ext.features import LM_LOSS_PER_TOKEN, Feature, FeatureError, LossInputs
+from megatron_ext.common.features import LM_LOSS_PER_TOKEN, Feature, FeatureError, LossInputs
 from megatron_ext.zloss.core import cross_entropy_and_z_loss
 from megatron_ext.zloss.fused import fused_output_loss
 

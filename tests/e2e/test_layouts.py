@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_ext.common.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
+from megatron_ext.common.records.ledger import read_ledger
+from megatron_ext.common.records.sample_log import SampleRecord
+from megatron_ext.common.records.signals import SignalRecord, latest_per_iteration, read_signals
 from megatron_ext.demo import TINY_MODEL
-from megatron_ext.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.lookup import cli
-from megatron_ext.records.ledger import read_ledger
-from megatron_ext.records.sample_log import SampleRecord
-from megatron_ext.records.signals import SignalRecord, latest_per_iteration, read_signals
 from tests.support.harness import (
     GLOBAL_BATCH,
     MICRO_BATCH,

@@ -46,9 +46,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.common.files import SKIPPED_ITERATIONS_FILE, incident_stem, rolled_back_dir
+from megatron_ext.common.records.skip_ranges import read_ranges
 from megatron_ext.demo import TINY_DETECTOR
-from megatron_ext.files import SKIPPED_ITERATIONS_FILE, incident_stem, rolled_back_dir
-from megatron_ext.records.skip_ranges import read_ranges
 from tests.support.multinode import (
     PREFIX,
     TWO_NODES,

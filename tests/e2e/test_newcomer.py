@@ -33,9 +33,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext import loop
-from megatron_ext.checkpoint_state import Opaque, read_common_state
+from megatron_ext.common.checkpoint_state import Opaque, read_common_state
 from megatron_ext.data.corpus import write_tiny_corpus
+from megatron_ext.loop import install as loop
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()

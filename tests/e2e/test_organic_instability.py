@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext import exit_codes
-from megatron_ext.files import SPIKE_LEDGER_FILE
-from megatron_ext.records.signals import read_signals
+from megatron_ext.common import exit_codes
+from megatron_ext.common.files import SPIKE_LEDGER_FILE
+from megatron_ext.common.records.signals import read_signals
 from tests.support.harness import TINY_MODEL, Run, launch, run_skiplist
 
 

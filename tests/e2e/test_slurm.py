@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.common.records.skip_ranges import read_ranges
 from megatron_ext.demo import TINY_DETECTOR
-from megatron_ext.records.skip_ranges import read_ranges
 from tests.support.slurm import (
     SBATCH_SCRIPT,
     JobResult,

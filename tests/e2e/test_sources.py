@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
-from megatron_ext.records.signals import SignalRecord, latest_per_iteration, read_signals
-from megatron_ext.records.spike_config import SpikeConfig
+from megatron_ext.common.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
+from megatron_ext.common.records.signals import SignalRecord, latest_per_iteration, read_signals
+from megatron_ext.common.records.spike_config import SpikeConfig
 from megatron_ext.spikes.detector import replay
 from tests.support.harness import Run, launch, run_skiplist
 from tests.support.sources import CODE, PROSE, blend_args, prepare_sources

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.records.signals import read_signals
+from megatron_ext.common.records.signals import read_signals
 from tests.support.drill import BAD, REAL_SHAPED_GRAD_FACTOR, TRAIN_ITERS, drill_args
 from tests.support.harness import (
     GLOBAL_BATCH,
@@ -108,7 +108,7 @@ def test_drill_restart_passes_the_spike_with_exactly_the_window_skipped(drill: d
 
 
 def _read(path: Path):
-    from megatron_ext.records.sample_log import read_records
+    from megatron_ext.common.records.sample_log import read_records
 
     return list(read_records(path))
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from megatron_ext.records.signals import SignalRecord, latest_per_iteration, read_signals
+from megatron_ext.common.records.signals import SignalRecord, latest_per_iteration, read_signals
 from tests.support.harness import Run
 
 

@@ -9,9 +9,9 @@ import json
 import math
 from pathlib import Path
 
-from megatron_ext import exit_codes
-from megatron_ext.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
-from megatron_ext.records.signals import SignalRecord, latest_per_iteration, read_signals
+from megatron_ext.common import exit_codes
+from megatron_ext.common.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
+from megatron_ext.common.records.signals import SignalRecord, latest_per_iteration, read_signals
 from tests.support.harness import TINY_TRAINING, Run, launch
 
 ITERS = 50

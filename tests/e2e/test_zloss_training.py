@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from megatron_ext.files import SIGNALS_FILE
-from megatron_ext.records.signals import read_signals
+from megatron_ext.common.files import SIGNALS_FILE
+from megatron_ext.common.records.signals import read_signals
 from tests.support.harness import Run
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")

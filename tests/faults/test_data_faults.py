@@ -17,10 +17,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megatron_ext.common.io import KILL_AT_STEP_ENV
+from megatron_ext.common.records.pair import PairError, check_pair
 from megatron_ext.data.corpus import write_tiny_corpus
 from megatron_ext.data.preprocess import main as preprocess_main
-from megatron_ext.io import KILL_AT_STEP_ENV
-from megatron_ext.records.pair import PairError, check_pair
 from tests.support.faults import fault
 from tests.support.harness import REPO, launch
 from tests.support.sandbox import run_with_mount

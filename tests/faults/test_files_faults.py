@@ -8,7 +8,7 @@ import stat
 import sys
 from pathlib import Path
 
-from megatron_ext.io import atomic_write
+from megatron_ext.common.io import atomic_write
 from tests.support.faults import fault
 from tests.support.harness import REPO
 from tests.support.incident_run import make_run, rerun
@@ -43,7 +43,7 @@ def test_atomic_writes_keep_modes(tmp_path: Path) -> None:
             ckpt / "megatron_ext_incidents" / "incident-001.md",
         ):
             assert _mode(written) == 0o644, written
-        from megatron_ext.plot import main as plot
+        from megatron_ext.plot.draw import main as plot
 
         assert plot(["--signals-dir", str(root / "signals"), "--out", str(tmp_path / "s.png")]) == 0
         assert _mode(tmp_path / "s.png") == 0o644
@@ -61,7 +61,7 @@ def test_a_full_disk_never_leaves_a_partial_file(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from megatron_ext.io import atomic_write\n"
+        "from megatron_ext.common.io import atomic_write\n"
         "target = Path(sys.argv[1]) / 'latest_checkpointed_iteration.txt'\n"
         "atomic_write(target, '35\\n')\n"
         "try:\n"

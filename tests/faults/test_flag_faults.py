@@ -10,8 +10,8 @@ import argparse
 import pytest
 from megatron.training.arguments import add_megatron_arguments
 
-from megatron_ext import loop
-from megatron_ext.features import FeatureError, FeatureSet
+from megatron_ext.common.features import FeatureError, FeatureSet
+from megatron_ext.loop import install as loop
 from megatron_ext.supervise import commands, policy
 from megatron_ext.supervise.knobs import KnobError
 from tests.support.faults import fault

@@ -16,11 +16,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_ext.common.features import FeatureError
+from megatron_ext.common.records import pair
+from megatron_ext.common.records.pair import HEADER, IndexDamaged, PairError, check_pair
 from megatron_ext.data.adapter import DataCheckFeature
-from megatron_ext.features import FeatureError
 from megatron_ext.lookup import cli
-from megatron_ext.records import pair
-from megatron_ext.records.pair import HEADER, IndexDamaged, PairError, check_pair
 from tests.support.faults import fault
 from tests.support.harness import launch
 

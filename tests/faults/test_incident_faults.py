@@ -15,8 +15,8 @@ import time
 import psutil
 import pytest
 
+from megatron_ext.common.files import SKIPPED_ITERATIONS_FILE
 from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
-from megatron_ext.files import SKIPPED_ITERATIONS_FILE
 from tests.support import incidents
 from tests.support.faults import fault
 from tests.support.harness import RUNNER, TINY_TRAINING, rank0_alone

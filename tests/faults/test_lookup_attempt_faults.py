@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.files import sample_log_file
+from megatron_ext.common.files import sample_log_file
+from megatron_ext.common.records.sample_log import SampleLog, read_records
 from megatron_ext.lookup import cli
-from megatron_ext.records.sample_log import SampleLog, read_records
 from tests.support.drill import BAD
 from tests.support.faults import fault
 

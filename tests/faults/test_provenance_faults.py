@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from megatron_ext import cli
+from megatron_ext.common.io import KILL_AT_STEP_ENV
+from megatron_ext.common.records.provenance import SUFFIX, open_sidecar
 from megatron_ext.data.corpus import write_tiny_corpus
 from megatron_ext.data.tokenizer import train_bpe_tokenizer
-from megatron_ext.io import KILL_AT_STEP_ENV
-from megatron_ext.records.provenance import SUFFIX, open_sidecar
 from tests.support.faults import fault
 from tests.support.harness import REPO
 

@@ -87,7 +87,7 @@ def chain(tmp_path_factory, data_args) -> dict:
 
 def _recorded(samples: Path) -> dict:
     """(iteration, DP rank, micro-batch) -> sample ids, the latest record of each."""
-    from megatron_ext.records.sample_log import read_records
+    from megatron_ext.common.records.sample_log import read_records
 
     out = {}
     for path in sorted(samples.glob("samples-dp*.jsonl")):
@@ -211,7 +211,7 @@ def test_a_foreign_signals_line_does_not_stop_training(chain) -> None:
     log_b = (chain["root"] / "log-B.txt").read_text()
     # Named by its byte offset: start-up reads the log's end, not the whole log.
     assert re.search(r"not signals records\): byte \d+ \(unknown fields \['by', 'event'\]\)", log_b)
-    from megatron_ext.records.signals import read_signals
+    from megatron_ext.common.records.signals import read_signals
 
     with pytest.warns(UserWarning, match="not signals records"):
         records = read_signals(chain["root"] / "run" / "signals" / "signals.jsonl")

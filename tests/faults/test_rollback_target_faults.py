@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.files import (
+from megatron_ext.common.files import (
     CHECKPOINT_COMMON_FILE,
     CHECKPOINT_METADATA_FILE,
     CHECKPOINT_TRACKER_FILE,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.common.files import RUN_LOCK_FILE
+from megatron_ext.common.run_lock import liveness, read_holder
 from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
-from megatron_ext.files import RUN_LOCK_FILE
-from megatron_ext.run_lock import liveness, read_holder
 from tests.support.faults import fault
 from tests.support.harness import RUNNER, TINY_TRAINING, kill_tree, launch, run_skiplist
 from tests.support.launcher_fakes import SINGLE, TORCHRUN, Harness, wait_ready

@@ -6,7 +6,7 @@ import tracemalloc
 
 import pytest
 
-from megatron_ext.records.skip_ranges import MAX_SKIPPED, resolve_argv
+from megatron_ext.common.records.skip_ranges import MAX_SKIPPED, resolve_argv
 from tests.support.faults import fault
 from tests.support.harness import checkpoint_args, launch
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.common.records.sample_log import SampleRecord
+from megatron_ext.common.records.skip_ranges import read_file
 from megatron_ext.incidents import cli as skiplist
 from megatron_ext.lookup import cli as lookup
-from megatron_ext.records.sample_log import SampleRecord
-from megatron_ext.records.skip_ranges import read_file
 from tests.support.faults import fault
 from tests.support.harness import Run, checkpoint_args, launch
 

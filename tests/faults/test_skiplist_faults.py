@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.io import KILL_AT_STEP_ENV
+from megatron_ext.common.io import KILL_AT_STEP_ENV
 from tests.support.faults import fault
 from tests.support.incident_run import (
     APPLY_STEPS,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.files import LAYOUT_FILE
+from megatron_ext.common.files import LAYOUT_FILE
+from megatron_ext.common.records.sample_log import read_records
 from megatron_ext.lookup import cli
-from megatron_ext.records.sample_log import read_records
 from tests.support.faults import fault
 from tests.support.harness import launch
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext import plot
+from megatron_ext.common.gap_log import GapLog, gap_record, read_gaps
+from megatron_ext.common.records.sample_log import read_records
+from megatron_ext.common.records.signals import read_signals
 from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
-from megatron_ext.gap_log import GapLog, gap_record, read_gaps
 from megatron_ext.lookup import cli as lookup_cli
-from megatron_ext.records.sample_log import read_records
-from megatron_ext.records.signals import read_signals
+from megatron_ext.plot import draw as plot
 from tests.support.faults import fault
 from tests.support.harness import RUNNER, TINY_TRAINING
 from tests.support.sandbox import run_with_mount

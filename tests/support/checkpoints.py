@@ -1,6 +1,6 @@
 """A small loadable torch_dist checkpoint for tests that need checkpoint directories but no
 training: the skip-list tests, whose rollback target must pass the planner's load check
-(``megatron_ext.checkpoint_state.checkpoint_problem``).
+(``megatron_ext.common.checkpoint_state.checkpoint_problem``).
 
 The files are the real format: torch's DCP writer, Megatron's save planner, the common state
 as the ``common_state/shard_0_1`` byte item (``torch.save([state])``) and one tensor in a
@@ -17,8 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from megatron_ext.checkpoint_state import COMMON_STATE_KEY
-from megatron_ext.files import CHECKPOINT_METADATA_FILE
+from megatron_ext.common.checkpoint_state import COMMON_STATE_KEY
+from megatron_ext.common.files import CHECKPOINT_METADATA_FILE
 
 METADATA_JSON = '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
 

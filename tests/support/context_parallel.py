@@ -53,7 +53,7 @@ def main(out: Path) -> None:
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megatron_ext.features import LossInputs, MicroBatch, StepRecord
+    from megatron_ext.common.features import LossInputs, MicroBatch, StepRecord
     from megatron_ext.sample_log.adapter import SampleLogFeature
     from megatron_ext.telemetry.adapter import TelemetryFeature
     from megatron_ext.telemetry.sources import SourceAccumulator

@@ -14,8 +14,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from megatron_ext.files import SAMPLE_LOG_GLOB
-from megatron_ext.records.sample_log import read_records
+from megatron_ext.common.files import SAMPLE_LOG_GLOB
+from megatron_ext.common.records.sample_log import read_records
 from tests.support.harness import launch, run_skiplist
 
 TRAIN_ITERS = 50

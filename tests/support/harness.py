@@ -18,8 +18,8 @@ from pathlib import Path
 
 import psutil
 
+from megatron_ext.common.records.sample_log import SampleRecord, read_records
 from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
-from megatron_ext.records.sample_log import SampleRecord, read_records
 from megatron_ext.train import CPU_RUNNER
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,8 +7,8 @@ import contextlib
 import io
 from pathlib import Path
 
+from megatron_ext.common.io import JsonlAppender
 from megatron_ext.incidents.cli import main as skiplist_main
-from megatron_ext.io import JsonlAppender
 from tests.support.checkpoints import write_loadable_checkpoint
 from tests.support.spike_curves import events, records
 

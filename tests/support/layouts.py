@@ -31,13 +31,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from megatron_ext.demo import TINY_MODEL
-from megatron_ext.files import (
+from megatron_ext.common.files import (
     CHECKPOINT_TRACKER_FILE,
     SIGNALS_FILE,
     SPIKE_LEDGER_FILE,
     checkpoint_dir,
 )
+from megatron_ext.demo import TINY_MODEL
 from tests.support.harness import TELEMETRY, Run, launch, run_skiplist
 
 TRAIN_ITERS = 25
@@ -62,7 +62,7 @@ UNTIE = "--untie-embeddings-and-output-weights"
 
 
 def _fused_available() -> bool:
-    from megatron_ext import registry
+    from megatron_ext.registry import table as registry
 
     variant = registry.patch("fused-output-loss").variant_for()
     return variant is None or variant.available

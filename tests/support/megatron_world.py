@@ -89,7 +89,7 @@ def megatron_world() -> Iterator[None]:
 def patches_undone() -> Iterator[None]:
     """Remove, on exit, every registry patch a feature's ``install`` applied inside: the
     Megatron functions other tests see stay Megatron's."""
-    from megatron_ext import registry
+    from megatron_ext.registry import table as registry
 
     before = {p.name for p in registry.applied()}
     try:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from megatron_ext.records.sample_log import SampleRecord
+from megatron_ext.common.records.sample_log import SampleRecord
 from tests.support.netns_slurm import ClusterUnavailable, NetnsSlurm
 from tests.support.netns_slurm import start as start_netns_cluster
 from tests.support.slurm import (

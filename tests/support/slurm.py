@@ -34,8 +34,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_ext.common.records.sample_log import SampleRecord, read_records
 from megatron_ext.demo import CPU_FLAGS, TINY_MODEL
-from megatron_ext.records.sample_log import SampleRecord, read_records
 from megatron_ext.train import CPU_RUNNER
 from tests.support.harness import TINY_TRAINING
 

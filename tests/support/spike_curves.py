@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from megatron_ext.records.signals import SignalRecord
+from megatron_ext.common.records.signals import SignalRecord
 from megatron_ext.spikes.detector import SpikeConfig, SpikeDetector
 
 CONFIG = SpikeConfig(window=20, warmup=20, patience=5, grad_factor=3.0)

@@ -23,22 +23,22 @@ import megatron_ext
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "megatron_ext"
-# The only modules allowed to import Megatron at load time: the feature adapters, the GPT
-# step that the entry point hands to Megatron's loop, and what wires features into Megatron:
-# the registry (it imports the wrappers it names), the installer and the patch report.
+# The only modules allowed to import Megatron at load time, besides the feature adapters: the
+# GPT step and model that the entry point hands to Megatron's loop, the entry point's wiring
+# and the installer, the registry's tables (they import the wrappers they name) and the report.
 MEGATRON_FACING = {
-    "gpt_step",
-    "gpt_model",
-    "entry",
-    "registry",
-    "registry_entry",
-    "loop",
-    "patch_report",
+    "megatron_ext.loop.gpt_step",
+    "megatron_ext.loop.gpt_model",
+    "megatron_ext.loop.entry",
+    "megatron_ext.loop.install",
+    "megatron_ext.registry.table",
+    "megatron_ext.registry.entry",
+    "megatron_ext.registry.report",
 }
 MAX_LINES = 400
 # The registry is a table, one entry per touch of Megatron, kept in one file on purpose (one
 # place to read every upstream dependency): it grows by entries, not by logic.
-LONGER = {"megatron_ext/registry.py": 600}
+LONGER = {"megatron_ext/registry/table.py": 600}
 
 
 def _modules() -> list[str]:
@@ -65,9 +65,7 @@ def _import_with_blocked(modules: list[str], blocked: list[str]) -> subprocess.C
 
 def test_every_core_imports_with_megatron_blocked() -> None:
     cores = [
-        m
-        for m in _modules()
-        if m.rsplit(".", 1)[-1] != "adapter" and m.rsplit(".", 1)[-1] not in MEGATRON_FACING
+        m for m in _modules() if m.rsplit(".", 1)[-1] != "adapter" and m not in MEGATRON_FACING
     ]
     assert "megatron_ext.zloss.core" in cores and "megatron_ext.spikes.detector" in cores
     result = _import_with_blocked(cores, ["megatron"])
@@ -81,7 +79,7 @@ def test_the_supervisor_imports_neither_torch_nor_megatron() -> None:
 
 
 # Feature folders whose whole core is an on-disk format that another folder reads, and so
-# lives in the record core (megatron_ext/records/) instead.
+# lives in the record core (megatron_ext/common/records/) instead.
 CORE_IN_RECORDS = {"sample_log": "sample_log.py"}
 
 
@@ -90,7 +88,7 @@ def test_every_feature_folder_has_a_core_and_an_adapter() -> None:
         files = {p.name for p in (PACKAGE / folder).glob("*.py")}
         assert "adapter.py" in files, folder
         if folder in CORE_IN_RECORDS:
-            assert (PACKAGE / "records" / CORE_IN_RECORDS[folder]).is_file(), folder
+            assert (PACKAGE / "common" / "records" / CORE_IN_RECORDS[folder]).is_file(), folder
         else:
             assert len(files - {"adapter.py", "__init__.py"}) >= 1, f"{folder} has no core"
 
@@ -120,44 +118,25 @@ def test_readme_feature_table_points_to_one_folder_per_feature() -> None:
 # fast and name the offending edge. Names resolved at run time from strings (importlib) are
 # not edges: the registry's wrapper names, cli.py's subcommand table.
 
-# Folders of megatron_ext/ that hold one feature or one tool; none may import another.
-FEATURE_FOLDERS = (
-    "zloss",
-    "weight_decay",
-    "telemetry",
-    "spikes",
-    "sample_log",
-    "lookup",
-    "data",
-    "incidents",
-    "runlock",
-    "fsdp",
+# The layers, highest first, by folder of megatron_ext/ ("." holds the top-level modules, which
+# are all commands; pretrain_gpt_ext.py and tools/ count as commands too). Every folder is in
+# exactly one layer, README's layer table lists the same folders (both checked below), and an
+# import goes to its own layer or a lower one. In the layers marked ISOLATED, a folder may not
+# import another folder of its layer.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("commands", (".", "cpu", "plot", "supervise")),
+    ("offline tools", ("lookup", "incidents")),
+    ("loop and registry", ("loop", "registry")),
+    (
+        "feature folders",
+        ("zloss", "weight_decay", "telemetry", "spikes", "sample_log", "data", "runlock", "fsdp"),
+    ),
+    ("lower layer", ("common",)),
 )
-# The shared lower layer: what every feature and tool may import, and which imports only itself.
-# checkpoint_state (reads Megatron's tracker files), quiet, stop_signals, attempt_end (how an
-# attempt ended, the training's word to the supervisor) and process_exit are standard-library
-# helpers that features and commands share; versions declares the supported megatron-core range.
-LOWER = (
-    "megatron_ext",
-    "megatron_ext.versions",
-    "megatron_ext.io",
-    "megatron_ext.files",
-    "megatron_ext.errors",
-    "megatron_ext.exit_codes",
-    "megatron_ext.gap_log",
-    "megatron_ext.validation",
-    "megatron_ext.run_lock",
-    "megatron_ext.records",
-    "megatron_ext.features",
-    "megatron_ext.patching",
-    "megatron_ext.checkpoint_state",
-    "megatron_ext.quiet",
-    "megatron_ext.stop_signals",
-    "megatron_ext.attempt_end",
-    "megatron_ext.process_exit",
-    "megatron_ext.dtensors",
-    "megatron_ext.cuda_connections",
-)
+ISOLATED = {"offline tools", "feature folders", "lower layer"}
+FEATURE_FOLDERS = dict(LAYERS)["feature folders"]
+LAYER_OF = {folder: layer for layer, folders in LAYERS for folder in folders}
+RANK = {layer: rank for rank, (layer, _) in enumerate(LAYERS)}
 
 
 def _module_name(path: Path) -> str:
@@ -200,32 +179,35 @@ def _import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def _feature_folder(module: str) -> str | None:
+def _folder(module: str) -> str:
+    """The folder of megatron_ext/ a module belongs to ("." for a top-level module and for the
+    commands outside the package: the entry point and tools/)."""
     parts = module.split(".")
-    return parts[1] if parts[0] == "megatron_ext" and len(parts) > 1 else None
+    if parts[0] != "megatron_ext" or len(parts) == 1:
+        return "."
+    return parts[1] if (PACKAGE / parts[1]).is_dir() else "."
 
 
-def _is_lower(module: str) -> bool:
-    return any(module == m or (m != "megatron_ext" and module.startswith(m + ".")) for m in LOWER)
+def _layer(module: str) -> str:
+    return LAYER_OF[_folder(module)]
 
 
-def _cross_feature_edges(graph: dict[str, set[str]]) -> list[str]:
+def _sideways_edges(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between two folders of one isolated layer (two features, two offline tools)."""
     return sorted(
         f"{a} -> {b}"
         for a, targets in graph.items()
         for b in targets
-        if _feature_folder(a) in FEATURE_FOLDERS
-        and _feature_folder(b) in FEATURE_FOLDERS
-        and _feature_folder(a) != _feature_folder(b)
+        if _layer(a) in ISOLATED and _layer(a) == _layer(b) and _folder(a) != _folder(b)
     )
 
 
 def _upward_edges(graph: dict[str, set[str]]) -> list[str]:
     return sorted(
-        f"{a} -> {b}"
+        f"{a} -> {b} ({_layer(a)} -> {_layer(b)})"
         for a, targets in graph.items()
         for b in targets
-        if _is_lower(a) and not _is_lower(b)
+        if RANK[_layer(b)] < RANK[_layer(a)]
     )
 
 
@@ -254,33 +236,66 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_graph_sees_every_kind_of_import() -> None:
     graph = _import_graph()
-    assert "megatron_ext.records.signals_seek" in graph["megatron_ext.spikes.adapter"]  # module
+    adapter = graph["megatron_ext.spikes.adapter"]
+    assert "megatron_ext.common.records.signals_seek" in adapter  # module
     assert "megatron_ext.incidents.cli" in graph["megatron_ext.demo"]  # inside a function
     assert "tools.gpu_context" in graph["tools.gpu_rungs"]  # TYPE_CHECKING, by bare name
     assert "megatron_ext.incidents.transaction" in graph["megatron_ext.incidents.cli"]  # from pkg
     # The checks below catch what they are for, on a graph made to break them.
     bad = {
-        "megatron_ext.io": {"megatron_ext.loop"},
-        "megatron_ext.loop": {"megatron_ext.spikes.adapter"},
-        "megatron_ext.spikes.adapter": {"megatron_ext.telemetry.core", "megatron_ext.io"},
+        "megatron_ext.common.io": {"megatron_ext.loop.install"},
+        "megatron_ext.loop.install": {"megatron_ext.spikes.adapter"},
+        "megatron_ext.spikes.adapter": {"megatron_ext.telemetry.core", "megatron_ext.common.io"},
+        "megatron_ext.lookup.cli": {"megatron_ext.incidents.report", "megatron_ext.loop.install"},
+        "megatron_ext.zloss.core": {"megatron_ext.lookup.cli"},
     }
-    assert _cross_feature_edges(bad) == [
-        "megatron_ext.spikes.adapter -> megatron_ext.telemetry.core"
+    assert _sideways_edges(bad) == [
+        "megatron_ext.lookup.cli -> megatron_ext.incidents.report",
+        "megatron_ext.spikes.adapter -> megatron_ext.telemetry.core",
     ]
-    assert _upward_edges(bad) == ["megatron_ext.io -> megatron_ext.loop"]
+    assert _upward_edges(bad) == [
+        "megatron_ext.common.io -> megatron_ext.loop.install (lower layer -> loop and registry)",
+        "megatron_ext.zloss.core -> megatron_ext.lookup.cli (feature folders -> offline tools)",
+    ]
     assert _find_cycle(bad) == [
-        "megatron_ext.io",
-        "megatron_ext.loop",
+        "megatron_ext.common.io",
+        "megatron_ext.loop.install",
         "megatron_ext.spikes.adapter",
-        "megatron_ext.io",
+        "megatron_ext.common.io",
     ]
 
 
-def test_no_feature_folder_imports_another() -> None:
-    edges = _cross_feature_edges(_import_graph())
+def test_every_folder_is_in_one_layer() -> None:
+    """A new folder must be placed: the tree and the layer table cannot drift apart."""
+    folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    placed = [folder for _, layer_folders in LAYERS for folder in layer_folders]
+    assert len(placed) == len(set(placed)), placed
+    assert folders | {"."} == set(placed), set(placed) ^ (folders | {"."})
+
+
+def test_readme_layer_table_is_the_tests_layer_table() -> None:
+    """README's table names, row by row, the folders this test layers (top-level modules as
+    `name.py`, all commands)."""
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("| layer | folders | imports |", 1)[1].split("\n\n", 1)[0]
+    rows = {
+        cells[0]: cells[1]
+        for line in table.splitlines()[2:]
+        if (cells := [c.strip() for c in line.strip("|").split("|")])
+    }
+    assert list(rows) == [layer for layer, _ in LAYERS], rows
+    for layer, folders in LAYERS:
+        named = set(re.findall(r"`([a-z_]+)/`", rows[layer]))
+        assert named == {f for f in folders if f != "."}, (layer, named)
+    top_level = {p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"}
+    assert set(re.findall(r"`([a-z_]+\.py)`", rows["commands"])) >= top_level, rows["commands"]
+
+
+def test_no_feature_folder_or_offline_tool_imports_another() -> None:
+    edges = _sideways_edges(_import_graph())
     assert not edges, (
-        "a feature folder imports another feature folder (move what both need to the record "
-        f"core or the lower layer): {edges}"
+        "a folder imports another folder of its layer (move what both need to the record core "
+        f"or the lower layer): {edges}"
     )
 
 
@@ -289,9 +304,9 @@ def test_the_import_graph_has_no_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-def test_no_lower_layer_imports_a_higher_one() -> None:
+def test_no_layer_imports_a_higher_one() -> None:
     edges = _upward_edges(_import_graph())
-    assert not edges, f"the lower layer ({', '.join(LOWER)}) imports a higher one: {edges}"
+    assert not edges, f"an import goes up the layers ({[layer for layer, _ in LAYERS]}): {edges}"
 
 
 # -- state on its feature; one exception base ---------------------------------------------
@@ -334,9 +349,10 @@ def _mutable_globals(fn: Any) -> list[str]:
 def _patched_code() -> list[Any]:
     """Every function Megatron ends up calling into: the registry's wrappers, the entry
     point's hook callers and every hook each feature overrides."""
-    from megatron_ext import hooks, registry
-    from megatron_ext.features import HOOKS
-    from megatron_ext.loop import all_features
+    from megatron_ext.common.features import HOOKS
+    from megatron_ext.loop import hooks
+    from megatron_ext.loop.install import all_features
+    from megatron_ext.registry import table as registry
 
     functions: list[Any] = [p.wrap for p in registry.PATCHES]
     functions += [call.called_from for call in registry.ENTRY_POINT_HOOKS]
@@ -347,7 +363,7 @@ def _patched_code() -> list[Any]:
 
 
 def gpt_step_forward() -> Any:
-    from megatron_ext import gpt_step
+    from megatron_ext.loop import gpt_step
 
     return gpt_step.forward_step
 
@@ -403,10 +419,10 @@ def _exception_classes() -> list[type]:
 
 def test_every_deliberate_error_is_a_megatron_ext_error_with_its_exit_code() -> None:
     """One base: each exception class of the package is a MegatronExtError whose exit code is
-    one of megatron_ext.exit_codes, or says in its docstring that it is an internal
+    one of megatron_ext.common.exit_codes, or says in its docstring that it is an internal
     control-flow signal."""
-    from megatron_ext import exit_codes
-    from megatron_ext.errors import MegatronExtError
+    from megatron_ext.common import exit_codes
+    from megatron_ext.common.errors import MegatronExtError
 
     codes = {v for k, v in vars(exit_codes).items() if k.isupper() and isinstance(v, int)}
     classes = _exception_classes()
@@ -423,7 +439,7 @@ def test_every_deliberate_error_is_a_megatron_ext_error_with_its_exit_code() -> 
 
 def test_every_megatron_ext_error_is_raised_with_a_message() -> None:
     """``raise SomeError()`` would print an empty line instead of what to do."""
-    from megatron_ext.errors import MegatronExtError
+    from megatron_ext.common.errors import MegatronExtError
 
     ours = {c.__name__ for c in _exception_classes() if issubclass(c, MegatronExtError)}
     bare = []

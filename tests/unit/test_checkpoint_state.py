@@ -17,15 +17,15 @@ from megatron.core.dist_checkpointing.serialization import load_common_state_dic
 from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 from megatron.core.transformer.enums import AttnBackend
 
-from megatron_ext import registry
-from megatron_ext.checkpoint_state import (
+from megatron_ext.common.checkpoint_state import (
     COMMON_STATE_KEY,
     Opaque,
     UnreadableState,
     read_common_state,
 )
-from megatron_ext.files import CHECKPOINT_COMMON_FILE, CHECKPOINT_METADATA_FILE
+from megatron_ext.common.files import CHECKPOINT_COMMON_FILE, CHECKPOINT_METADATA_FILE
 from megatron_ext.lookup.config import load_checkpoint
+from megatron_ext.registry import table as registry
 
 
 def _state(**extra: object) -> dict:
@@ -107,7 +107,7 @@ def test_no_code_from_the_file_runs(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_the_lookup_falls_back_to_megatrons_loader(tmp_path: Path, monkeypatch) -> None:
-    import megatron_ext.checkpoint_state as checkpoint_state
+    import megatron_ext.common.checkpoint_state as checkpoint_state
 
     _save_torch_dist(tmp_path, _state())
 

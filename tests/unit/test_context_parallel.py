@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.io import token_sha1
-from megatron_ext.records.sample_log import read_records
+from megatron_ext.common.io import token_sha1
+from megatron_ext.common.records.sample_log import read_records
 from tests.support import context_parallel as cp
 
 WORKER = Path(cp.__file__)

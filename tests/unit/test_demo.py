@@ -14,8 +14,12 @@ import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 
 from megatron_ext import demo, launch_console
-from megatron_ext.checkpoint_state import COMMON_STATE_KEY
-from megatron_ext.files import CHECKPOINT_METADATA_FILE, CHECKPOINT_TRACKER_FILE, checkpoint_dir
+from megatron_ext.common.checkpoint_state import COMMON_STATE_KEY
+from megatron_ext.common.files import (
+    CHECKPOINT_METADATA_FILE,
+    CHECKPOINT_TRACKER_FILE,
+    checkpoint_dir,
+)
 
 
 def test_the_filter_drops_megatrons_argument_dump_and_memory_report() -> None:

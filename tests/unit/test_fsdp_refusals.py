@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from megatron_ext import gpt_step, loop
-from megatron_ext.features import FeatureError
+from megatron_ext.common.features import FeatureError
+from megatron_ext.loop import gpt_step
+from megatron_ext.loop import install as loop
 
 
 def _megatron_args(monkeypatch: pytest.MonkeyPatch, *flags: str):

@@ -9,18 +9,18 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_ext.gap_log import Gap, GapLog, gap_record, read_gaps
-from megatron_ext.io import atomic_write
-from megatron_ext.records.ledger import read_ledger
-from megatron_ext.records.sample_log import read_records
-from megatron_ext.records.signals import read_signals
+from megatron_ext.common.gap_log import Gap, GapLog, gap_record, read_gaps
+from megatron_ext.common.io import atomic_write
+from megatron_ext.common.records.ledger import read_ledger
+from megatron_ext.common.records.sample_log import read_records
+from megatron_ext.common.records.signals import read_signals
 from tests.support.sandbox import run_with_mount
 
 REPO = Path(__file__).resolve().parents[2]
 
 FILL_THEN_FREE = """
 import json, os, sys
-from megatron_ext.gap_log import GapLog
+from megatron_ext.common.gap_log import GapLog
 disk = sys.argv[1]
 now = [0.0]
 log = GapLog(os.path.join(disk, "signals.jsonl"), "signals log", clock=lambda: now[0])

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_ext import loop, registry
+from megatron_ext.loop import install as loop
+from megatron_ext.registry import table as registry
 from megatron_ext.zloss.adapter import ZLossFeature
 from tests.support import megatron_world as mw
 

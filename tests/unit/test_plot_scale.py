@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext import plot_stream
-from megatron_ext.plot import build_series, render
-from megatron_ext.records import signals_sources
-from megatron_ext.records.ledger import Ledger
-from megatron_ext.records.signals import SignalRecord, read_signals
-from megatron_ext.records.signals_seek import SignalsLog
-from megatron_ext.records.signals_writer import SignalsWriter
-from megatron_ext.records.spike_config import SpikeConfig
+from megatron_ext.common.records import signals_sources
+from megatron_ext.common.records.ledger import Ledger
+from megatron_ext.common.records.signals import SignalRecord, read_signals
+from megatron_ext.common.records.signals_seek import SignalsLog
+from megatron_ext.common.records.signals_writer import SignalsWriter
+from megatron_ext.common.records.spike_config import SpikeConfig
+from megatron_ext.plot import stream as plot_stream
+from megatron_ext.plot.draw import build_series, render
 from megatron_ext.spikes.detector import replay
 from tests.support.default_run import SOURCE, lines
 

@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from megatron_ext import patching, registry
-from megatron_ext.patching import Assumption, Patch, PatchTargetError
-from megatron_ext.versions import VERIFIED
+from megatron_ext.common.versions import VERIFIED
+from megatron_ext.registry import patching
+from megatron_ext.registry import table as registry
+from megatron_ext.registry.patching import Assumption, Patch, PatchTargetError
 
 
 def _passthrough(f):
@@ -162,7 +163,7 @@ def test_prebuilt_helpers_fix_skips_make() -> None:
     """Without the fix, compile_helpers runs `make` in the wheel, which has no Makefile."""
     code = (
         "import megatron.core.datasets.utils as u, subprocess\n"
-        "from megatron_ext.registry import patch\n"
+        "from megatron_ext.registry.table import patch\n"
         "calls = []\n"
         "subprocess.run = lambda cmd, **k: (calls.append(cmd)\n"
         "                                   or subprocess.CompletedProcess(cmd, 2))\n"
@@ -193,7 +194,7 @@ def test_patches_command_lists_every_touch_and_the_hooks_users() -> None:
         "hook after_step, used by: update_skip, attention_logit, telemetry, sample_log, spikes"
         in out
     )
-    assert "on_batch: called from megatron_ext.gpt_step.get_batch" in out
+    assert "on_batch: called from megatron_ext.loop.gpt_step.get_batch" in out
     assert (
         "relies on: megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucket "
         "assigns grad_data, params_list, param_to_index" in out
@@ -214,7 +215,7 @@ def test_every_entry_has_a_form_verified_on_every_supported_version() -> None:
 
 def test_the_entry_point_runs_the_variant_of_the_installed_version() -> None:
     """The runner, batch helper and model-provider hook picked for this megatron-core."""
-    from megatron_ext import entry, gpt_step
+    from megatron_ext.loop import entry, gpt_step
 
     by_line = {
         "0.19": (entry.run_with_config_container, gpt_step.broadcast_batch),
@@ -253,4 +254,4 @@ def test_every_megatron_name_the_training_side_imports_is_in_the_manifest() -> N
         for form in (entry, *entry.variants):
             declared |= {(entry.target, name) for name in form.names or ()}
     missing = _training_side_megatron_imports() - declared
-    assert not missing, f"megatron imports not in registry_entry.IMPORTS: {sorted(missing)}"
+    assert not missing, f"megatron imports not in registry/entry.py IMPORTS: {sorted(missing)}"

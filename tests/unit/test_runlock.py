@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext import run_lock as runlock
-from megatron_ext.files import RUN_LOCK_FILE
-from megatron_ext.run_lock import RunLockHeld, acquire, read_holder
+from megatron_ext.common import run_lock as runlock
+from megatron_ext.common.files import RUN_LOCK_FILE
+from megatron_ext.common.run_lock import RunLockHeld, acquire, read_holder
 
 HOLD = (
     "import sys, time\n"
-    "from megatron_ext.run_lock import acquire\n"
+    "from megatron_ext.common.run_lock import acquire\n"
     "lease = acquire(sys.argv[1], sys.argv[2], 'test')\n"
     "print(lease.holder.token, flush=True)\n"
     "time.sleep(600)\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext import versions
+from megatron_ext.common import versions
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,7 +85,7 @@ def test_the_entry_point_refuses_0_16_1_before_importing_megatron() -> None:
 
 
 def test_patches_refuses_0_16_1_and_runs_with_the_override() -> None:
-    code = "from megatron_ext import patch_report\nraise SystemExit(patch_report.main([]))\n"
+    code = "from megatron_ext.registry import report\nraise SystemExit(report.main([]))\n"
     refused = _run(code)
     assert refused.returncode == 1
     assert "megatron-core 0.16.1 is not supported" in refused.stdout

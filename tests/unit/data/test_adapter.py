@@ -11,8 +11,8 @@ import numpy
 import pytest
 import torch
 
+from megatron_ext.common.features import FeatureError
 from megatron_ext.data.adapter import DataCheckFeature
-from megatron_ext.features import FeatureError
 
 SEQ = 32
 DOCUMENTS = 20

@@ -16,9 +16,9 @@ import pytest
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
 from megatron_ext import cli
+from megatron_ext.common.records.provenance import SUFFIX, ProvenanceError, open_sidecar
 from megatron_ext.data.corpus import write_tiny_corpus
 from megatron_ext.data.tokenizer import load_tokenizer, train_bpe_tokenizer
-from megatron_ext.records.provenance import SUFFIX, ProvenanceError, open_sidecar
 
 
 def _records(path: Path) -> list[tuple[int, int, dict]]:

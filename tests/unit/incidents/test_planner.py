@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.common.records.signals import SignalRecord
+from megatron_ext.common.records.skip_ranges import format_ranges, parse_item, resolve_argv
 from megatron_ext.incidents.planner import PlanConfig, PlanError, make_plan, tracker_lines
-from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.skip_ranges import format_ranges, parse_item, resolve_argv
 from tests.support.checkpoints import write_loadable_checkpoint
 from tests.support.harness import run_skiplist
 from tests.support.spike_curves import events as _events
@@ -160,7 +160,7 @@ def test_entry_point_merges_the_list_persisted_with_the_loaded_checkpoints(tmp_p
 
 
 def test_planner_merges_applied_skips_but_not_an_unapplied_earlier_plan(tmp_path: Path) -> None:
-    from megatron_ext.io import JsonlAppender
+    from megatron_ext.common.io import JsonlAppender
 
     signals, ckpt = tmp_path / "signals", tmp_path / "ckpt"
     records = _records(200, STUCK)

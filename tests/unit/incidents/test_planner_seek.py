@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.common.io import JsonlAppender, json_safe, read_jsonl
+from megatron_ext.common.records.signals import read_signals
+from megatron_ext.common.records.signals_writer import SignalsWriter
 from megatron_ext.incidents import cli, planner
 from megatron_ext.incidents.planner import (
     PlanConfig,
@@ -21,9 +24,6 @@ from megatron_ext.incidents.planner import (
     take_down_to,
 )
 from megatron_ext.incidents.report import build_report
-from megatron_ext.io import JsonlAppender, json_safe, read_jsonl
-from megatron_ext.records.signals import read_signals
-from megatron_ext.records.signals_writer import SignalsWriter
 from tests.support.checkpoints import write_loadable_checkpoint
 from tests.support.io_counters import rchar
 from tests.support.spike_curves import events, records

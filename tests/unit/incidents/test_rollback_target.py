@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext import checkpoint_state
-from megatron_ext.checkpoint_state import UnreadableState, checkpoint_problem
-from megatron_ext.files import (
+from megatron_ext.common import checkpoint_state
+from megatron_ext.common.checkpoint_state import UnreadableState, checkpoint_problem
+from megatron_ext.common.files import (
     CHECKPOINT_COMMON_FILE,
     CHECKPOINT_METADATA_FILE,
     DCP_METADATA_FILE,

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.incidents.planner import PlanConfig, make_plan
-from megatron_ext.records.skip_ranges import (
+from megatron_ext.common.records.skip_ranges import (
     WINDOWS_BATCH_FLAG,
     WINDOWS_FLAG,
     SkipSources,
@@ -19,7 +18,8 @@ from megatron_ext.records.skip_ranges import (
     read_windows,
     resolve_argv,
 )
-from megatron_ext.records.skip_windows import ResumePoint, Window, check_batch_change, place
+from megatron_ext.common.records.skip_windows import ResumePoint, Window, check_batch_change, place
+from megatron_ext.incidents.planner import PlanConfig, make_plan
 from tests.support.spike_curves import events, records
 
 WINDOW = Window(9, 12, (64, 95))  # iterations 9-12 at global batch 8, after checkpoint 8

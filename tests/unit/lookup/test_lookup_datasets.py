@@ -24,7 +24,7 @@ from megatron.training.datasets.data_samplers import (
 )
 
 from megatron_ext import cli as megatron_ext_cli
-from megatron_ext.io import token_sha1
+from megatron_ext.common.io import token_sha1
 from megatron_ext.lookup import cli, flagspec, inverse
 from megatron_ext.lookup.caches import open_train_index
 from megatron_ext.lookup.errors import CacheMissing, DataChanged

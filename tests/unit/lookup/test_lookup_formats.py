@@ -20,10 +20,10 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.training.utils import get_blend_and_blend_per_split
 
-from megatron_ext.checkpoint_state import Opaque
+from megatron_ext.common.checkpoint_state import Opaque
+from megatron_ext.common.versions import VERIFIED
 from megatron_ext.lookup import flagspec, formats
 from megatron_ext.lookup.errors import ConfigError
-from megatron_ext.versions import VERIFIED
 
 # The compatibility tier runs this module on every supported megatron-core (tests/compat).
 pytestmark = pytest.mark.compat

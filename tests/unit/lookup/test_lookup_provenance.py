@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatron_ext.common.records.provenance import SUFFIX, shard_entry, write_sidecar
 from megatron_ext.lookup import cli
-from megatron_ext.records.provenance import SUFFIX, shard_entry, write_sidecar
 from tests.unit.lookup.test_lookup_datasets import _documents, _flags, _write_prefix
 
 

@@ -23,6 +23,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+from megatron_ext.common.versions import VERIFIED, nearest_verified
 from megatron_ext.data.tokenizer import train_bpe_tokenizer
 from megatron_ext.lookup import cli, flagspec
 from megatron_ext.lookup.caches import open_train_index
@@ -37,7 +38,6 @@ from megatron_ext.lookup.tokenizer import (
     text_tokenizer,
     tokenizer_from_args,
 )
-from megatron_ext.versions import VERIFIED, nearest_verified
 
 # The compatibility tier runs this module on every supported megatron-core (tests/compat).
 pytestmark = pytest.mark.compat

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.common.records.sample_log import SampleLog, SampleRecord
 from megatron_ext.lookup.errors import ConfigError, DataChanged, PositionError
 from megatron_ext.lookup.worst import attach, ranked_samples, worst_lines, worst_table
-from megatron_ext.records.sample_log import SampleLog, SampleRecord
 
 
 def _write(directory: Path, iteration: int, losses: dict[tuple[int, int], list[float]]) -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.features import LM_LOSS_PER_TOKEN, LossInputs, MicroBatch, StepRecord
-from megatron_ext.files import sample_log_file
-from megatron_ext.io import token_sha1
-from megatron_ext.records.sample_log import read_records
+from megatron_ext.common.features import LM_LOSS_PER_TOKEN, LossInputs, MicroBatch, StepRecord
+from megatron_ext.common.files import sample_log_file
+from megatron_ext.common.io import token_sha1
+from megatron_ext.common.records.sample_log import read_records
 from megatron_ext.sample_log.adapter import SAMPLE_ID_KEY, SampleLogFeature
 from tests.support import megatron_world as mw
 

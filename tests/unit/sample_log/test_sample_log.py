@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.records.sample_log import SampleLog, SampleRecord, read_records
+from megatron_ext.common.records.sample_log import SampleLog, SampleRecord, read_records
 
 
 def _record(iteration: int) -> SampleRecord:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.features import StepRecord
-from megatron_ext.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
-from megatron_ext.io import read_jsonl
+from megatron_ext.common.features import StepRecord
+from megatron_ext.common.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
+from megatron_ext.common.io import read_jsonl
 from megatron_ext.spikes.adapter import SpikeFeature
 from tests.support import megatron_world as mw
 from tests.support.spike_curves import CONFIG, events, records

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.records.spike_config import SpikeConfig
+from megatron_ext.common.records.spike_config import SpikeConfig
 from megatron_ext.spikes.detector import SpikeDetector, replay
 from tests.support.spike_curves import CONFIG
 from tests.support.spike_curves import events as _events

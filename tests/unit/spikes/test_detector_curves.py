@@ -13,8 +13,8 @@ import pytest
 from benchmarks.curves import load_curves
 from benchmarks.detector import ALL, WITHIN, incidents, records_of, run
 from benchmarks.fingerprints import EXPECTED_CAUSE, FINGERPRINTS, cases
+from megatron_ext.common.records.spike_config import SpikeConfig
 from megatron_ext.incidents.causes import diagnose
-from megatron_ext.records.spike_config import SpikeConfig
 from megatron_ext.spikes.detector import replay
 
 DEFAULTS = SpikeConfig()

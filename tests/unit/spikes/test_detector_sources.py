@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import random
 
-from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.spike_config import SpikeConfig
+from megatron_ext.common.records.signals import SignalRecord
+from megatron_ext.common.records.spike_config import SpikeConfig
 from megatron_ext.spikes.detector import SpikeDetector, replay
 
 TOKENS = 4096

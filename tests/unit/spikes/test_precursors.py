@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import random
 
-from megatron_ext.records.signals import SignalRecord
+from megatron_ext.common.records.signals import SignalRecord
 from megatron_ext.spikes.precursors import replay
 
 

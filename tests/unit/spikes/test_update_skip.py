@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_ext.features import FeatureError
+from megatron_ext.common.features import FeatureError
+from megatron_ext.common.versions import installed, parse
 from megatron_ext.spikes.update_gate import GateConfig, UpdateGate
 from megatron_ext.spikes.update_skip import UpdateSkipFeature
-from megatron_ext.versions import installed, parse
 
 pytestmark = pytest.mark.compat
 

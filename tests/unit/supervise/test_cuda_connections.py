@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext import cuda_connections
+from megatron_ext.common import cuda_connections
 from tests.support.launcher_fakes import SBATCH, SINGLE, Harness, dry_run_words
 
 

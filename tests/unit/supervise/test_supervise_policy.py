@@ -12,7 +12,7 @@ from string import Template
 
 import pytest
 
-from megatron_ext.attempt_end import AttemptEnd
+from megatron_ext.common.attempt_end import AttemptEnd
 from megatron_ext.supervise.commands import RANK_WRAPPER, quote
 from megatron_ext.supervise.policy import Budget, Outcome, after_stop_signal, decide
 from megatron_ext.supervise.runner import Supervisor

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.features import LossInputs, MicroBatch, StepRecord
-from megatron_ext.files import SIGNALS_FILE
-from megatron_ext.io import read_jsonl
+from megatron_ext.common.features import LossInputs, MicroBatch, StepRecord
+from megatron_ext.common.files import SIGNALS_FILE
+from megatron_ext.common.io import read_jsonl
 from megatron_ext.telemetry.adapter import TelemetryFeature
 from tests.support import megatron_world as mw
 

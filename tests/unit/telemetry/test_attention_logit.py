@@ -12,7 +12,7 @@ from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import attention_mask_func
 
-from megatron_ext.features import FeatureError
+from megatron_ext.common.features import FeatureError
 from megatron_ext.telemetry.attention_logit import AttentionLogitFeature
 from tests.support import megatron_world as mw
 

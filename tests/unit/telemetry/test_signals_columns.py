@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from megatron_ext.io import json_safe
-from megatron_ext.records import signals_columns, signals_sources
-from megatron_ext.records.signals import SignalRecord
-from megatron_ext.records.signals_columns import (
+from megatron_ext.common.io import json_safe
+from megatron_ext.common.records import signals_columns, signals_sources
+from megatron_ext.common.records.signals import SignalRecord
+from megatron_ext.common.records.signals_columns import (
     COLUMNS,
     compiled,
     parse_block,
@@ -193,7 +193,8 @@ def test_setup_builds_the_c_scanner() -> None:
     """tools/setup.sh's install compiles it (gcc and the Python headers are part of the set-up);
     without it `megatron-ext plot` is ~3x slower at millions of iterations, not wrong."""
     assert signals_columns._scan is not None, (
-        "megatron_ext/records/_scan.c was not built: rerun `pip install -e .` with a C compiler"
+        "megatron_ext/common/records/_scan.c was not built: "
+        "rerun `pip install -e .` with a C compiler"
     )
 
 

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ext.records.signals import (
+from megatron_ext.common.records.signals import (
     SignalRecord,
     latest_per_iteration,
     read_signals,
 )
-from megatron_ext.records.signals_writer import SignalsWriter
+from megatron_ext.common.records.signals_writer import SignalsWriter
 from megatron_ext.telemetry.bucket_norms import (
     BucketView,
     bucket_name,

@@ -9,19 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.records.signals import (
+from megatron_ext.common.records.signals import (
     SignalRecord,
     latest_per_iteration,
     read_signals,
 )
-from megatron_ext.records.signals_seek import (
+from megatron_ext.common.records.signals_seek import (
     BLOCK,
     OrderError,
     SignalsLog,
     history_before,
     read_window,
 )
-from megatron_ext.records.signals_writer import SignalsWriter, next_attempt
+from megatron_ext.common.records.signals_writer import SignalsWriter, next_attempt
 from tests.support.io_counters import PROC_IO, rchar
 from tests.support.spike_curves import records as _records
 

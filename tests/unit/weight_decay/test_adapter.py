@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.features import FeatureError
+from megatron_ext.common.features import FeatureError
 from megatron_ext.weight_decay.adapter import (
     WeightDecayFeature,
     extend_overrides,

@@ -198,7 +198,7 @@ def test_no_flag_installs_nothing() -> None:
     from types import SimpleNamespace
 
     from megatron_ext.loop import install
-    from megatron_ext.registry import patch
+    from megatron_ext.registry.table import patch
     from megatron_ext.weight_decay.adapter import WeightDecayFeature
 
     feature = WeightDecayFeature()

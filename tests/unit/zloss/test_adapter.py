@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext import loop
-from megatron_ext.features import LM_LOSS_PER_TOKEN, LossInputs, MicroBatch
+from megatron_ext.common.features import LM_LOSS_PER_TOKEN, LossInputs, MicroBatch
+from megatron_ext.loop import install as loop
 from megatron_ext.zloss.adapter import ZLossFeature
 from megatron_ext.zloss.core import cross_entropy_and_z_loss
 from tests.support import megatron_world as mw

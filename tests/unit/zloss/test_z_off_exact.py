@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.features import LossInputs, MicroBatch
-from megatron_ext.registry import patch
+from megatron_ext.common.features import LossInputs, MicroBatch
+from megatron_ext.registry.table import patch
 from megatron_ext.zloss.adapter import ZLossFeature
 from tests.support import megatron_world as mw
 

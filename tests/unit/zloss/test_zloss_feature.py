@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ext.features import FeatureError, FeatureSet, LossInputs, MicroBatch
-from megatron_ext.gpt_step import loss_func
-from megatron_ext.registry import patch
+from megatron_ext.common.features import FeatureError, FeatureSet, LossInputs, MicroBatch
+from megatron_ext.loop.gpt_step import loss_func
+from megatron_ext.registry.table import patch
 from megatron_ext.zloss import cross_entropy_and_z_loss
 from megatron_ext.zloss.adapter import ZLossFeature, with_z_loss
 

@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from megatron_ext.features import FeatureError, LossInputs, MicroBatch
-from megatron_ext.registry import patch
+from megatron_ext.common.features import FeatureError, LossInputs, MicroBatch
+from megatron_ext.registry.table import patch
 from megatron_ext.zloss import cross_entropy_and_z_loss
 from megatron_ext.zloss.adapter import ZLossFeature
 from megatron_ext.zloss.fused import default_chunk_tokens, fused_output_loss

@@ -1,0 +1,70 @@
+"""The one exception base of megatron-ext: a refusal that carries its message and exit code.
+
+Every error the overlay raises on purpose (bad flags, unreadable files, a target Megatron
+changed, a lookup that cannot be answered) is a :class:`MegatronExtError`. Its message says
+what is wrong and what to do; its ``exit_code`` (from :mod:`megatron_ext.common.exit_codes`) is what
+the process ends with. The entry point and every CLI turn one into that message on stderr and
+that code, with no traceback, through :func:`report` (:func:`exit_on_error` for a whole
+``main``), so an on-call engineer reads a sentence, not a stack.
+
+Two bases fix the code: :class:`Refusal` (exit 1: the input cannot be used) and
+:class:`UsageError` (exit 2: the command's own arguments). Their messages are kept exactly as
+written (``prefix = ""``): they are also embedded in other messages, and the command that
+reports one names itself (``report(exc, "megatron-ext lookup: refused")``). Classes that
+callers also catch as a built-in error keep that built-in as a second base.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import ClassVar
+
+from megatron_ext.common import exit_codes
+
+
+class MegatronExtError(Exception):
+    """A refusal with a readable message; subclasses set the exit code they end with."""
+
+    exit_code: ClassVar[int] = exit_codes.USAGE
+    prefix: ClassVar[str] = "megatron-ext"
+
+    def __str__(self) -> str:
+        message = super().__str__()
+        if message.startswith(f"{self.prefix}:") or not self.prefix:
+            return message
+        return f"{self.prefix}: {message}"
+
+
+class Refusal(MegatronExtError):
+    """The input cannot be used as given (exit 1); the message is kept as written."""
+
+    exit_code = exit_codes.REFUSED
+    prefix = ""
+
+
+class UsageError(MegatronExtError):
+    """The command's own arguments cannot work (exit 2); the message is kept as written."""
+
+    exit_code = exit_codes.USAGE
+    prefix = ""
+
+
+class StartupError(MegatronExtError):
+    """Training refuses to start (exit 1): ``megatron-ext: <what to do>``, on every rank."""
+
+    exit_code = exit_codes.REFUSED
+
+
+def report(exc: MegatronExtError, program: str | None = None) -> int:
+    """Print ``exc``'s message on stderr (after ``program: `` when given); its exit code."""
+    print(f"{program}: {exc}" if program else str(exc), file=sys.stderr, flush=True)
+    return exc.exit_code
+
+
+def exit_on_error[T](main: Callable[[], T], program: str | None = None) -> T:
+    """Run ``main``; a :class:`MegatronExtError` ends the process with its message and code."""
+    try:
+        return main()
+    except MegatronExtError as exc:
+        raise SystemExit(report(exc, program)) from None

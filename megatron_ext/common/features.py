@@ -1,0 +1,221 @@
+"""The feature protocol: one object per feature, with its flags, checks, state and hooks.
+
+A feature (z-loss, weight decay, telemetry, spike detector, sample log, drill) is a
+:class:`Feature` subclass. Its life in a run:
+
+1. ``add_args(group)``: its flags, in the one ``megatron-ext`` argument group;
+2. ``enabled(args)``: whether its flags ask for it (a disabled feature never runs: with no
+   megatron-ext flag set, a run is plain Megatron apart from the upstream fixes);
+3. ``validate(args)``: checks before distributed init; raises :class:`FeatureError` with a
+   message that says what to do;
+4. ``install(args)``: keeps the args and opens its state (still before init); the installer
+   (:func:`megatron_ext.loop.install.install`) then applies its registry patches, bound to it, when
+   ``needs_patch(name)``;
+5. hooks, called on the installed features that override them, in
+   :func:`megatron_ext.loop.install.all_features` order, by the registry's hook wrappers
+   (:mod:`megatron_ext.loop.hooks`) and the entry point's own functions
+   (:mod:`megatron_ext.loop.gpt_step`), each bound to the :class:`FeatureSet` when installed:
+
+   ========================  ==============================================================
+   ``on_model_built``        the model chunks are built, not yet wrapped (no DDP, no
+                             optimizer): the earliest point parameter names exist
+   ``on_setup``              model chunks and optimizer exist (lay out buckets, open files)
+   ``on_train_dataset``      the train dataset is built (data-reading ranks); may wrap it
+   ``on_batch``              TP rank 0 of a data-reading stage got a micro-batch from the
+                             iterator (read ids, drill corruption); may change the batch
+   ``on_loss``               the last stage computed a micro-batch's loss; returns extra
+                             ``report`` entries (Megatron averages and logs them)
+   ``before_grad_norm``      grads are reduced, not yet clipped (bucket norms, snapshots)
+   ``after_step``            an iteration was logged; features read and fill the
+                             :class:`StepRecord` (the only channel between features)
+   ``on_checkpoint``         Megatron is about to save; returning False vetoes the save
+   ========================  ==============================================================
+
+Features never import each other: whatever one produces for another goes on the
+:class:`StepRecord` (per iteration) or the :class:`MicroBatch` (per micro-batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from megatron_ext.common.errors import StartupError
+
+
+class FeatureError(StartupError):
+    """A feature's flags cannot work as given; the message says what to do (exit 1, no
+    traceback: the entry point reports it)."""
+
+
+def writing_rank(world_size: int) -> int:
+    """The rank that writes the per-step records and runs the spike detector: the last one,
+    which holds the last pipeline stage's losses."""
+    return world_size - 1
+
+
+def collective_device() -> str:
+    """Where a feature's collective tensor must live: NCCL reduces CUDA tensors only, gloo
+    (the CPU harness) CPU ones."""
+    import torch  # late: this module is imported by cores that never communicate
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def is_writing_rank(rank: int, world_size: int) -> bool:
+    """Whether ``rank`` is :func:`writing_rank`."""
+    return rank == writing_rank(world_size)
+
+
+@dataclass
+class MicroBatch:
+    """One training or evaluation micro-batch as the features see it.
+
+    Created by the forward step, passed to ``on_batch`` (TP rank 0 of a reading stage) and
+    then to ``on_loss`` (last stage). ``extras`` carries what a feature noted at read time
+    for its own use at loss time (e.g. sample ids and token digests).
+    """
+
+    iteration: int  # 1-indexed, as Megatron logs it
+    training: bool
+    dp_rank: int
+    reads_data: bool = False  # this rank read the batch (TP rank 0 of the first/last stage)
+    # [micro-batch] blend member of each sample (megatron-core's BlendedDataset returns it;
+    # Megatron's own get_batch drops it): set where reads_data, None when not a blend.
+    dataset_ids: Any = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+LM_LOSS_PER_TOKEN = "lm_loss_per_token"
+"""``MicroBatch.extras`` key: the ``[b, s]`` per-token loss that Megatron's ``lm loss``
+averages, published in ``on_loss`` by a feature whose training loss is not that (z-loss adds
+``c·log²Z``). Absent, the training loss (``LossInputs.per_token``) is the lm loss. Readers
+(worst-rank loss, sample log) use it so that they measure what ``lm loss`` measures."""
+
+
+@dataclass
+class LossInputs:
+    """What ``on_loss`` gets: this rank's micro-batch loss, before any averaging."""
+
+    micro_batch: MicroBatch
+    per_token: Any  # [b, s] per-token training loss (Megatron's output tensor)
+    mask: Any  # flattened float loss mask
+    loss: Any  # token-summed loss (0-d tensor)
+    num_tokens: Any  # int tensor
+
+
+@dataclass
+class StepRecord:
+    """One iteration as Megatron's ``training_log`` saw it, shared by all features.
+
+    The loop fills Megatron's values; features add theirs (``signals`` by telemetry, read by
+    the spike detector). Values are on every rank, but only the last rank has ``signals``.
+    """
+
+    iteration: int
+    losses: dict[str, Any]  # Megatron's reduced loss_dict (tensors: read them where needed)
+    learning_rate: float | None
+    loss_scale: float
+    skipped_iter: bool
+    grad_norm: float | None
+    params_norm: float | None
+    num_zeros: float | None
+    max_attention_logit: float | None
+    update_skipped: bool = False  # --spike-skip-update withheld this step's update
+    signals: Any = None  # megatron_ext.common.records.signals.SignalRecord on the writing rank
+
+
+class Feature:
+    """Base class; subclasses override what they need (every hook is optional)."""
+
+    name: ClassVar[str] = "feature"
+
+    def add_args(self, group: argparse._ArgumentGroup) -> None:
+        """Add this feature's flags."""
+
+    def enabled(self, args: Any) -> bool:
+        """Whether the flags ask for this feature."""
+        return False
+
+    def validate(self, args: Any) -> None:
+        """Raise :class:`FeatureError` for flags that cannot work (before distributed init)."""
+
+    def install(self, args: Any) -> None:
+        """Set up this feature's state from the args it keeps (before distributed init)."""
+
+    def needs_patch(self, name: str) -> bool:
+        """After :meth:`install`: whether the registry's patch ``name`` of this feature (one
+        of its ``feature=`` entries) is to be applied; it is bound to this instance."""
+        return True
+
+    # Hooks: the base versions are never called (see :meth:`implements`).
+    def on_model_built(self, model: list[Any]) -> None: ...
+    def on_setup(self, model: list[Any], optimizer: Any) -> None: ...
+    def on_train_dataset(self, dataset: Any) -> Any: ...
+    def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None: ...
+    def on_loss(self, inputs: LossInputs) -> dict[str, Any]: ...
+    def before_grad_norm(self, optimizer: Any) -> None: ...
+    def after_step(self, record: StepRecord) -> None: ...
+    def on_checkpoint(self, iteration: int) -> bool: ...
+
+    def implements(self, hook: Callable[..., Any]) -> bool:
+        """Whether this feature overrides ``hook`` (a :class:`Feature` method)."""
+        return getattr(type(self), hook.__name__) is not hook
+
+
+HOOKS: tuple[Callable[..., Any], ...] = (
+    Feature.on_model_built,
+    Feature.on_setup,
+    Feature.on_train_dataset,
+    Feature.on_batch,
+    Feature.on_loss,
+    Feature.before_grad_norm,
+    Feature.after_step,
+    Feature.on_checkpoint,
+)
+
+
+@dataclass
+class ModelBuilt:
+    """``on_model_built``'s progress: the chunks the overlay's own model provider built so far
+    (megatron-core 0.17/0.18) and whether the hook ran, so that a version whose builder skips
+    it fails loudly (:meth:`FeatureSet.check_model_built`)."""
+
+    chunks: list[Any] = field(default_factory=list)
+    hook_ran: bool = False
+
+
+@dataclass(frozen=True)
+class FeatureSet:
+    """The features installed for one run, in hook order; the hook wrappers and the entry
+    point's functions are bound to it (no process-wide singleton)."""
+
+    args: Any
+    features: tuple[Feature, ...]
+    built: ModelBuilt = field(default_factory=lambda: ModelBuilt())
+
+    @classmethod
+    def install(cls, features: list[Feature], args: Any) -> FeatureSet:
+        """Validate every enabled feature first, then install them (nothing is half-done)."""
+        enabled = [f for f in features if f.enabled(args)]
+        for feature in enabled:
+            feature.validate(args)
+        for feature in enabled:
+            feature.install(args)
+        return cls(args, tuple(enabled))
+
+    def using(self, hook: Callable[..., Any]) -> list[Feature]:
+        """The installed features overriding ``hook`` (e.g. ``Feature.after_step``)."""
+        return [f for f in self.features if f.implements(hook)]
+
+    def check_model_built(self) -> None:
+        """Fail loudly when ``on_model_built`` never ran though a feature uses it (a
+        megatron-core whose model builder skips the hook): its checks would otherwise
+        silently not run (registry ``model-pre-wrap-hooks``)."""
+        if self.using(Feature.on_model_built) and not self.built.hook_ran:
+            raise StartupError(
+                "on_model_built never ran: this megatron-core's model builder did not call "
+                "the overlay's hook (registry model-pre-wrap-hooks); re-verify its variant"
+            )

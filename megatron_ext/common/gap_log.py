@@ -1,0 +1,178 @@
+"""An append-only JSONL log whose write failures never stop training, and leave a gap record.
+
+Why: the signals log and the sample log are telemetry. A full disk under ``--signals-dir``
+used to end the training with an ``OSError: [Errno 28]`` traceback from the JSONL flush,
+losing every iteration since the last checkpoint for a log line. :class:`GapLog` keeps the
+training going instead:
+
+- a failed write warns loudly on stderr, the first time and then at most once per
+  :data:`WARN_EVERY_S` seconds (a full disk fails every step: one line, not thousands);
+- every later record retries the write (nothing is buffered: memory stays flat however long
+  the disk is full), and the in-memory consumers (the spike detector) never see a difference;
+- once a write succeeds again, one **gap record** goes in first, naming the iterations whose
+  records are missing (``{"gap": {"first_iteration": A, "last_iteration": B, ...}}``, see
+  :func:`gap_record`), so readers (lookup, plot) can say "not logged" instead of "not trained".
+
+Each record is one ``os.write`` of a whole line on an ``O_APPEND`` descriptor: a short write
+on a full disk leaves a torn line, which the next successful write terminates with a newline
+first (readers skip torn lines, as after a kill -9). No torch, no Megatron.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.common.io import DEFAULT_FILE_MODE, json_safe, read_jsonl
+
+GAP_KEY = "gap"
+WARN_EVERY_S = 60.0
+
+
+def gap_record(first: int, last: int, lost: int, reason: str, wall_time: float) -> dict:
+    """The line that stands for ``lost`` records of iterations ``first..last`` that could not
+    be written (``reason``: the error), appended once writing works again."""
+    return {
+        GAP_KEY: {
+            "first_iteration": first,
+            "last_iteration": last,
+            "records_lost": lost,
+            "reason": reason,
+            "wall_time": wall_time,
+        }
+    }
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Iterations whose records a write failure kept out of a log (a full disk): trained,
+    not logged. Read back from the gap record :class:`GapLog` wrote once writing worked."""
+
+    first_iteration: int
+    last_iteration: int
+    records_lost: int
+    reason: str
+    wall_time: float
+
+    def covers(self, iteration: int) -> bool:
+        return self.first_iteration <= iteration <= self.last_iteration
+
+    def describe(self) -> str:
+        return (
+            f"iterations {self.first_iteration}-{self.last_iteration} trained but not logged "
+            f"({self.records_lost} records lost to {self.reason})"
+        )
+
+
+def read_gaps(path: str | os.PathLike[str]) -> list[Gap]:
+    """Every gap record of a log (signals, sample log, spike ledger), in file order."""
+    if not Path(path).is_file():
+        return []
+    names = {f.name for f in fields(Gap)}
+    return [
+        Gap(**raw[GAP_KEY])
+        for raw in read_jsonl(path, warn=False).records
+        if is_gap(raw) and set(raw[GAP_KEY]) == names
+    ]
+
+
+def is_gap(raw: dict[str, Any]) -> bool:
+    """Whether a parsed line is a gap record (and not a record of the log's own kind)."""
+    return isinstance(raw.get(GAP_KEY), dict) and set(raw) == {GAP_KEY}
+
+
+class GapLog:
+    """Append-only JSONL file ``path`` (``what`` names it in warnings) that survives write
+    failures; ``clock`` is injectable so rate limits are testable."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], what: str, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.path, self.what, self.clock = Path(path), what, clock
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = None
+        self._missing: list[int] = []  # [first, last] iteration without a record on disk
+        self._lost = 0
+        self._reason = ""
+        self._warned_at: float | None = None
+        self._suppressed = 0
+
+    def _open(self) -> int:
+        if self._fd is None:
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+            self._fd = os.open(self.path, flags, DEFAULT_FILE_MODE)
+            size = os.fstat(self._fd).st_size
+            if size:  # a torn tail (kill -9, a short write on a full disk): end it first
+                with open(self.path, "rb") as raw:
+                    raw.seek(size - 1)
+                    if raw.read(1) != b"\n":
+                        self._write_all(b"\n")
+        return self._fd
+
+    def _write_all(self, data: bytes) -> None:
+        assert self._fd is not None
+        while data:
+            data = data[os.write(self._fd, data) :]
+
+    def _line(self, record: Any) -> bytes:
+        return (json.dumps(json_safe(record), separators=(",", ":")) + "\n").encode()
+
+    def append(self, record: Any, iteration: int) -> bool:
+        """Write one record of ``iteration``; False (and a rate-limited warning) when it
+        could not be written, in which case it counts towards the next gap record."""
+        try:
+            self._open()
+            if self._lost:
+                first, last = self._missing
+                gap = gap_record(first, last, self._lost, self._reason, self.clock())
+                self._write_all(self._line(gap))
+                self._recovered(first, last)
+            self._write_all(self._line(record))
+            return True
+        except OSError as exc:
+            self._failed(exc, iteration)
+            return False
+
+    def _failed(self, exc: OSError, iteration: int) -> None:
+        if self._fd is not None:  # reopen on the next try: the descriptor may be stale
+            os.close(self._fd)
+            self._fd = None
+        first = self._missing[0] if self._lost else iteration
+        self._missing = [first, iteration]
+        self._lost += 1
+        self._reason = f"{type(exc).__name__}: {exc}"
+        now = self.clock()
+        if self._warned_at is not None and now - self._warned_at < WARN_EVERY_S:
+            self._suppressed += 1
+            return
+        more = f" ({self._suppressed} more failures since the last warning)" * bool(
+            self._suppressed
+        )
+        self._warned_at, self._suppressed = now, 0
+        print(
+            f"megatron-ext: WARNING: cannot write the {self.what} {self.path}: {self._reason}"
+            f"{more}. Training continues; iterations {first}-{iteration} are missing from the "
+            f"log so far; retrying at every record, a gap record will name them.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _recovered(self, first: int, last: int) -> None:
+        print(
+            f"megatron-ext: the {self.what} {self.path} is writable again; iterations "
+            f"{first}-{last} ({self._lost} records) are missing from it, recorded as a gap",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._missing, self._lost, self._warned_at, self._suppressed = [], 0, None, 0
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,123 @@
+"""The megatron-core versions megatron-ext supports, declared once.
+
+``setup.py`` reads this file on its own (``runpy``, no package import, nothing but the
+standard library here), the entry point and ``megatron-ext patches`` refuse a version outside
+the range (:func:`check`), the CPU harness accepts the same range and the README's table is
+tested against :data:`VERIFIED`. Every registry entry names, per variant, which of
+:data:`VERIFIED` it was verified on (:mod:`megatron_ext.registry.patching`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from collections.abc import Mapping
+
+MIN_VERSION = "0.17.1"
+MAX_VERSION = "0.19.2"
+DEFAULT_VERSION = "0.19.2"  # the one the full test suite runs on
+VERIFIED: tuple[str, ...] = ("0.17.1", "0.18.2", "0.19.0", "0.19.2")
+"""The exact versions every registry entry was verified on (CI proves 0.17.1, 0.18.2 and
+0.19.2; 0.19.0's registry targets are source-identical to 0.19.2's)."""
+
+# The verified versions by minor, as registry variants name them.
+ALL = VERIFIED  # an entry whose one form was verified on every supported version
+V17 = tuple(v for v in VERIFIED if v.startswith("0.17."))
+V18 = tuple(v for v in VERIFIED if v.startswith("0.18."))
+V19 = tuple(v for v in VERIFIED if v.startswith("0.19."))
+
+OVERRIDE_ENV = "MEGATRON_EXT_ALLOW_UNVERIFIED_MEGATRON_CORE"
+"""Set to 1 to try a megatron-core outside the range: it warns loudly, and every registry
+entry's own check still decides whether the run may start."""
+
+REQUIREMENT = f"megatron-core>={MIN_VERSION},<={MAX_VERSION}"
+
+
+class UnsupportedVersion(Exception):
+    """The installed megatron-core is outside the supported range.
+
+    An internal control-flow signal: the caller turns it into its own refusal
+    (``patching.UnsupportedMegatronCore``, exit 1), since this module imports nothing of the
+    package (``setup.py`` reads it)."""
+
+
+def installed() -> str | None:
+    """The installed megatron-core's distribution version (``package_info`` adds a hash), read
+    from its metadata without importing it; None when it is not installed."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def parse(version: str) -> tuple[int, ...]:
+    """``"0.19.2"`` (or ``"0.19.2rc1"``, ``"0.19.2+abc"``) -> ``(0, 19, 2)``."""
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = ""
+        for char in piece:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            raise ValueError(f"not a megatron-core version: {version!r}")
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def in_range(version: str) -> bool:
+    """Whether ``version`` lies in [MIN_VERSION, MAX_VERSION]."""
+    try:
+        return parse(MIN_VERSION) <= parse(version) <= parse(MAX_VERSION)
+    except ValueError:
+        return False
+
+
+def nearest_verified(version: str) -> str:
+    """The verified version whose registry variants apply to ``version``: one of its own
+    minor line (the newest not newer than it, else the oldest: 0.18.1 -> 0.18.2), else the
+    newest verified one not newer than it (an override-tried 0.20.0 -> 0.19.2), else the
+    oldest."""
+    try:
+        key = parse(version)
+    except ValueError:
+        return DEFAULT_VERSION
+    line = sorted((v for v in VERIFIED if parse(v)[:2] == key[:2]), key=parse)
+    candidates = line or sorted(VERIFIED, key=parse)
+    older = [v for v in candidates if parse(v) <= key]
+    return older[-1] if older else candidates[0]
+
+
+def install_hint(pip: str = "pip") -> str:
+    """How to install a supported megatron-core."""
+    return (
+        f"install a supported one: `{pip} install 'megatron-core=={DEFAULT_VERSION}'` "
+        f"(or any of {', '.join(VERIFIED)})"
+    )
+
+
+def check(found: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Raise :class:`UnsupportedVersion` for a megatron-core outside the range; return the
+    warning to print for one that may run but is not an exact verified version (None for a
+    verified one)."""
+    if found in VERIFIED:
+        return None
+    supported = f"megatron-ext supports megatron-core {MIN_VERSION} to {MAX_VERSION}"
+    if in_range(found):
+        return (
+            f"megatron-ext WARNING: megatron-core {found} is in the supported range but not one "
+            f"of the verified versions ({', '.join(VERIFIED)}); the registry's checks for "
+            f"{nearest_verified(found)} decide whether this run may start."
+        )
+    if environ.get(OVERRIDE_ENV, "") not in ("", "0"):
+        return (
+            f"megatron-ext WARNING: UNVERIFIED megatron-core {found} ({OVERRIDE_ENV} is set). "
+            f"{supported}; nothing was verified on {found}. The registry's checks for "
+            f"{nearest_verified(found)} decide whether this run may start, and results may be "
+            "silently wrong where a check cannot see a change."
+        )
+    raise UnsupportedVersion(
+        f"megatron-ext: megatron-core {found} is not supported: {supported} "
+        f"(verified: {', '.join(VERIFIED)}). To train, {install_hint()}. To try {found} "
+        f"anyway (unverified, at your own risk), set {OVERRIDE_ENV}=1."
+    )

@@ -1,0 +1,348 @@
+"""Megatron adapter for GPT pretraining: batch, loss, forward step and dataset provider.
+
+Semantics follow Megatron-LM's ``pretrain_gpt.py`` at core_v0.19.0 (which the wheel does not
+ship) for the standard pretraining path: TP rank 0 reads the batch and broadcasts it,
+the loss is token-summed with a token count, NaN/Inf go through the rerun state machine and
+``--check-for-spiky-loss`` is honoured. SFT, FIM, packed sequences, hybrid CP, ModelOpt and
+cached-logit distillation are refused at start-up (use Megatron-LM's own script for them).
+
+The entry point binds the run's :class:`~megatron_ext.common.features.FeatureSet` into what it hands
+Megatron (:func:`bind`): the forward step calls ``on_batch`` (in :func:`get_batch`) and
+``on_loss`` (in :func:`loss_func`), the dataset provider ``on_train_dataset``, on the
+features that override them. This module knows no feature's keys or flags.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import torch
+from megatron.core import mpu
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.parallel_state import get_context_parallel_group
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+from megatron.core.utils import get_attr_wrapped_model
+from megatron.training import get_args, get_timers, print_rank_0
+from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
+
+from megatron_ext.common.features import Feature, FeatureSet, LossInputs, MicroBatch
+
+# Megatron-LM pretrain_gpt.py: a loss 10x the max of the first losses is "spiky".
+SPIKY_LOSS_FACTOR = 10
+# The report entries an evaluation keeps: those whose exp() is a perplexity.
+EVALUATED = ("lm loss",)
+
+# What megatron-core's BlendedDataset adds to every sample: the index of its blend member.
+DATASET_ID_KEY = "dataset_id"
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+UNSUPPORTED_FLAGS = {
+    "sft": "--sft",
+    "fim_data": "--fim-data",
+    "dataloader_inter_document_masking": "--dataloader-inter-document-masking",
+    "hybrid_context_parallel": "--hybrid-context-parallel",
+    "logits_load_dir": "--logits-load-dir",
+    "use_legacy_models": "--use-legacy-models",
+    "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm",
+}
+
+
+def check_supported(args: Any) -> None:
+    """Refuse Megatron modes this entry point does not implement, instead of mis-training."""
+    used = [flag for attr, flag in UNSUPPORTED_FLAGS.items() if getattr(args, attr, None)]
+    if used:
+        raise SystemExit(
+            f"pretrain_gpt_ext.py does not support {', '.join(used)}; use Megatron-LM's "
+            "pretrain_gpt.py for those modes."
+        )
+    check_layout(args)
+
+
+def check_layout(args: Any) -> None:
+    """Refuse, before distributed init, layouts Megatron's local layer spec cannot build.
+
+    Without Transformer Engine (``--transformer-impl local``) Megatron asserts deep inside
+    model construction, on every rank, after the whole start-up: sequence parallelism needs a
+    norm that supports it (torch's does not; Apex's FusedLayerNorm does) and context
+    parallelism needs TEDotProductAttention.
+    """
+    if args.async_save and getattr(torch.cuda, "_megatron_ext_cpu_harness", False):
+        raise SystemExit(
+            "pretrain_gpt_ext.py: --async-save is refused on the CPU runner: Megatron's "
+            "persistent checkpoint worker (--use-persistent-ckpt-worker, without which Megatron "
+            "turns --async-save off) starts in a forkserver process without the runner's "
+            "CUDA stand-ins, dies at the first save, and the training waits for it forever. "
+            "Drop --async-save on CPU (saves are synchronous); on a GPU it is checked by "
+            "tools/gpu_smoke.sh's async-save rung."
+        )
+    if getattr(args, "use_megatron_fsdp", False):
+        _check_megatron_fsdp()
+    if args.transformer_impl != "local":
+        return
+    needs = "Install Transformer Engine and run with --transformer-impl transformer_engine"
+    if args.context_parallel_size > 1:
+        raise SystemExit(
+            f"pretrain_gpt_ext.py: --context-parallel-size {args.context_parallel_size} needs "
+            "Transformer Engine: with --transformer-impl local Megatron has no attention that "
+            f"supports context parallelism (only TEDotProductAttention does). {needs}, or use "
+            "--context-parallel-size 1."
+        )
+    if args.sequence_parallel and importlib.util.find_spec("apex") is None:
+        raise SystemExit(
+            "pretrain_gpt_ext.py: --sequence-parallel needs Transformer Engine or Apex: with "
+            "--transformer-impl local and no Apex, Megatron's layers use torch's LayerNorm/"
+            f"RMSNorm, which does not support sequence parallelism. {needs}, or drop "
+            "--sequence-parallel."
+        )
+
+
+def _check_megatron_fsdp() -> None:
+    """Megatron-FSDP's wrapper fails with a traceback, on every rank, where it cannot run:
+    on the CPU runner (measured with megatron-core 0.19.2) and without einops (anywhere)."""
+    if getattr(torch.cuda, "_megatron_ext_cpu_harness", False):
+        raise SystemExit(
+            "pretrain_gpt_ext.py: --use-megatron-fsdp is refused on the CPU runner: Megatron-"
+            "FSDP's wrapper builds torch.device(f'cuda:{torch.cuda.current_device()}') "
+            "(RuntimeError: Invalid device string: 'cuda:cpu', mcore_fsdp_adapter.py) and its "
+            "gradient reduce-scatter uses ReduceOp.PREMUL_SUM (RuntimeError: Cannot use "
+            "ReduceOp.PREMUL_SUM with Gloo). Use --use-torch-fsdp2 on CPU, or run on GPUs."
+        )
+    if importlib.util.find_spec("einops") is None:
+        raise SystemExit(
+            "pretrain_gpt_ext.py: --use-megatron-fsdp needs einops (Megatron-FSDP asserts it "
+            "while wrapping the model, after the whole start-up): pip install einops."
+        )
+
+
+def get_batch(
+    data_iterator: Iterator[dict[str, Any]] | None,
+    micro_batch: MicroBatch,
+    features: FeatureSet,
+    vp_stage: int | None = None,
+    broadcast: Callable[..., dict[str, Any]] | None = None,
+) -> dict[str, Any] | None:
+    """Read on TP rank 0 (features see the batch there: ``on_batch``), broadcast over TP,
+    slice for CP (``broadcast``: the installed megatron-core's form, registry
+    ``batch-on-this-rank``; :func:`broadcast_batch` when not given)."""
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return None
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch: dict[str, Any] = {}
+    if tp_rank == 0:
+        batch = next(data_iterator)  # type: ignore[arg-type]
+        micro_batch.reads_data = True
+        micro_batch.dataset_ids = batch.get(DATASET_ID_KEY)
+        for feature in features.using(Feature.on_batch):
+            feature.on_batch(batch, micro_batch)
+        for key in BATCH_KEYS:
+            value = batch.get(key)
+            batch[key] = value.cuda(non_blocking=True) if value is not None else None
+    return (broadcast or broadcast_batch)(batch, features.args, tp_rank)
+
+
+def _tp_kwargs(args: Any, tp_rank: int) -> dict[str, Any]:
+    """What megatron-core 0.18 and 0.19's get_batch_on_this_tp_rank share."""
+    return dict(
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
+        is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        cp_size=args.context_parallel_size,
+        tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
+        is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
+    )
+
+
+def broadcast_batch(batch: dict[str, Any], args: Any, tp_rank: int) -> dict[str, Any]:
+    """megatron-core 0.19: ``megatron.core.utils``' helpers, no packed sequences."""
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+
+    batch = get_batch_on_this_tp_rank(batch, has_cu_seqlens=False, **_tp_kwargs(args, tp_rank))
+    return get_batch_on_this_cp_rank(
+        batch, is_hybrid_cp=False, cp_group=get_context_parallel_group()
+    )
+
+
+def broadcast_batch_is_sft(batch: dict[str, Any], args: Any, tp_rank: int) -> dict[str, Any]:
+    """megatron-core 0.18: the same helpers, whose packed-sequence switch is ``is_sft``."""
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+
+    batch = get_batch_on_this_tp_rank(batch, is_sft=False, **_tp_kwargs(args, tp_rank))
+    return get_batch_on_this_cp_rank(
+        batch, is_hybrid_cp=False, cp_group=get_context_parallel_group()
+    )
+
+
+def broadcast_batch_from_iterator(batch: dict[str, Any], args: Any, tp_rank: int) -> dict[str, Any]:
+    """megatron-core 0.17: ``megatron.training.utils.get_batch_on_this_tp_rank`` reads the
+    batch from an iterator itself (TP rank 0) and takes no flags; it is handed the batch the
+    features already saw, with only the keys present (it reads absent ones as None)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron.training.utils import get_batch_on_this_tp_rank
+
+    present = {k: v for k, v in batch.items() if k in BATCH_KEYS and v is not None}
+    batch = get_batch_on_this_tp_rank(iter([present]) if tp_rank == 0 else None)
+    batch = {key: batch.get(key) for key in BATCH_KEYS}
+    return get_batch_on_this_cp_rank(batch, cp_group=get_context_parallel_group())
+
+
+def loss_func(
+    features: FeatureSet,
+    loss_mask: torch.Tensor,
+    micro_batch: MicroBatch,
+    output_tensor: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-summed loss, token count and the ``lm loss`` report, as Megatron expects.
+
+    Features add report entries (``on_loss``); z-loss replaces ``lm loss`` by the pure CE.
+    """
+    args = features.args
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    inputs = LossInputs(micro_batch, output_tensor, mask, loss, num_tokens)
+    for feature in features.using(Feature.on_loss):
+        report.update(feature.on_loss(inputs) or {})
+    if not micro_batch.training:
+        # Megatron's evaluation prints every entry with exp(value) as its "PPL": a perplexity
+        # of the cross entropy only (z loss, log z: training signals, logged while training).
+        report = {name: value for name, value in report.items() if name in EVALUATED}
+
+    rerun_state_machine = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            rerun_state_machine.validate_result(
+                result=loss,
+                rejection_func=reject,
+                message=f"found {what} in local forward loss calculation",
+                tolerance=0.0,  # the forward pass is deterministic
+                fatal=True,
+            )
+    if args.check_for_spiky_loss:
+        rerun_state_machine.validate_result(
+            result=loss,
+            rejection_func=partial(
+                rerun_state_machine.is_unexpectedly_large,
+                threshold=SPIKY_LOSS_FACTOR,
+                context="loss",
+            ),
+            message="Spiky loss",
+            tolerance=0.0,
+            fatal=False,
+        )
+    return loss, num_tokens, report
+
+
+def forward_step(
+    features: FeatureSet, broadcast: Callable[..., dict[str, Any]], data_iterator: Any, model: Any
+):
+    """One micro-batch forward; returns the per-token loss tensor and the loss closure."""
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    micro_batch = MicroBatch(
+        iteration=features.args.curr_iteration + 1,
+        training=model.training,
+        dp_rank=mpu.get_data_parallel_rank(),
+    )
+    batch = get_batch(data_iterator, micro_batch, features, vp_stage, broadcast)
+    timers("batch-generator").stop()
+    if batch is None:
+        batch = dict.fromkeys(BATCH_KEYS)
+    output_tensor = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+    )
+    return output_tensor, partial(loss_func, features, batch["loss_mask"], micro_batch)
+
+
+def is_dataset_built_on_rank(vp_stage: int | None = None) -> bool:
+    """Datasets are read on TP rank 0 of the first and last pipeline stages only."""
+    return mpu.get_tensor_model_parallel_rank() == 0 and is_first_or_last_pipeline_stage(vp_stage)
+
+
+def gpt_dataset_config_from_args(args: Any) -> GPTDatasetConfig:
+    """The GPTDatasetConfig Megatron-LM's pretrain_gpt.py builds (standard path)."""
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        multiple_validation_sets=args.multiple_validation_sets,
+        full_validation=args.full_validation,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=build_tokenizer(args),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        object_storage_cache_path=args.object_storage_cache_path,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
+        fast_cache_load=args.dataloader_fast_cache_load,
+        defer_npy_index_mmap=args.dataloader_defer_npy_index_mmap,
+        context_parallel_size=args.context_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        sequence_parallel_size=args.tensor_model_parallel_size * args.sequence_parallel,
+    )
+
+
+def train_valid_test_datasets_provider(
+    features: FeatureSet, train_val_test_num_samples: list[int], vp_stage: int | None = None
+):
+    """Build train/valid/test datasets through BlendedMegatronDatasetBuilder; features may
+    wrap the train dataset (``on_train_dataset``)."""
+    features.check_model_built()  # pretrain builds the model before the datasets
+    args = features.args
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
+        dataset_type,
+        train_val_test_num_samples,
+        partial(is_dataset_built_on_rank, vp_stage=vp_stage),
+        gpt_dataset_config_from_args(args),
+    ).build()
+    if train_ds is not None:
+        for feature in features.using(Feature.on_train_dataset):
+            train_ds = feature.on_train_dataset(train_ds)
+    print_rank_0("> finished creating GPT datasets ...")
+    return train_ds, valid_ds, test_ds
+
+
+def bind(
+    features: FeatureSet, broadcast: Callable[..., dict[str, Any]] = broadcast_batch
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(forward step, dataset provider) for ``pretrain``, calling ``features``' hooks;
+    ``broadcast`` is the installed megatron-core's batch broadcast (registry
+    ``batch-on-this-rank``)."""
+    provider = partial(train_valid_test_datasets_provider, features)
+    provider.is_distributed = True  # type: ignore[attr-defined]  # every rank calls it
+    return partial(forward_step, features, broadcast), provider
+
+
+def get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
+    """First stage, plus the last when the output layer shares the embedding weights."""
+    ranks = [pp_ranks[0]]
+    if len(pp_ranks) > 1 and not get_args().untie_embeddings_and_output_weights:
+        ranks.append(pp_ranks[-1])
+    return sorted(set(ranks))

@@ -1,0 +1,130 @@
+"""Where Megatron's training loop meets the features: flags, installation and binding.
+
+The feature list is :func:`all_features` (order matters: it is the hook order, e.g.
+telemetry fills the step record before the spike detector reads it). :func:`install`
+validates and installs the enabled features into one :class:`FeatureSet`, then applies,
+bound to it, the registry's patches they use: a feature's own patches (bound to that
+feature) and the ``hook-*`` patches whose hook an installed feature overrides (bound to the
+set; their wrappers are in :mod:`megatron_ext.loop.hooks`). A run without megatron-ext flags
+keeps Megatron's functions untouched. The entry point hands the same set to its own hook
+callers (:func:`attach`, :mod:`megatron_ext.loop.gpt_step`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from megatron_ext.common.features import Feature, FeatureError, FeatureSet
+from megatron_ext.data.adapter import DataCheckFeature
+from megatron_ext.fsdp.adapter import TorchFsdpFeature
+from megatron_ext.loop import hooks
+from megatron_ext.registry import table as registry
+from megatron_ext.runlock.adapter import RunLockFeature
+from megatron_ext.sample_log.adapter import SampleLogFeature
+from megatron_ext.spikes.adapter import DrillFeature, SpikeFeature
+from megatron_ext.spikes.skip_list import SkipListFeature
+from megatron_ext.spikes.update_skip import UpdateSkipFeature
+from megatron_ext.telemetry.adapter import TelemetryFeature
+from megatron_ext.telemetry.attention_logit import AttentionLogitFeature
+from megatron_ext.weight_decay.adapter import WeightDecayFeature
+from megatron_ext.zloss.adapter import ZLossFeature
+
+
+def all_features() -> list[Feature]:
+    """One instance of every feature, in hook order."""
+    # The run lock comes first: rank 0 holds --save before any feature writes there. The
+    # spike detector comes last: on a rollback decision it ends the process in after_step,
+    # once the others have written this iteration's records.
+    return [
+        RunLockFeature(),
+        TorchFsdpFeature(),
+        DataCheckFeature(),
+        DrillFeature(),
+        ZLossFeature(),
+        WeightDecayFeature(),
+        # Before telemetry: they fill the step record's withheld update and attention logit.
+        UpdateSkipFeature(),
+        AttentionLogitFeature(),
+        TelemetryFeature(),
+        SampleLogFeature(),
+        SkipListFeature(),
+        SpikeFeature(),
+    ]
+
+
+def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``extra_args_provider`` for Megatron's parser: every feature's flags, one group."""
+    group = parser.add_argument_group(title="megatron-ext")
+    for feature in all_features():
+        feature.add_args(group)
+    return parser
+
+
+# Flags verified to be independent of the data-parallel wrapper: the run lock and the skip
+# lists (Megatron's own --iterations-to-skip, resolved before it parses).
+WRAPPER_FREE = frozenset(
+    {
+        "force_run_lock",
+        "iterations_to_skip_file",
+        "skip_sample_windows",
+        "skip_windows_global_batch",
+    }
+)
+
+
+def refuse_under_megatron_fsdp(args: Any) -> None:
+    """Refuse the megatron-ext flags set in ``args`` when Megatron-FSDP wraps the model.
+
+    Why all of them: Megatron-FSDP does not start on the CPU runner, so CI cannot check any
+    feature there, and on a run made to start (einops, the runner's device made ``cuda:0``,
+    ``--no-gradient-reduce-div-fusion``) the telemetry stopped at set-up (Megatron-FSDP builds
+    a DistributedOptimizer, not the ChainedOptimizer it reads, and has no DDP buckets) and
+    z-loss at the first loss (its per-token loss does not come back through Megatron-FSDP's
+    forward unchanged). A flag is refused until a run checks it; torch FSDP2 is checked.
+    """
+    if not getattr(args, "use_megatron_fsdp", False):
+        return
+    defaults = vars(add_megatron_ext_args(argparse.ArgumentParser()).parse_args([]))
+    used = [
+        "--" + dest.replace("_", "-")
+        for dest, default in defaults.items()
+        if dest not in WRAPPER_FREE and getattr(args, dest, default) != default
+    ]
+    if used:
+        raise FeatureError(
+            f"{', '.join(used)} with --use-megatron-fsdp: megatron-ext's features are not "
+            "verified under Megatron-FSDP (telemetry needs Megatron's ChainedOptimizer and DDP "
+            "buckets, z-loss its unchanged loss tensor; Megatron-FSDP does not run on the CPU "
+            "runner). Drop them, or train with --use-torch-fsdp2 (checked by the layout "
+            "matrix) or --use-distributed-optimizer."
+        )
+
+
+def install(args: Any, features: list[Feature] | None = None) -> FeatureSet:
+    """Validate and install the enabled features (``all_features()`` unless given), then
+    apply the patches they use, each bound to what its wrapper reads."""
+    refuse_under_megatron_fsdp(args)
+    installed = FeatureSet.install(all_features() if features is None else features, args)
+    for feature in installed.features:
+        apply_patches_of(feature)
+    for patch in registry.HOOKS:
+        if patch.hook is not None and installed.using(patch.hook):
+            patch.apply(installed)
+    return installed
+
+
+def apply_patches_of(feature: Feature) -> None:
+    """Apply the registry's patches of an installed ``feature`` that it asks for, bound to
+    it."""
+    for patch in registry.FEATURE_PATCHES:
+        if type(feature) is patch.feature and feature.needs_patch(patch.name):
+            patch.apply(feature)
+
+
+def attach(config: Any, features: FeatureSet) -> None:
+    """Register ``on_model_built`` in the run's config container: megatron-core's public
+    ``pre_wrap_hooks`` run on the built model chunks before any wrapping (registry
+    assumption ``model-pre-wrap-hooks``), so no Megatron function is replaced."""
+    if features.using(Feature.on_model_built):
+        config.model.pre_wrap_hooks.append(hooks.pre_wrap_hook(features))

@@ -1,0 +1,309 @@
+"""One pass over the signals log into the lines ``megatron-ext plot`` draws, in bounded memory.
+
+Why: the old plot built a record object per line and a list per panel (3.1 GiB at 1 M
+iterations, killed at 14 GiB at 5 M). Here the log is read once, in blocks, into columns
+(:mod:`megatron_ext.common.records.signals_columns`), and each line keeps a decimated envelope per
+panel (:mod:`megatron_ext.plot.envelope`); memory is bounded by the column count, not by
+the log.
+
+What a line is, from the attempts' segments (:class:`SignalsLog`, found by bisection first):
+
+- ``--attempts all`` / ``N[,M]``: each attempt's own records;
+- ``latest``: what the run finally trained: the last attempt's records, before its first
+  iteration those of the attempt it resumed from, and so on back (an attempt's records past a
+  later attempt's restart were rolled back and are not shown);
+- marks: the tracker's ledger events, or a replay of the detector
+  (:mod:`megatron_ext.spikes.fast_replay`: the same events, without observing the records that
+  the arrays show are quiet). An attempt that starts mid-run is primed exactly as the
+  training-time tracker primes itself on a restart (the last ``warmup + window`` iterations it
+  continued from, read by seeking), so a replayed spike right after a rollback is caught as
+  training would have caught it;
+- the iterations whose update ``--spike-skip-update`` withheld (``update_skipped``), counted
+  and kept one per envelope column, as the non-finite values are.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron_ext.common.io import from_json
+from megatron_ext.common.records.ledger import Ledger
+from megatron_ext.common.records.signals_columns import COLUMNS as FIELDS
+from megatron_ext.common.records.signals_columns import Block, parse_block
+from megatron_ext.common.records.signals_seek import BLOCK, OrderError, Segment, SignalsLog, report
+from megatron_ext.common.records.signals_sources import concat
+from megatron_ext.common.records.spike_config import SpikeConfig
+from megatron_ext.plot.envelope import COLUMNS, Envelope, column_width
+from megatron_ext.plot.sources import SourceLines
+from megatron_ext.spikes.detector import SpikeDetector, SpikeEvent, primed
+from megatron_ext.spikes.fast_replay import FastReplay
+
+PANEL_FIELDS = ("lm_loss", "grad_norm", "params_norm", "max_attention_logit", "log_z")
+MARKED_FIELDS = {"lm_loss": "loss", "grad_norm": "grad_norm"}  # panel -> event field
+MARKERS = {"spike": "^", "divergence": "X", "recovered": "v", "rollback": "s"}
+READ_BLOCK = 8 * BLOCK  # bytes parsed at a time: ~16 k lines
+PARSERS = min(4, os.cpu_count() or 1)  # threads parsing blocks
+
+
+@dataclass
+class Series:
+    """One line per panel: an attempt (or the final timeline) and its marks."""
+
+    label: str
+    pieces: list[tuple[int, int, int]]  # (attempt, first, last iteration) it shows, in order
+    envelopes: dict[str, Envelope]
+    candidates: list[SpikeEvent] = field(default_factory=list)
+    source: str = "replay"  # "ledger": what the tracker did; "replay": what it would flag
+    marks: dict[str, dict[int, float]] = field(default_factory=dict)  # panel -> at events
+    records: int = 0
+    detector: FastReplay | None = None  # replays: fed in the pass
+    hit: set[tuple[int, int]] = field(default_factory=set)  # (iteration, attempt) of marks
+    sources: SourceLines | None = None  # the per-source panel's lines
+    update_skips: int = 0  # records whose update --spike-skip-update withheld
+    skipped_at: list[np.ndarray] = field(default_factory=list)  # their first per column
+
+
+@dataclass
+class Stats:
+    """What the title says: every record read, all attempts."""
+
+    records: int = 0
+    attempts: set[int] = field(default_factory=set)
+    first: int | None = None
+    last: int | None = None
+    slow_lines: int = 0  # lines parsed by json.loads (not the writer's shape)
+    problems: list[str] = field(default_factory=list)  # torn and foreign lines
+    gaps: list[tuple[int, dict]] = field(default_factory=list)  # (attempt, gap line)
+
+    def count(self, attempt: int, first: int, last: int, records: int) -> None:
+        self.records += records
+        self.attempts.add(attempt)
+        self.first = first if self.first is None else min(self.first, first)
+        self.last = last if self.last is None else max(self.last, last)
+
+
+def _ledger_events(ledger: Ledger, attempt: int) -> list[SpikeEvent]:
+    names = set(SpikeEvent.__dataclass_fields__)
+    return [
+        SpikeEvent(**{k: v for k, v in from_json(e).items() if k in names})
+        for e in ledger.events
+        if e.get("attempt") == attempt and e.get("kind") in MARKERS
+    ]
+
+
+def final_timeline(segments: list[Segment]) -> list[tuple[int, int, int]]:
+    """(attempt, first, last) pieces of what the run finally trained, in iteration order."""
+    pieces: list[tuple[int, int, int]] = []
+    bound = None
+    for segment in reversed(segments):
+        top = segment.last_iteration if bound is None else min(bound - 1, segment.last_iteration)
+        if top >= segment.first_iteration:
+            pieces.append((segment.attempt, segment.first_iteration, top))
+        bound = segment.first_iteration if bound is None else min(bound, segment.first_iteration)
+    return pieces[::-1]
+
+
+def choose(attempts: str, present: list[int]) -> list[int] | None:
+    """The attempts ``--attempts`` asks for (None: ``latest``); ValueError on a bad spec."""
+    if attempts == "latest":
+        return None
+    if attempts == "all":
+        return present
+    try:
+        chosen = sorted({int(a) for a in attempts.split(",")})
+    except ValueError:
+        raise ValueError(f"--attempts takes all, latest or N[,M], got {attempts!r}") from None
+    missing = [a for a in chosen if a not in present]
+    if missing:
+        raise ValueError(f"no attempt {missing} in the log (attempts present: {present})")
+    return chosen
+
+
+def plan_series(
+    log: SignalsLog,
+    attempts: str,
+    config: SpikeConfig,
+    ledger: Ledger,
+    replay: bool,
+    columns: int = COLUMNS,
+) -> list[Series]:
+    """The lines to draw, empty, with their marks' sources decided (a pass fills them)."""
+    segments = log.segments()
+    if not segments:
+        return []
+    start = min(s.first_iteration for s in segments)
+    width = column_width(start, max(s.last_iteration for s in segments), columns)
+
+    def new(label: str, pieces: list[tuple[int, int, int]], tracked: bool) -> Series:
+        envelopes = {name: Envelope(start, width) for name in PANEL_FIELDS}
+        source = "ledger" if tracked and not replay else "replay"
+        line = Series(label, pieces, envelopes, source=source)
+        line.sources = SourceLines(start, width)
+        return line
+
+    chosen = choose(attempts, sorted({s.attempt for s in segments}))
+    if chosen is None:
+        pieces = final_timeline(segments)
+        line = new("latest per iteration", pieces, pieces[-1][0] in ledger.configs)
+        if line.source == "ledger":
+            line.candidates = [e for a in sorted(ledger.configs) for e in _ledger_events(ledger, a)]
+        else:
+            line.detector = FastReplay(SpikeDetector(config))
+        return [line]
+    lines = []
+    for segment in [s for s in segments if s.attempt in chosen]:
+        piece = (segment.attempt, segment.first_iteration, segment.last_iteration)
+        line = new(f"attempt {segment.attempt}", [piece], segment.attempt in ledger.configs)
+        if line.source == "ledger":
+            line.candidates = _ledger_events(ledger, segment.attempt)
+        else:
+            count = config.warmup + config.window
+            history = log.history(segment.attempt, segment.first_iteration, count)
+            line.detector = FastReplay(primed(config, history))
+        lines.append(line)
+    return lines
+
+
+def _feed(line: Series, block: Block, rows: np.ndarray, wanted: np.ndarray) -> None:
+    it = block.values["iteration"][rows]
+    line.records += len(rows)
+    if line.sources is not None:
+        line.sources.add(block, rows)
+    for name, envelope in line.envelopes.items():
+        envelope.add(it, block.values[name][rows], block.present[name][rows])
+    skipped = it[block.values["update_skipped"][rows]]
+    if len(skipped):
+        line.update_skips += len(skipped)
+        bins = (skipped - line.envelopes["lm_loss"].start) // line.envelopes["lm_loss"].width
+        line.skipped_at.append(skipped[np.r_[True, bins[1:] != bins[:-1]]])
+    if line.detector is not None:
+        for event in line.detector.feed(block, rows):
+            if event.kind in ("spike", "divergence"):
+                line.candidates.append(event)
+                for name, key in MARKED_FIELDS.items():
+                    value = getattr(event, key)
+                    if value is not None:
+                        line.marks.setdefault(name, {})[event.iteration] = value
+        return
+    attempts = block.values["attempt"][rows]
+    for index in np.flatnonzero(np.isin(it, wanted)).tolist():
+        line.hit.add((int(it[index]), int(attempts[index])))
+        for name in MARKED_FIELDS:
+            if block.present[name][rows[index]]:
+                value = float(block.values[name][rows[index]])
+                line.marks.setdefault(name, {})[int(it[index])] = value
+
+
+def _whole_lines(log: SignalsLog, offset: int, end: int) -> bytes:
+    """The whole lines of ``[offset, end)`` that fit in a block (at least one line)."""
+    size = READ_BLOCK
+    while True:
+        data = log.read(offset, min(size, end - offset))
+        if offset + len(data) >= end:
+            return data
+        cut = data.rfind(b"\n") + 1
+        if cut:
+            return data[:cut]
+        size *= 2  # one line longer than a block
+
+
+def _parsed(
+    log: SignalsLog, segment: Segment, names: set[str]
+) -> Iterator[tuple[int, bytes, Block]]:
+    """(offset, lines, parsed block) of the segment, in order. Parsing (numpy, which releases
+    the GIL in its loops) runs on ``PARSERS`` threads while the next blocks are read: a 5 M-
+    iteration log is ~350 blocks, and parsing is most of a plot's time."""
+    with ThreadPoolExecutor(PARSERS) as pool:
+        pending: deque[tuple[int, bytes, Future[Block]]] = deque()
+        offset = segment.start
+        while offset < segment.end or pending:
+            while offset < segment.end and len(pending) < 2 * PARSERS:
+                data = _whole_lines(log, offset, segment.end)
+                pending.append((offset, data, pool.submit(parse_block, data, offset, names, True)))
+                offset += len(data)
+            at, data, future = pending.popleft()
+            yield at, data, future.result()
+
+
+def _blocks(log: SignalsLog, segment: Segment, stats: Stats, names: set[str]) -> Iterator[Block]:
+    """The segment's blocks, in order, duplicates of an iteration resolved to the later line
+    (across blocks too: a block's last row is held back), the writer's order checked."""
+    carry: Block | None = None
+    previous = None
+    for offset, data, block in _parsed(log, segment, names):
+        stats.slow_lines += block.slow_lines
+        stats.problems += block.problems
+        stats.gaps += [(segment.attempt, gap) for _, gap in block.gaps]
+        offset += len(data)  # the end of the block's lines: where an order error is reported
+        it = block.values["iteration"]
+        if len(it) and segment.first_iteration <= segment.last_iteration:
+            before = np.r_[it[0] if previous is None else previous, it[:-1]]
+            if ((block.values["attempt"] != segment.attempt) | (it < before)).any():
+                raise OrderError(
+                    f"{log.path}: before byte {offset}: a record out of the writer's order "
+                    f"(attempt {segment.attempt}'s iterations must increase; were two runs "
+                    "writing one --signals-dir, or logs concatenated?)"
+                )
+            previous = int(it[-1])
+            stats.count(segment.attempt, int(it[0]), int(it[-1]), len(it))
+        merged = _join(carry, block) if carry is not None else block
+        if not len(merged):
+            continue
+        keep = np.r_[merged.values["iteration"][1:] != merged.values["iteration"][:-1], True]
+        keep[-1] = False  # held back: the next block may repeat its iteration
+        yield _take(merged, np.flatnonzero(keep))
+        carry = _take(merged, np.array([len(merged) - 1]))
+    if carry is not None:
+        yield carry
+
+
+def _take(block: Block, rows: np.ndarray) -> Block:
+    taken = Block(
+        {k: v[rows] for k, v in block.values.items()},
+        {k: v[rows] for k, v in block.present.items()},
+    )
+    if block.sources is not None:
+        taken.sources = block.sources.take(rows)
+    return taken
+
+
+def _join(first: Block, second: Block) -> Block:
+    return Block(
+        {k: np.concatenate([v, second.values[k]]) for k, v in first.values.items()},
+        {k: np.concatenate([v, second.present[k]]) for k, v in first.present.items()},
+        sources=concat(first.sources, second.sources, (len(first), len(second))),
+    )
+
+
+def stream(log: SignalsLog, lines: list[Series]) -> Stats:
+    """Read every segment once, in file order, into ``lines``; return what the title says
+    (torn and foreign lines are reported once, as a full read reports them)."""
+    stats = Stats()
+    wanted = {
+        id(line): np.array(sorted({e.iteration for e in line.candidates}), dtype=np.int64)
+        for line in lines
+    }
+    segments = log.segments() or [Segment(0, 0, -1, 0, log.size)]  # no record: still report
+    replays = any(line.detector is not None for line in lines)
+    # A replay reads more fields.
+    names = set(FIELDS) if replays else {*PANEL_FIELDS, "update_skipped"}
+    for segment in segments:
+        takers = [(line, p) for line in lines for p in line.pieces if p[0] == segment.attempt]
+        for block in _blocks(log, segment, stats, names):
+            for line, (_, first, last) in takers:
+                rows = np.flatnonzero(
+                    (block.values["iteration"] >= first) & (block.values["iteration"] <= last)
+                )
+                if len(rows):
+                    _feed(line, block, rows, wanted[id(line)])
+    for line in lines:
+        if line.source == "ledger" and len(line.pieces) > 1:  # the final timeline: its own
+            line.candidates = [e for e in line.candidates if (e.iteration, e.attempt) in line.hit]
+    report(log.path, stats.problems)
+    return stats

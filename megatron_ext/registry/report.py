@@ -1,0 +1,189 @@
+"""``megatron-ext patches``: every touch of Megatron internals, and whether it still fits.
+
+Lists, from :mod:`megatron_ext.registry.table`: the upstream bug fixes, the hooks into Megatron's
+loop (and which feature uses each), the hooks the entry point's own functions call, the
+feature patches and the private names the overlay relies on (assumptions). Each entry is
+verified against the installed megatron-core; the exit status is 1 if any target changed, 0
+otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from collections.abc import Callable
+
+from megatron_ext.common import versions
+from megatron_ext.common.features import HOOKS, Feature
+from megatron_ext.registry.copy_check import Copy, CopyChanged
+from megatron_ext.registry.patching import (
+    Assumption,
+    Entry,
+    Patch,
+    PatchTargetError,
+    installed_version,
+)
+
+
+def _status(entry: Entry) -> tuple[str, bool]:
+    try:
+        entry.verify()
+    except PatchTargetError as exc:
+        return f"TARGET CHANGED: {exc}", False
+    return "ok", True
+
+
+def _form(entry: Entry) -> tuple[Entry, str]:
+    """The entry's form for the installed megatron-core and the line saying which it is."""
+    try:
+        variant = entry.variant_for()
+    except PatchTargetError as exc:
+        return entry, f"variant: NONE ({exc})"
+    if variant is None:
+        label = "this entry's own" if entry.variants else "one form for all"
+        return entry.selected(), f"variant: {label} [verified on {', '.join(entry.verified_on)}]"
+    note = textwrap.fill(variant.note, 86, subsequent_indent="      ")
+    return entry.selected(), (
+        f"variant: [verified on {', '.join(variant.verified_on)}] {note}".rstrip()
+    )
+
+
+def _why(text: str) -> str:
+    return textwrap.indent(textwrap.fill(text, 90), "    why:  ").replace(
+        "\n    why:  ", "\n          "
+    )
+
+
+def _section(
+    title: str, entries: tuple[Entry, ...], detail: Callable[[Entry], str], out: list[str]
+) -> int:
+    out.append(f"== {title}")
+    failed = 0
+    for entry in entries:
+        status, ok = _status(entry)
+        failed += not ok
+        form, which = _form(entry)
+        out.append(f"  {entry.name}  [verified on {', '.join(entry.covers())}]  {status}")
+        out.append(f"    {which}")
+        out.append(f"    {detail(form)}")
+        out.append(_why(entry.reason))
+    out.append("")
+    return failed
+
+
+def _patch_target(entry: Entry) -> str:
+    assert isinstance(entry, Patch)
+    variant = entry.variant_for() if entry.variants else None
+    if variant is not None and not variant.available:
+        return "target: none on this version (not available; see the variant)"
+    wrapper = f"{entry.wrap.__module__}.{entry.wrap.__qualname__}"
+    return f"target: {entry.target}{entry.signature}\n    wrapper: {wrapper}"
+
+
+def _assumed(entry: Entry) -> str:
+    assert isinstance(entry, Assumption)
+    what = (
+        f" assigns {', '.join(entry.assigned)}"
+        if entry.assigned
+        else f" has {', '.join(entry.names)}"
+        if entry.names
+        else f"{entry.signature}"
+        if entry.signature
+        else " exists"
+    )
+    used = entry.used_by
+    if entry.wrap is not None:
+        used += f" (through {entry.wrap.__module__}.{entry.wrap.__qualname__})"
+    return f"relies on: {entry.target}{what}\n    used by: {used}"
+
+
+def _copies(entries: tuple[Copy, ...], out: list[str]) -> int:
+    """The copies section: a changed "tools" copy makes its tool refuse, not training (so it
+    does not fail this command); a changed "training" copy does."""
+    out.append("== copies of Megatron logic (checked by the tool that holds them, no import)")
+    failed = 0
+    for entry in entries:
+        try:
+            entry.verify()
+            status = "ok"
+        except CopyChanged as exc:
+            blocks = entry.scope == "training"
+            failed += blocks
+            status = f"COPY CHANGED ({'training refuses' if blocks else 'its tool refuses'}): {exc}"
+        source = entry.source_for()
+        out.append(f"  {entry.name}  [verified on {', '.join(entry.covers())}]  {status}")
+        note = f" {source.note}" if source.note else ""
+        out.append(f"    variant: [verified on {', '.join(source.verified_on)}]{note}")
+        out.append(f"    copies: {', '.join(source.targets or entry.targets)}")
+        out.append(f"    used by: {', '.join(entry.used_by)} (scope {entry.scope})")
+        out.append(_why(entry.reason))
+    out.append("")
+    return failed
+
+
+def hook_users(features: list[Feature]) -> dict[str, list[str]]:
+    """Hook name -> the features overriding it."""
+    return {hook.__name__: [f.name for f in features if f.implements(hook)] for hook in HOOKS}
+
+
+def _hook_name(entry: Entry) -> str:
+    assert isinstance(entry, Patch) and entry.hook is not None
+    return entry.hook.__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-ext patches", description=__doc__)
+    parser.parse_args(argv)
+    found = installed_version()
+    supported = f"{versions.MIN_VERSION} to {versions.MAX_VERSION}"
+    out = [
+        f"megatron-core installed: {found} (megatron-ext supports {supported}, verified on "
+        f"{', '.join(versions.VERIFIED)}; variants below are {versions.nearest_verified(found)}'s)",
+        "",
+    ]
+    try:
+        warning = versions.check(found)
+    except versions.UnsupportedVersion as exc:  # before importing anything of Megatron's
+        print("\n".join([*out, str(exc)]))
+        return 1
+    if warning:
+        out[1:1] = [warning, ""]
+    # Imported here, after the version check: the registry imports the adapters (Megatron).
+    from megatron_ext.loop.install import all_features
+    from megatron_ext.registry import table as registry
+
+    users = hook_users(all_features())
+    failed = _section("upstream bug fixes (always applied)", registry.BUGFIXES, _patch_target, out)
+    failed += _section(
+        "loop hooks (applied when an installed feature uses the hook)",
+        registry.HOOKS,
+        lambda e: (
+            f"hook {_hook_name(e)}, used by: {', '.join(users[_hook_name(e)]) or 'none'}\n    "
+            + _patch_target(e)
+        ),
+        out,
+    )
+    out.append("== entry-point hooks (megatron_ext.loop.gpt_step, hooks; no patch of Megatron)")
+    for call in registry.ENTRY_POINT_HOOKS:
+        name = call.hook.__name__
+        out.append(f"  {name}: called from {call.describe()}; used by: {', '.join(users[name])}")
+    out.append("")
+    failed += _section(
+        "feature patches (applied when the feature's flag is set)",
+        registry.FEATURE_PATCHES,
+        _patch_target,
+        out,
+    )
+    failed += _section(
+        "assumptions (private names read, not replaced)", registry.ASSUMPTIONS, _assumed, out
+    )
+    failed += _section(
+        "entry point (pretrain_gpt_ext.py's runner, batch helpers, per version)",
+        (*registry.ENTRY_POINT, registry.CLASSIC_INIT),
+        lambda e: _patch_target(e) if isinstance(e, Patch) else _assumed(e),
+        out,
+    )
+    failed += _section("megatron names the training side imports", registry.IMPORTS, _assumed, out)
+    failed += _copies(registry.COPIES, out)
+    print("\n".join(out).rstrip())
+    return 1 if failed else 0
