@@ -1,10 +1,17 @@
-"""Finding a run's index caches by their descriptions, and checking they belong together.
+"""Finding a run's index caches: which files on disk are the caches training used.
 
-Megatron names each cache ``{md5}-{class}-train-*`` after the md5 of its ``description.txt``
-(docs/megatron-facts.md, "Data"). :func:`open_train_index` looks for the descriptions that
-match the run's dataset configuration (never rebuilding anything), checks that a blend's
-member descriptions are exactly the ones embedded in the blend's own, and opens the
-memory-mapped :class:`~megatron_ext.lookup.indices.TrainIndex` over them.
+Megatron builds, per train split, ``GPTDataset`` caches (``document_index``, ``sample_index``,
+``shuffle_index``) and for blends ``BlendedDataset`` caches (``dataset_index``,
+``dataset_sample_index``), each named ``{md5}-{class}-train-*`` after the md5 of the
+``description.txt`` next to them (docs/megatron-facts.md, "Data"). :func:`find_train_caches`
+looks for the descriptions that match the run's dataset configuration (:class:`DataSpec`),
+never rebuilding anything, and refuses what is missing or does not belong together:
+
+- each description's md5 must equal the hash in its file names (else it was edited);
+- a blend's member descriptions must be on disk, exactly the ones embedded in the blend's own;
+- every ``.npy`` file a description names must be there.
+
+Nothing is opened here: :mod:`megatron_ext.lookup.indices` maps what this module found.
 """
 
 from __future__ import annotations
@@ -14,23 +21,57 @@ import json
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from megatron_ext.lookup.errors import CacheMissing, ConfigError, DataChanged
-from megatron_ext.lookup.formats import Description, map_array, read_description, split_matrix
-from megatron_ext.lookup.indices import (
-    BLENDED,
-    BLENDED_FILES,
-    GPT,
-    DataSpec,
-    MidIndex,
-    TrainIndex,
+from megatron_ext.lookup.formats import (
+    Description,
+    normalize,
+    read_description,
     remap,
+    split_matrix,
 )
 from megatron_ext.lookup.tokenizer import comparable
+
+GPT, BLENDED = "GPTDataset", "BlendedDataset"
+GPT_FILES = ("document_index", "sample_index", "shuffle_index")
+BLENDED_FILES = ("dataset_index", "dataset_sample_index")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What identifies a run's train dataset: the inputs of Megatron's dataset builder."""
+
+    prefixes: tuple[str, ...]  # as passed to training (--data-path / --train-data-path)
+    weights: tuple[float, ...] | None  # None: blend by dataset size (or a single prefix)
+    per_split: bool  # --train-data-path / --per-split-data-args-path: no --split
+    split: str | None
+    seed: int
+    sequence_length: int
+    target_samples: int  # the train split size Megatron requested (for the phase)
+    surplus: float  # --mid-level-dataset-surplus
+    cache_dir: str | None  # --data-cache-path
+    add_extra_token: bool = True
+
+
+@dataclass(frozen=True)
+class FoundDataset:
+    """One GPTDataset's caches: its description (md5 checked) and the files named after it."""
+
+    description: Description
+    files: dict[str, str]  # each of GPT_FILES -> its .npy path
+
+
+@dataclass(frozen=True)
+class FoundCaches:
+    """The run's train caches, all on disk and belonging together, not yet opened."""
+
+    kind: str  # GPT or BLENDED
+    description: Description  # the train dataset's own: its GPTDataset's, or the blend's
+    datasets: tuple[FoundDataset, ...]  # in blend order
+    blend_files: dict[str, str] | None = None  # a blend's BLENDED_FILES -> .npy path
 
 
 def _canonical(value: Any) -> Any:
@@ -42,12 +83,6 @@ def _split_matrix(spec: DataSpec) -> Any:
     if spec.per_split:
         return None
     return _canonical(split_matrix(spec.split))
-
-
-def _normalize(weights: Sequence[float]) -> list[float]:
-    """Megatron's ``datasets.utils.normalize`` (float64 division), to compare exactly."""
-    w = np.array(weights, dtype=np.float64)
-    return (w / np.sum(w)).tolist()
 
 
 def _differences(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
@@ -97,10 +132,10 @@ def _member_sizes(spec: DataSpec) -> tuple[list[int | None], list[float] | None,
     """
     if spec.weights is None:
         return [None] * len(spec.prefixes), None, None
-    weights = _normalize(spec.weights)
+    weights = normalize(spec.weights)
     target = [math.ceil(spec.target_samples * w) for w in weights]
     buffered = [math.ceil(t * (1 + spec.surplus)) for t in target]
-    return list(buffered), _normalize(weights), sum(target)
+    return list(buffered), normalize(weights), sum(target)
 
 
 def _choose(found: list[Description], tokenizer: dict[str, Any] | None, what: str) -> Description:
@@ -161,14 +196,53 @@ def _not_found(
     )
 
 
-def open_train_index(
+def _files(base: str, kind: str, names: tuple[str, ...]) -> dict[str, str]:
+    """The ``.npy`` files of one cache (``base`` is their common name); refuses missing ones."""
+    files = {name: f"{base}{name}.npy" for name in names}
+    missing = [path for path in files.values() if not os.path.isfile(path)]
+    if missing:
+        raise CacheMissing(f"{kind} cache files missing: {', '.join(missing)}")
+    return files
+
+
+def _dataset(directory: Path, trusted: Description) -> FoundDataset:
+    """A GPTDataset's caches in ``directory``, named after its trusted description's md5."""
+    base = str(directory / f"{trusted.digest}-{GPT}-train-")
+    return FoundDataset(trusted, _files(base, GPT, GPT_FILES))
+
+
+def _member(
+    spec: DataSpec,
+    blend: Description,
+    member: dict[str, Any],
+    cache_dir: str | None,
+    data_root: Sequence[tuple[str, str]],
+) -> FoundDataset:
+    """A blend member's caches: the description embedded in the blend's must be on disk, under
+    its md5, word for word (else the member caches are not the ones the blend was built on)."""
+    member_text = json.dumps(member, indent=4)
+    member_dir = _gpt_cache_dir(spec, member["dataset_path"], cache_dir, data_root)
+    digest = hashlib.md5(member_text.encode("utf-8"), usedforsecurity=False).hexdigest()
+    member_path = member_dir / f"{digest}-{GPT}-train-description.txt"
+    if not member_path.is_file():
+        raise CacheMissing(
+            f"the blend cache {blend.path.name} names the GPTDataset cache {member_path}, which "
+            "is missing; rebuild with --rebuild-caches"
+        )
+    member_description = read_description(member_path).trusted()
+    if member_description.text != member_text:
+        raise DataChanged(f"{member_path} differs from the blend description {blend.path.name}")
+    return _dataset(member_dir, member_description)
+
+
+def find_train_caches(
     spec: DataSpec,
     *,
     cache_dir: str | None = None,
     data_root: Sequence[tuple[str, str]] = (),
     tokenizer: dict[str, Any] | None = None,
-) -> TrainIndex:
-    """Find, verify and memory-map the caches of the run's train dataset.
+) -> FoundCaches:
+    """Find and verify the caches of the run's train dataset (never building any).
 
     ``tokenizer`` (the tokenizer's ``unique_identifiers``) only disambiguates caches that differ
     in nothing else; descriptions are matched on every other field.
@@ -185,8 +259,8 @@ def open_train_index(
         ]
         if not found:
             raise _not_found(GPT, directory, candidates, expected)
-        mid = MidIndex(directory, _choose(found, tokenizer, GPT), spec, data_root)
-        return TrainIndex([mid], None, mid.hash, GPT)
+        trusted = _choose(found, tokenizer, GPT)
+        return FoundCaches(GPT, trusted, (_dataset(directory, trusted),))
 
     chosen = cache_dir or _recorded_cache_dir(spec, data_root)
     if not chosen:
@@ -218,48 +292,8 @@ def open_train_index(
     if not found:
         raise _not_found(BLENDED, directory, candidates, expected_top)
     blend = _choose(found, tokenizer, BLENDED)
-    path, description = blend.path, blend.content
-    mids = []
-    for member in description["datasets"]:
-        member_text = json.dumps(member, indent=4)
-        member_dir = _gpt_cache_dir(spec, member["dataset_path"], cache_dir, data_root)
-        digest = hashlib.md5(member_text.encode("utf-8"), usedforsecurity=False).hexdigest()
-        member_path = member_dir / f"{digest}-{GPT}-train-description.txt"
-        if not member_path.is_file():
-            raise CacheMissing(
-                f"the blend cache {path.name} names the GPTDataset cache {member_path}, which is "
-                "missing; rebuild with --rebuild-caches"
-            )
-        member_description = read_description(member_path).trusted()
-        if member_description.text != member_text:
-            raise DataChanged(f"{member_path} differs from the blend description {path.name}")
-        mids.append(MidIndex(member_dir, member_description, spec, data_root))
-    base = str(path)[: -len("description.txt")]
-    missing = [f"{base}{n}.npy" for n in BLENDED_FILES if not os.path.isfile(f"{base}{n}.npy")]
-    if missing:
-        raise CacheMissing(f"BlendedDataset cache files missing: {', '.join(missing)}")
-    dataset_index = map_array(f"{base}dataset_index.npy")
-    dataset_sample_index = map_array(f"{base}dataset_sample_index.npy")
-    blend_size = description["size"]
-    if blend_size is None:
-        blend_size = int(sum(description["weights"]))
-    if weights is None:  # blended by member size: weights are the member lengths
-        sizes_now = [len(m) for m in mids]
-        size_now = min(spec.target_samples, sum(sizes_now))
-        if (description["size"], description["weights"]) != (size_now, _normalize(sizes_now)):
-            raise DataChanged(
-                f"blend cache {path.name} was built from member sizes {description['weights']} "
-                f"(size {description['size']}); today's member caches give {sizes_now}"
-            )
-    if dataset_index.shape[0] != blend_size or dataset_sample_index.shape[0] != blend_size:
-        raise DataChanged(
-            f"blend cache {path.name} holds {dataset_index.shape[0]} entries, "
-            f"its description says {blend_size}"
-        )
-    return TrainIndex(
-        mids,
-        (dataset_index, dataset_sample_index),
-        blend.digest,
-        BLENDED,
-        (f"{base}dataset_index.npy", f"{base}dataset_sample_index.npy"),
+    datasets = tuple(
+        _member(spec, blend, member, cache_dir, data_root) for member in blend.content["datasets"]
     )
+    base = str(blend.path)[: -len("description.txt")]
+    return FoundCaches(BLENDED, blend, datasets, _files(base, BLENDED, BLENDED_FILES))

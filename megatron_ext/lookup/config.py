@@ -22,9 +22,9 @@ from megatron_ext.common.files import (
     read_checkpoint_tracker,
 )
 from megatron_ext.lookup import flagspec
+from megatron_ext.lookup.caches import DataSpec
 from megatron_ext.lookup.errors import ConfigError
 from megatron_ext.lookup.formats import blend_and_blend_per_split
-from megatron_ext.lookup.indices import DataSpec
 from megatron_ext.lookup.position import (
     Anchor,
     Schedule,

@@ -16,7 +16,8 @@ exist with these signatures):
 
 And the index caches' files: a cache's ``description.txt`` (:class:`Description`; Megatron
 names the cache files by its md5) and its ``.npy`` arrays (:func:`map_array` for random
-access, :func:`array_chunks` for scans).
+access, :func:`array_chunks` for scans); :func:`remap` says where any of these files is after
+the data moved (``--data-root``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import json
 import mmap
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,16 @@ from megatron_ext.common.records.pair import DTYPES, HEADER, INDEX_MAGIC, INDEX_
 from megatron_ext.lookup.errors import ConfigError, DataChanged
 
 Blend = tuple[list[str], list[float] | None]
+
+
+def remap(path: str, data_root: Sequence[tuple[str, str]]) -> str:
+    """Where a path the run recorded is now: under NEW for the first ``--data-root OLD=NEW``
+    whose OLD holds it. Data, caches and tokenizer files move together between clusters while
+    the checkpoint's args keep the old paths."""
+    for old, new in data_root:
+        if path == old or path.startswith(old.rstrip("/") + "/"):
+            return new.rstrip("/") + path[len(old.rstrip("/")) :]
+    return path
 
 
 def map_random(path: str | os.PathLike[str]) -> mmap.mmap | bytes:
@@ -273,7 +284,8 @@ def blend_and_blend_per_split(
     return None, None
 
 
-def _normalize(weights: list[float]) -> list[float]:
+def normalize(weights: Sequence[float]) -> list[float]:
+    """Megatron's ``datasets.utils.normalize`` (float64 division), to compare exactly."""
     w = np.array(weights, dtype=np.float64)
     return (w / np.sum(w)).tolist()
 
@@ -284,5 +296,5 @@ def split_matrix(split: str) -> list[tuple[float, float] | None]:
     vector += [0.0] * (3 - len(vector))
     if len(vector) != 3 or any(v < 0.0 for v in vector):
         raise ConfigError(f"--split {split!r} is not three non-negative numbers (Megatron asserts)")
-    ends = list(itertools.accumulate(_normalize(vector), initial=0))
+    ends = list(itertools.accumulate(normalize(vector), initial=0))
     return [(a, b) if b > a else None for a, b in itertools.pairwise(ends)]

@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from megatron_ext.lookup.dataset import MidIndex
 from megatron_ext.lookup.errors import ConfigError, PositionError
 from megatron_ext.lookup.formats import array_chunks
-from megatron_ext.lookup.indices import MidIndex, TrainIndex
+from megatron_ext.lookup.indices import TrainIndex
 
 CHUNK = 1 << 22  # entries per pass step: large enough to amortise numpy calls, small in RAM
 FEW = 8  # up to this many targets, equality passes beat a lookup table

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from megatron_ext.common.io import atomic_write, token_sha1
-from megatron_ext.lookup.indices import Sample
+from megatron_ext.lookup.dataset import Sample
 
 
 def sample_record(

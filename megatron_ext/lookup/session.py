@@ -1,5 +1,18 @@
 """One lookup: the run's configuration, its tokenizer when asked for, the opened caches, and
-the samples of a batch resolved to documents and tokens."""
+the samples of a batch resolved to documents and tokens.
+
+A batch walk (:func:`batch_records`) goes down, one module per level, each called only from
+the levels above it (tests/unit/lookup/test_lookup_layers.py pins the order):
+
+1. ``session``: the iteration's batch (``position``: which stream positions each micro-batch
+   and DP rank read; ``cyclic``: the sampler's order) and, per sample, its record (``render``);
+2. ``indices``: opens the train index once (:func:`~.indices.open_train_index`), which asks
+   ``caches`` to find the caches by their descriptions, then maps and checks them; then, as the
+   blend level (``BlendedDataset``), routes each global sample to a dataset and a sample in it;
+3. ``dataset``: that GPTDataset's shuffle, sample and document indices give the sample's
+   documents and token spans, checked against today's ``.idx``;
+4. ``formats``: the documents' tokens, read from the ``.bin``/``.idx`` pair.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +27,6 @@ import numpy as np
 from megatron_ext.common.checkpoint_state import CheckpointUnreadable, load_common_state
 from megatron_ext.common.files import CHECKPOINT_DIR
 from megatron_ext.lookup.attempts import AttemptAt, Attempts, attempts_at
-from megatron_ext.lookup.caches import open_train_index
 from megatron_ext.lookup.config import (
     Checkpoint,
     RunConfig,
@@ -25,8 +37,9 @@ from megatron_ext.lookup.config import (
 )
 from megatron_ext.lookup.cyclic import CyclicOrder
 from megatron_ext.lookup.errors import CacheMissing, ConfigError, PositionError
+from megatron_ext.lookup.formats import remap
 from megatron_ext.lookup.history import History, Segment, read_history, segment_args, stage_args
-from megatron_ext.lookup.indices import TrainIndex, remap
+from megatron_ext.lookup.indices import TrainIndex, open_train_index
 from megatron_ext.lookup.position import Batch
 from megatron_ext.lookup.render import sample_record
 from megatron_ext.lookup.tokenizer import TOKENIZER_PATH_ARGS, pad_token_id, text_tokenizer
@@ -226,11 +239,12 @@ def batch_records(
 ) -> tuple[TrainIndex, list[dict[str, Any]]]:
     """The samples of one iteration (optionally one micro-batch / DP rank), as records.
 
-    The whole path from a batch to its tokens, top to bottom: each step is one call into the
-    module of its concept (named in the comment), which calls no further out.
+    The whole path from a batch to its tokens, top to bottom (the module docstring's levels):
+    each step is one call into the module of its concept (named in the comment), which calls
+    only further down.
     """
     schedule, topology = session.config.schedule, session.config.topology
-    # Index files (caches, indices): the phase's caches, found by description, checked, mapped.
+    # Opening (indices, which asks caches): the phase's caches, found by description, mapped.
     index = session.index(session.phase(batch.phase))
     # Sample position (position): the stream positions each (micro-batch, DP rank) slot read.
     microbatches = [microbatch] if microbatch is not None else range(batch.num_microbatches)
@@ -239,17 +253,16 @@ def batch_records(
     per_slot = [schedule.positions(batch, m, r) for m, r in slots]
     # The sampler (cyclic): stream positions -> global sample indices.
     indices = session.sampler_indices(index, np.concatenate(per_slot)).tolist()
-    # Index files (indices): the pages the batch reads, requested at once (cold caches).
+    # The blend level (indices): the pages the batch reads, requested at once (cold caches)...
     index.prefetch(np.asarray(indices, dtype=np.int64))
-    # The blend (indices): global sample -> (dataset, sample within that GPTDataset).
+    # ...and global sample -> (dataset, sample within that GPTDataset).
     members, within = index.route(np.asarray(indices, dtype=np.int64))
     pad_id, decode = session.pad_id(), session.decode()
     records = []
     for k, (m, r) in enumerate(slot for slot, p in zip(slots, per_slot) for _ in p):
-        # The sample (indices): its documents, checked against today's .idx, and its tokens.
-        member = int(members[k])
-        mid = index.mids[member]
-        sample = mid.sample(indices[k], member, int(within[k]), pad_id)
+        # The dataset level (dataset, through indices): its documents, checked against today's
+        # .idx, and its tokens (formats).
+        sample = index.sample(indices[k], int(members[k]), int(within[k]), pad_id)
         # Rendering (render): one record, as --json, --out and the table show it.
         records.append(
             sample_record(
@@ -260,8 +273,8 @@ def batch_records(
                 skipped=batch.skipped,
                 readers=topology.readers(r),
                 text=None if decode is None else decode(sample.tokens.tolist()),
-                # Provenance (indices: the sidecar beside the pair): each document's raw record.
-                sources=[mid.source(span.document) for span in sample.spans],
+                # Provenance (dataset: the sidecar beside the pair): each document's raw record.
+                sources=index.sources(sample),
             )
         )
     return index, records

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_ext.lookup.errors import ConfigError
-from megatron_ext.lookup.indices import remap
+from megatron_ext.lookup.formats import remap
 
 # (0.17 name, 0.18+ name) of the same tokenizer flag's dest.
 RENAMED = (("tokenizer_special_tokens", "special_tokens"), ("tokenizer_metadata", "metadata_path"))

@@ -115,7 +115,7 @@ COPIES: tuple[Copy, ...] = (
             f"{_DATASETS}.gpt_dataset:GPTDataset._query_document_sample_shuffle_indices",
             f"{_DATASETS}.blended_dataset:BlendedDataset.__getitem__",
         ),
-        used_by=(f"{_LOOKUP}.indices",),
+        used_by=(f"{_LOOKUP}.indices", f"{_LOOKUP}.dataset"),
         reason="A global sample -> blend member -> shuffled sample -> documents and token "
         "spans (with the extra label token), pad tokens mapped to 0.",
         sources=(

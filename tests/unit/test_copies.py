@@ -31,6 +31,10 @@ def test_every_copy_verifies_on_the_installed_megatron_core() -> None:
     copies.verify(COPIES)
     for entry in COPIES:
         assert entry.scope == "tools" and entry.used_by, entry.name
+        # the modules named as holding the copy exist (a module that moved is renamed here)
+        for module in entry.used_by:
+            path = REPO.joinpath(*module.split(".")).with_suffix(".py")
+            assert path.is_file(), f"{entry.name}: used_by names {module}, which does not exist"
         assert entry.source_for().digest == copies.digest(
             entry.source_for().targets or entry.targets
         )

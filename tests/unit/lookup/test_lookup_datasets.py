@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tracemalloc
+from collections import Counter
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,15 +29,16 @@ from megatron.training.datasets.data_samplers import (
 
 from megatron_ext import cli as megatron_ext_cli
 from megatron_ext.common.io import token_sha1
-from megatron_ext.lookup import cli, flagspec, inverse
-from megatron_ext.lookup.caches import open_train_index
+from megatron_ext.lookup import cli, flagspec, inverse, session
+from megatron_ext.lookup.caches import DataSpec
 from megatron_ext.lookup.errors import CacheMissing, DataChanged
-from megatron_ext.lookup.indices import DataSpec
+from megatron_ext.lookup.indices import open_train_index
 from megatron_ext.lookup.inverse import find_document
 from megatron_ext.lookup.position import Schedule
 from megatron_ext.lookup.rebuild import process_group
 from megatron_ext.lookup.tokenizer import pad_token_id
 from tests.support.io_counters import PROC_IO, rchar
+from tests.unit.lookup.test_lookup_layers import RANK
 
 # The compatibility tier runs this module on every supported megatron-core (tests/compat).
 pytestmark = pytest.mark.compat
@@ -446,3 +451,48 @@ def test_cli_table_json_out_blocklist_and_inverse(built, capsys) -> None:
     assert "beyond --train-iters 10" in capsys.readouterr().err
     assert cli.main([*flags, "--iteration", "2", "--dataloader-type", "external"]) == 1
     assert "external" in capsys.readouterr().err
+
+
+def test_a_batch_walk_calls_only_down(built, monkeypatch, capsys) -> None:
+    """Every call a batch walk (``session.batch_records``, with --text) makes from one lookup
+    module into another goes to a lower layer (test_lookup_layers.py), callbacks included;
+    the index asks ``caches`` once."""
+    root, prefixes, _, _ = built
+    flags = _flags(root, prefixes)
+    flags[flags.index("--data-cache-path") + 1] = str(root / "cache")
+    calls: Counter[tuple[str, str]] = Counter()
+
+    def lookup_module(frame: FrameType | None) -> str | None:
+        """The lookup module of ``frame`` or, through other code, of its nearest caller."""
+        while frame is not None:
+            name = frame.f_globals.get("__name__", "")
+            if name.startswith("megatron_ext.lookup."):
+                return name.rsplit(".", 1)[1]
+            frame = frame.f_back
+        return None
+
+    def profile(frame: FrameType, event: str, _: object) -> None:
+        callee = frame.f_globals.get("__name__", "")
+        if event == "call" and callee.startswith("megatron_ext.lookup."):
+            caller, module = lookup_module(frame.f_back), callee.rsplit(".", 1)[1]
+            if caller is not None and caller != module:
+                calls[(caller, module)] += 1
+
+    walk = session.batch_records
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        previous = sys.getprofile()
+        sys.setprofile(profile)
+        try:
+            return walk(*args, **kwargs)
+        finally:
+            sys.setprofile(previous)
+
+    monkeypatch.setattr(cli, "batch_records", traced)
+    assert cli.main([*flags, "--iteration", "5", "--text", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["samples"]) == 12
+    up = sorted(f"{a} -> {b}" for a, b in calls if RANK[b] <= RANK[a])
+    assert not up, f"a batch walk calls up the layers: {up}"
+    walked = {("cli", "session"), ("session", "indices"), ("indices", "caches")}
+    assert walked | {("indices", "dataset"), ("dataset", "formats")} <= set(calls), calls
+    assert calls[("indices", "caches")] == 1, calls

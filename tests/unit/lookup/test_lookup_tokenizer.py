@@ -26,10 +26,10 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron_ext.common.versions import VERIFIED, nearest_verified
 from megatron_ext.data.tokenizer import train_bpe_tokenizer
 from megatron_ext.lookup import cli, flagspec
-from megatron_ext.lookup.caches import open_train_index
+from megatron_ext.lookup.caches import DataSpec
 from megatron_ext.lookup.config import megatron_namespace
 from megatron_ext.lookup.errors import ConfigError
-from megatron_ext.lookup.indices import DataSpec
+from megatron_ext.lookup.indices import open_train_index
 from megatron_ext.lookup.rebuild import process_group
 from megatron_ext.lookup.tokenizer import (
     LocalTokenizer,
