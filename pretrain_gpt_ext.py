@@ -3,182 +3,23 @@
 Run it exactly like Megatron-LM's script (``torchrun ... pretrain_gpt_ext.py <megatron args>``);
 megatron-ext flags live in their own argument group (``--help``). With no megatron-ext flag
 set, training is plain Megatron, apart from the upstream bug fixes listed by
-``megatron-ext patches``.
+``megatron-ext patches``. It is the overlay's own GPT step (:mod:`megatron_ext.loop.gpt_step`)
+through the start-up a pretrain script of the user's own gets from :mod:`megatron_ext.fork`
+(:mod:`megatron_ext.fork.start`).
 """
 
 import time
 
 _PROGRAM_START_TIME = time.time()
 
-import importlib.util  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
 
 
-def _default_transformer_impl(argv: list[str]) -> list[str]:
-    """Use Megatron's local layer spec when Transformer Engine is absent and none was chosen.
-
-    Megatron defaults to ``--transformer-impl transformer_engine``, which cannot start without
-    TE; choosing ``local`` keeps CPU/TE-less runs working and is announced, never silent.
-    """
-    if "--transformer-impl" in argv or importlib.util.find_spec("transformer_engine"):
-        return argv
-    print("megatron-ext: Transformer Engine not importable; using --transformer-impl local")
-    return [*argv, "--transformer-impl", "local"]
-
-
-def _rank() -> int:
-    """This process's global rank before torch.distributed exists (torchrun, then Slurm)."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-
-
-def prepare_skips(argv: list[str]) -> list[str]:
-    """Megatron's argv with one flat ``--iterations-to-skip``: the union of the flags (ranges,
-    ``--iterations-to-skip-file``, any spelling argparse accepts) and the list persisted with
-    the checkpoints being loaded, printed once. An interrupted ``skiplist --apply`` in
-    ``--load`` is finished first, so the tracker and the persisted list are its result."""
-    from megatron_ext.common.records.skip_ranges import load_dir, resolve_argv
-    from megatron_ext.common.run_lock import RunLockHeld, held
-    from megatron_ext.incidents.transaction import journal_path, settle_at_startup
-
-    load = load_dir(argv)
-    if load and _rank() == 0 and journal_path(load).exists():
-        # Finishing the apply changes the checkpoint directory: only as its one writer.
-        try:
-            with held(
-                load,
-                "training",
-                "finishing an interrupted `skiplist --apply`",
-                "--force-run-lock" in argv,
-            ):
-                journal = settle_at_startup(load, 0)
-        except RunLockHeld as exc:
-            raise SystemExit(str(exc)) from None
-    else:
-        journal = settle_at_startup(load, _rank())
-    if journal is not None:
-        print(
-            f"megatron-ext: finished the interrupted `skiplist --apply` of incident "
-            f"{journal.incident:03d} (rolled back to {journal.rollback_to})",
-            flush=True,
-        )
-    try:
-        megatron_argv, sources = resolve_argv(argv)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"megatron-ext: {exc}") from None
-    if (sources.union() or sources.notes) and _rank() == 0:
-        print(sources.describe(), flush=True)
-    return megatron_argv
-
-
-CPU_HINT = (
-    "megatron-ext: no CUDA device: Megatron requires CUDA. To train on CPU (a small model on "
-    "your own data, through the package's CPU runner), run the same flags with "
-    "`megatron-ext train --cpu [--nproc-per-node N] -- <flags>`; `megatron-ext demo` shows it "
-    "end to end."
-)
-
-
-def _require_cuda() -> None:
-    """Refuse early, with the CPU command, instead of Megatron's bare "requires CUDA" assert.
-
-    The CPU runner (:mod:`megatron_ext.cpu`) marks ``torch.cuda`` when its shims stand in.
-    """
-    import torch
-
-    if not (torch.cuda.is_available() or getattr(torch.cuda, "_megatron_ext_cpu_harness", False)):
-        raise SystemExit(CPU_HINT)
-
-
 def main(argv: list[str] | None = None) -> None:
-    """:func:`train`; a megatron-ext refusal ends the rank with its message and exit code,
-    no traceback (:func:`megatron_ext.common.errors.exit_on_error`), and a failed rank ends its
-    helper processes first (:mod:`megatron_ext.common.process_exit`)."""
-    from megatron_ext.common.errors import exit_on_error
-    from megatron_ext.common.process_exit import ending_children_on_failure
+    """Train with ``argv`` (default: the command line); see :func:`megatron_ext.fork.start.main`."""
+    from megatron_ext.fork import start
 
-    ending_children_on_failure(
-        lambda: exit_on_error(lambda: train(sys.argv[1:] if argv is None else argv))
-    )
-
-
-def train(argv: list[str]) -> None:
-    """Parse Megatron + megatron-ext arguments, install patches and run ``pretrain``."""
-    wants_help = "-h" in argv or "--help" in argv
-    if wants_help:  # help is not training: keep optional-dependency import warnings out of it
-        from megatron_ext.common.quiet import silence_import_noise
-
-        silence_import_noise()
-    else:
-        _require_cuda()
-        argv = _default_transformer_impl(argv)
-        from megatron_ext.common import cuda_connections
-
-        # Before Megatron's parser, whose FSDP check is an assertion traceback.
-        cuda_connections.check(argv, os.environ)
-    from megatron_ext.registry import patching
-
-    # Before any Megatron import: a version outside the supported range is refused with the
-    # range and how to install a supported one (megatron_ext.common.versions), not an ImportError.
-    patching.check_version()
-    sys.argv = [sys.argv[0], *prepare_skips(argv)]
-
-    from megatron.training import set_startup_timestamps
-
-    from megatron_ext.loop import install as loop
-    from megatron_ext.loop.entry import Wiring
-    from megatron_ext.registry import table as registry
-
-    set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
-    registry.verify_all()
-    for fix in registry.BUGFIXES:
-        fix.apply()
-    # The runner, batch helper and model provider verified for the installed megatron-core
-    # (megatron_ext.loop.entry; registry entries entry-point, batch-on-this-rank).
-    run = registry.assumption("entry-point").selected().wrap
-    broadcast = registry.assumption("batch-on-this-rank").selected().wrap
-    assert run is not None and broadcast is not None, "registry entry without its runner"
-    from megatron_ext.common import attempt_end
-
-    try:
-        run(
-            Wiring(
-                broadcast,
-                registry.CLASSIC_INIT,
-                loop.add_megatron_ext_args,
-                loop.install,
-                loop.attach,
-            )
-        )
-    except SystemExit as exc:
-        # Megatron's early exits save, then sys.exit(0); rank 0 tells the supervisor. Every
-        # rank asks why: Megatron's signal handler answers by an all-gather.
-        if exc.code in (0, None) and not wants_help:
-            reason = _early_exit_reason()
-            if _rank() == 0:
-                attempt_end.record(False, reason)
-        raise
-    if _rank() == 0:
-        attempt_end.record(True, "pretrain returned: the training is complete")
-
-
-def _early_exit_reason() -> str:
-    """Which of Megatron's early exits ended training (all of them save first, then exit 0);
-    a collective on Megatron's signal handler, so every rank calls it."""
-    from megatron.training import get_args, get_signal_handler
-
-    try:
-        args = get_args()
-    except AssertionError:  # Megatron's args were never set: training never started
-        return "an exit before training started"
-    if args.exit_signal_handler and any(get_signal_handler().signals_received()):
-        return "a stop signal (--exit-signal-handler saved and exited)"
-    flags = [
-        f"--{name.replace('_', '-')} {value}"
-        for name in ("exit_duration_in_mins", "exit_interval", "phase_transition_iterations")
-        if (value := getattr(args, name, None))
-    ]
-    return f"{' or '.join(flags) or 'an early exit'} before the last iteration"
+    start.main(sys.argv[1:] if argv is None else argv, program_start=_PROGRAM_START_TIME)
 
 
 if __name__ == "__main__":

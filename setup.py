@@ -7,7 +7,8 @@ from setuptools import Extension, find_packages, setup
 
 # The supported range is declared once, in megatron_ext/common/versions.py (standard library only):
 # read as a file, so that building never imports the package or Megatron.
-VERSIONS = runpy.run_path(str(Path(__file__).parent / "megatron_ext" / "versions.py"))
+VERSIONS_FILE = Path(__file__).parent / "megatron_ext" / "common" / "versions.py"
+VERSIONS = runpy.run_path(str(VERSIONS_FILE))
 
 setup(
     name="megatron-ext",

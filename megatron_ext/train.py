@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes (data/tensor parallel ranks, gloo) (default: %(default)s)",
     )
     parser.add_argument(
+        "--script",
+        type=Path,
+        default=None,
+        help="a pretrain script of your own on megatron_ext.fork (docs/fork.md) to run "
+        "instead of pretrain_gpt_ext.py",
+    )
+    parser.add_argument(
         "flags",
         nargs=argparse.REMAINDER,
         help="after --: Megatron and megatron-ext flags, as for pretrain_gpt_ext.py",
@@ -114,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--nproc-per-node must be >= 1")
     if not flags:
         parser.error("give the training flags after --: model size, data, batch, iterations")
-    command = torchrun(cpu_runner("train"), args.nproc_per_node, [*CPU_FLAGS, *flags])
+    if args.script is not None and not args.script.is_file():
+        parser.error(f"--script {args.script}: no such file")
+    script = [] if args.script is None else ["--script", str(args.script.resolve())]
+    command = torchrun(cpu_runner("train"), args.nproc_per_node, [*script, *CPU_FLAGS, *flags])
     print(f"megatron-ext train: on CPU (gloo): {shlex.join(command)}", file=sys.stderr, flush=True)
     return subprocess.call(command)

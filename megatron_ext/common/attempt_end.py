@@ -6,7 +6,8 @@ checkpoint saved (``--exit-duration-in-mins``, ``--exit-interval``, a stop signa
 time limit must be relaunched or requeued, never reported as finished (issue #30). So rank 0
 writes one small JSON file (the path the supervisor passes in :data:`ENV`) the moment it knows:
 ``pretrain`` returned (complete) or raised ``SystemExit(0)`` (stopped early, with the reason).
-No file means the training did not say (a crash, or a training script of the user's own).
+No file means the training did not say (a crash, or a training script of the user's own that
+does not start through ``megatron_ext.fork``).
 """
 
 from __future__ import annotations

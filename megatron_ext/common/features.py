@@ -69,6 +69,10 @@ def is_writing_rank(rank: int, world_size: int) -> bool:
     return rank == writing_rank(world_size)
 
 
+# What megatron-core's BlendedDataset adds to every sample: the index of its blend member.
+DATASET_ID_KEY = "dataset_id"
+
+
 @dataclass
 class MicroBatch:
     """One training or evaluation micro-batch as the features see it.

@@ -2,7 +2,9 @@
 
 Usage (world size 2): ``python -m torch.distributed.run --nproc-per-node 2
 megatron_ext/cpu/run.py <megatron and megatron-ext args>`` (what ``megatron-ext train --cpu``
-runs, with the CPU flags first).
+runs, with the CPU flags first). ``run.py --script PATH <args>`` runs the pretrain script at
+PATH as ``__main__`` instead (a script of the user's own on :mod:`megatron_ext.fork`, such as
+``docs/examples/pretrain_gpt_fork.py``), under the same shims.
 
 Besides the shim counters, each rank records what tests cannot read from the run's own files:
 how many micro-batches it read from the data iterator, per DP rank it read them for, and the
@@ -12,7 +14,9 @@ exits on its own is told apart from one torchrun terminated after a peer exited 
 
 import atexit
 import os
+import runpy
 import sys
+from collections.abc import Callable
 
 _EXIT_CODE = [1]  # what the interpreter would exit with; set where the run ends
 
@@ -35,19 +39,31 @@ def _code(exit_code: object) -> int:
     return exit_code if isinstance(exit_code, int) else 1
 
 
+def _training(argv: list[str]) -> Callable[[], object]:
+    """What to run: the entry point with ``argv``, or with ``--script PATH`` first, that
+    script as ``__main__`` with the rest as its command line."""
+    if argv[:1] != ["--script"]:
+        import pretrain_gpt_ext
+
+        return lambda: pretrain_gpt_ext.main(argv)
+    script, *flags = argv[1:]
+    sys.argv = [script, *flags]
+    return lambda: runpy.run_path(script, run_name="__main__")
+
+
 if __name__ == "__main__":  # checkpoint saving spawns helper processes that re-import main
     atexit.register(_skip_interpreter_teardown)
     from megatron_ext.cpu import shims
 
     shims.install()
 
-    import pretrain_gpt_ext
     from megatron_ext.registry.fixes import start_results_queue
 
+    train = _training(sys.argv[1:])
     start_results_queue("fork")  # now, while this process has one thread (see its docstring)
     shims.record_batch_reads()
     try:
-        pretrain_gpt_ext.main(sys.argv[1:])
+        train()
     except SystemExit as exc:
         shims.record_exit(exc.code)
         _EXIT_CODE[0] = _code(exc.code)

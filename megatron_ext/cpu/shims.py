@@ -229,21 +229,21 @@ def resident_bytes() -> int:
 
 
 def record_batch_reads() -> None:
-    """Count the micro-batches ``gpt_step.get_batch`` reads on this rank (readers only)."""
-    from megatron_ext.loop import gpt_step
+    """Count the micro-batches this rank reads from the data iterator (readers only), in
+    ``hooks.read_batch``: the GPT step's and a script's own (``megatron_ext.fork``) alike."""
+    from megatron_ext.loop import hooks
 
-    original = gpt_step.get_batch
+    original = hooks.read_batch
     sample_rss = bool(os.environ.get("MEGATRON_EXT_HARNESS_RSS"))
 
-    def get_batch(data_iterator: Any, micro_batch: Any, *args: Any, **kwargs: Any) -> Any:
-        batch = original(data_iterator, micro_batch, *args, **kwargs)
-        if micro_batch.reads_data:
-            READS[micro_batch.dp_rank] += 1
+    def read_batch(features: Any, data_iterator: Any, micro_batch: Any) -> Any:
+        batch = original(features, data_iterator, micro_batch)
+        READS[micro_batch.dp_rank] += 1
         if sample_rss and micro_batch.training:
             RSS.append([micro_batch.iteration, resident_bytes()])
         return batch
 
-    gpt_step.get_batch = get_batch
+    hooks.read_batch = read_batch
 
 
 def record_exit(code: Any) -> None:

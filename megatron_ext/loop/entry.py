@@ -1,10 +1,15 @@
-"""How ``pretrain_gpt_ext.py`` drives each megatron-core's ``pretrain`` (registry
-``entry-point``: one runner per variant, picked for the installed version).
+"""How a training script drives each megatron-core's ``pretrain`` (registry
+``entry-point``: one runner per variant, picked for the installed version). The script's part
+is a :class:`~megatron_ext.loop.step.Step`: the overlay's GPT step (:func:`overlay_step`, for
+``pretrain_gpt_ext.py``) or a script of the user's own (:mod:`megatron_ext.fork`).
 
 - 0.19: :func:`run_with_config_container`: the GPT model config and the config container
-  from the parsed args; Megatron builds the model and calls ``pre_wrap_hooks``.
+  from the parsed args; Megatron builds the model and calls ``pre_wrap_hooks``. A script with
+  its own model provider gets a container without a model config and ``pretrain`` its
+  provider (registry ``script-model-provider``).
 - 0.18: :func:`run_with_model_provider`: the config container has no model config, so
-  ``pretrain`` gets the overlay's own model provider (:mod:`megatron_ext.loop.gpt_model`).
+  ``pretrain`` gets the script's model provider, or the overlay's own
+  (:mod:`megatron_ext.loop.gpt_model`).
 - 0.17: :func:`run_classic`: classic ``pretrain`` parses the arguments again inside
   ``initialize_megatron``; features kept the first parse's object, which Megatron never filled
   (every signals row had ``consumed_samples = 0``). The arguments are parsed once here,
@@ -28,22 +33,45 @@ from typing import Any
 from megatron_ext.common.errors import StartupError
 from megatron_ext.common.features import FeatureSet
 from megatron_ext.loop import gpt_model, gpt_step
+from megatron_ext.loop.step import Step
 from megatron_ext.registry.patching import Patch
 
 ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
 
+def overlay_step() -> Step:
+    """``pretrain_gpt_ext.py``'s part: the overlay's GPT step, dataset provider and model
+    (:mod:`megatron_ext.loop.gpt_step`, :mod:`megatron_ext.loop.gpt_model`)."""
+    from megatron.core.enums import ModelType
+
+    return Step(
+        bind=gpt_step.bind,
+        check=gpt_step.check_supported,
+        model_type=ModelType.encoder_or_decoder,
+        get_embedding_ranks=gpt_step.get_embedding_ranks,
+        args_defaults=ARGS_DEFAULTS,
+    )
+
+
 @dataclass(frozen=True)
 class Wiring:
     """What every runner is handed: the installed version's batch broadcast (registry
-    ``batch-on-this-rank``), the classic-args patch, and the loop's functions
-    (:func:`megatron_ext.loop.install.add_megatron_ext_args`, ``install``, ``attach``)."""
+    ``batch-on-this-rank``), the classic-args patch, the loop's functions
+    (:func:`megatron_ext.loop.install.add_megatron_ext_args`, ``install``, ``attach``) and the
+    script's :class:`Step`."""
 
     broadcast: Callable[..., dict[str, Any]]
     classic_init: Patch
     add_args: Callable[[Any], Any]
     install: Callable[[Any], FeatureSet]
     attach: Callable[[Any, FeatureSet], None]
+    step: Step
+
+    def args_provider(self, parser: Any) -> Any:
+        """Megatron's ``extra_args_provider``: the script's flags, then the overlay's group."""
+        if self.step.extra_args_provider is not None:
+            parser = self.step.extra_args_provider(parser)
+        return self.add_args(parser)
 
 
 def _parse_and_validate(wiring: Wiring) -> Any:
@@ -51,7 +79,9 @@ def _parse_and_validate(wiring: Wiring) -> Any:
 
     # Parse before Megatron's in-process-restart wrapper: it parses sys.argv without the
     # megatron-ext group, so `--help` would print (and exit) without the overlay's flags.
-    return parse_and_validate_args(extra_args_provider=wiring.add_args, args_defaults=ARGS_DEFAULTS)
+    return parse_and_validate_args(
+        extra_args_provider=wiring.args_provider, args_defaults=wiring.step.args_defaults
+    )
 
 
 def _install(wiring: Wiring, args: Any) -> FeatureSet:
@@ -61,74 +91,94 @@ def _install(wiring: Wiring, args: Any) -> FeatureSet:
 
     if get_args() is not args:
         raise StartupError("Megatron's global args are not the ones it parsed; re-verify")
-    gpt_step.check_supported(args)
+    wiring.step.check(args)
     return wiring.install(args)
 
 
+def _model_provider(step: Step, args: Any) -> Callable[..., Any]:
+    """0.17/0.18: the script's model provider, or the overlay's own GPT one (checked)."""
+    if step.model_provider is not None:
+        return step.model_provider
+    gpt_model.check_supported(args)
+    return gpt_model.model_provider
+
+
 def run_with_config_container(wiring: Wiring) -> None:
-    """megatron-core 0.19: ``pretrain(cfg_container, ...)`` with the GPT model config."""
-    from megatron.core.enums import ModelType
+    """megatron-core 0.19: ``pretrain(cfg_container, ...)`` with the GPT model config, or
+    without one and with the script's model provider."""
     from megatron.training import inprocess_restart, pretrain
     from megatron.training.argument_utils import (
         gpt_config_from_args,
         pretrain_cfg_container_from_args,
     )
 
+    step = wiring.step
     args = _parse_and_validate(wiring)
     run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     features = _install(wiring, args)
-    config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
-    wiring.attach(config, features)
-    forward_step, datasets_provider = gpt_step.bind(features, wiring.broadcast)
+    if step.model_provider is None:
+        config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+        wiring.attach(config, features)
+        own_model = {}
+    else:
+        config = pretrain_cfg_container_from_args(args)
+        own_model = {"model_provider": partial(step.model_provider, features)}
+    forward_step, datasets_provider = step.bind(features, wiring.broadcast)
     run(
         config,
         datasets_provider,
-        ModelType.encoder_or_decoder,
+        step.model_type,
         forward_step,
         store=store,
-        get_embedding_ranks=gpt_step.get_embedding_ranks,
+        get_embedding_ranks=step.get_embedding_ranks,
+        **own_model,
     )
 
 
 def run_with_model_provider(wiring: Wiring) -> None:
     """megatron-core 0.18: ``pretrain(cfg_container, ..., model_provider, ...)``."""
-    from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    step = wiring.step
     args = _parse_and_validate(wiring)
     run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
-    gpt_model.check_supported(args)
+    model_provider = _model_provider(step, args)
     features = _install(wiring, args)
-    forward_step, datasets_provider = gpt_step.bind(features, wiring.broadcast)
+    forward_step, datasets_provider = step.bind(features, wiring.broadcast)
     run(
         pretrain_cfg_container_from_args(args),
         datasets_provider,
-        partial(gpt_model.model_provider, features),
-        ModelType.encoder_or_decoder,
+        partial(model_provider, features),
+        step.model_type,
         forward_step,
         store=store,
-        get_embedding_ranks=gpt_step.get_embedding_ranks,
+        get_embedding_ranks=step.get_embedding_ranks,
     )
 
 
 @dataclass
 class ClassicInit:
     """What ``classic-pretrain-parsed-args`` is applied with: the args parsed once, and the
-    features installed on them once ``initialize_megatron`` validated them."""
+    features installed on them (and the script's functions bound to them) once
+    ``initialize_megatron`` validated them."""
 
     args: Any
     wiring: Wiring
     features: FeatureSet | None = field(default=None)
+    bound: tuple[Callable[..., Any], Any] | None = field(default=None)
+    model_provider: Callable[..., Any] | None = field(default=None)
 
     def initialized(self) -> None:
-        gpt_model.check_supported(self.args)
+        self.model_provider = _model_provider(self.wiring.step, self.args)
         self.features = _install(self.wiring, self.args)
+        self.bound = self.wiring.step.bind(self.features, self.wiring.broadcast)
 
-    def get(self) -> FeatureSet:
-        if self.features is None:
+    def get(self) -> tuple[FeatureSet, tuple[Callable[..., Any], Any], Callable[..., Any]]:
+        """The features, the script's (forward step, dataset provider) and model provider."""
+        if self.features is None or self.bound is None or self.model_provider is None:
             raise StartupError("pretrain called a step before initialize_megatron; re-verify")
-        return self.features
+        return self.features, self.bound, self.model_provider
 
 
 def with_parsed_args(original: Callable[..., Any], bound: ClassicInit) -> Callable[..., Any]:
@@ -146,33 +196,34 @@ def with_parsed_args(original: Callable[..., Any], bound: ClassicInit) -> Callab
 
 def run_classic(wiring: Wiring) -> None:
     """megatron-core 0.17: classic ``pretrain(dataset_provider, model_provider, ...)``."""
-    from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain
     from megatron.training.arguments import parse_args
 
-    late = ClassicInit(parse_args(wiring.add_args), wiring)
+    step = wiring.step
+    late = ClassicInit(parse_args(wiring.args_provider), wiring)
     wiring.classic_init.apply(late)
     run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
 
     def forward_step(data_iterator: Any, model: Any) -> Any:
-        return gpt_step.forward_step(late.get(), wiring.broadcast, data_iterator, model)
+        _, (bound_step, _), _ = late.get()
+        return bound_step(data_iterator, model)
 
     def datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None):
-        return gpt_step.train_valid_test_datasets_provider(
-            late.get(), train_val_test_num_samples, vp_stage
-        )
+        _, (_, bound_provider), _ = late.get()
+        return bound_provider(train_val_test_num_samples, vp_stage)
 
     def model_provider(*args: Any, **kwargs: Any) -> Any:
-        return gpt_model.model_provider(late.get(), *args, **kwargs)
+        features, _, provider = late.get()
+        return provider(features, *args, **kwargs)
 
     datasets_provider.is_distributed = True  # type: ignore[attr-defined]  # every rank calls it
     run(
         datasets_provider,
         model_provider,
-        ModelType.encoder_or_decoder,
+        step.model_type,
         forward_step,
-        extra_args_provider=wiring.add_args,
-        args_defaults=ARGS_DEFAULTS,
+        extra_args_provider=wiring.args_provider,
+        args_defaults=step.args_defaults,
         store=store,
-        get_embedding_ranks=gpt_step.get_embedding_ranks,
+        get_embedding_ranks=step.get_embedding_ranks,
     )

@@ -23,7 +23,8 @@ from megatron.training import get_args, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 
 from megatron_ext.common.errors import StartupError
-from megatron_ext.common.features import Feature, FeatureSet
+from megatron_ext.common.features import FeatureSet
+from megatron_ext.loop import gpt_step, hooks
 
 # Megatron-LM's builder options this provider does not implement: refused, not ignored.
 UNSUPPORTED = {
@@ -37,7 +38,7 @@ UNSUPPORTED = {
 
 def check_supported(args: Any) -> None:
     """Refuse builder options the overlay's provider does not implement on this version."""
-    used = [flag for attr, flag in UNSUPPORTED.items() if getattr(args, attr, None)]
+    used = gpt_step.flags_set(args, UNSUPPORTED)
     if used:
         raise StartupError(
             f"{', '.join(used)} is not supported by pretrain_gpt_ext.py on this megatron-core "
@@ -82,7 +83,8 @@ def model_provider(
     pg_collection: Any = None,
 ) -> GPTModel:
     """One GPT chunk, as ``get_model`` asks for it; after the last chunk of this rank, the
-    features' ``on_model_built`` on all of them (before mixed precision and DDP)."""
+    features' ``on_model_built`` on all of them (before mixed precision and DDP:
+    :func:`megatron_ext.loop.hooks.chunk_built`)."""
     args = get_args()
     print_rank_0("building GPT model ...")
     if config is None:
@@ -104,10 +106,5 @@ def model_provider(
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
-    built = features.built
-    built.chunks.append(model)
-    if len(built.chunks) == (args.virtual_pipeline_model_parallel_size or 1):
-        for feature in features.using(Feature.on_model_built):
-            feature.on_model_built(list(built.chunks))
-        built.hook_ran = True
+    hooks.chunk_built(features, model)
     return model

@@ -7,9 +7,11 @@ the loss is token-summed with a token count, NaN/Inf go through the rerun state 
 cached-logit distillation are refused at start-up (use Megatron-LM's own script for them).
 
 The entry point binds the run's :class:`~megatron_ext.common.features.FeatureSet` into what it hands
-Megatron (:func:`bind`): the forward step calls ``on_batch`` (in :func:`get_batch`) and
+Megatron (:func:`bind`): the forward step has ``on_batch`` called (in :func:`get_batch`) and
 ``on_loss`` (in :func:`loss_func`), the dataset provider ``on_train_dataset``, on the
-features that override them. This module knows no feature's keys or flags.
+features that override them, through the same functions of :mod:`megatron_ext.loop.hooks` a
+script of the user's own calls (:mod:`megatron_ext.fork`). This module knows no feature's keys
+or flags.
 """
 
 from __future__ import annotations
@@ -30,32 +32,38 @@ from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, get_timers, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from megatron_ext.common.features import Feature, FeatureSet, LossInputs, MicroBatch
+from megatron_ext.common.features import FeatureSet, LossInputs, MicroBatch
+from megatron_ext.loop import hooks
 
 # Megatron-LM pretrain_gpt.py: a loss 10x the max of the first losses is "spiky".
 SPIKY_LOSS_FACTOR = 10
-# The report entries an evaluation keeps: those whose exp() is a perplexity.
-EVALUATED = ("lm loss",)
-
-# What megatron-core's BlendedDataset adds to every sample: the index of its blend member.
-DATASET_ID_KEY = "dataset_id"
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
-UNSUPPORTED_FLAGS = {
+# Megatron data modes whose batches are not the standard [micro-batch, sequence] GPT batch
+# (packed sequences, FIM-permuted tokens) that this step and the features read.
+BATCH_MODES = {
     "sft": "--sft",
     "fim_data": "--fim-data",
     "dataloader_inter_document_masking": "--dataloader-inter-document-masking",
     "hybrid_context_parallel": "--hybrid-context-parallel",
+}
+UNSUPPORTED_FLAGS = {
+    **BATCH_MODES,
     "logits_load_dir": "--logits-load-dir",
     "use_legacy_models": "--use-legacy-models",
     "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm",
 }
 
 
+def flags_set(args: Any, flags: dict[str, str]) -> list[str]:
+    """The flags of ``flags`` (Megatron's attribute name -> its flag) that ``args`` sets."""
+    return [flag for attr, flag in flags.items() if getattr(args, attr, None)]
+
+
 def check_supported(args: Any) -> None:
     """Refuse Megatron modes this entry point does not implement, instead of mis-training."""
-    used = [flag for attr, flag in UNSUPPORTED_FLAGS.items() if getattr(args, attr, None)]
+    used = flags_set(args, UNSUPPORTED_FLAGS)
     if used:
         raise SystemExit(
             f"pretrain_gpt_ext.py does not support {', '.join(used)}; use Megatron-LM's "
@@ -135,11 +143,7 @@ def get_batch(
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch: dict[str, Any] = {}
     if tp_rank == 0:
-        batch = next(data_iterator)  # type: ignore[arg-type]
-        micro_batch.reads_data = True
-        micro_batch.dataset_ids = batch.get(DATASET_ID_KEY)
-        for feature in features.using(Feature.on_batch):
-            feature.on_batch(batch, micro_batch)
+        batch = hooks.read_batch(features, data_iterator, micro_batch)  # type: ignore[arg-type]
         for key in BATCH_KEYS:
             value = batch.get(key)
             batch[key] = value.cuda(non_blocking=True) if value is not None else None
@@ -205,7 +209,8 @@ def loss_func(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Token-summed loss, token count and the ``lm loss`` report, as Megatron expects.
 
-    Features add report entries (``on_loss``); z-loss replaces ``lm loss`` by the pure CE.
+    Features add report entries (``on_loss``, :func:`megatron_ext.loop.hooks.loss_report`);
+    z-loss replaces ``lm loss`` by the pure CE.
     """
     args = features.args
     losses = output_tensor.view(-1).float()
@@ -214,12 +219,7 @@ def loss_func(
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
     inputs = LossInputs(micro_batch, output_tensor, mask, loss, num_tokens)
-    for feature in features.using(Feature.on_loss):
-        report.update(feature.on_loss(inputs) or {})
-    if not micro_batch.training:
-        # Megatron's evaluation prints every entry with exp(value) as its "PPL": a perplexity
-        # of the cross entropy only (z loss, log z: training signals, logged while training).
-        report = {name: value for name, value in report.items() if name in EVALUATED}
+    report = hooks.loss_report(features, inputs, report)
 
     rerun_state_machine = get_rerun_state_machine()
     if args.check_for_nan_in_loss_and_grad:
@@ -253,11 +253,7 @@ def forward_step(
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
-    micro_batch = MicroBatch(
-        iteration=features.args.curr_iteration + 1,
-        training=model.training,
-        dp_rank=mpu.get_data_parallel_rank(),
-    )
+    micro_batch = micro_batch_of(features, model)
     batch = get_batch(data_iterator, micro_batch, features, vp_stage, broadcast)
     timers("batch-generator").stop()
     if batch is None:
@@ -270,6 +266,16 @@ def forward_step(
         loss_mask=batch["loss_mask"],
     )
     return output_tensor, partial(loss_func, features, batch["loss_mask"], micro_batch)
+
+
+def micro_batch_of(features: FeatureSet, model: Any) -> MicroBatch:
+    """The micro-batch ``model`` is about to run, as the features see it: the iteration as
+    Megatron logs it (1-indexed), training or evaluation, this rank's DP rank."""
+    return MicroBatch(
+        iteration=features.args.curr_iteration + 1,
+        training=model.training,
+        dp_rank=mpu.get_data_parallel_rank(),
+    )
 
 
 def is_dataset_built_on_rank(vp_stage: int | None = None) -> bool:
@@ -308,12 +314,10 @@ def gpt_dataset_config_from_args(args: Any) -> GPTDatasetConfig:
 
 
 def train_valid_test_datasets_provider(
-    features: FeatureSet, train_val_test_num_samples: list[int], vp_stage: int | None = None
+    args: Any, train_val_test_num_samples: list[int], vp_stage: int | None = None
 ):
-    """Build train/valid/test datasets through BlendedMegatronDatasetBuilder; features may
-    wrap the train dataset (``on_train_dataset``)."""
-    features.check_model_built()  # pretrain builds the model before the datasets
-    args = features.args
+    """Build train/valid/test datasets through BlendedMegatronDatasetBuilder (bound with
+    ``on_train_dataset`` by :func:`bind`)."""
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
@@ -322,9 +326,6 @@ def train_valid_test_datasets_provider(
         partial(is_dataset_built_on_rank, vp_stage=vp_stage),
         gpt_dataset_config_from_args(args),
     ).build()
-    if train_ds is not None:
-        for feature in features.using(Feature.on_train_dataset):
-            train_ds = feature.on_train_dataset(train_ds)
     print_rank_0("> finished creating GPT datasets ...")
     return train_ds, valid_ds, test_ds
 
@@ -335,7 +336,8 @@ def bind(
     """(forward step, dataset provider) for ``pretrain``, calling ``features``' hooks;
     ``broadcast`` is the installed megatron-core's batch broadcast (registry
     ``batch-on-this-rank``)."""
-    provider = partial(train_valid_test_datasets_provider, features)
+    build = partial(train_valid_test_datasets_provider, features.args)
+    provider = partial(hooks.datasets, features, build)
     provider.is_distributed = True  # type: ignore[attr-defined]  # every rank calls it
     return partial(forward_step, features, broadcast), provider
 

@@ -1,21 +1,38 @@
-"""The wrappers of the registry's four ``hook-*`` patches: where Megatron's loop calls the
-installed features.
+"""Where Megatron's loop and the training script call the installed features.
 
-Each wrapper is applied with the run's :class:`~megatron_ext.common.features.FeatureSet` and picks,
-once, the features overriding its hook; the replacement then calls them in hook order, around
-Megatron's own function. Reading one top to bottom is the whole path from Megatron's call to
-the feature (``megatron_ext.registry.table`` names which Megatron function each one replaces).
+The wrappers of the registry's four ``hook-*`` patches: each is applied with the run's
+:class:`~megatron_ext.common.features.FeatureSet` and picks, once, the features overriding its
+hook; the replacement then calls them in hook order, around Megatron's own function. Reading
+one top to bottom is the whole path from Megatron's call to the feature
+(``megatron_ext.registry.table`` names which Megatron function each one replaces).
 ``pre_wrap_hook`` is the same for ``on_model_built``, which needs no patch: Megatron's public
 ``pre_wrap_hooks`` list calls it.
+
+The script's hooks (``on_model_built`` from a model provider, ``on_train_dataset``,
+``on_batch``, ``on_loss``) are called by the functions below the patch wrappers, which the
+overlay's own GPT step (:mod:`megatron_ext.loop.gpt_step`, :mod:`megatron_ext.loop.gpt_model`)
+and a script of the user's own (:mod:`megatron_ext.fork`) both call: one path from a script to
+the features, whichever script it is (registry ``ENTRY_POINT_HOOKS``).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from megatron_ext.common.features import Feature, FeatureSet, StepRecord
+from megatron_ext.common.features import (
+    DATASET_ID_KEY,
+    Feature,
+    FeatureSet,
+    LossInputs,
+    MicroBatch,
+    StepRecord,
+)
+
+# The report entries an evaluation keeps of those the features add: those whose exp() is a
+# perplexity (z loss and log z are training signals, logged while training).
+EVALUATED = ("lm loss",)
 
 
 def pre_wrap_hook(features: FeatureSet) -> Callable[[list[Any]], list[Any]]:
@@ -92,3 +109,71 @@ def wrap_save_checkpoint(original: Callable[..., Any], features: FeatureSet) -> 
         return original(iteration, *args, **kwargs)
 
     return save_checkpoint_and_time
+
+
+# -- the script's hooks ----------------------------------------------------------------------
+
+
+def chunk_built(features: FeatureSet, chunk: Any) -> None:
+    """A model provider built ``chunk`` (``get_model`` calls it once per virtual stage, before
+    mixed precision and DDP); after this rank's last one, ``on_model_built`` on all of them."""
+    built = features.built
+    built.chunks.append(chunk)
+    if len(built.chunks) == (features.args.virtual_pipeline_model_parallel_size or 1):
+        for feature in features.using(Feature.on_model_built):
+            feature.on_model_built(list(built.chunks))
+        built.hook_ran = True
+
+
+def observed_model_provider(
+    provider: Callable[..., Any], features: FeatureSet, *args: Any, **kwargs: Any
+) -> Any:
+    """A script's own model provider, as ``get_model`` calls it (registry
+    ``script-model-provider``), then :func:`chunk_built` on what it built."""
+    chunk = provider(*args, **kwargs)
+    chunk_built(features, chunk)
+    return chunk
+
+
+def datasets(
+    features: FeatureSet,
+    provider: Callable[..., tuple[Any, Any, Any]],
+    train_val_test_num_samples: list[int],
+    vp_stage: int | None = None,
+) -> tuple[Any, Any, Any]:
+    """The script's dataset provider, then ``on_train_dataset`` on its train dataset (on the
+    data-reading ranks, the only ones where it is not None). ``vp_stage`` is passed on only
+    when Megatron gives one (interleaved pipelines), as Megatron itself does."""
+    features.check_model_built()  # pretrain builds the model before the datasets
+    kwargs = {} if vp_stage is None else {"vp_stage": vp_stage}
+    train, valid, test = provider(train_val_test_num_samples, **kwargs)
+    if train is not None:
+        for feature in features.using(Feature.on_train_dataset):
+            train = feature.on_train_dataset(train)
+    return train, valid, test
+
+
+def read_batch(
+    features: FeatureSet, data_iterator: Iterator[dict[str, Any]], micro_batch: MicroBatch
+) -> dict[str, Any]:
+    """TP rank 0 of a data-reading stage: the next micro-batch, as the data loader made it,
+    after ``on_batch`` saw it (and may have changed it). Its blend member ids (``dataset_id``,
+    which Megatron's own batch helpers drop) go on ``micro_batch`` first."""
+    batch = next(data_iterator)
+    micro_batch.reads_data = True
+    micro_batch.dataset_ids = batch.get(DATASET_ID_KEY)
+    for feature in features.using(Feature.on_batch):
+        feature.on_batch(batch, micro_batch)
+    return batch
+
+
+def loss_report(features: FeatureSet, inputs: LossInputs, report: dict[str, Any]) -> dict[str, Any]:
+    """The script's loss ``report`` with the entries ``on_loss`` adds (z-loss replaces
+    ``lm loss`` by the pure cross entropy); in evaluation only those of :data:`EVALUATED`,
+    since Megatron prints every evaluated entry with exp(value) as its perplexity."""
+    for feature in features.using(Feature.on_loss):
+        added = feature.on_loss(inputs) or {}
+        report.update(
+            {k: v for k, v in added.items() if inputs.micro_batch.training or k in EVALUATED}
+        )
+    return report

@@ -1,13 +1,14 @@
 """The entry point's part of the registry (:mod:`megatron_ext.registry.table` lists it with the
-rest): how ``pretrain_gpt_ext.py`` drives each megatron-core's ``pretrain``, its batch helpers,
-and every megatron name the training side imports, so that a name that moved is a start-up
-refusal naming it (checked with every other entry) instead of an ImportError somewhere.
+rest): how ``pretrain_gpt_ext.py`` and a script of the user's own (:mod:`megatron_ext.fork`)
+drive each megatron-core's ``pretrain``, the batch helpers, and every megatron name the
+training side imports, so that a name that moved is a start-up refusal naming it (checked
+with every other entry) instead of an ImportError somewhere.
 """
 
 from __future__ import annotations
 
 from megatron_ext.common.versions import ALL, V17, V18, V19
-from megatron_ext.loop import entry, gpt_model, gpt_step
+from megatron_ext.loop import entry, gpt_model, gpt_step, hooks
 from megatron_ext.registry.patching import Assumption, Patch, Variant
 
 _TRAINING = "megatron.training.training"
@@ -27,9 +28,11 @@ ENTRY_POINT: tuple[Assumption, ...] = (
         f"{_PG}.ProcessGroupCollection, {_PG}.MultiModuleProcessGroupCollection, NoneType] = "
         "None, skip_model_parallel_init=False)",
         wrap=entry.run_with_config_container,
-        used_by="pretrain_gpt_ext",
+        used_by="pretrain_gpt_ext, megatron_ext.fork",
         reason="How the entry point hands Megatron its run: the GPT config container (0.19), "
-        "a container plus the overlay's model provider (0.18) or classic pretrain (0.17).",
+        "a container plus the overlay's model provider (0.18) or classic pretrain (0.17); a "
+        "script of the user's own (megatron_ext.fork) goes through the same runner, with its "
+        "model provider in pretrain's model_provider on 0.19 and 0.18.",
         variants=(
             Variant(
                 V18,
@@ -115,6 +118,20 @@ ENTRY_POINT: tuple[Assumption, ...] = (
                 wrap=gpt_model.model_provider,
             ),
         ),
+    ),
+    Assumption(
+        name="script-model-provider",
+        verified_on=ALL,
+        target=f"{_TRAINING}:get_model",
+        signature="(model_provider_func, model_type=<ModelType.encoder_or_decoder: 1>, "
+        "wrap_with_ddp=True, config=None, pg_collection=None)",
+        wrap=hooks.observed_model_provider,
+        used_by="megatron_ext.fork",
+        reason="A script's own model provider (megatron_ext.fork) reaches on_model_built the way "
+        "the overlay's own does on 0.17/0.18: get_model calls the provider once per model chunk "
+        "(virtual stage) before mixed precision and DDP wrapping, and the overlay's wrapper runs "
+        "the hook after the last chunk; on 0.19 pretrain builds through get_model when the "
+        "config container has no model config.",
     ),
     Assumption(
         name="inference-mode",

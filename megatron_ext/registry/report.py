@@ -163,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         ),
         out,
     )
-    out.append("== entry-point hooks (megatron_ext.loop.gpt_step, hooks; no patch of Megatron)")
+    out.append(
+        "== entry-point hooks (megatron_ext.loop.hooks, called by the GPT step and "
+        "megatron_ext.fork; no patch of Megatron)"
+    )
     for call in registry.ENTRY_POINT_HOOKS:
         name = call.hook.__name__
         out.append(f"  {name}: called from {call.describe()}; used by: {', '.join(users[name])}")
@@ -178,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         "assumptions (private names read, not replaced)", registry.ASSUMPTIONS, _assumed, out
     )
     failed += _section(
-        "entry point (pretrain_gpt_ext.py's runner, batch helpers, per version)",
+        "entry point (the runner of pretrain_gpt_ext.py and megatron_ext.fork, batch helpers, "
+        "per version)",
         (*registry.ENTRY_POINT, registry.CLASSIC_INIT),
         lambda e: _patch_target(e) if isinstance(e, Patch) else _assumed(e),
         out,

@@ -14,7 +14,9 @@ feature patch bound to its installed feature and a hook patch bound to the insta
 set. Megatron's targets stay ``module:qualname`` strings, resolved only when verified or
 applied, so that a target upstream moved is a readable start-up refusal (``megatron-ext
 patches`` lists it as changed) instead of an ImportError while this table is imported.
-:data:`ENTRY_POINT_HOOKS` lists the hooks the entry point's own functions call (no patch).
+:data:`ENTRY_POINT_HOOKS` lists the hooks the training script's side calls (no patch): the
+functions of :mod:`megatron_ext.loop.hooks` that the overlay's GPT step and a script of the
+user's own (:mod:`megatron_ext.fork`) both call.
 ``megatron-ext patches`` prints this table and verifies every entry; the entry point
 verifies all of them at start-up and refuses to run if any target changed.
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from megatron_ext.common.features import Feature
 from megatron_ext.common.versions import ALL, V17, V18, V19
-from megatron_ext.loop import gpt_step, hooks
+from megatron_ext.loop import hooks
 from megatron_ext.registry import copy_check as copies
 from megatron_ext.registry import fixes
 from megatron_ext.registry.assumptions import ASSUMPTIONS
@@ -328,15 +330,15 @@ FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed featu
 
 _READERS = "TP rank 0 of a data-reading stage"
 ENTRY_POINT_HOOKS: tuple[HookCall, ...] = (
+    HookCall(Feature.on_model_built, hooks.pre_wrap_hook, "the config container's pre_wrap_hooks"),
     HookCall(
         Feature.on_model_built,
-        hooks.pre_wrap_hook,
-        "the config container's pre_wrap_hooks; "
-        "0.17/0.18: megatron_ext.loop.gpt_model.model_provider",
+        hooks.chunk_built,
+        "0.17/0.18: megatron_ext.loop.gpt_model.model_provider; a script's own model provider",
     ),
-    HookCall(Feature.on_train_dataset, gpt_step.train_valid_test_datasets_provider, _READERS),
-    HookCall(Feature.on_batch, gpt_step.get_batch, _READERS),
-    HookCall(Feature.on_loss, gpt_step.loss_func, "last pipeline stage"),
+    HookCall(Feature.on_train_dataset, hooks.datasets, _READERS),
+    HookCall(Feature.on_batch, hooks.read_batch, _READERS),
+    HookCall(Feature.on_loss, hooks.loss_report, "last pipeline stage"),
 )
 
 PATCHES: tuple[Patch, ...] = (*BUGFIXES, *HOOKS, *FEATURE_PATCHES, CLASSIC_INIT)

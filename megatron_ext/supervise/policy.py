@@ -186,8 +186,9 @@ def _after_clean_exit(outcome: Outcome, budget: Budget) -> Decision:
         return Decision(
             "finish",
             0,
-            "training exited 0 (it recorded no end of its own: a training script other than "
-            "pretrain_gpt_ext.py cannot tell the end of training from an early exit)",
+            "training exited 0 (it recorded no end of its own: a training script that is not "
+            "pretrain_gpt_ext.py or on megatron_ext.fork cannot tell the end of training from "
+            "an early exit)",
         )
     if ended.complete:
         return Decision("finish", 0, "training finished successfully (reached its last iteration)")

@@ -1,8 +1,8 @@
 """The GPU check's CPU rehearsal: the same ladder script, rungs 2 (every feature), 4 (overhead
 arms), 5 (drill -> plan -> apply -> restart -> lookup), 7 (fused output loss, tiny size), 8
-(async save: refused by the CPU runner), 9 and 10 (CP=2, TP=2 + SP: refused by the CPU runner,
-their comparison with the one-rank run made on TP=2) through the CPU harness, so the
-orchestration cannot rot between GPU loans."""
+(async save: refused by the CPU runner), 9 and 10 (CP=2, TP=2 + SP: their comparison with the
+one-rank run made on TP=2; the CPU runner's refusal of CP and SP is test_layouts.py's) through
+the CPU harness, so the orchestration cannot rot between GPU loans."""
 
 from __future__ import annotations
 
@@ -40,8 +40,9 @@ def test_cpu_rehearsal_of_the_gpu_ladder(tmp_path: Path) -> None:
     assert drill["incidents"] == 1 and drill["lookup_exit"] == 0
     assert drill["skip_window"][0] <= drill["onset"] <= drill["skip_window"][1]
     assert rungs[8]["figures"]["exit"] not in (0, None)  # refused, at once, on CPU
-    for number in (9, 10):  # refused on CPU; the comparison ran on every iteration and batch
+    for number in (9, 10):  # the comparison ran on every iteration and batch
         figures = rungs[number]["figures"]
-        assert figures["refused_on_cpu"] and figures["iterations"] == 5, figures
+        assert figures["compared"] == "--tensor-model-parallel-size 2", figures
+        assert figures["iterations"] == 5, figures
         assert figures["micro_batches"] == 10 and figures["max_rel_diff_lm_loss"] < 1e-4
     assert lines[-1]["summary"] and lines[-1]["failed"] == []

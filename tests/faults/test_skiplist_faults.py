@@ -52,14 +52,14 @@ def skiplist(
 
 def start_training(root: Path, kill_at: int | None = None) -> subprocess.CompletedProcess[str]:
     """The entry point's start-up up to where Megatron would read the tracker, in its own
-    process (rank 0), exactly as ``pretrain_gpt_ext.main`` runs it."""
+    process (rank 0), exactly as the entry point runs it (``megatron_ext.fork.start``)."""
     env = {**os.environ, "RANK": "0", "PYTHONPATH": str(REPO)}
     env.pop(KILL_AT_STEP_ENV, None)
     if kill_at is not None:
         env[KILL_AT_STEP_ENV] = str(kill_at)
     code = (
-        "import sys, pretrain_gpt_ext; "
-        "print(pretrain_gpt_ext.prepare_skips(['--load', sys.argv[1]]))"
+        "import sys; from megatron_ext.fork.start import prepare_skips; "
+        "print(prepare_skips(['--load', sys.argv[1]]))"
     )
     return subprocess.run(
         [sys.executable, "-c", code, str(root / "ckpt")], capture_output=True, text=True, env=env
@@ -152,10 +152,10 @@ def test_apply_killed_at_every_step_is_finished_by_a_rerun(template, outcomes, t
 def test_training_start_up_finishes_an_interrupted_apply(
     template, outcomes, tmp_path, capsys
 ) -> None:
-    import pretrain_gpt_ext
+    from megatron_ext.fork.start import prepare_skips
 
     for step, root in killed(template, tmp_path).items():
-        argv = pretrain_gpt_ext.prepare_skips(["--load", str(root / "ckpt")])
+        argv = prepare_skips(["--load", str(root / "ckpt")])
         assert "finished the interrupted `skiplist --apply` of incident 001" in (
             capsys.readouterr().out
         )
@@ -216,7 +216,8 @@ def _killed_at_random_time(root: Path, action: str, delay: float) -> subprocess.
         argv = [
             sys.executable,
             "-c",
-            "import sys, pretrain_gpt_ext; pretrain_gpt_ext.prepare_skips(['--load', sys.argv[1]])",
+            "import sys; from megatron_ext.fork.start import prepare_skips; "
+            "prepare_skips(['--load', sys.argv[1]])",
             str(root / "ckpt"),
         ]
     else:

@@ -183,12 +183,15 @@ def launch(
     sample_log: bool = True,
     model: list[str] = TINY_MODEL,
     training: list[str] = TINY_TRAINING,
+    script: Path | None = None,
 ) -> Run:
     """Run the entry point under torchrun; optionally SIGKILL the whole job right after the
     checkpoint of iteration ``kill_at_checkpoint`` is committed (crash-after-save drill).
     ``sample_log=False`` leaves ``--sample-log-dir`` out (benchmarks' "off" arm); ``model``
     replaces the tiny model's flags (e.g. without ``--untie-embeddings-and-output-weights``),
-    ``training`` the training flags (e.g. sample-based, without ``--train-iters``)."""
+    ``training`` the training flags (e.g. sample-based, without ``--train-iters``);
+    ``script`` runs that pretrain script instead of the entry point (the CPU runner's
+    ``--script``: a script of the user's own on ``megatron_ext.fork``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = dict(
         os.environ,
@@ -203,6 +206,7 @@ def launch(
         "--standalone",
         f"--nproc-per-node={nproc}",
         str(RUNNER),
+        *(["--script", str(script)] if script is not None else []),
         *model,
         *training,
         *CPU_FLAGS,

@@ -125,6 +125,7 @@ def test_readme_feature_table_points_to_one_folder_per_feature() -> None:
 # import another folder of its layer.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("commands", (".", "cpu", "plot", "supervise")),
+    ("integrations", ("fork",)),
     ("offline tools", ("lookup", "incidents")),
     ("loop and registry", ("loop", "registry")),
     (
@@ -348,8 +349,10 @@ def _mutable_globals(fn: Any) -> list[str]:
 
 def _patched_code() -> list[Any]:
     """Every function Megatron ends up calling into: the registry's wrappers, the entry
-    point's hook callers and every hook each feature overrides."""
+    point's hook callers, what a script of the user's own calls (megatron_ext.fork) and every
+    hook each feature overrides."""
     from megatron_ext.common.features import HOOKS
+    from megatron_ext.fork import overlay
     from megatron_ext.loop import hooks
     from megatron_ext.loop.install import all_features
     from megatron_ext.registry import table as registry
@@ -357,6 +360,7 @@ def _patched_code() -> list[Any]:
     functions: list[Any] = [p.wrap for p in registry.PATCHES]
     functions += [call.called_from for call in registry.ENTRY_POINT_HOOKS]
     functions += [hooks.pre_wrap_hook, gpt_step_forward()]
+    functions += [overlay.Overlay.forward, overlay.Forward.read, overlay._observed_loss]
     for feature in all_features():
         functions += [getattr(type(feature), h.__name__) for h in HOOKS if feature.implements(h)]
     return functions

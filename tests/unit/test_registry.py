@@ -194,7 +194,7 @@ def test_patches_command_lists_every_touch_and_the_hooks_users() -> None:
         "hook after_step, used by: update_skip, attention_logit, telemetry, sample_log, spikes"
         in out
     )
-    assert "on_batch: called from megatron_ext.loop.gpt_step.get_batch" in out
+    assert "on_batch: called from megatron_ext.loop.hooks.read_batch" in out
     assert (
         "relies on: megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucket "
         "assigns grad_data, params_list, param_to_index" in out

@@ -64,7 +64,7 @@ def test_the_override_lets_an_unverified_version_run_and_warns_loudly() -> None:
 
 
 def test_setup_py_requires_the_declared_range_without_importing_the_package() -> None:
-    declared = runpy.run_path(str(REPO / "megatron_ext" / "versions.py"))
+    declared = runpy.run_path(str(REPO / "megatron_ext" / "common" / "versions.py"))
     assert declared["REQUIREMENT"] == "megatron-core>=0.17.1,<=0.19.2"
     setup_py = (REPO / "setup.py").read_text()
     assert 'VERSIONS["REQUIREMENT"]' in setup_py and "import megatron_ext" not in setup_py

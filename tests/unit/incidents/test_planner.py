@@ -149,14 +149,14 @@ def test_ranges_files_and_persisted_lists(tmp_path: Path) -> None:
 
 
 def test_entry_point_merges_the_list_persisted_with_the_loaded_checkpoints(tmp_path: Path) -> None:
-    import pretrain_gpt_ext
+    from megatron_ext.fork.start import prepare_skips
 
     (tmp_path / "megatron_ext_skipped_iterations.txt").write_text("5-6\n")
     for load in (["--load", str(tmp_path)], [f"--load={tmp_path}"]):
-        argv = pretrain_gpt_ext.prepare_skips([*load, "--iterations-to-skip", "9-10"])
+        argv = prepare_skips([*load, "--iterations-to-skip", "9-10"])
         assert argv == [*load, "--iterations-to-skip", "5", "6", "9", "10"]
     with pytest.raises(SystemExit, match="bad range"):
-        pretrain_gpt_ext.prepare_skips(["--iterations-to-skip", "10-9"])
+        prepare_skips(["--iterations-to-skip", "10-9"])
 
 
 def test_planner_merges_applied_skips_but_not_an_unapplied_earlier_plan(tmp_path: Path) -> None:

@@ -15,11 +15,10 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron.core.tokenizers import MegatronTokenizer
 
-from megatron_ext.common.features import LossInputs, MicroBatch, StepRecord
+from megatron_ext.common.features import DATASET_ID_KEY, LossInputs, MicroBatch, StepRecord
 from megatron_ext.common.files import SIGNALS_FILE
 from megatron_ext.common.records.signals import read_signals
 from megatron_ext.common.records.sources import member_names
-from megatron_ext.loop.gpt_step import DATASET_ID_KEY
 from megatron_ext.telemetry.adapter import TelemetryFeature, train_members
 from tests.support import megatron_world as mw
 
