@@ -197,7 +197,7 @@ def test_no_flag_installs_nothing() -> None:
     """With no weight-decay flag, Megatron's functions stay untouched."""
     from types import SimpleNamespace
 
-    from megatron_ext.loop import install
+    from megatron_ext.loop.install import install
     from megatron_ext.registry.table import patch
     from megatron_ext.weight_decay.adapter import WeightDecayFeature
 
