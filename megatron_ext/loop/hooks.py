@@ -37,15 +37,20 @@ EVALUATED = ("lm loss",)
 
 def pre_wrap_hook(features: FeatureSet) -> Callable[[list[Any]], list[Any]]:
     """The config container's ``pre_wrap_hooks`` entry: the built, unwrapped model chunks."""
-    users = features.using(Feature.on_model_built)
 
     def on_model_built(model: list[Any]) -> list[Any]:
-        for feature in users:
-            feature.on_model_built(model)
-        features.built.hook_ran = True
+        model_built(features, model)
         return model
 
     return on_model_built
+
+
+def model_built(features: FeatureSet, chunks: list[Any]) -> None:
+    """``on_model_built`` on this rank's built, unwrapped chunks, and the record that it ran
+    (:meth:`FeatureSet.check_model_built`): the one caller, whichever way the model came."""
+    for feature in features.using(Feature.on_model_built):
+        feature.on_model_built(chunks)
+    features.built.hook_ran = True
 
 
 def wrap_setup(original: Callable[..., Any], features: FeatureSet) -> Callable[..., Any]:
@@ -120,9 +125,7 @@ def chunk_built(features: FeatureSet, chunk: Any) -> None:
     built = features.built
     built.chunks.append(chunk)
     if len(built.chunks) == (features.args.virtual_pipeline_model_parallel_size or 1):
-        for feature in features.using(Feature.on_model_built):
-            feature.on_model_built(list(built.chunks))
-        built.hook_ran = True
+        model_built(features, list(built.chunks))
 
 
 def observed_model_provider(
