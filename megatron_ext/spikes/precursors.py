@@ -13,16 +13,19 @@ Rule, per signal, on a transformed value ``v`` (the log of the grad norm and of 
 logit, so a rise is a ratio; log Z as it is, in nats):
 
 - ``m`` is the median of the last ``recent`` values (one bad step cannot move it);
-- the reference is the lowest ``m`` over the ``horizon`` before those values (log Z: the ``m``
-  furthest from the current one on the other side, as its drift can go either way), so a rise
-  is measured from where the signal was, not from a baseline that follows it up;
+- the reference is the lowest ``m`` over the ``horizon`` before those values among the points
+  whose loss the current loss has not improved on (its median within ``improving`` of the
+  loss median then; log Z: the ``m`` furthest from the current one on the other side, as its
+  drift can go either way), so a rise is measured from where the signal was, not from a
+  baseline that follows it up. Learning itself grows the attention logits and log Z (a small
+  model's max logit climbs from ~0.2 to thousands while its loss halves); a climb that bought
+  the loss nothing is the precursor. Taking the lowest point of the whole horizon and then
+  asking whether the loss improved since (the rule before) missed the commonest organic
+  shape: the loss learns, then stalls while the signal keeps climbing from a point already
+  past the signal's minimum;
 - ``m`` must stand ``rise`` above the reference for ``persist`` consecutive steps, and the last
   ``recent`` values must trend the same way (Spearman rank correlation with time ≥
-  ``trend``): a plateau after a jump is not a precursor, a climb is;
-- and the loss must not have improved since the reference (the median of its last ``recent``
-  values within ``improving`` of what it was then): learning itself grows the attention logits
-  and log Z (a small model's max logit climbs from ~0.2 to thousands while its loss halves); a
-  climb that bought the loss nothing is the precursor.
+  ``trend``): a plateau after a jump is not a precursor, a climb is.
 
 One warning per signal per episode; the signal re-arms once ``m`` is back within half the rise
 of its reference.
@@ -172,19 +175,20 @@ class PrecursorMonitor:
         horizon.append((record.iteration, m, loss))
         if not past:
             return None
-        reference, loss_then = min(past)
-        highest = max(past)
-        if p.two_sided and highest[0] - m > m - reference:
-            reference, loss_then = highest
+        # Learning moves these signals too, so a reference is a point the loss has not
+        # improved on since: a move that bought the loss nothing is the precursor.
+        flat = [v for v, lo in past if loss >= lo * (1.0 - c.improving)]
+        reference = min(flat or [v for v, _ in past])
+        if p.two_sided and flat and max(flat) - m > m - reference:
+            reference = max(flat)
         drift = m - reference
         trend = _spearman(list(track.values))
         level = math.exp(m) if p.log else m
         rising = (
-            abs(drift) >= p.rise
+            bool(flat)
+            and abs(drift) >= p.rise
             and trend * math.copysign(1.0, drift) >= c.trend
             and (p.floor is None or level >= p.floor)
-            # Learning moves these signals too: a move that bought the loss nothing is not.
-            and loss >= loss_then * (1.0 - c.improving)
         )
         if abs(drift) < p.rise / 2:
             track.warned = False

@@ -7,8 +7,10 @@ rates with no weight decay, Wortsman et al. 2023's recipe. Nothing is injected.
   says so (ledger kind ``warning``), without a rollback. With ``--qk-layernorm`` the same run
   learns and nothing warns.
 - A blow-up (the tiny model at learning rate 1): the detector rolls back, and the incident
-  report has its early-warning line; with ``--z-loss-coeff 1e-4`` the same run's spikes
-  recover and nothing rolls back.
+  report has its early-warning line. Nothing prevents this one at CPU scale (the sweep: every
+  arm fails at lr 1, z-loss and qk-layernorm included), so no arm is asserted to: a
+  ``--z-loss-coeff 1e-4`` run that once happened to recover rolled back on another CPU
+  (the trajectory at lr 1 is chaotic; the float rounding of another instruction set is enough).
 """
 
 from __future__ import annotations
@@ -99,9 +101,3 @@ def test_a_blow_up_rolls_back_with_the_warning_line_in_its_report(blow_up: Path)
     lead = rollback["onset"] - min(w["iteration"] for w in before) if before else None
     assert report["lead_time"] == lead
     assert "- early warning: " in (incidents / "incident-001.md").read_text()
-
-
-def test_z_loss_keeps_the_same_run_from_a_rollback(tmp_path: Path, data_args) -> None:
-    run = _blow_up(tmp_path, data_args, "--z-loss-coeff", "1e-4")
-    assert run.returncode == 0, run.log[-3000:]
-    assert "rollback" not in {e["kind"] for e in _events(tmp_path)}

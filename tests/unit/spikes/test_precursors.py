@@ -82,3 +82,28 @@ def test_skipped_steps_are_not_read() -> None:
     for r in records[600:]:
         r.grad_norm, r.skipped_iter = 100.0, True  # withheld updates: norms of rejected steps
     assert replay(records) == []
+
+
+def _learning_then_stalling(stall_at: int | None, n: int = 800) -> list[SignalRecord]:
+    """The attention logit climbs 0.5 % per step from 150 throughout; the loss falls 0.1 %
+    per step (learning: the climb buys loss) until ``stall_at``, then stays (the organic shape
+    of ``tests/e2e/test_organic_instability.py`` at lr 0.3)."""
+    rng = random.Random(2)
+    records = []
+    for i in range(n):
+        learning = i if stall_at is None else min(i, stall_at)
+        record = _record(i + 1, 1.0 + rng.gauss(0, 0.05), 0.0, 150.0 * 1.005**i)
+        record.lm_loss = 5.0 * 0.999**learning + rng.gauss(0, 0.005)
+        records.append(record)
+    return records
+
+
+def test_a_climb_that_learns_does_not_warn_and_warns_once_the_loss_stalls() -> None:
+    """The reference is the lowest point the loss has not improved on since, not the horizon's
+    lowest point: the latter lies where the loss was still higher, so a stall after learning
+    would never warn."""
+    assert replay(_learning_then_stalling(None)) == []
+    warnings = replay(_learning_then_stalling(400))
+    assert [w.signal for w in warnings] == ["max_attention_logit"]
+    assert 400 < warnings[0].iteration < 520  # x1.5 after ~81 steps of the stall
+    assert warnings[0].value / warnings[0].reference >= 1.5
