@@ -152,24 +152,20 @@ def _data_checks(setting: Setting) -> list[str]:
     return [sys.executable, "-c", code, *setting.prefixes]
 
 
-def _trainings(setting: Setting, built: dict[str, object]) -> list[Measured]:
-    """The cache build and the two start-ups (plain Megatron, every overlay flag)."""
+def _trainings(setting: Setting, built: dict[str, object], start_ups: bool) -> list[Measured]:
+    """The cache build and (``start_ups``) the two start-ups (plain Megatron, every overlay
+    flag)."""
     root, env = setting.root, _env()
     logs = root / "logs"
-    results = [
-        run_child(
-            "megatron cache build",
-            _training(setting, built, []),
-            logs / "cache-build.txt",
-            env,
-        ),
-        run_child(
-            "start-up plain",
-            _training(setting, built, []),
-            logs / "plain.txt",
-            env,
-        ),
-    ]
+    build = run_child(
+        "megatron cache build", _training(setting, built, []), logs / "cache-build.txt", env
+    )
+    results = [build]
+    if not start_ups:
+        return results
+    results.append(
+        run_child("start-up plain", _training(setting, built, []), logs / "plain.txt", env)
+    )
     overlay = root / "overlay"
     shutil.rmtree(overlay, ignore_errors=True)
     shutil.copytree(root / "signals", overlay / "signals")
@@ -188,13 +184,14 @@ def _trainings(setting: Setting, built: dict[str, object]) -> list[Measured]:
 
 
 def operations(
-    setting: Setting, built: dict[str, object], trainings: bool = True
+    setting: Setting, built: dict[str, object], trainings: bool = True, start_ups: bool = True
 ) -> list[Measured]:
     """Run every operation once at this scale (``trainings=False``: all but the three
-    training launches, on caches an earlier run built)."""
+    training launches, on caches an earlier run built; ``start_ups=False``: the cache build
+    but not the two start-ups)."""
     root, env = setting.root, _env()
     logs = root / "logs"
-    results = _trainings(setting, built) if trainings else []
+    results = _trainings(setting, built, start_ups) if trainings else []
     results.append(run_child("data checks", _data_checks(setting), logs / "checks.txt", env))
     ckpt = ["--from-checkpoint", str(root / "ckpt")]
     iteration = str(min(int(built["sample_log_iterations"]), setting.train_iters) // 2 + 1)
@@ -230,26 +227,32 @@ def operations(
 
 
 def table(by_scale: dict[float, list[Measured]]) -> str:
-    """Markdown: each operation's time and peak RSS per scale, and largest/smallest ratios."""
+    """Markdown: each operation's time and peak RSS per scale, and largest/smallest ratios
+    (between the smallest and largest scale that ran it; ``-`` where a scale did not)."""
     scales = sorted(by_scale)
     head = "| operation | " + " | ".join(f"{s:g}: s | {s:g}: GiB" for s in scales)
     head += " | time × | RSS × | faults × |"
     rows = [head, "|---|" + "---:|" * (2 * len(scales) + 3)]
-    small, large = by_scale[scales[0]], by_scale[scales[-1]]
-    for index, first in enumerate(small):
+    names = list(dict.fromkeys(m.operation for s in scales for m in by_scale[s]))
+    for name in names:
+        ran = [next((m for m in by_scale[s] if m.operation == name), None) for s in scales]
         cells = []
-        for scale in scales:
-            m = by_scale[scale][index]
-            failed = "" if m.returncode == 0 else f" (rc {m.returncode})"
-            cells += [f"{m.seconds:.1f}{failed}", f"{m.peak_rss / 2**30:.2f}"]
-        last = large[index]
+        for m in ran:
+            failed = "" if m is None or m.returncode == 0 else f" (rc {m.returncode})"
+            cells += (
+                ["-", "-"]
+                if m is None
+                else [f"{m.seconds:.1f}{failed}", f"{m.peak_rss / 2**30:.2f}"]
+            )
+        present = [m for m in ran if m is not None]
+        first, last = present[0], present[-1]
         ratios = (
             last.seconds / first.seconds,
             last.peak_rss / first.peak_rss,
             last.minor_faults / max(1, first.minor_faults),
         )
         rows.append(
-            f"| {first.operation} | "
+            f"| {name} | "
             + " | ".join(cells)
             + " | "
             + " | ".join(f"{r:.2f}" for r in ratios)
@@ -264,6 +267,7 @@ def measure_scales(
     reuse: bool = False,
     build_only: bool = False,
     trainings: bool = True,
+    start_ups: bool = True,
 ) -> dict[float, list[Measured]]:
     """Build each scale under ``root`` and run every operation on it, smallest first.
 
@@ -289,7 +293,7 @@ def measure_scales(
             continue
         shown = {k: v for k, v in built.items() if k not in ("tokenizer", "model_flags")}
         print(f"  built: {json.dumps(shown)}", flush=True)
-        by_scale[scale] = operations(setting, built, trainings)
+        by_scale[scale] = operations(setting, built, trainings, start_ups)
     return by_scale
 
 
