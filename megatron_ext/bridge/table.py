@@ -57,11 +57,11 @@ PATCHES: tuple[Patch, ...] = (
         kind="hook",
         target=f"{_TRAINING}.pretrain:get_dataset_provider",
         signature="(dataset_config: megatron.core.datasets.blended_megatron_dataset_config."
-        "BlendedMegatronDatasetConfig | megatron.bridge.data.datasets.sft.GPTSFTDatasetConfig | "
-        "megatron.bridge.data.builders.hf_dataset.DirectHFSFTDatasetConfig | "
-        "megatron.bridge.data.builders.energon.EnergonDatasetConfig | "
-        "megatron.bridge.data.vlm_datasets.mock_provider.MockVLMSFTDatasetConfig | "
-        "megatron.bridge.data.utils.DatasetProvider) -> Callable[..., Any]",
+        "BlendedMegatronDatasetConfig | megatron.bridge.data.builders.gpt_sft."
+        "GPTSFTDatasetConfig | megatron.bridge.data.builders.direct_hf_sft."
+        "DirectHFSFTDatasetConfig | megatron.bridge.data.builders.energon.EnergonDatasetConfig "
+        "| megatron.bridge.data.builders.mock_vlm_sft.MockVLMSFTDatasetConfig | "
+        "megatron.bridge.data.base.DatasetProvider) -> Callable[..., Any]",
         wrap=wiring.with_train_dataset_hook,
         reason="on_train_dataset: Bridge picks the dataset provider from the dataset config's "
         "type inside _pretrain, and has no public hook on the built train dataset (the sample "
@@ -85,8 +85,12 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         name="bridge-pretrain",
         target=f"{_TRAINING}.pretrain:pretrain",
         signature="(config: megatron.bridge.training.config.ConfigContainer, "
-        "forward_step_func: megatron.bridge.training.forward_step_func_types."
-        "ForwardStepCallable, callbacks: list[megatron.bridge.training.callbacks.Callback] | "
+        "forward_step_func: megatron.bridge.training.forward_step_func_types.TwoArgForwardStep "
+        "| megatron.bridge.training.forward_step_func_types.ThreeArgStateForwardStep | "
+        "megatron.bridge.training.forward_step_func_types.ThreeArgForwardStep | "
+        "megatron.bridge.training.forward_step_func_types.FourArgForwardStep | "
+        "megatron.bridge.training.forward_step_func_types.ForwardStepFunctor, callbacks: "
+        "list[megatron.bridge.training.callbacks.Callback] | "
         "megatron.bridge.training.callbacks.CallbackManager | None = None) -> None",
         used_by="megatron_ext.bridge.run",
         verified_on=V19,
