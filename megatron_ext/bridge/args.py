@@ -117,7 +117,10 @@ def megatron_args(config: Any, flags: list[str]) -> Any:
         "micro_batch_size": train.micro_batch_size,
         "global_batch_size": train.global_batch_size,
         "train_iters": train.train_iters,
-        "iterations_to_skip": list(train.iterations_to_skip or []),
+        # The skip lists the start-up resolved (flags, file, persisted), and the config's own.
+        "iterations_to_skip": sorted(
+            {*(args.iterations_to_skip or ()), *(train.iterations_to_skip or ())}
+        ),
         "seq_length": model.seq_length,
         "vocab_size": getattr(config.tokenizer, "vocab_size", None),
         "untie_embeddings_and_output_weights": not model.share_embeddings_and_output_weights,

@@ -22,6 +22,19 @@ FEATURES_KEY = "megatron_ext_features"
 CLASS_PATH = "megatron_ext.bridge.checkpoints.VetoingCheckpointManager"
 
 
+def write_layout(save: str, iteration: int, args: Any) -> None:
+    """Rank 0: the world and data-parallel sizes beside Bridge's files in the checkpoint
+    (:mod:`megatron_ext.common.bridge_state` reads them; Bridge's run_config.yaml lacks them)."""
+    import torch
+
+    from megatron_ext.common.files import BRIDGE_LAYOUT_FILE, checkpoint_dir
+    from megatron_ext.common.io import atomic_write_json
+
+    if torch.distributed.get_rank() == 0:
+        layout = {"world_size": args.world_size, "data_parallel_size": args.data_parallel_size}
+        atomic_write_json(checkpoint_dir(save, iteration) / BRIDGE_LAYOUT_FILE, layout)
+
+
 class VetoingCheckpointManager:
     """Bridge's ``DefaultCheckpointManager``, with every save asked of the features first."""
 
@@ -52,6 +65,7 @@ class VetoingCheckpointManager:
             return None
         self.default.save(ctx, callback_manager)
         self.last_saved = iteration
+        write_layout(self.checkpoint_config.save, iteration, features.args)
         return None
 
     def load(self, ctx: Any) -> tuple[int, int]:

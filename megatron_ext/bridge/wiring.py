@@ -137,8 +137,12 @@ def sync_counters(args: Any, state: Any, after_step: bool) -> None:
 
 
 def on_train_start(features: FeatureSet, context: Any) -> None:
-    """``on_setup``: the wrapped model chunks and the optimizer exist."""
+    """``on_setup``: the wrapped model chunks and the optimizer exist. The tokenizer's
+    vocabulary size, which Megatron puts on its args when it builds the tokenizer, is known
+    from here (Bridge built it in its setup)."""
     sync_counters(features.args, context.state, after_step=False)
+    features.args.vocab_size = context.state.tokenizer.vocab_size
+    features.args.padded_vocab_size = context.state.cfg.model.vocab_size
     model = context.model if isinstance(context.model, list) else [context.model]
     for feature in features.using(Feature.on_setup):
         feature.on_setup(model, context.optimizer)
