@@ -27,9 +27,10 @@ BRIDGE_VERSION=0.6.2
 NVRX_VERSION=0.6.0
 # The dependencies (besides the main venv's) that `import megatron.bridge.training.pretrain`
 # reaches, found by importing it until it imported (energon, modelopt and their own); each
-# with --no-deps, so nothing CUDA-only comes along. Wheels only where one exists.
+# with --no-deps, so nothing CUDA-only comes along (antlr4 pinned to the runtime hydra-core
+# 1.3 generated its grammar with; pytest loads hydra as a plugin). Wheels where one exists.
 BRIDGE_DEPS=(
-    omegaconf hydra-core antlr4-python3-runtime einops defusedxml httpx pyarrow pandas
+    omegaconf hydra-core antlr4-python3-runtime==4.9.3 einops defusedxml httpx pyarrow pandas
     datasets multiprocess dill xxhash megatron-energon multi-storage-client xattr cffi
     pycparser lark wcmatch bracex jsonschema jsonschema-specifications attrs referencing rpds-py
     opentelemetry-api braceexpand rapidyaml deprecation filetype webdataset nvidia-modelopt
