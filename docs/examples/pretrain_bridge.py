@@ -8,9 +8,10 @@ untouched (what tests/bridge compares against)::
     torchrun --nproc-per-node 8 pretrain_bridge.py --data-path PREFIX --tokenizer DIR \\
         --work RUN --train-iters 50 -- --z-loss-coeff 1e-4 --spike-detect ...
 
-Everything after ``--`` is megatron-ext's own flags (``python pretrain_gpt_ext.py --help``
-lists them). tests/bridge trains it on CPU (``megatron_ext/cpu/run.py --bridge-script``) with
-every feature, through a spike drill, a rollback and a resume.
+Every flag the script does not know (after ``--`` or not) is megatron-ext's
+(``python pretrain_gpt_ext.py --help`` lists them). tests/bridge trains it on CPU
+(``megatron_ext/cpu/run.py --bridge-script``) with every feature, through a spike drill,
+a rollback and a resume, under megatron-ext's supervisor.
 """
 
 from __future__ import annotations
@@ -24,13 +25,9 @@ import torch.nn.functional as F
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The script's own flags, and megatron-ext's after ``--``."""
-    ours, _, ext = (
-        (argv[: argv.index("--")], None, argv[argv.index("--") + 1 :])
-        if ("--" in argv)
-        else (argv, None, [])
-    )
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """The script's own flags, and the rest for megatron-ext: its own flags and those
+    megatron-ext's launchers add (``--save``/``--load`` CKPT_DIR, ``--exit-signal-handler``)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--data-path", nargs="+", required=True, help="[WEIGHT] PREFIX ...")
     parser.add_argument("--tokenizer", required=True, help="a HuggingFace tokenizer directory")
     parser.add_argument("--work", type=Path, required=True, help="checkpoints go to WORK/ckpt")
@@ -39,7 +36,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--plain", action="store_true", help="Bridge alone, no megatron-ext")
-    return parser.parse_args(ours), ext
+    options, rest = parser.parse_known_args(argv)
+    return options, [word for word in rest if word != "--"]
 
 
 def config(options: argparse.Namespace):

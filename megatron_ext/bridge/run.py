@@ -48,6 +48,26 @@ def final_save(features: FeatureSet, config: Any, manager: Any, context: Any) ->
     )
 
 
+def apply_launcher_flags(config: Any, flags: list[str]) -> None:
+    """The Megatron flags megatron-ext's launchers pass every training script (``--save`` and
+    ``--load`` the job's CKPT_DIR, ``--exit-signal-handler``: megatron_ext.supervise.commands)
+    set the same things in Bridge's config, so the supervisor relaunches a Bridge job as it
+    does ``pretrain_gpt_ext.py``; given, they win over the script's config."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--save")
+    parser.add_argument("--load")
+    parser.add_argument("--exit-signal-handler", action="store_true")
+    given, _ = parser.parse_known_args(flags)
+    if given.save:
+        config.checkpoint.save = given.save
+    if given.load:
+        config.checkpoint.load = given.load
+    if given.exit_signal_handler:
+        config.train.exit_signal_handler = True
+
+
 def _start(config: Any, flags: list[str]) -> Any:
     """Verify, fix, refuse, resolve the skip lists; the features' Megatron-style args."""
     from megatron_ext.fork import start
@@ -63,6 +83,7 @@ def _start(config: Any, flags: list[str]) -> Any:
     for fix in (*registry.BUGFIXES, *bridge_table.BUGFIXES):
         fix.apply()
     bridge_args.refuse_unsupported(config)
+    apply_launcher_flags(config, flags)
     load = config.checkpoint.load
     # The loop's own skip-list resolution, on Bridge's load directory.
     argv = start.prepare_skips([*(["--load", load] if load else []), *flags])

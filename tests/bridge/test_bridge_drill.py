@@ -1,14 +1,16 @@
 """Megatron-Bridge's real ``pretrain`` with every megatron-ext feature, through the spike drill
 (CPU harness, DP=2, gloo, a two-prefix blend): ``docs/examples/pretrain_bridge.py`` on
-``megatron_ext.bridge.pretrain``. The detector flags DP rank 1's corrupted batches and every
-rank exits 42 without saving; ``skiplist --apply`` rolls the run back (Megatron's tracker and
-Bridge's ``latest_train_state.pt``, one journaled transaction); the resumed run skips the
-window through Bridge's ``train.iterations_to_skip``; ``megatron-ext lookup``, reading the
+``megatron_ext.bridge.pretrain``, run by megatron-ext's supervisor
+(``launch/run_single_node.sh``, ``TRAIN_SCRIPT`` the CPU runner with ``--bridge-script``). The
+detector flags DP rank 1's corrupted batches and every rank exits 42 without saving; the
+supervisor runs ``skiplist --apply``, which rolls the run back (Megatron's tracker and Bridge's
+``latest_train_state.pt``, one journaled transaction), and relaunches; the resumed run skips
+the window through Bridge's ``train.iterations_to_skip``; ``megatron-ext lookup``, reading the
 Bridge checkpoint's ``run_config.yaml``, answers every checked iteration with the sample log's
 record.
 
-Two launches, as tests/e2e/test_fork_example.py runs the fork's script: the same flags,
-drill and plan, Bridge's loop.
+One supervised job of two attempts, as tests/e2e/test_fork_example.py runs the fork's
+script: the same flags, drill and plan, Bridge's loop.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.common.files import (
-    BRIDGE_TRACKER_FILE,
     RUN_LOCK_FILE,
     SIGNALS_FILE,
     SPIKE_LEDGER_FILE,
@@ -34,7 +35,8 @@ from megatron_ext.common.files import (
 from megatron_ext.common.records.signals import read_signals
 from megatron_ext.common.run_lock import Holder
 from megatron_ext.lookup import cli
-from tests.support.harness import REPO, RUNNER, Run, kill_tree, run_skiplist
+from tests.support.harness import REPO, RUNNER, Run, kill_tree
+from tests.support.slurm import free_port
 
 EXAMPLE = REPO / "docs" / "examples" / "pretrain_bridge.py"
 TRAIN_ITERS, GLOBAL_BATCH = 50, 8
@@ -61,26 +63,46 @@ def _features(work: Path) -> list[str]:
     ]
 
 
-def _launch(work: Path, data: list[str], tokenizer: str) -> Run:
-    """torchrun of the CPU runner's ``--bridge-script`` with the example script."""
+def _supervised(work: Path, data: list[str], tokenizer: str) -> Run:
+    """``launch/run_single_node.sh`` (the supervisor) with the CPU runner's ``--bridge-script``
+    as its training script: attempts, spike hook (``skiplist --apply``), relaunch."""
+    python = sys.executable
     env = dict(
         os.environ,
-        MEGATRON_EXT_HARNESS_COUNTS=str(work / "counts"),
-        PYTHONUNBUFFERED="1",
+        CKPT_DIR=str(work / "ckpt"),
+        LAUNCHER="torchrun",
+        PYTHON=python,
+        TORCHRUN=f"{python} -m torch.distributed.run",
+        TRAIN_SCRIPT=str(RUNNER),
+        GPUS_PER_NODE="2",
+        MASTER_PORT=str(free_port()),
         OMP_NUM_THREADS="1",
+        TORCH_ELASTIC_SHUTDOWN_TIMEOUT="60",
+        MODEL_ARGS=" ".join(
+            [
+                *("--bridge-script", str(EXAMPLE), "--data-path", *data),
+                *("--tokenizer", tokenizer, "--work", str(work)),
+                *("--train-iters", str(TRAIN_ITERS), "--save-interval", "5"),
+                *("--global-batch-size", str(GLOBAL_BATCH)),
+            ]
+        ),
+        DATA_ARGS="",
+        EXTRA_ARGS=" ".join(_features(work)),
+        EXTRA_ENV=f"MEGATRON_EXT_HARNESS_COUNTS={work / 'counts'} PYTHONUNBUFFERED=1",
+        SKIPLIST_ARGS=" ".join(PLAN),
     )
-    command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
-        *(str(RUNNER), "--bridge-script", str(EXAMPLE), "--data-path", *data),
-        *("--tokenizer", tokenizer, "--work", str(work), "--train-iters", str(TRAIN_ITERS)),
-        *("--save-interval", "5", "--global-batch-size", str(GLOBAL_BATCH), "--"),
-        *_features(work),
-    ]
     log = work / "log.txt"
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=work, env=env)
+        proc = subprocess.Popen(
+            ["bash", str(REPO / "launch" / "run_single_node.sh")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=work,
+            env=env,
+            start_new_session=True,
+        )
         try:
-            proc.wait(timeout=300)
+            proc.wait(timeout=400)
         except subprocess.TimeoutExpired:
             kill_tree(proc.pid)
             raise
@@ -97,12 +119,6 @@ def _stale_lease(ckpt: Path) -> Holder:
     return holder
 
 
-def _train_state_step(ckpt: Path) -> int:
-    import torch
-
-    return int(torch.load(ckpt / BRIDGE_TRACKER_FILE, weights_only=True)["step"])
-
-
 @pytest.fixture(scope="module")
 def bridge(tmp_path_factory, data_args) -> dict:
     work = tmp_path_factory.mktemp("bridge")
@@ -112,17 +128,10 @@ def bridge(tmp_path_factory, data_args) -> dict:
     copy.parent.mkdir(parents=True)
     for suffix in (".bin", ".idx"):
         shutil.copy(document + suffix, str(copy) + suffix)
-    data = ["0.4", document, "0.6", str(copy)]
     stale = _stale_lease(work / "ckpt")
-    first = _launch(work, data, tokenizer)
-    exits = first.exits()
-    plan = run_skiplist(work, *PLAN, "--apply")
-    rolled_back_to = _train_state_step(work / "ckpt")
-    second = _launch(work, data, tokenizer)
-    return dict(
-        work=work, first=first, exits=exits, plan=plan, second=second, stale=stale,
-        rolled_back_to=rolled_back_to,
-    )  # fmt: skip
+    run = _supervised(work, ["0.4", document, "0.6", str(copy)], tokenizer)
+    first, _, second = run.log.partition("attempt 2: launching training")
+    return dict(work=work, run=run, first=first, second=second, stale=stale)
 
 
 def _ledger(work: Path) -> list[dict]:
@@ -132,11 +141,12 @@ def _ledger(work: Path) -> list[dict]:
 
 @pytest.mark.timeout(900)
 def test_bridge_trains_with_every_feature(bridge: dict) -> None:
-    first: Run = bridge["first"]
-    assert "Starting training loop at iteration 0" in first.log  # Bridge's own loop
-    assert f"taking over the run lock of training pid {bridge['stale'].pid}" in first.log
+    first: str = bridge["first"]
+    assert "Starting training loop at iteration 0" in first  # Bridge's own loop
+    assert f"taking over the run lock of training pid {bridge['stale'].pid}" in first
     # Both ranks read their batches through the features' reader (Bridge's get_batch).
-    assert {r: sorted(e["reads"]) for r, e in bridge["exits"].items()} == {0: ["0"], 1: ["1"]}
+    exits = bridge["run"].exits()  # the last attempt's
+    assert {r: sorted(e["reads"]) for r, e in exits.items()} == {0: ["0"], 1: ["1"]}
     signals = read_signals(bridge["work"] / "signals" / SIGNALS_FILE)
     assert {r.iteration for r in signals} >= TRAINED
     for record in signals:
@@ -146,25 +156,30 @@ def test_bridge_trains_with_every_feature(bridge: dict) -> None:
         assert set(record.lm_loss_by_dataset) == set(MEMBERS), record
         assert record.max_loss_dp_rank in (0, 1), record
         assert record.params_norm is not None and record.lr is not None, record
-    assert all(bridge["second"].records().values())  # the sample log of each DP rank
+    assert all(bridge["run"].records().values())  # the sample log of each DP rank
 
 
 @pytest.mark.timeout(900)
-def test_the_drill_rolls_bridge_back_and_the_resume_skips_the_window(bridge: dict) -> None:
-    assert {e["exit_code"] for e in bridge["exits"].values()} == {42}
-    assert "exiting with code 42 without saving a checkpoint" in bridge["first"].log
+def test_the_supervisor_rolls_bridge_back_and_the_resume_skips_the_window(bridge: dict) -> None:
+    first, second, run = bridge["first"], bridge["second"], bridge["run"]
+    assert "rank 0 on vm exited 42" in first.replace(socket.gethostname(), "vm")
+    assert "rank 1 on vm exited 42" in first.replace(socket.gethostname(), "vm")
+    assert "exiting with code 42 without saving a checkpoint" in first
     rollback = next(e for e in _ledger(bridge["work"]) if e["kind"] == "rollback")
     assert (rollback["onset"], rollback["culprit_dp_rank"]) == (BAD[0], 1)
-    plan = bridge["plan"]
-    assert plan.returncode == 0, plan.stderr
-    assert "Roll back to checkpoint 25, skip iterations 26-37" in plan.stdout
-    # Bridge resumes from its own tracker: the apply rewrote it with Megatron's.
-    assert bridge["rolled_back_to"] == 25
-    second: Run = bridge["second"]
-    assert second.returncode == 0, second.log[-4000:]
-    assert {e["exit_code"] for e in second.exits().values()} == {0}
-    assert "megatron-ext spike detector" not in second.log
-    trained = {r.iteration for records in second.records().values() for r in records}
+    assert "Roll back to checkpoint 25, skip iterations 26-37" in first  # the spike hook
+    # Bridge resumes from its own tracker, which the apply rewrote with Megatron's.
+    assert "successfully loaded checkpoint from" in second
+    assert "at iteration 25" in second.split("successfully loaded checkpoint from", 1)[1]
+    assert run.returncode == 0, run.log[-4000:]
+    assert "training finished successfully" in second
+    assert {e["exit_code"] for e in run.exits().values()} == {0}
+    assert "megatron-ext spike detector" not in second
+    attempt_end = json.loads(
+        (bridge["work"] / "ckpt" / "launch_state" / "attempt_end.json").read_text()
+    )
+    assert attempt_end["complete"] is True
+    trained = {r.iteration for records in run.records().values() for r in records}
     assert trained == TRAINED
     import torch
 
@@ -186,7 +201,7 @@ def test_lookup_equals_the_bridge_runs_sample_log(bridge: dict, tmp_path: Path, 
     work = bridge["work"]
     recorded = {
         (r.iteration, r.dp_rank, r.microbatch): (r.sample_ids, r.token_sha1)
-        for records in bridge["second"].records().values()
+        for records in bridge["run"].records().values()
         for r in records
     }
     for iteration in (1, 25, BAD[0], 35, 38, TRAIN_ITERS):
