@@ -26,6 +26,7 @@ from megatron_ext.common.errors import StartupError
 from megatron_ext.common.versions import V19
 from megatron_ext.registry import fixes
 from megatron_ext.registry.patching import Assumption, Entry, Patch
+from megatron_ext.weight_decay.adapter import WeightDecayFeature, with_param_map
 
 BRIDGE_VERIFIED: tuple[str, ...] = ("0.6.2",)
 _TRAINING = "megatron.bridge.training"
@@ -67,6 +68,29 @@ PATCHES: tuple[Patch, ...] = (
         "type inside _pretrain, and has no public hook on the built train dataset (the sample "
         "log adds each sample's global index there). The provider it picks is wrapped so the "
         "train dataset goes through the features' on_train_dataset.",
+    ),
+)
+
+FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed feature
+    Patch(
+        name="bridge-weight-decay-map",
+        verified_on=V19,
+        target=f"{_TRAINING}.optim:get_megatron_optimizer",
+        signature="(config: megatron.core.optimizer.optimizer_config.OptimizerConfig, "
+        "model_chunks: List[megatron.core.transformer.module.MegatronModule], "
+        "config_overrides: Optional[Dict[megatron.core.optimizer.optimizer_config."
+        "ParamKey, megatron.core.optimizer_param_scheduler.ParamGroupOverride]] = None, "
+        "use_gloo_process_groups: bool = True, pg_collection: Optional[megatron.core."
+        "process_groups_config.ProcessGroupCollection] = None, "
+        "dump_param_to_param_group_map: Optional[str] = None) -> "
+        "megatron.core.optimizer.optimizer.MegatronOptimizer",
+        wrap=with_param_map,
+        feature=WeightDecayFeature,
+        reason="The registry's weight-decay-map where Bridge's setup_optimizer holds its own "
+        "reference to megatron-core's get_megatron_optimizer: with a weight-decay flag set, "
+        "print every parameter's wd_mult and the rule that decided it once the param groups "
+        "exist (proof the OptimizerConfigOverrideProvider's overrides took), and fail on a "
+        "GLOB matching nothing.",
     ),
 )
 
@@ -178,7 +202,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     ),
 )
 
-ENTRIES: tuple[Entry, ...] = (*BUGFIXES, *PATCHES, *ASSUMPTIONS)
+ENTRIES: tuple[Entry, ...] = (*BUGFIXES, *PATCHES, *FEATURE_PATCHES, *ASSUMPTIONS)
 
 
 def installed_bridge() -> str | None:

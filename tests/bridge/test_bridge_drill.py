@@ -144,6 +144,9 @@ def test_bridge_trains_with_every_feature(bridge: dict) -> None:
     first: str = bridge["first"]
     assert "Starting training loop at iteration 0" in first  # Bridge's own loop
     assert f"taking over the run lock of training pid {bridge['stale'].pid}" in first
+    # The overrides reached Bridge's optimizer (OptimizerConfigOverrideProvider).
+    assert "embedding.word_embeddings.weight wd_mult=0 <- --embedding-weight-decay-mult" in first
+    assert "mlp.linear_fc2.weight wd_mult=0.5 <- --weight-decay-override" in first
     # Both ranks read their batches through the features' reader (Bridge's get_batch).
     exits = bridge["run"].exits()  # the last attempt's
     assert {r: sorted(e["reads"]) for r, e in exits.items()} == {0: ["0"], 1: ["1"]}
