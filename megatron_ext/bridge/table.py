@@ -202,7 +202,29 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     ),
 )
 
-ENTRIES: tuple[Entry, ...] = (*BUGFIXES, *PATCHES, *FEATURE_PATCHES, *ASSUMPTIONS)
+
+def _imports(module: str, names: tuple[str, ...]) -> Assumption:
+    return Assumption(
+        name=f"imports:{module}",
+        verified_on=V19,
+        target=module,
+        names=names,
+        used_by="megatron_ext.bridge (tests/unit/test_registry.py lists every import)",
+        reason="Public names the Bridge integration imports from this module.",
+    )
+
+
+# Every megatron.bridge name the integration imports (the registry's IMPORTS, for Bridge).
+IMPORTS: tuple[Assumption, ...] = (
+    _imports(f"{_TRAINING}.callbacks", ("CallbackManager", "normalize_callbacks")),
+    _imports(f"{_TRAINING}.checkpointing", ("DefaultCheckpointManager",)),
+    _imports(f"{_TRAINING}.gpt_step", ("forward_step",)),
+    _imports(f"{_TRAINING}.pretrain", ("pretrain",)),
+    _imports(f"{_TRAINING}.train", ("save_checkpoint_and_time",)),
+    _imports("megatron.bridge.utils.instantiate_utils", ("register_allowed_target_prefix",)),
+)
+
+ENTRIES: tuple[Entry, ...] = (*BUGFIXES, *PATCHES, *FEATURE_PATCHES, *ASSUMPTIONS, *IMPORTS)
 
 
 def installed_bridge() -> str | None:
