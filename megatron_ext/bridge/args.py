@@ -100,6 +100,13 @@ def megatron_args(config: Any, flags: list[str]) -> Any:
     finally:
         sys.argv = argv
     model, train, ckpt, dataset = config.model, config.train, config.checkpoint, config.dataset
+    if (args.z_loss_coeff or args.log_output_z) and model.cross_entropy_loss_fusion:
+        raise BridgeRefusal(
+            "--z-loss-coeff / --log-output-z with config.model.cross_entropy_loss_fusion=True "
+            "(Bridge's default): z-loss replaces the language-model cross entropy with its own "
+            "one-pass CE + z kernel, so the fused cross entropy would be silently ignored. Set "
+            "cross_entropy_loss_fusion=False on the model provider"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp = model.tensor_model_parallel_size
     pp = model.pipeline_model_parallel_size
