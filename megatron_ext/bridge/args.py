@@ -107,6 +107,12 @@ def megatron_args(config: Any, flags: list[str]) -> Any:
             "one-pass CE + z kernel, so the fused cross entropy would be silently ignored. Set "
             "cross_entropy_loss_fusion=False on the model provider"
         )
+    if args.fused_output_loss and getattr(dataset, "eod_mask_loss", False):
+        raise BridgeRefusal(
+            "--fused-output-loss with dataset.eod_mask_loss=True: Bridge's GPT step does not "
+            "pass the loss mask to the model, so the fused output layer's weight gradient "
+            "would count the masked tokens. Set eod_mask_loss=False or drop the flag"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp = model.tensor_model_parallel_size
     pp = model.pipeline_model_parallel_size
@@ -132,6 +138,9 @@ def megatron_args(config: Any, flags: list[str]) -> Any:
         "vocab_size": getattr(config.tokenizer, "vocab_size", None),
         "untie_embeddings_and_output_weights": not model.share_embeddings_and_output_weights,
         "cross_entropy_loss_fusion": model.cross_entropy_loss_fusion,
+        "overlap_grad_reduce": config.ddp.overlap_grad_reduce,
+        "overlap_param_gather": config.ddp.overlap_param_gather,
+        "use_distributed_optimizer": config.ddp.use_distributed_optimizer,
         "transformer_impl": "local",
         "save": ckpt.save,
         "load": ckpt.load,

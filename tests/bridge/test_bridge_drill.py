@@ -48,11 +48,12 @@ MEMBERS = ("tiny_text_document", "copy_text_document")
 
 
 def _features(work: Path) -> list[str]:
-    """Every feature: z-loss with log Z, weight-decay overrides, bucket norms with the update
-    ratio, signals (per source on the blend), sample log, spike detector and drill, run lock
-    (Bridge's checkpoint.save)."""
+    """Every feature: z-loss with the fused output layer + loss and log Z, weight-decay
+    overrides, bucket norms with the update ratio, signals (per source on the blend), sample
+    log, spike detector and drill, run lock (Bridge's checkpoint.save)."""
     return [
         *("--z-loss-coeff", "1e-4", "--log-output-z"),
+        *("--fused-output-loss", "--fused-output-loss-chunk-tokens", "48"),
         *("--embedding-weight-decay-mult", "0", "--weight-decay-override"),
         "*.linear_fc2.weight=0.5",
         *("--log-bucket-grad-norms", "--signals-update-ratio"),
