@@ -54,6 +54,9 @@ wheels=$(mktemp -d)
     -d "$wheels" "nvidia-resiliency-ext==$NVRX_VERSION"
 "$MAIN_VENV/bin/python" -m zipfile -e "$wheels"/nvidia_resiliency_ext-*.whl "$TIER_SITE"
 rm -rf "$wheels"
+# Bytecode now, while CI's main pytest runs: each tier launch imports all of megatron.bridge
+# (thousands of modules) in every rank, and a fresh venv would compile them on first import.
+"$MAIN_VENV/bin/python" -m compileall -q -j 0 "$TIER_SITE" >/dev/null || true
 # site.addsitedir (not a bare path line) also runs the main venv's own .pth files, so the
 # editable megatron-ext install resolves as it does there.
 echo "import site; site.addsitedir('$(cd "$MAIN_SITE" && pwd)')" > "$TIER_SITE/zz_main_venv.pth"
