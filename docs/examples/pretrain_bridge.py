@@ -129,7 +129,7 @@ def config(options: argparse.Namespace):
             dataloader_type="single",
             num_workers=0,
         ),
-        logger=LoggerConfig(log_interval=1),
+        logger=LoggerConfig(log_interval=1, tensorboard_dir=str(options.work / "tensorboard")),
         tokenizer=TokenizerConfig(
             tokenizer_type="HuggingFaceTokenizer", tokenizer_model=options.tokenizer
         ),

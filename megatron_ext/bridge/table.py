@@ -182,6 +182,26 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "feature's wd_mult ParamKeys (megatron_ext.weight_decay.adapter.extend_overrides).",
     ),
     Assumption(
+        name="bridge-writers",
+        target=f"{_TRAINING}.state:GlobalState",
+        assigned=("_tensorboard_logger", "_wandb_logger"),
+        used_by="megatron_ext.bridge.wiring.share_writers",
+        verified_on=V19,
+        reason="Bridge keeps its TensorBoard / W&B writers on its GlobalState (lazy properties "
+        "tensorboard_logger, wandb_logger, on the last rank), not in Megatron's globals, "
+        "where the features look for them; they are shared into Megatron's "
+        "megatron.training.global_vars _GLOBAL_TENSORBOARD_WRITER / _GLOBAL_WANDB_WRITER "
+        "(module attributes, checked by megatron-bridge-global-writers).",
+    ),
+    Assumption(
+        name="megatron-bridge-global-writers",
+        target="megatron.training.global_vars",
+        names=("_GLOBAL_TENSORBOARD_WRITER", "_GLOBAL_WANDB_WRITER"),
+        used_by="megatron_ext.bridge.wiring.share_writers",
+        verified_on=V19,
+        reason="Megatron's global writers, set to Bridge's (bridge-writers).",
+    ),
+    Assumption(
         name="bridge-target-allowlist",
         target="megatron.bridge.utils.instantiate_utils",
         names=("register_allowed_target_prefix",),

@@ -141,11 +141,22 @@ def on_train_start(features: FeatureSet, context: Any) -> None:
     vocabulary size, which Megatron puts on its args when it builds the tokenizer, is known
     from here (Bridge built it in its setup)."""
     sync_counters(features.args, context.state, after_step=False)
+    share_writers(context.state)
     features.args.vocab_size = context.state.tokenizer.vocab_size
     features.args.padded_vocab_size = context.state.cfg.model.vocab_size
     model = context.model if isinstance(context.model, list) else [context.model]
     for feature in features.using(Feature.on_setup):
         feature.on_setup(model, context.optimizer)
+
+
+def share_writers(state: Any) -> None:
+    """Bridge's TensorBoard and W&B writers (on its state object, made on the last rank, the
+    features' writing rank) as Megatron's global writers, which the features write their
+    scalars to (bucket norms, per-source losses). Registry ``bridge-writers``."""
+    from megatron.training import global_vars
+
+    global_vars._GLOBAL_TENSORBOARD_WRITER = state.tensorboard_logger
+    global_vars._GLOBAL_WANDB_WRITER = state.wandb_logger
 
 
 def on_train_step_start(features: FeatureSet, context: Any) -> None:

@@ -161,6 +161,13 @@ def test_bridge_trains_with_every_feature(bridge: dict) -> None:
         assert record.max_loss_dp_rank in (0, 1), record
         assert record.params_norm is not None and record.lr is not None, record
     assert all(bridge["run"].records().values())  # the sample log of each DP rank
+    # The features' scalars go to Bridge's own TensorBoard writer (on its state object).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(bridge["work"] / "tensorboard"))
+    tags = events.Reload().Tags()["scalars"]
+    assert any(t.startswith("bucket-grad-norm/") for t in tags), tags
+    assert {f"lm-loss-by-dataset/{m}" for m in MEMBERS} <= set(tags), tags
 
 
 @pytest.mark.timeout(900)
