@@ -36,7 +36,8 @@ def final_save(features: FeatureSet, config: Any, manager: Any, context: Any) ->
         return
     from megatron.bridge.training.train import save_checkpoint_and_time
 
-    print(f"megatron-ext: saving the final checkpoint {step} (its iteration was skipped)")
+    if context.state.train_state.step == step and _rank() == 0:
+        print(f"megatron-ext: saving the final checkpoint {step} (its iteration was skipped)")
     save_checkpoint_and_time(
         context.state,
         context.model,
@@ -66,6 +67,12 @@ def apply_launcher_flags(config: Any, flags: list[str]) -> None:
         config.checkpoint.load = given.load
     if given.exit_signal_handler:
         config.train.exit_signal_handler = True
+
+
+def _rank() -> int:
+    from megatron_ext.fork.start import rank
+
+    return rank()
 
 
 def _start(config: Any, flags: list[str]) -> Any:
