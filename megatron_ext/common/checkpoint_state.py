@@ -207,8 +207,14 @@ def _dcp_item(directory: Path, fqn: str) -> bytes:
 
 
 def read_common_state(directory: str | Path) -> dict[str, Any]:
-    """The common state dict of one checkpoint directory (``iter_NNNNNNN``)."""
+    """The common state dict of one checkpoint directory (``iter_NNNNNNN``); for a
+    Megatron-Bridge checkpoint, made from its run configuration
+    (:mod:`megatron_ext.common.bridge_state`)."""
     directory = Path(directory)
+    from megatron_ext.common import bridge_state
+
+    if bridge_state.is_bridge_checkpoint(directory):
+        return bridge_state.read_bridge_state(directory)
     legacy = directory / CHECKPOINT_COMMON_FILE
     if legacy.is_file():
         state = _torch_archive(legacy.read_bytes())

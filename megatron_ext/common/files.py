@@ -31,6 +31,16 @@ CHECKPOINT_COMMON_FILE = "common.pt"
 # holding model_optim_rng.pt (and distrib_optim.pt with the distributed optimizer).
 LEGACY_RANK_DIR_GLOB = "mp_rank_*"
 LEGACY_MODEL_FILE = "model_optim_rng.pt"
+# -- Megatron-Bridge's own names (megatron-bridge 0.6.2, training/utils/checkpoint_utils.py;
+# registry megatron_ext.bridge.table bridge-train-state-files) ------------------------------
+# Bridge resumes from ROOT/latest_train_state.pt (a copy of the newest iter_*/train_state.pt)
+# before it reads Megatron's tracker; each checkpoint holds its run_config.yaml, not args.
+BRIDGE_TRAIN_STATE_FILE = "train_state.pt"
+BRIDGE_TRACKER_FILE = "latest_train_state.pt"
+BRIDGE_RUN_CONFIG_FILE = "run_config.yaml"
+# Written by megatron-ext beside them (megatron_ext.bridge.checkpoints): the world and
+# data-parallel sizes, which Bridge's files do not hold and the lookup needs.
+BRIDGE_LAYOUT_FILE = "megatron_ext_bridge_layout.json"
 
 
 def checkpoint_dir(root: str | Path, iteration: int) -> Path:

@@ -4,7 +4,9 @@ Usage (world size 2): ``python -m torch.distributed.run --nproc-per-node 2
 megatron_ext/cpu/run.py <megatron and megatron-ext args>`` (what ``megatron-ext train --cpu``
 runs, with the CPU flags first). ``run.py --script PATH <args>`` runs the pretrain script at
 PATH as ``__main__`` instead (a script of the user's own on :mod:`megatron_ext.fork`, such as
-``docs/examples/pretrain_gpt_fork.py``), under the same shims.
+``docs/examples/pretrain_gpt_fork.py``), under the same shims; ``run.py --bridge-script PATH
+<args>`` runs a Megatron-Bridge script the same way, with the harness's Bridge additions
+(:mod:`megatron_ext.cpu.bridge`).
 
 Besides the shim counters, each rank records what tests cannot read from the run's own files:
 how many micro-batches it read from the data iterator, per DP rank it read them for, and the
@@ -42,6 +44,11 @@ def _code(exit_code: object) -> int:
 def _training(argv: list[str]) -> Callable[[], object]:
     """What to run: the entry point with ``argv``, or with ``--script PATH`` first, that
     script as ``__main__`` with the rest as its command line."""
+    if argv[:1] == ["--bridge-script"]:
+        from megatron_ext.cpu import bridge
+
+        bridge.install()
+        argv = ["--script", *argv[1:]]
     if argv[:1] != ["--script"]:
         import pretrain_gpt_ext
 

@@ -1,14 +1,18 @@
 """``skiplist --apply`` as a journaled transaction: a kill at any point leaves a resumable run.
 
 Applying a plan changes four things in the checkpoint directory: the persisted skip list, the
-checkpoint tracker, (confirm policy) Megatron's result-rejected tracker, and where the
-checkpoints newer than the rollback target live. Done in the wrong order, a kill -9 in
+checkpoint tracker (and, for a Megatron-Bridge run, Bridge's own tracker
+``latest_train_state.pt``, which Bridge's resume reads before Megatron's: rewriting only
+Megatron's would be silently ignored), (confirm policy) Megatron's result-rejected tracker,
+and where the checkpoints newer than the rollback target live. Done in the wrong order, a kill -9 in
 between leaves a tracker naming a checkpoint that was moved aside, and every resume crashes.
 So the apply is a transaction:
 
 1. the **intent** (``CKPT/megatron_ext_apply_journal.json``) is written atomically: what
    each file held before, what it will hold, every move;
-2. the skip list, then the tracker (it names the rollback target, which is never moved);
+2. the skip list, then the tracker (it names the rollback target, which is never moved), then
+   Bridge's ``latest_train_state.pt`` where the target holds a Bridge ``train_state.pt`` (a
+   copy of it, as Bridge's own save writes it);
 3. the result-rejected tracker lines (only those not already there);
 4. the moves, one ``rename`` each (``CKPT/rolled_back/incident-NNN/``; nothing is deleted);
 5. the incident is recorded as applied (``megatron_ext_incidents/applied.jsonl``);
@@ -25,6 +29,7 @@ every boundary.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import time
@@ -35,6 +40,8 @@ from typing import Any
 from megatron_ext.common.errors import UsageError
 from megatron_ext.common.files import (
     APPLY_JOURNAL_FILE,
+    BRIDGE_TRACKER_FILE,
+    BRIDGE_TRAIN_STATE_FILE,
     CHECKPOINT_TRACKER_FILE,
     SKIPPED_ITERATIONS_FILE,
     applied_incidents_file,
@@ -69,6 +76,8 @@ class Journal:
     applied: dict[str, Any]  # the line recorded in applied.jsonl
     rejected_tracker: str | None = None  # Megatron's --result-rejected-tracker-filename
     rejected_lines: list[str] = field(default_factory=list)
+    # Megatron-Bridge's tracker before the apply, base64 (None: there was none).
+    bridge_tracker_before: str | None = None
 
 
 def journal_path(ckpt_dir: str | Path) -> Path:
@@ -146,12 +155,21 @@ def _set_rejected_lines(journal: Journal, present: bool) -> None:
         atomic_write(path, "".join(line for line in lines if line not in journal.rejected_lines))
 
 
+def _bridge_target(ckpt_dir: Path, journal: Journal) -> Path | None:
+    """The rollback target's Bridge train state (None: not a Megatron-Bridge checkpoint)."""
+    path = checkpoint_dir(ckpt_dir, journal.rollback_to) / BRIDGE_TRAIN_STATE_FILE
+    return path if path.is_file() else None
+
+
 def _carry_out(ckpt_dir: Path, journal: Journal) -> None:
     """Steps 2-6; each one is a no-op when already done."""
     _check_target(ckpt_dir, journal)
     atomic_write(ckpt_dir / SKIPPED_ITERATIONS_FILE, journal.skips_after)
     kill_point()
     atomic_write(ckpt_dir / CHECKPOINT_TRACKER_FILE, f"{journal.rollback_to}\n")
+    bridge_state = _bridge_target(ckpt_dir, journal)
+    if bridge_state is not None:
+        atomic_write(ckpt_dir / BRIDGE_TRACKER_FILE, bridge_state.read_bytes())
     kill_point()
     _set_rejected_lines(journal, present=True)
     kill_point()
@@ -171,6 +189,9 @@ def apply(ckpt_dir: str | Path, journal: Journal) -> None:
     ckpt_dir = Path(ckpt_dir)
     if pending(ckpt_dir) is not None:
         raise TransactionError(f"{journal_path(ckpt_dir)} exists: finish or undo it first")
+    bridge_tracker = ckpt_dir / BRIDGE_TRACKER_FILE
+    if bridge_tracker.is_file() and journal.bridge_tracker_before is None:
+        journal.bridge_tracker_before = base64.b64encode(bridge_tracker.read_bytes()).decode()
     atomic_write_json(journal_path(ckpt_dir), asdict(journal))
     kill_point()
     _carry_out(ckpt_dir, journal)
@@ -195,6 +216,10 @@ def undo_pending(ckpt_dir: str | Path) -> Journal | None:
         _move(ckpt_dir, destination, source, journal)
         kill_point()
     _restore(ckpt_dir / CHECKPOINT_TRACKER_FILE, journal.tracker_before)
+    if journal.bridge_tracker_before is not None:
+        atomic_write(
+            ckpt_dir / BRIDGE_TRACKER_FILE, base64.b64decode(journal.bridge_tracker_before)
+        )
     kill_point()
     _restore(ckpt_dir / SKIPPED_ITERATIONS_FILE, journal.skips_before)
     kill_point()

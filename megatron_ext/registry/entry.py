@@ -237,6 +237,7 @@ IMPORTS: tuple[Assumption, ...] = (
             "get_tensorboard_writer",
             "get_timers",
             "get_wandb_writer",
+            "global_vars",
             "inprocess_restart",
             "pretrain",
             "print_rank_0",

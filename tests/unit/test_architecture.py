@@ -125,7 +125,7 @@ def test_readme_feature_table_points_to_one_folder_per_feature() -> None:
 # import another folder of its layer.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("commands", (".", "cpu", "plot", "supervise")),
-    ("integrations", ("fork",)),
+    ("integrations", ("fork", "bridge")),
     ("offline tools", ("lookup", "incidents")),
     ("loop and registry", ("loop", "registry")),
     (

@@ -1,0 +1,166 @@
+"""The Megatron-style args the features are installed on, made from a Bridge ``ConfigContainer``.
+
+Why: every feature keeps the Megatron ``args`` namespace it was installed with (its flags and
+Megatron's: layout, batch sizes, paths, loop counters) and reads nothing else. Bridge has no
+such namespace (its configuration is the ConfigContainer), so one is made here: Megatron's own
+parser with the overlay's group (every Megatron default, so a feature reading a Megatron
+field finds it), the megatron-ext flags the user gave, and the fields the features read
+copied from the ConfigContainer. It is also made Megatron's global args (``set_args``): the
+megatron-core helpers the features call (``calc_params_l2_norm``) read them there.
+
+What cannot work under Bridge is refused here, before anything starts
+(:class:`BridgeRefusal`), with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from megatron_ext.common.errors import StartupError
+
+
+class BridgeRefusal(StartupError):
+    """The Bridge configuration asks for something the integration cannot support."""
+
+
+def refuse_unsupported(config: Any) -> None:
+    """The ConfigContainer settings the features cannot run under, each with why."""
+    restart = getattr(config, "inprocess_restart", None)
+    if restart is not None and getattr(restart, "enabled", False):
+        raise BridgeRefusal(
+            "inprocess_restart.enabled: Bridge's in-process restart catches the spike "
+            "detector's exit (SystemExit with the rollback code) and restarts the loop in the "
+            "same process from the same checkpoint, so the rollback never reaches the "
+            "supervisor and the bad window is replayed. Disable it; megatron-ext's supervisor "
+            "relaunches the job (launch/run_single_node.sh)"
+        )
+    model = config.model
+    if getattr(model, "tensor_model_parallel_size", 1) > 1:
+        raise BridgeRefusal(
+            "tensor_model_parallel_size > 1: Bridge loads the TP-replicated batch on every TP "
+            "rank (Megatron reads it on TP rank 0 and broadcasts), so the per-batch features "
+            "(sample log, per-source loss, drill) would run once per TP rank; not verified, "
+            "refused until a run checks it"
+        )
+    if getattr(model, "pipeline_model_parallel_size", 1) > 1:
+        raise BridgeRefusal(
+            "pipeline_model_parallel_size > 1 is not verified with Bridge's loop yet (the "
+            "layout matrix covers it under Megatron's); train with PP=1 or with "
+            "pretrain_gpt_ext.py"
+        )
+    if getattr(config.checkpoint, "async_save", False):
+        raise BridgeRefusal(
+            "checkpoint.async_save: the save veto and the rollback's train-state rewrite are "
+            "verified with synchronous saves only"
+        )
+    if getattr(config.checkpoint, "custom_manager_class", None) is not None:
+        raise BridgeRefusal(
+            "checkpoint.custom_manager_class is set: megatron-ext puts its own manager there "
+            "(the spike detector's save veto); combine the two by hand or drop yours"
+        )
+    if getattr(config.ddp, "use_megatron_fsdp", False) or getattr(
+        config.dist, "use_megatron_fsdp", False
+    ):
+        raise BridgeRefusal(
+            "Megatron-FSDP: the features are not verified under it (telemetry needs Megatron's "
+            "ChainedOptimizer and DDP buckets)"
+        )
+
+
+def _data_path(dataset: Any) -> list[str] | None:
+    """Megatron's ``--data-path`` words for the dataset's blend (``[weight] prefix ...``)."""
+    data_path = getattr(dataset, "data_path", None)
+    if isinstance(data_path, str):
+        return data_path.split()
+    if data_path:
+        return [str(word) for word in data_path]
+    blend = getattr(dataset, "blend", None)
+    if not blend:
+        return None
+    prefixes, weights = blend
+    if weights is None:
+        return list(prefixes)
+    return [word for pair in zip(weights, prefixes) for word in (str(pair[0]), pair[1])]
+
+
+def megatron_args(config: Any, flags: list[str]) -> Any:
+    """Megatron's parser (with the overlay's group) on ``flags``, then the ConfigContainer's
+    fields the features read. Also Megatron's global args."""
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args
+
+    from megatron_ext.loop.install import add_megatron_ext_args
+
+    argv = sys.argv
+    sys.argv = [argv[0], *flags]
+    try:
+        args = parse_args(extra_args_provider=add_megatron_ext_args)
+    finally:
+        sys.argv = argv
+    model, train, ckpt, dataset = config.model, config.train, config.checkpoint, config.dataset
+    if (args.z_loss_coeff or args.log_output_z) and model.cross_entropy_loss_fusion:
+        raise BridgeRefusal(
+            "--z-loss-coeff / --log-output-z with config.model.cross_entropy_loss_fusion=True "
+            "(Bridge's default): z-loss replaces the language-model cross entropy with its own "
+            "one-pass CE + z kernel, so the fused cross entropy would be silently ignored. Set "
+            "cross_entropy_loss_fusion=False on the model provider"
+        )
+    if args.fused_output_loss and getattr(dataset, "eod_mask_loss", False):
+        raise BridgeRefusal(
+            "--fused-output-loss with dataset.eod_mask_loss=True: Bridge's GPT step does not "
+            "pass the loss mask to the model, so the fused output layer's weight gradient "
+            "would count the masked tokens. Set eod_mask_loss=False or drop the flag"
+        )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = model.tensor_model_parallel_size
+    pp = model.pipeline_model_parallel_size
+    cp = getattr(model, "context_parallel_size", 1) or 1
+    values = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "world_size": world,
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "context_parallel_size": cp,
+        "virtual_pipeline_model_parallel_size": model.virtual_pipeline_model_parallel_size,
+        "sequence_parallel": model.sequence_parallel,
+        "num_experts": model.num_moe_experts,
+        "data_parallel_size": world // (tp * pp * cp),
+        "micro_batch_size": train.micro_batch_size,
+        "global_batch_size": train.global_batch_size,
+        "train_iters": train.train_iters,
+        # The skip lists the start-up resolved (flags, file, persisted), and the config's own.
+        "iterations_to_skip": sorted(
+            {*(args.iterations_to_skip or ()), *(train.iterations_to_skip or ())}
+        ),
+        "seq_length": model.seq_length,
+        "vocab_size": getattr(config.tokenizer, "vocab_size", None),
+        "untie_embeddings_and_output_weights": not model.share_embeddings_and_output_weights,
+        "cross_entropy_loss_fusion": model.cross_entropy_loss_fusion,
+        "overlap_grad_reduce": config.ddp.overlap_grad_reduce,
+        "overlap_param_gather": config.ddp.overlap_param_gather,
+        "use_distributed_optimizer": config.ddp.use_distributed_optimizer,
+        "transformer_impl": "local",
+        "save": ckpt.save,
+        "load": ckpt.load,
+        "save_interval": ckpt.save_interval,
+        "async_save": ckpt.async_save,
+        "finetune": bool(getattr(ckpt, "finetune", False)),
+        "no_load_optim": bool(getattr(ckpt, "load_optim", True) is False),
+        "data_path": _data_path(dataset),
+        "split": getattr(dataset, "split", None),
+        "data_cache_path": getattr(dataset, "path_to_cache", None),
+        "dataloader_type": getattr(dataset, "dataloader_type", None),
+        "mock_data": bool(getattr(dataset, "mock", False)),
+        "seed": config.rng.seed,
+        "log_interval": config.logger.log_interval,
+        "iteration": 0,
+        "curr_iteration": 0,
+        "consumed_train_samples": 0,
+        "skipped_train_samples": 0,
+    }
+    for name, value in values.items():
+        setattr(args, name, value)
+    global_vars.set_args(args)
+    return args

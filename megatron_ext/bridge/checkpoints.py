@@ -1,0 +1,82 @@
+"""The checkpoint manager Bridge builds from ``CheckpointConfig.custom_manager_class``: Bridge's
+own default manager, behind the features' ``on_checkpoint`` (the save veto).
+
+Why a manager and not a callback: Bridge's ``on_checkpoint_save`` event fires after the save,
+too late to keep a checkpoint of a spiking model from becoming the rollback target. Its
+public ``custom_manager_class`` is the one place every save passes before it is written
+(interval saves, the exit-signal and rerun saves, the final save). Bridge constructs the class
+itself with the checkpoint config only, so the run's features come from the
+``CallbackManager`` Bridge hands ``save`` (:func:`megatron_ext.bridge.wiring.register_callbacks`
+put them on its ``user_state``). Registry assumption ``bridge-checkpoint-manager``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_ext.common.errors import StartupError
+from megatron_ext.common.features import Feature
+
+FEATURES_KEY = "megatron_ext_features"
+# What CheckpointConfig.custom_manager_class names (Bridge imports it by this name).
+CLASS_PATH = "megatron_ext.bridge.checkpoints.VetoingCheckpointManager"
+
+
+def write_layout(save: str, iteration: int, args: Any) -> None:
+    """Rank 0: the world and data-parallel sizes beside Bridge's files in the checkpoint
+    (:mod:`megatron_ext.common.bridge_state` reads them; Bridge's run_config.yaml lacks them)."""
+    import torch
+
+    from megatron_ext.common.files import BRIDGE_LAYOUT_FILE, checkpoint_dir
+    from megatron_ext.common.io import atomic_write_json
+
+    if torch.distributed.get_rank() == 0:
+        layout = {"world_size": args.world_size, "data_parallel_size": args.data_parallel_size}
+        atomic_write_json(checkpoint_dir(save, iteration) / BRIDGE_LAYOUT_FILE, layout)
+
+
+class VetoingCheckpointManager:
+    """Bridge's ``DefaultCheckpointManager``, with every save asked of the features first."""
+
+    def __init__(self, checkpoint_config: Any) -> None:
+        from megatron.bridge.training.checkpointing import DefaultCheckpointManager
+
+        self.default = DefaultCheckpointManager(checkpoint_config)
+        self.checkpoint_config = checkpoint_config
+        self.last_saved: int | None = None
+
+    @property
+    def checkpointing_context(self) -> dict[str, Any]:
+        return self.default.checkpointing_context
+
+    def save(self, ctx: Any, callback_manager: Any) -> None:
+        """Save unless a feature vetoes it (every feature hears about it, as in Megatron)."""
+        features = (
+            None if callback_manager is None else callback_manager.user_state.get(FEATURES_KEY)
+        )
+        if features is None:
+            raise StartupError(
+                f"{CLASS_PATH} saved without megatron-ext's features on the callback manager: "
+                "start training with megatron_ext.bridge.pretrain, not Bridge's pretrain"
+            )
+        iteration = ctx.state.train_state.step
+        users = features.using(Feature.on_checkpoint)
+        if not all([feature.on_checkpoint(iteration) for feature in users]):
+            return None
+        self.default.save(ctx, callback_manager)
+        self.last_saved = iteration
+        write_layout(self.checkpoint_config.save, iteration, features.args)
+        return None
+
+    def load(self, ctx: Any) -> tuple[int, int]:
+        return self.default.load(ctx)
+
+    def finalize_async_saves(
+        self, state: Any, blocking: bool = False, terminate: bool = False
+    ) -> None:
+        self.default.finalize_async_saves(state, blocking=blocking, terminate=terminate)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "default":
+            raise AttributeError(name)
+        return getattr(self.default, name)

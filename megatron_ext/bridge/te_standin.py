@@ -1,0 +1,111 @@
+"""A Transformer Engine import stand-in shown to exactly one Bridge module.
+
+Why: every ``import megatron.bridge`` (its package ``__init__`` imports the model bridges,
+which import the PEFT package) reaches ``megatron.bridge.peft.lora_layers``, whose first lines
+are ``import transformer_engine.pytorch as te``, unguarded, and whose class bodies name
+``te.ops.Sequential`` in annotations evaluated at definition time. Without Transformer Engine
+(every CPU machine, and GPU machines that train with Megatron's local layer spec) Bridge does
+not import at all, although nothing on a GPT pretraining path calls LoRA.
+
+What: a meta-path finder that answers ``transformer_engine`` and its submodules **only while
+``megatron.bridge.peft.lora_layers`` itself is being imported** (checked on the importing
+frame), with modules whose every attribute is a class that refuses to be instantiated. Any
+other importer (Megatron's own optional TE probes, megatron-ext's
+:func:`megatron_ext.fork.start.default_transformer_impl`, ``importlib.util.find_spec``) still
+finds no Transformer Engine; the stand-ins are removed from ``sys.modules`` once
+``lora_layers`` is loaded, so they cannot leak into a later import. Using LoRA then fails
+loudly with the reason (:class:`TransformerEngineAbsent`). Where Transformer Engine is
+installed, :func:`install` does nothing. Registry entry ``bridge-te-import``
+(:mod:`megatron_ext.bridge.table`) declares the module and the Bridge version verified.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from typing import Any
+
+from megatron_ext.common.errors import StartupError
+
+# The one module shown the stand-in, and the Transformer Engine modules it imports.
+IMPORTER = "megatron.bridge.peft.lora_layers"
+STANDS_IN_FOR = "transformer_engine"
+
+
+class TransformerEngineAbsent(StartupError):
+    """Code outside the stand-in's purpose used it: a Transformer Engine layer was built."""
+
+
+def _absent_class(name: str) -> type:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise TransformerEngineAbsent(
+            f"transformer_engine.{name} is not installed: megatron-ext gave "
+            f"{IMPORTER} an import stand-in so that Megatron-Bridge imports without "
+            "Transformer Engine; LoRA and TE layers need the real package."
+        )
+
+    return type(name.rsplit(".", 1)[-1], (), {"__new__": refuse, "__module__": STANDS_IN_FOR})
+
+
+class _StandIn(types.ModuleType):
+    """A module whose unknown attributes are refusing classes (``te.Linear``) or, for the
+    lower-case names Bridge reaches through (``te.ops``), stand-in submodules."""
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        full = f"{self.__name__}.{attr}"
+        value: Any = _StandIn(full) if attr[:1].islower() else _absent_class(full)
+        setattr(self, attr, value)
+        return value
+
+
+def _importing_lora_layers() -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == IMPORTER:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``transformer_engine[.x]`` for :data:`IMPORTER` only."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name.split(".")[0] != STANDS_IN_FOR or not _importing_lora_layers():
+            return None
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _StandIn(spec.name)
+        module.__path__ = []  # a package: submodule imports come back here
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+FINDER = _Finder()
+
+
+def install() -> bool:
+    """Put the finder first on ``sys.meta_path`` unless Transformer Engine is installed; import
+    ``lora_layers`` through it now and drop the stand-ins from ``sys.modules``. Idempotent.
+    True when the stand-in was used."""
+    if IMPORTER in sys.modules:
+        return False
+    if importlib.util.find_spec(STANDS_IN_FOR) is not None:
+        return False
+    sys.meta_path.insert(0, FINDER)
+    try:
+        importlib.import_module(IMPORTER)
+    finally:
+        sys.meta_path.remove(FINDER)
+        for name in [n for n in sys.modules if n.split(".")[0] == STANDS_IN_FOR]:
+            if isinstance(sys.modules[name], _StandIn):
+                del sys.modules[name]
+    return True

@@ -1,0 +1,116 @@
+"""A Megatron-Bridge checkpoint's common state, as the offline tools read Megatron's.
+
+Why: a Bridge checkpoint (``iter_NNNNNNN/``) holds no Megatron ``args``; its run's
+configuration is ``run_config.yaml`` (the whole ``ConfigContainer``) and its loop counters
+``train_state.pt``. The lookup and the skip planner read Megatron's saved args
+(:func:`megatron_ext.common.checkpoint_state.read_common_state`), so for a Bridge checkpoint
+the same namespace is made here: Megatron's parser defaults, then the fields the run
+configuration and the train state hold, renamed where Bridge names them differently. The
+data-parallel size, which neither file holds, comes from the record megatron-ext's checkpoint
+manager writes beside them (:data:`megatron_ext.common.files.BRIDGE_LAYOUT_FILE`). Megatron,
+torch and yaml are imported only when a Bridge checkpoint is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.common.errors import Refusal
+from megatron_ext.common.files import (
+    BRIDGE_LAYOUT_FILE,
+    BRIDGE_RUN_CONFIG_FILE,
+    BRIDGE_TRAIN_STATE_FILE,
+)
+
+# Megatron arg <- (section, Bridge field) where the names differ.
+RENAMED = {
+    "seed": ("dataset", "random_seed"),
+    "data_cache_path": ("dataset", "path_to_cache"),
+    "create_attention_mask_in_dataloader": ("dataset", "create_attention_mask"),
+    "tokenizer_type": ("tokenizer", "tokenizer_type"),
+    "tokenizer_model": ("tokenizer", "tokenizer_model"),
+    "vocab_size": ("tokenizer", "vocab_size"),
+    "eval_interval": ("validation", "eval_interval"),
+    "eval_iters": ("validation", "eval_iters"),
+}
+# Sections whose fields keep Megatron's names.
+SECTIONS = ("train", "dataset")
+MODEL_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "seq_length")
+
+
+class BridgeStateError(Refusal):
+    """A Bridge checkpoint's files cannot be read as its run's configuration."""
+
+
+def is_bridge_checkpoint(directory: str | Path) -> bool:
+    return (Path(directory) / BRIDGE_RUN_CONFIG_FILE).is_file()
+
+
+def _megatron_defaults() -> argparse.Namespace:
+    from megatron.training.arguments import parse_args
+
+    argv = sys.argv
+    sys.argv = [argv[0]]
+    try:
+        return parse_args()
+    finally:
+        sys.argv = argv
+
+
+def _data_path(dataset: dict[str, Any]) -> list[str] | None:
+    data_path = dataset.get("data_path")
+    if isinstance(data_path, str):
+        return data_path.split()
+    if data_path:
+        return [str(word) for word in data_path]
+    blend = dataset.get("blend")
+    if not blend:
+        return None
+    prefixes, weights = blend
+    if weights is None:
+        return list(prefixes)
+    return [w for pair in zip(weights, prefixes) for w in (str(pair[0]), pair[1])]
+
+
+def read_bridge_state(directory: str | Path) -> dict[str, Any]:
+    """``{"args": Namespace, "iteration": step}`` for one Bridge ``iter_NNNNNNN``."""
+    import torch
+    import yaml
+
+    directory = Path(directory)
+    try:
+        config = yaml.safe_load((directory / BRIDGE_RUN_CONFIG_FILE).read_text())
+        state = torch.load(
+            directory / BRIDGE_TRAIN_STATE_FILE, map_location="cpu", weights_only=True
+        )
+        layout = json.loads((directory / BRIDGE_LAYOUT_FILE).read_text())
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise BridgeStateError(
+            f"{directory}: cannot read it as a Megatron-Bridge checkpoint ({exc}); the lookup "
+            f"needs {BRIDGE_RUN_CONFIG_FILE}, {BRIDGE_TRAIN_STATE_FILE} and megatron-ext's "
+            f"{BRIDGE_LAYOUT_FILE} (written when megatron_ext.bridge.pretrain saves)"
+        ) from None
+    args = _megatron_defaults()
+    for section in SECTIONS:
+        for key, value in (config.get(section) or {}).items():
+            if hasattr(args, key) and not key.startswith("_"):
+                setattr(args, key, value)
+    for name, (section, key) in RENAMED.items():
+        setattr(args, name, (config.get(section) or {}).get(key))
+    for name in MODEL_FIELDS:
+        setattr(args, name, config["model"][name])
+    args.context_parallel_size = config["model"].get("context_parallel_size") or 1
+    args.data_path = _data_path(config["dataset"])
+    args.data_parallel_size = layout["data_parallel_size"]
+    args.world_size = layout["world_size"]
+    args.iterations_to_skip = list(config["train"].get("iterations_to_skip") or [])
+    counters = {key: int(value) for key, value in state.items() if key != "do_train"}
+    args.iteration = counters["step"]
+    args.consumed_train_samples = counters["consumed_train_samples"]
+    args.skipped_train_samples = counters["skipped_train_samples"]
+    args.save = (config.get("checkpoint") or {}).get("save")
+    return {"args": args, "iteration": args.iteration, "checkpoint_version": 3.0}

@@ -1,0 +1,238 @@
+"""Megatron-Bridge's real ``pretrain`` with every megatron-ext feature, through the spike drill
+(CPU harness, DP=2, gloo, a two-prefix blend): ``docs/examples/pretrain_bridge.py`` on
+``megatron_ext.bridge.pretrain``, run by megatron-ext's supervisor
+(``launch/run_single_node.sh``, ``TRAIN_SCRIPT`` the CPU runner with ``--bridge-script``). The
+detector flags DP rank 1's corrupted batches and every rank exits 42 without saving; the
+supervisor runs ``skiplist --apply``, which rolls the run back (Megatron's tracker and Bridge's
+``latest_train_state.pt``, one journaled transaction), and relaunches; the resumed run skips
+the window through Bridge's ``train.iterations_to_skip``; ``megatron-ext lookup``, reading the
+Bridge checkpoint's ``run_config.yaml``, answers every checked iteration with the sample log's
+record.
+
+One supervised job of two attempts, as tests/e2e/test_fork_example.py runs the fork's
+script: the same flags, drill and plan, Bridge's loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.common.files import (
+    RUN_LOCK_FILE,
+    SIGNALS_FILE,
+    SPIKE_LEDGER_FILE,
+)
+from megatron_ext.common.records.signals import read_signals
+from megatron_ext.common.run_lock import Holder
+from megatron_ext.lookup import cli
+from tests.support.harness import REPO, RUNNER, Run, kill_tree
+from tests.support.slurm import free_port
+
+EXAMPLE = REPO / "docs" / "examples" / "pretrain_bridge.py"
+TRAIN_ITERS, GLOBAL_BATCH = 50, 8
+BAD = (32, 36)  # garbage tokens on DP rank 1 (inclusive)
+PLAN = ["--rollback-iters", "5", "--skip-batches", "12"]  # back to 25, skip 26-37
+SKIPPED = range(26, 38)
+TRAINED = set(range(1, BAD[0] + 4)) | set(range(SKIPPED[-1] + 1, TRAIN_ITERS + 1))
+MEMBERS = ("tiny_text_document", "copy_text_document")
+
+
+def _features(work: Path) -> list[str]:
+    """Every feature: z-loss with the fused output layer + loss and log Z, weight-decay
+    overrides, bucket norms with the update ratio, signals (per source on the blend), sample
+    log, spike detector and drill, run lock (Bridge's checkpoint.save)."""
+    return [
+        *("--z-loss-coeff", "1e-4", "--log-output-z"),
+        *("--fused-output-loss", "--fused-output-loss-chunk-tokens", "48"),
+        *("--embedding-weight-decay-mult", "0", "--weight-decay-override"),
+        "*.linear_fc2.weight=0.5",
+        *("--log-bucket-grad-norms", "--signals-update-ratio"),
+        *("--signals-dir", str(work / "signals"), "--sample-log-dir", str(work / "samples")),
+        *("--spike-detect", "--spike-window", "10", "--spike-warmup", "20"),
+        *("--spike-grad-factor", "1.5", "--spike-mad-k", "3", "--spike-patience", "3"),
+        *("--drill-corrupt-batch", f"{BAD[0]}-{BAD[1]}:1", "--drill-corruption", "garbage"),
+    ]
+
+
+def _supervised(work: Path, data: list[str], tokenizer: str) -> Run:
+    """``launch/run_single_node.sh`` (the supervisor) with the CPU runner's ``--bridge-script``
+    as its training script: attempts, spike hook (``skiplist --apply``), relaunch."""
+    python = sys.executable
+    env = dict(
+        os.environ,
+        CKPT_DIR=str(work / "ckpt"),
+        LAUNCHER="torchrun",
+        PYTHON=python,
+        TORCHRUN=f"{python} -m torch.distributed.run",
+        TRAIN_SCRIPT=str(RUNNER),
+        GPUS_PER_NODE="2",
+        MASTER_PORT=str(free_port()),
+        OMP_NUM_THREADS="1",
+        TORCH_ELASTIC_SHUTDOWN_TIMEOUT="60",
+        MODEL_ARGS=" ".join(
+            [
+                *("--bridge-script", str(EXAMPLE), "--data-path", *data),
+                *("--tokenizer", tokenizer, "--work", str(work)),
+                *("--train-iters", str(TRAIN_ITERS), "--save-interval", "5"),
+                *("--global-batch-size", str(GLOBAL_BATCH)),
+            ]
+        ),
+        DATA_ARGS="",
+        EXTRA_ARGS=" ".join(_features(work)),
+        EXTRA_ENV=f"MEGATRON_EXT_HARNESS_COUNTS={work / 'counts'} PYTHONUNBUFFERED=1",
+        SKIPLIST_ARGS=" ".join(PLAN),
+    )
+    log = work / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            ["bash", str(REPO / "launch" / "run_single_node.sh")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=work,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=400)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            raise
+    return Run(work, proc.returncode, log.read_text())
+
+
+def _stale_lease(ckpt: Path) -> Holder:
+    """A run lock left by a training that died on this host (its pid no longer runs)."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    holder = Holder("training", socket.gethostname(), dead.pid, "1", "", 0.0, "f" * 16)
+    ckpt.mkdir(parents=True)
+    (ckpt / RUN_LOCK_FILE).write_text(json.dumps(asdict(holder)) + "\n")
+    return holder
+
+
+@pytest.fixture(scope="module")
+def bridge(tmp_path_factory, data_args) -> dict:
+    work = tmp_path_factory.mktemp("bridge")
+    document = data_args[data_args.index("--data-path") + 1]
+    tokenizer = data_args[data_args.index("--tokenizer-model") + 1]
+    copy = work / "data" / MEMBERS[1]
+    copy.parent.mkdir(parents=True)
+    for suffix in (".bin", ".idx"):
+        shutil.copy(document + suffix, str(copy) + suffix)
+    stale = _stale_lease(work / "ckpt")
+    run = _supervised(work, ["0.4", document, "0.6", str(copy)], tokenizer)
+    first, _, second = run.log.partition("attempt 2: launching training")
+    return dict(work=work, run=run, first=first, second=second, stale=stale)
+
+
+def _ledger(work: Path) -> list[dict]:
+    lines = (work / "signals" / SPIKE_LEDGER_FILE).read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.timeout(900)
+def test_bridge_trains_with_every_feature(bridge: dict) -> None:
+    first: str = bridge["first"]
+    assert "Starting training loop at iteration 0" in first  # Bridge's own loop
+    assert f"taking over the run lock of training pid {bridge['stale'].pid}" in first
+    # The overrides reached Bridge's optimizer (OptimizerConfigOverrideProvider).
+    assert "embedding.word_embeddings.weight wd_mult=0 <- --embedding-weight-decay-mult" in first
+    assert "mlp.linear_fc2.weight wd_mult=0.5 <- --weight-decay-override" in first
+    # Both ranks read their batches through the features' reader (Bridge's get_batch).
+    exits = bridge["run"].exits()  # the last attempt's
+    assert {r: sorted(e["reads"]) for r, e in exits.items()} == {0: ["0"], 1: ["1"]}
+    signals = read_signals(bridge["work"] / "signals" / SIGNALS_FILE)
+    assert {r.iteration for r in signals} >= TRAINED
+    for record in signals:
+        assert math.isfinite(record.lm_loss) and record.z_loss is not None, record
+        assert record.log_z is not None, record
+        assert len(record.bucket_grad_norms) > 1 and record.update_ratio is not None, record
+        assert set(record.lm_loss_by_dataset) == set(MEMBERS), record
+        assert record.max_loss_dp_rank in (0, 1), record
+        assert record.params_norm is not None and record.lr is not None, record
+    assert all(bridge["run"].records().values())  # the sample log of each DP rank
+    # The features' scalars go to Bridge's own TensorBoard writer (on its state object).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(bridge["work"] / "tensorboard"))
+    tags = events.Reload().Tags()["scalars"]
+    assert any(t.startswith("bucket-grad-norm/") for t in tags), tags
+    assert {f"lm-loss-by-dataset/{m}" for m in MEMBERS} <= set(tags), tags
+
+
+@pytest.mark.timeout(900)
+def test_the_supervisor_rolls_bridge_back_and_the_resume_skips_the_window(bridge: dict) -> None:
+    first, second, run = bridge["first"], bridge["second"], bridge["run"]
+    assert "rank 0 on vm exited 42" in first.replace(socket.gethostname(), "vm")
+    assert "rank 1 on vm exited 42" in first.replace(socket.gethostname(), "vm")
+    assert "exiting with code 42 without saving a checkpoint" in first
+    rollback = next(e for e in _ledger(bridge["work"]) if e["kind"] == "rollback")
+    assert (rollback["onset"], rollback["culprit_dp_rank"]) == (BAD[0], 1)
+    assert "Roll back to checkpoint 25, skip iterations 26-37" in first  # the spike hook
+    # Bridge resumes from its own tracker, which the apply rewrote with Megatron's.
+    assert "successfully loaded checkpoint from" in second
+    assert "at iteration 25" in second.split("successfully loaded checkpoint from", 1)[1]
+    assert run.returncode == 0, run.log[-4000:]
+    assert "training finished successfully" in second
+    assert {e["exit_code"] for e in run.exits().values()} == {0}
+    assert "megatron-ext spike detector" not in second
+    attempt_end = json.loads(
+        (bridge["work"] / "ckpt" / "launch_state" / "attempt_end.json").read_text()
+    )
+    assert attempt_end["complete"] is True
+    trained = {r.iteration for records in run.records().values() for r in records}
+    assert trained == TRAINED
+    import torch
+
+    final = torch.load(
+        bridge["work"] / "ckpt" / f"iter_{TRAIN_ITERS:07d}" / "train_state.pt", weights_only=True
+    )
+    assert int(final["skipped_train_samples"]) == len(SKIPPED) * GLOBAL_BATCH
+    assert int(final["consumed_train_samples"]) == TRAIN_ITERS * GLOBAL_BATCH
+    later = [e for e in _ledger(bridge["work"]) if e.get("attempt") == 2]
+    assert [e["kind"] for e in later] == ["config"]  # no spike after the skip
+
+
+@pytest.mark.timeout(900)
+def test_lookup_equals_the_bridge_runs_sample_log(bridge: dict, tmp_path: Path, capsys) -> None:
+    """At iterations of both attempts (before the rollback target, the onset and the exit,
+    rolled back; after the skipped window): the lookup's answer, read from the Bridge
+    checkpoint's run_config.yaml, is what Bridge trained: the same samples with the same
+    tokens, except where the drill corrupted DP rank 1's tokens in flight, which it names."""
+    work = bridge["work"]
+    recorded = {
+        (r.iteration, r.dp_rank, r.microbatch): (r.sample_ids, r.token_sha1)
+        for records in bridge["run"].records().values()
+        for r in records
+    }
+    for iteration in (1, 25, BAD[0], 35, 38, TRAIN_ITERS):
+        out = tmp_path / f"lookup-{iteration}.jsonl"
+        argv = ["--from-checkpoint", str(work / "ckpt"), "--iteration", str(iteration)]
+        status = cli.main([*argv, "--sample-log", str(work / "samples"), "--out", str(out)])
+        assert status == 0, iteration
+        answer: dict[tuple[int, int, int], tuple[list[int], list[str]]] = {}
+        for line in out.read_text().splitlines():
+            sample = json.loads(line)
+            ids, digests = answer.setdefault(
+                (iteration, sample["dp_rank"], sample["microbatch"]), ([], [])
+            )
+            ids.append(sample["sample_index"])
+            digests.append(sample["token_sha1"])
+        trained = {k: v for k, v in recorded.items() if k[0] == iteration}
+        assert answer and answer.keys() == trained.keys(), iteration
+        corrupted = {k for k in answer if BAD[0] <= iteration <= BAD[1] and k[1] == 1}
+        for key, (ids, digests) in answer.items():
+            assert ids == trained[key][0], key
+            assert (digests == trained[key][1]) == (key not in corrupted), key
+        verdict = capsys.readouterr().out
+        assert bool(corrupted) == ("the drill --drill-corrupt-batch" in verdict), verdict

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The Megatron-Bridge tier's virtualenv: megatron-bridge 0.6.2 in its own site-packages, the
+# rest (torch, megatron-core 0.19.2, the editable megatron-ext) from the main .venv through a
+# .pth file, as tools/compat_venv.sh does for the megatron-core tiers.
+#
+#   bash tools/bridge_venv.sh               # -> .venv-bridge (fresh every time)
+#
+# Why not `pip install megatron-bridge==0.6.2`: on a CPU machine it cannot install. Its
+# dependency fast-hadamard-transform is an sdist whose build needs CUDA, and
+# nvidia-resiliency-ext 0.6.0 (imported at module level by bridge's pretrain) has only a
+# manylinux_2_39 wheel, which pip on an older-glibc host refuses. So, all from the package
+# registry, nothing from elsewhere:
+#   - megatron-bridge itself with --no-deps;
+#   - the pure-Python dependencies its training path imports that the main venv lacks
+#     (BRIDGE_DEPS below: found by importing megatron.bridge.training.pretrain);
+#   - the nvidia-resiliency-ext wheel, downloaded for its platform and unpacked into the site
+#     directory (its C extensions are not loaded on the paths megatron-ext uses).
+# Transformer Engine, which megatron.bridge.peft.lora_layers imports unguarded, is not
+# installed: megatron_ext.bridge.te_standin shows that one module an import stand-in
+# (registry entry bridge-te-import, docs/bridge.md).
+#
+# Env: MAIN_VENV (.venv, made by tools/setup.sh), TIER_VENV (.venv-bridge).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BRIDGE_VERSION=0.6.2
+NVRX_VERSION=0.6.0
+# The dependencies (besides the main venv's) that `import megatron.bridge.training.pretrain`
+# reaches, found by importing it until it imported (energon, modelopt and their own); each
+# with --no-deps, so nothing CUDA-only comes along (antlr4 pinned to the runtime hydra-core
+# 1.3 generated its grammar with; pytest loads hydra as a plugin). Wheels where one exists.
+BRIDGE_DEPS=(
+    omegaconf hydra-core antlr4-python3-runtime==4.9.3 einops defusedxml httpx pyarrow pandas
+    datasets multiprocess dill xxhash megatron-energon multi-storage-client xattr cffi
+    pycparser lark wcmatch bracex jsonschema jsonschema-specifications attrs referencing rpds-py
+    opentelemetry-api braceexpand rapidyaml deprecation filetype webdataset nvidia-modelopt
+    requests urllib3 certifi pulp orloge cpsat-logutils scipy tensorboard protobuf absl-py
+)
+MAIN_VENV=${MAIN_VENV:-.venv}
+TIER_VENV=${TIER_VENV:-.venv-bridge}
+MAIN_SITE=$("$MAIN_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+BASE_PYTHON=$("$MAIN_VENV/bin/python" -c 'import sys; print(sys._base_executable)')
+
+rm -rf "$TIER_VENV"
+"$BASE_PYTHON" -m venv --without-pip "$TIER_VENV"
+TIER_SITE=$("$TIER_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+# One pip call: megatron-bridge and megatron-energon both install into the megatron/
+# namespace directory, and a second `pip install --target` skips a directory that exists.
+"$MAIN_VENV/bin/pip" install -q --no-deps --prefer-binary --target "$TIER_SITE" \
+    "megatron-bridge==$BRIDGE_VERSION" "${BRIDGE_DEPS[@]}"
+wheels=$(mktemp -d)
+"$MAIN_VENV/bin/pip" download -q --no-deps --only-binary=:all: \
+    --platform manylinux_2_39_x86_64 --python-version 3.12 \
+    -d "$wheels" "nvidia-resiliency-ext==$NVRX_VERSION"
+"$MAIN_VENV/bin/python" -m zipfile -e "$wheels"/nvidia_resiliency_ext-*.whl "$TIER_SITE"
+rm -rf "$wheels"
+# Bytecode now, while CI's main pytest runs: each tier launch imports all of megatron.bridge
+# (thousands of modules) in every rank, and a fresh venv would compile them on first import.
+"$MAIN_VENV/bin/python" -m compileall -q -j 0 "$TIER_SITE" >/dev/null || true
+# site.addsitedir (not a bare path line) also runs the main venv's own .pth files, so the
+# editable megatron-ext install resolves as it does there.
+echo "import site; site.addsitedir('$(cd "$MAIN_SITE" && pwd)')" > "$TIER_SITE/zz_main_venv.pth"
+"$TIER_VENV/bin/python" - "$BRIDGE_VERSION" <<'EOF'
+import importlib.metadata, sys
+import megatron.core, megatron_ext, torch
+from megatron_ext.bridge import te_standin
+te_standin.install()
+import megatron.bridge.training.pretrain  # noqa: F401  the whole training path imports
+found = importlib.metadata.version("megatron-bridge")
+assert found == sys.argv[1], f"tier venv imports megatron-bridge {found}, not {sys.argv[1]}"
+core = importlib.metadata.version("megatron-core")
+print(f"bridge tier ready: megatron-bridge {found}, megatron-core {core}, torch {torch.__version__}")
+EOF
