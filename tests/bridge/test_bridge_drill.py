@@ -36,7 +36,7 @@ from megatron_ext.common.records.signals import read_signals
 from megatron_ext.common.run_lock import Holder
 from megatron_ext.lookup import cli
 from tests.support.harness import REPO, RUNNER, Run, kill_tree
-from tests.support.slurm import free_port
+from tests.support.launcher_fakes import free_port
 
 EXAMPLE = REPO / "docs" / "examples" / "pretrain_bridge.py"
 TRAIN_ITERS, GLOBAL_BATCH = 50, 8
