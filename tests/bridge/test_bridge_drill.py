@@ -34,13 +34,12 @@ from megatron_ext.common.files import (
 )
 from megatron_ext.common.records.signals import read_signals
 from megatron_ext.common.run_lock import Holder
-from megatron_ext.lookup import cli
+from tests.support.drill import BAD, TRAIN_ITERS, check_lookup_equals_sample_log
 from tests.support.harness import REPO, RUNNER, Run, kill_tree
 from tests.support.launcher_fakes import free_port
 
 EXAMPLE = REPO / "docs" / "examples" / "pretrain_bridge.py"
-TRAIN_ITERS, GLOBAL_BATCH = 50, 8
-BAD = (32, 36)  # garbage tokens on DP rank 1 (inclusive)
+GLOBAL_BATCH = 8
 PLAN = ["--rollback-iters", "5", "--skip-batches", "12"]  # back to 25, skip 26-37
 SKIPPED = range(26, 38)
 TRAINED = set(range(1, BAD[0] + 4)) | set(range(SKIPPED[-1] + 1, TRAIN_ITERS + 1))
@@ -209,30 +208,4 @@ def test_lookup_equals_the_bridge_runs_sample_log(bridge: dict, tmp_path: Path, 
     rolled back; after the skipped window): the lookup's answer, read from the Bridge
     checkpoint's run_config.yaml, is what Bridge trained: the same samples with the same
     tokens, except where the drill corrupted DP rank 1's tokens in flight, which it names."""
-    work = bridge["work"]
-    recorded = {
-        (r.iteration, r.dp_rank, r.microbatch): (r.sample_ids, r.token_sha1)
-        for records in bridge["run"].records().values()
-        for r in records
-    }
-    for iteration in (1, 25, BAD[0], 35, 38, TRAIN_ITERS):
-        out = tmp_path / f"lookup-{iteration}.jsonl"
-        argv = ["--from-checkpoint", str(work / "ckpt"), "--iteration", str(iteration)]
-        status = cli.main([*argv, "--sample-log", str(work / "samples"), "--out", str(out)])
-        assert status == 0, iteration
-        answer: dict[tuple[int, int, int], tuple[list[int], list[str]]] = {}
-        for line in out.read_text().splitlines():
-            sample = json.loads(line)
-            ids, digests = answer.setdefault(
-                (iteration, sample["dp_rank"], sample["microbatch"]), ([], [])
-            )
-            ids.append(sample["sample_index"])
-            digests.append(sample["token_sha1"])
-        trained = {k: v for k, v in recorded.items() if k[0] == iteration}
-        assert answer and answer.keys() == trained.keys(), iteration
-        corrupted = {k for k in answer if BAD[0] <= iteration <= BAD[1] and k[1] == 1}
-        for key, (ids, digests) in answer.items():
-            assert ids == trained[key][0], key
-            assert (digests == trained[key][1]) == (key not in corrupted), key
-        verdict = capsys.readouterr().out
-        assert bool(corrupted) == ("the drill --drill-corrupt-batch" in verdict), verdict
+    check_lookup_equals_sample_log(bridge["run"], bridge["work"], tmp_path, capsys)

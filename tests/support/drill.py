@@ -11,12 +11,16 @@ has not reached iteration 36 yet.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from megatron_ext.common.files import SAMPLE_LOG_GLOB
 from megatron_ext.common.records.sample_log import read_records
-from tests.support.harness import launch, run_skiplist
+from megatron_ext.lookup import cli
+from tests.support.harness import Run, launch, run_skiplist
 
 TRAIN_ITERS = 50
 BAD = (32, 36)  # garbage tokens on DP rank 1 for these iterations (inclusive)
@@ -92,3 +96,39 @@ def real_shaped_drill(work: Path, data_args: list[str]) -> dict:
     )
     second = launch(work, args, nproc=2)
     return {"work": work, "first": first, "trained": trained, "plan": plan, "second": second}
+
+
+def check_lookup_equals_sample_log(
+    run: Run, work: Path, out_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At iterations of both attempts of a drill run with the real-shaped drill's window
+    (before the rollback target, the onset and the exit, rolled back; after the skipped
+    window): ``lookup`` on ``work/ckpt`` answers what the run trained (its sample log in
+    ``work/samples``, the records ``run`` kept): the same samples with the same tokens,
+    except where the drill corrupted DP rank 1's tokens in flight, which the lookup names."""
+    recorded = {
+        (r.iteration, r.dp_rank, r.microbatch): (r.sample_ids, r.token_sha1)
+        for records in run.records().values()
+        for r in records
+    }
+    for iteration in (1, 25, BAD[0], 35, 38, TRAIN_ITERS):
+        out = out_dir / f"lookup-{iteration}.jsonl"
+        argv = ["--from-checkpoint", str(work / "ckpt"), "--iteration", str(iteration)]
+        status = cli.main([*argv, "--sample-log", str(work / "samples"), "--out", str(out)])
+        assert status == 0, iteration
+        answer: dict[tuple[int, int, int], tuple[list[int], list[str]]] = {}
+        for line in out.read_text().splitlines():
+            sample = json.loads(line)
+            ids, digests = answer.setdefault(
+                (iteration, sample["dp_rank"], sample["microbatch"]), ([], [])
+            )
+            ids.append(sample["sample_index"])
+            digests.append(sample["token_sha1"])
+        trained = {k: v for k, v in recorded.items() if k[0] == iteration}
+        assert answer and answer.keys() == trained.keys(), iteration
+        corrupted = {k for k in answer if BAD[0] <= iteration <= BAD[1] and k[1] == 1}
+        for key, (ids, digests) in answer.items():
+            assert ids == trained[key][0], key
+            assert (digests == trained[key][1]) == (key not in corrupted), key
+        verdict = capsys.readouterr().out
+        assert bool(corrupted) == ("the drill --drill-corrupt-batch" in verdict), verdict
