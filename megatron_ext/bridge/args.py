@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Any
 
+from megatron_ext.common.bridge_state import data_path_words
 from megatron_ext.common.errors import StartupError
 
 
@@ -67,22 +68,6 @@ def refuse_unsupported(config: Any) -> None:
             "Megatron-FSDP: the features are not verified under it (telemetry needs Megatron's "
             "ChainedOptimizer and DDP buckets)"
         )
-
-
-def _data_path(dataset: Any) -> list[str] | None:
-    """Megatron's ``--data-path`` words for the dataset's blend (``[weight] prefix ...``)."""
-    data_path = getattr(dataset, "data_path", None)
-    if isinstance(data_path, str):
-        return data_path.split()
-    if data_path:
-        return [str(word) for word in data_path]
-    blend = getattr(dataset, "blend", None)
-    if not blend:
-        return None
-    prefixes, weights = blend
-    if weights is None:
-        return list(prefixes)
-    return [word for pair in zip(weights, prefixes) for word in (str(pair[0]), pair[1])]
 
 
 def megatron_args(config: Any, flags: list[str]) -> Any:
@@ -148,7 +133,9 @@ def megatron_args(config: Any, flags: list[str]) -> Any:
         "async_save": ckpt.async_save,
         "finetune": bool(getattr(ckpt, "finetune", False)),
         "no_load_optim": bool(getattr(ckpt, "load_optim", True) is False),
-        "data_path": _data_path(dataset),
+        "data_path": data_path_words(
+            getattr(dataset, "data_path", None), getattr(dataset, "blend", None)
+        ),
         "split": getattr(dataset, "split", None),
         "data_cache_path": getattr(dataset, "path_to_cache", None),
         "dataloader_type": getattr(dataset, "dataloader_type", None),

@@ -61,19 +61,21 @@ def _megatron_defaults() -> argparse.Namespace:
         sys.argv = argv
 
 
-def _data_path(dataset: dict[str, Any]) -> list[str] | None:
-    data_path = dataset.get("data_path")
+def data_path_words(data_path: Any, blend: Any) -> list[str] | None:
+    """Megatron's ``--data-path`` words (``[weight] prefix ...``) for a Bridge dataset
+    config's ``data_path`` and ``blend`` (``(prefixes, weights or None)``), from the live
+    ``GPTDatasetConfig`` (:mod:`megatron_ext.bridge.args`) or a checkpoint's
+    ``run_config.yaml`` (here) alike."""
     if isinstance(data_path, str):
         return data_path.split()
     if data_path:
         return [str(word) for word in data_path]
-    blend = dataset.get("blend")
     if not blend:
         return None
     prefixes, weights = blend
     if weights is None:
         return list(prefixes)
-    return [w for pair in zip(weights, prefixes) for w in (str(pair[0]), pair[1])]
+    return [word for pair in zip(weights, prefixes) for word in (str(pair[0]), pair[1])]
 
 
 def read_bridge_state(directory: str | Path) -> dict[str, Any]:
@@ -104,7 +106,8 @@ def read_bridge_state(directory: str | Path) -> dict[str, Any]:
     for name in MODEL_FIELDS:
         setattr(args, name, config["model"][name])
     args.context_parallel_size = config["model"].get("context_parallel_size") or 1
-    args.data_path = _data_path(config["dataset"])
+    dataset = config["dataset"]
+    args.data_path = data_path_words(dataset.get("data_path"), dataset.get("blend"))
     args.data_parallel_size = layout["data_parallel_size"]
     args.world_size = layout["world_size"]
     args.iterations_to_skip = list(config["train"].get("iterations_to_skip") or [])
