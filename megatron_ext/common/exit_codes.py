@@ -33,3 +33,7 @@ SPIKE_ROLLBACK = 42
 
 KILLED = 128 + 9
 """What a shell (the rank wrapper) reports for a child killed by SIGKILL."""
+
+HUNG = 43
+"""A rank's hang watchdog saw no progress within its bound: every rank dumped its stacks
+(``megatron_ext.common.records.hangs``); the supervisor restarts from the last checkpoint."""

@@ -26,6 +26,7 @@ RESERVED_EXIT_CODES: dict[int, str] = {
     exit_codes.USAGE: "a usage error (argparse, a megatron-ext refusal)",
     exit_codes.RESUME_TO_DISAMBIGUATE: "Megatron's EXIT_CODE_RESUME_TO_DISAMBIGUATE",
     exit_codes.FAILED_ON_RESULT_VALIDATION: "Megatron's EXIT_CODE_FAILED_ON_RESULT_VALIDATION",
+    exit_codes.HUNG: "megatron-ext's hang watchdog (a rank made no progress)",
     126: "a shell's 'command not executable'",
     127: "a shell's 'command not found'",
 }
@@ -34,8 +35,8 @@ SIGNAL_EXIT_CODES = range(128, 256)  # 128+N: killed by signal N (137 = SIGKILL 
 
 def check_exit_code(flag: str, code: int) -> None:
     """An exit code the supervisor can tell apart from every other outcome: 3-125 other than
-    16 and 17. Raises ValueError otherwise."""
-    allowed = "an integer in 3-125 other than 16 and 17"
+    16, 17 and 43. Raises ValueError otherwise."""
+    allowed = "an integer in 3-125 other than 16, 17 and 43"
     if not 0 <= code <= 255:
         raise ValueError(
             f"{flag} {code}: exit statuses are 8 bits, so {code} would end the process as "

@@ -18,6 +18,8 @@ from typing import Any
 from megatron_ext.common.features import Feature, FeatureError, FeatureSet
 from megatron_ext.data.adapter import DataCheckFeature
 from megatron_ext.fsdp.adapter import TorchFsdpFeature
+from megatron_ext.hang.adapter import FLAGS as HANG_FLAGS
+from megatron_ext.hang.adapter import HangFeature
 from megatron_ext.loop import hooks
 from megatron_ext.registry import table as registry
 from megatron_ext.runlock.adapter import RunLockFeature
@@ -38,6 +40,7 @@ def all_features() -> list[Feature]:
     # once the others have written this iteration's records.
     return [
         RunLockFeature(),
+        HangFeature(),
         TorchFsdpFeature(),
         DataCheckFeature(),
         DrillFeature(),
@@ -62,13 +65,14 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 
 # Flags verified to be independent of the data-parallel wrapper: the run lock and the skip
-# lists (Megatron's own --iterations-to-skip, resolved before it parses).
+# lists (Megatron's own --iterations-to-skip, resolved before it parses), the hang watchdog.
 WRAPPER_FREE = frozenset(
     {
         "force_run_lock",
         "iterations_to_skip_file",
         "skip_sample_windows",
         "skip_windows_global_batch",
+        *HANG_FLAGS,
     }
 )
 

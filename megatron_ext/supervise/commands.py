@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megatron_ext.common import attempt_end, exit_codes
 from megatron_ext.common.files import SPIKE_LEDGER_FILE
+from megatron_ext.common.records.hangs import HANG_DIR_ENV
 from megatron_ext.common.validation import check_exit_code
 from megatron_ext.supervise.knobs import TRAINING_ENV, Config, KnobError
 
@@ -115,11 +116,14 @@ def train_args(config: Config, cli_args: list[str]) -> list[str]:
     ]
 
 
-def training_env(config: Config, rc_dir: Path | None, attempt_end_file: Path) -> list[str]:
+def training_env(
+    config: Config, rc_dir: Path | None, attempt_end_file: Path, hang_dir: Path
+) -> list[str]:
     """``env NAME=VALUE ...``: visible in --dry-run, and what the workers get (rank 0 records
-    there how the attempt ended: :mod:`megatron_ext.common.attempt_end`)."""
+    there how the attempt ended: :mod:`megatron_ext.common.attempt_end`; the hang watchdogs
+    meet in ``hang_dir``)."""
     env = ["env", *(f"{name}={config[name]}" for name in TRAINING_ENV), "PYTHONUNBUFFERED=1"]
-    env.append(f"{attempt_end.ENV}={attempt_end_file}")
+    env += [f"{attempt_end.ENV}={attempt_end_file}", f"{HANG_DIR_ENV}={hang_dir}"]
     if rc_dir is not None:
         env += [
             f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={config['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']}",

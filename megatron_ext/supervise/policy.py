@@ -15,6 +15,10 @@ code        meaning                                      action
 16          EXIT_CODE_RESUME_TO_DISAMBIGUATE (Megatron)  restart from the last checkpoint:
                                                          requeue or relaunch (MAX_RESTARTS)
 17          EXIT_CODE_FAILED_ON_RESULT_VALIDATION        stop with 17, report the tracker file
+43          megatron-ext's hang watchdog: a rank made    restart from the last checkpoint
+            no progress within its bound; every rank     (MAX_RESTARTS); stop with 43 when
+            dumped its stacks (hang report)              it hung at the same iteration and
+                                                         place as the previous attempt
 spike code  megatron-ext rollback request (default 42,   run the spike hook (plan + apply),
             --spike-exit-code), confirmed by the ledger  relaunch (MAX_ROLLBACKS)
 137         a worker killed by SIGKILL while its rank    restart from the last checkpoint:
@@ -59,6 +63,10 @@ class Outcome:
     # user's own), and the checkpoint tracker before and after the attempt.
     ended: AttemptEnd | None = None
     tracker: tuple[int | None, int | None] = (None, None)
+    # The hang watchdog's finding (exit 43): who hung where, and whether the previous
+    # attempt hung at the same iteration and place.
+    hang: str | None = None
+    hang_repeats: bool = False
 
     def progressed(self) -> bool:
         """Whether the attempt left a newer checkpoint than it started from."""
@@ -66,9 +74,10 @@ class Outcome:
         return after is not None and (before is None or after > before)
 
     def effective(self) -> int:
-        """The code that matters: 17, then the spike code, then 16, then a worker killed by
-        SIGKILL, then the first other non-zero code a worker exited with (not a signal death),
-        else the launcher's."""
+        """The code that matters: 17, then the spike code, then 16, then a hang (the
+        watchdog's 43: its peers' failures follow from it), then a worker killed by SIGKILL,
+        then the first other non-zero code a worker exited with (not a signal death), else
+        the launcher's."""
         if self.launcher_rc == 0:
             return 0
         if self.rank_codes and not any(self.rank_codes) and self.launcher_rc < 128:
@@ -79,6 +88,7 @@ class Outcome:
             exit_codes.FAILED_ON_RESULT_VALIDATION,
             self.spike_code,
             exit_codes.RESUME_TO_DISAMBIGUATE,
+            exit_codes.HUNG,
             exit_codes.KILLED,
         ):
             if wanted in self.rank_codes:
@@ -129,13 +139,22 @@ def decide(outcome: Outcome, budget: Budget) -> Decision:
     if code == 0:
         return _after_clean_exit(outcome, budget)
     killed = outcome.killed() if code == exit_codes.KILLED else []
-    if code == exit_codes.RESUME_TO_DISAMBIGUATE or killed:
-        cause = (
-            f"{', '.join(killed)} killed by SIGKILL (the out-of-memory killer, an operator or "
-            "a failing node; see the node's kernel log); "
-            if killed
-            else ""
+    if code == exit_codes.HUNG and outcome.hang_repeats:
+        return Decision(
+            "stop",
+            code,
+            f"{outcome.hang}: the same hang as the previous attempt (same iteration, same "
+            "place), so a restart would hang again; read the stacks in the hang report",
         )
+    if code in (exit_codes.RESUME_TO_DISAMBIGUATE, exit_codes.HUNG) or killed:
+        cause = ""
+        if killed:
+            cause = (
+                f"{', '.join(killed)} killed by SIGKILL (the out-of-memory killer, an operator "
+                "or a failing node; see the node's kernel log); "
+            )
+        elif code == exit_codes.HUNG:
+            cause = f"{outcome.hang or 'a rank made no progress'}; "
         if budget.restarts_done >= budget.max_restarts:
             return Decision(
                 "stop",

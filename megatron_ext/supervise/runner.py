@@ -26,7 +26,7 @@ from megatron_ext.common import attempt_end, exit_codes
 from megatron_ext.common import run_lock as runlock
 from megatron_ext.common.files import ATTEMPT_END_FILE
 from megatron_ext.common.io import read_jsonl
-from megatron_ext.supervise import commands, knobs, policy, progress
+from megatron_ext.supervise import commands, knobs, policy, progress, reports
 from megatron_ext.supervise.commands import TrainingFacts
 from megatron_ext.supervise.knobs import Config, KnobError
 from megatron_ext.supervise.policy import Budget, Decision, Outcome
@@ -71,15 +71,20 @@ class Supervisor:
             )
 
     # -- commands -------------------------------------------------------------------------
-    def rc_dir(self, attempt: int) -> Path | None:
-        if self.config["LAUNCHER"] != "torchrun":
-            return None
+    def attempt_tag(self, attempt: int) -> str:
         slurm = self.state.slurm
-        tag = (
+        return (
             f"{slurm.get('SLURM_JOB_ID', f'pid{os.getpid()}')}."
             f"r{slurm.get('SLURM_RESTART_COUNT', '0')}.a{attempt}"
         )
-        return self.launch_state / "exit_codes" / tag
+
+    def rc_dir(self, attempt: int) -> Path | None:
+        torchrun = self.config["LAUNCHER"] == "torchrun"
+        return self.launch_state / "exit_codes" / self.attempt_tag(attempt) if torchrun else None
+
+    def hang_dir(self, attempt: int) -> Path:
+        """Where this attempt's hang watchdogs meet and dump (fresh per attempt)."""
+        return self.launch_state / "hangs" / self.attempt_tag(attempt)
 
     @property
     def launch_state(self) -> Path:
@@ -90,7 +95,9 @@ class Supervisor:
 
     def command(self, attempt: int) -> list[str]:
         config = self.config
-        env = commands.training_env(config, self.rc_dir(attempt), self.attempt_end_file())
+        env = commands.training_env(
+            config, self.rc_dir(attempt), self.attempt_end_file(), self.hang_dir(attempt)
+        )
         worker = commands.worker_command(config, commands.train_args(config, self.cli_args))
         if config.scheduler == "slurm":
             return commands.slurm_command(config, env, worker, self.state.slurm, attempt)
@@ -140,6 +147,7 @@ class Supervisor:
             shutil.rmtree(rc_dir, ignore_errors=True)
             rc_dir.mkdir(parents=True)
         before = self._rollback_requests()
+        shutil.rmtree(self.hang_dir(attempt), ignore_errors=True)
         self.attempt_end_file().unlink(missing_ok=True)
         tracker_before = progress.tracker(self.config.ckpt_dir)
         command = self.command(attempt)
@@ -160,6 +168,10 @@ class Supervisor:
             launcher_rc = 128 - launcher_rc
         codes, workers = self._rank_codes(rc_dir)
         after = self._rollback_requests()
+        hang = None
+        if exit_codes.HUNG in codes:
+            args = (self.launch_state, self.config.ckpt_dir, self.attempt_tag(attempt), attempt)
+            hang = reports.hang(self.hang_dir(attempt), *args, codes, lambda m: log(self.config, m))
         outcome = Outcome(
             launcher_rc,
             codes,
@@ -168,6 +180,7 @@ class Supervisor:
             workers,
             attempt_end.read(self.attempt_end_file()),
             (tracker_before, progress.tracker(self.config.ckpt_dir)),
+            *(hang or (None, False)),
         )
         if launcher_rc != 0 and codes:
             # Which rank on which node ended how: a partial failure names its node here.
@@ -286,7 +299,9 @@ class Supervisor:
             self.rollback(decision)
             return
         if code == exit_codes.FAILED_ON_RESULT_VALIDATION:
-            self.report_validation_failure()
+            reports.validation_failure(
+                Path(self.tracker_file), config.ckpt_dir, self.state.slurm, lambda m: log(config, m)
+            )
         signalled = self.state.stop_signal is not None and decision.exit_code > 128
         log(config, decision.reason if signalled else f"ERROR: {decision.reason}")
         if code in (exit_codes.RESUME_TO_DISAMBIGUATE, exit_codes.KILLED) or signalled:
@@ -371,29 +386,3 @@ class Supervisor:
             log(config, f"ERROR: spike hook failed with exit {hook_rc}; stopping with exit {code}")
             sys.exit(code)
         log(config, "spike hook done; relaunching from the last checkpoint")
-
-    def report_validation_failure(self) -> None:
-        config, tracker = self.config, Path(self.tracker_file)
-        log(
-            config,
-            "ERROR: training exited 17 (EXIT_CODE_FAILED_ON_RESULT_VALIDATION): a "
-            "result validation failed in Megatron's rerun state machine and the failure was "
-            "reproducible or hardware-suspect. Not retrying on the same nodes.",
-        )
-        log(config, f"result-rejected tracker file: {tracker}")
-        if tracker.is_file() and tracker.stat().st_size:
-            lines = tracker.read_text(errors="replace").splitlines()
-            log(config, "last tracker entries:")
-            print("\n".join(lines[-10:]), file=sys.stderr, flush=True)
-            nodes = sorted({w[5:] for line in lines for w in line.split() if w.startswith("node=")})
-            if nodes:
-                log(config, f"nodes named in the tracker file: {','.join(nodes)}")
-        else:
-            log(config, "(the tracker file is missing or empty; see the training log above)")
-        if self.state.slurm.get("SLURM_JOB_NODELIST"):
-            log(config, f"this job ran on: {self.state.slurm['SLURM_JOB_NODELIST']}")
-        log(
-            config,
-            f"inspect the log and tracker file; to continue from {config.ckpt_dir}, "
-            "resubmit excluding the suspect node (sbatch --exclude=NODE ...)",
-        )

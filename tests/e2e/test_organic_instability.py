@@ -6,16 +6,21 @@ rates with no weight decay, Wortsman et al. 2023's recipe. Nothing is injected.
   attention logit explodes while the loss stalls and the grad norm climbs; the early warning
   says so (ledger kind ``warning``), without a rollback. With ``--qk-layernorm`` the same run
   learns and nothing warns.
-- A blow-up (the tiny model at learning rate 1): the detector rolls back, and the incident
+- A blow-up (the tiny model at learning rate 2): the detector rolls back, and the incident
   report has its early-warning line. Nothing prevents this one at CPU scale (the sweep: every
-  arm fails at lr 1, z-loss and qk-layernorm included), so no arm is asserted to: a
-  ``--z-loss-coeff 1e-4`` run that once happened to recover rolled back on another CPU
-  (the trajectory at lr 1 is chaotic; the float rounding of another instruction set is enough).
+  arm fails at lr 1, z-loss and qk-layernorm included), so no arm is asserted to.
+
+Both are chaotic: which precursor warns first, when, by how much, and at lr 1 whether the run
+blows up at all, differ between CPU families (issue #43). The tests assert what the rules
+promise, and were run under other kernels of this machine's torch and MKL
+(``ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2``, ``...=avx2 ...=AVX2``):
+at lr 1 one of those recovered without a rollback; at lr 2 every one rolled back.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -23,6 +28,8 @@ import pytest
 from megatron_ext.common import exit_codes
 from megatron_ext.common.files import SPIKE_LEDGER_FILE
 from megatron_ext.common.records.signals import read_signals
+from megatron_ext.common.records.spike_config import ATTENTION_LOGIT_LIMIT, SpikeConfig
+from megatron_ext.spikes.precursors import PRECURSORS, WarnConfig, replay
 from tests.support.harness import TINY_MODEL, Run, launch, run_skiplist
 
 
@@ -62,25 +69,47 @@ def _growth(work: Path, data_args: list[str], *extra: str) -> Run:
     return run
 
 
+def _past_its_threshold(warning: dict) -> bool:
+    """What the rule promises of any warning: its signal moved by at least its own rise
+    (a ratio for the logarithmic signals, nats for log Z) and past its floor, if any."""
+    p = next(p for p in PRECURSORS if p.field == warning["signal"])
+    value, reference = warning["value"], warning["reference"]
+    drift = math.log(value / reference) if p.log else abs(value - reference)
+    floor = p.floor is None or value >= p.floor
+    return drift >= p.rise * (1 - 1e-9) and floor
+
+
 def test_attention_logit_growth_warns_and_qk_layernorm_prevents_it(tmp_path, data_args) -> None:
+    """Asserts what the early-warning rule promises, not one CPU's trajectory: which precursor
+    warns first, when and by how much differs between CPU families (issue #43: on an Intel
+    Xeon the attention logit warned first at 1.64x; on an AMD EPYC the grad norm at 3x)."""
     _growth(tmp_path / "plain", data_args)
-    warnings = [e for e in _events(tmp_path / "plain") if e["kind"] == "warning"]
-    assert warnings and "rollback" not in {e["kind"] for e in _events(tmp_path / "plain")}
-    assert warnings[0]["value"] >= 2 * warnings[0]["reference"]
-    signals = {
-        r.iteration: r for r in read_signals(tmp_path / "plain" / "signals" / "signals.jsonl")
-    }
-    assert signals[90].max_attention_logit > 1e4  # the logit growth behind it
+    events = _events(tmp_path / "plain")
+    warnings = [e for e in events if e["kind"] == "warning"]
+    assert warnings, "the logit growth ran 90 steps without an early warning"
+    assert "rollback" not in {e["kind"] for e in events}
+    assert all(_past_its_threshold(w) for w in warnings), warnings
+    # Each warning is the rule applied to the run's own signals log.
+    records = read_signals(tmp_path / "plain" / "signals" / "signals.jsonl")
+    config = WarnConfig.following(SpikeConfig(window=20, warmup=20, patience=5))
+    offline = {(w.iteration, w.signal): (w.value, w.reference) for w in replay(records, config)}
+    for w in warnings:
+        assert offline[w["iteration"], w["signal"]] == pytest.approx((w["value"], w["reference"]))
+    plain = {r.iteration: r for r in records}[90]
+    assert plain.max_attention_logit > ATTENTION_LOGIT_LIMIT  # the logit growth behind it
     _growth(tmp_path / "qk", data_args, "--qk-layernorm")
-    assert _events(tmp_path / "qk") == []
+    qk_events = _events(tmp_path / "qk")
+    assert not [e for e in qk_events if e.get("signal") == "max_attention_logit"], qk_events
+    assert "rollback" not in {e["kind"] for e in qk_events}
     healthy = read_signals(tmp_path / "qk" / "signals" / "signals.jsonl")[-1]
-    assert healthy.max_attention_logit < 100 and healthy.lm_loss < signals[90].lm_loss - 1
+    assert healthy.iteration == 90 and healthy.max_attention_logit < ATTENTION_LOGIT_LIMIT
+    assert healthy.lm_loss < plain.lm_loss  # the same run learns where the plain one stalled
 
 
 def _blow_up(work: Path, data_args: list[str], *extra: str) -> Run:
     flags = [*data_args, *_detector(10), "--signals-dir", str(work / "signals"), *extra]
     flags += ["--save", str(work / "ckpt"), "--save-interval", "5"]
-    return launch(work, flags, training=_training(60, 30, 1.0), sample_log=False)
+    return launch(work, flags, training=_training(60, 30, 2.0), sample_log=False)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,9 @@ thing happens on every attempt that trains that iteration (as a reproducible fai
 - ``INJECT_NAN=A-B``: the model output is multiplied by NaN at iterations A..B, on every rank;
 - ``INJECT_RAISE_AT=K`` (``INJECT_RAISE_RANK=R``: only on that rank): an exception in the
   forward at iteration K;
+- ``INJECT_HANG_AT=K`` (``INJECT_HANG_RANK=R``: only on that rank; ``INJECT_HANG_ONCE=1``: in
+  the first attempt that reaches it only): the forward sleeps for an hour at iteration K, as
+  a stuck filesystem read or a deadlock would;
 - ``INJECT_TIME_PASSES_AT=K``: at iteration K of the first attempt only, Megatron's training
   start time moves two hours back, as if the run had trained that long, so
   ``--exit-duration-in-mins`` fires at its next check exactly as it would (the flag is whole
@@ -46,6 +49,8 @@ def _install():
     raise_at = int(os.environ.get("INJECT_RAISE_AT", "0"))
     raise_rank = os.environ.get("INJECT_RAISE_RANK")
     time_at = int(os.environ.get("INJECT_TIME_PASSES_AT", "0"))
+    hang_at = int(os.environ.get("INJECT_HANG_AT", "0"))
+    hang_rank = os.environ.get("INJECT_HANG_RANK")
     once = os.environ.get("INJECT_ONCE_FILE", "")
     forward = gpt_model.GPTModel.forward
 
@@ -55,6 +60,12 @@ def _install():
         k = get_rerun_state_machine().current_iteration
         if k == raise_at and raise_rank in (None, os.environ.get("RANK")):
             raise RuntimeError(f"injected failure at iteration {k}")
+        if k == hang_at and hang_rank in (None, os.environ.get("RANK")):
+            marker = f"{once}.hang"
+            if not (os.environ.get("INJECT_HANG_ONCE") and os.path.exists(marker)):
+                open(marker, "w").close()
+                import time
+                time.sleep(3600)  # injected hang
         if k == time_at and once and not os.path.exists(once):
             from megatron.training import training
             training._TRAIN_START_TIME -= 2 * 3600
@@ -88,7 +99,8 @@ class _Finder:
         return spec
 
 
-if any(os.environ.get(v) for v in ("INJECT_NAN", "INJECT_RAISE_AT", "INJECT_TIME_PASSES_AT")):
+_KNOBS = ("INJECT_NAN", "INJECT_RAISE_AT", "INJECT_TIME_PASSES_AT", "INJECT_HANG_AT")
+if any(os.environ.get(v) for v in _KNOBS):
     import sys
     sys.meta_path.insert(0, _Finder())
 '''

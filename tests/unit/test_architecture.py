@@ -130,7 +130,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loop and registry", ("loop", "registry")),
     (
         "feature folders",
-        ("zloss", "weight_decay", "telemetry", "spikes", "sample_log", "data", "runlock", "fsdp"),
+        (
+            "zloss",
+            "weight_decay",
+            "telemetry",
+            "spikes",
+            "sample_log",
+            "data",
+            "runlock",
+            "fsdp",
+            "hang",
+        ),
     ),
     ("lower layer", ("common",)),
 )

@@ -204,3 +204,15 @@ def test_rank_codes_are_read_in_rank_order_with_their_nodes(tmp_path: Path) -> N
     assert codes == (16, 1, 0, 137)
     assert workers == ("rank 0", "rank 1 on n1", "rank 2 on n1", "rank 10 on n6")
     assert not tmp_path.exists()  # consumed
+
+
+def test_a_hang_restarts_and_a_repeated_hang_stops() -> None:
+    hang = "hang at iteration 12: rank 1 made no progress (stuck at x.py, line 3, in f)"
+    first = Outcome(1, (143, 43), 42, hang=hang)
+    assert first.effective() == 43 and Outcome(1, (1, 43, 137), 42).effective() == 43
+    decision = decide(first, _budget())
+    assert decision.action == "restart" and decision.reason.startswith(hang)
+    again = decide(Outcome(1, (143, 43), 42, hang=hang, hang_repeats=True), _budget())
+    assert (again.action, again.exit_code) == ("stop", 43) and "same hang" in again.reason
+    spent = decide(first, _budget(restarts_done=3))
+    assert (spent.action, spent.exit_code) == ("stop", 43)

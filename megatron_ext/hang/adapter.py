@@ -1,0 +1,126 @@
+"""The hang watchdog in Megatron's loop (:mod:`megatron_ext.hang.watchdog`).
+
+On by default under the launchers' supervisor (it sets ``MEGATRON_EXT_HANG_DIR``, a fresh
+folder per attempt) and with ``--hang-detect``; ``--no-hang-detect`` turns it off. Every rank
+starts its watchdog at install, before distributed initialisation, so a rank stuck in the
+rendezvous, the checkpoint load or the first step is caught too (``--hang-first-timeout``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.common.features import Feature, FeatureError, LossInputs, MicroBatch, StepRecord
+from megatron_ext.common.records.hangs import HANG_DIR_ENV
+from megatron_ext.common.validation import check_directory, check_finite
+from megatron_ext.hang.watchdog import Bounds, Watchdog
+
+FLAGS = ("hang_detect", "hang_timeout_factor", "hang_min_timeout", "hang_first_timeout", "hang_dir")
+
+
+class HangFeature(Feature):
+    name = "hang"
+
+    def __init__(self) -> None:
+        self.watchdog: Watchdog | None = None
+        self.history = Path()
+
+    def add_args(self, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--hang-detect",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="Hang watchdog: a rank with no progress within its bound dumps every rank's "
+            "stacks and exits 43, which the launchers turn into a restart from the last "
+            "checkpoint (default: on under the launchers, off otherwise).",
+        )
+        group.add_argument(
+            "--hang-timeout-factor",
+            type=float,
+            default=5.0,
+            help="The bound is this many times the slowest recent step (or save, evaluation).",
+        )
+        group.add_argument(
+            "--hang-min-timeout",
+            type=float,
+            default=120.0,
+            help="Seconds: the bound is never shorter than this.",
+        )
+        group.add_argument(
+            "--hang-first-timeout",
+            type=float,
+            default=1800.0,
+            help="Seconds: the bound of a phase with no history yet (start-up and checkpoint "
+            "load, the first steps, the first save and evaluation).",
+        )
+        group.add_argument(
+            "--hang-dir",
+            default=None,
+            help="Where the watchdogs of one attempt meet and write their stacks (default: "
+            f"${HANG_DIR_ENV}, set per attempt by the launchers; else SIGNALS_DIR/hangs).",
+        )
+
+    def enabled(self, args: Any) -> bool:
+        if args.hang_detect is None:
+            return bool(os.environ.get(HANG_DIR_ENV))
+        return bool(args.hang_detect)
+
+    def _directory(self, args: Any) -> Path | None:
+        chosen = args.hang_dir or os.environ.get(HANG_DIR_ENV)
+        if chosen:
+            return Path(chosen)
+        return Path(args.signals_dir) / "hangs" if getattr(args, "signals_dir", None) else None
+
+    def validate(self, args: Any) -> None:
+        try:
+            check_finite("--hang-timeout-factor", args.hang_timeout_factor, minimum=1.0)
+            check_finite("--hang-min-timeout", args.hang_min_timeout, minimum=0.1)
+            check_finite("--hang-first-timeout", args.hang_first_timeout, minimum=0.1)
+            directory = self._directory(args)
+            if directory is None:
+                raise ValueError(
+                    "--hang-detect needs a folder for the ranks' stacks: pass --hang-dir DIR "
+                    "or --signals-dir DIR, or launch with launch/run_single_node.sh or the "
+                    "sbatch script, which set one per attempt"
+                )
+            check_directory("--hang-dir", directory)
+        except ValueError as exc:
+            raise FeatureError(str(exc)) from None
+
+    def install(self, args: Any) -> None:
+        directory = self._directory(args)
+        assert directory is not None
+        bounds = Bounds(args.hang_timeout_factor, args.hang_min_timeout, args.hang_first_timeout)
+        self.watchdog = Watchdog(args.rank, args.world_size, directory, bounds)
+        # The durations outlive the attempt: beside the launchers' per-attempt folders.
+        base = directory.parent if os.environ.get(HANG_DIR_ENV) else directory
+        self.history = base / "durations.json"
+        self.watchdog.recall(self.history)
+        self.watchdog.start()
+        atexit.register(self.watchdog.stop)
+
+    def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None:
+        self._beat("batch read", micro_batch.training)
+
+    def on_loss(self, inputs: LossInputs) -> dict[str, Any]:
+        self._beat("loss", inputs.micro_batch.training)
+        return {}
+
+    def after_step(self, record: StepRecord) -> None:
+        assert self.watchdog is not None
+        self.watchdog.step_end(record.iteration)
+
+    def on_checkpoint(self, iteration: int) -> bool:
+        assert self.watchdog is not None
+        if self.watchdog.iteration and self.watchdog.rank == 0:
+            self.watchdog.remember(self.history)
+        self.watchdog.beat("save", "save")
+        return True
+
+    def _beat(self, what: str, training: bool) -> None:
+        assert self.watchdog is not None
+        self.watchdog.beat(what if training else f"eval {what}", "train" if training else "eval")

@@ -1,0 +1,199 @@
+"""Forward-progress watchdog: a rank that stops making progress is a hang incident (no torch,
+no Megatron).
+
+The training calls :meth:`Watchdog.beat` at each hook (a batch read, a loss, the grad norm,
+a step's end, a save). A daemon thread compares the time since the last beat with a bound
+derived from the run's own history: ``factor`` times the slowest of the recent steps (or of
+the saves and evaluations seen so far), at least ``min_timeout``; ``first_timeout`` until a
+phase has a history (start-up and checkpoint load, the first step, the first save and
+evaluation). Past it, the rank asks every rank to dump (``request.json`` in the attempt's
+hang folder, polled by every watchdog: a collective is what is stuck, so none is used),
+writes its stacks, waits for its peers' dumps (``grace`` at most) and exits with
+:data:`~megatron_ext.common.exit_codes.HUNG`, which the supervisor reads as "relaunch from the
+last checkpoint". Megatron's ``--distributed-timeout-minutes`` stays the last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_ext.common import exit_codes
+from megatron_ext.common.io import atomic_write_json
+from megatron_ext.common.records.hangs import REQUEST_FILE, HangDump, dump_file
+
+
+@dataclass(frozen=True)
+class Bounds:
+    factor: float = 5.0
+    min_timeout: float = 120.0
+    first_timeout: float = 1800.0
+    history: int = 50  # recent durations kept per phase
+
+    def of(self, durations: deque[float]) -> float:
+        if not durations:
+            return self.first_timeout
+        return max(self.min_timeout, self.factor * max(durations))
+
+
+def stacks() -> dict[str, list[str]]:
+    """Every thread's Python stack, by thread name (innermost frame last)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return {
+        names.get(ident, f"thread-{ident}"): traceback.format_stack(frame)
+        for ident, frame in sys._current_frames().items()
+        if ident != threading.get_ident()
+    }
+
+
+@dataclass
+class Watchdog:
+    """One rank's watchdog; :meth:`start` it once the process group exists."""
+
+    rank: int
+    world_size: int
+    directory: Path
+    bounds: Bounds = field(default_factory=Bounds)
+    poll: float = 0.5
+    grace: float = 15.0
+    exit: Callable[[int], None] = os._exit
+    clock: Callable[[], float] = time.monotonic
+    phase: str = "start-up"
+    iteration: int = 0  # the last finished iteration
+    last_progress: str = "start-up"
+    _last: float = 0.0
+    _started: float = field(default_factory=time.time)
+    _phase_start: float = 0.0
+    _durations: dict[str, deque[float]] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __post_init__(self) -> None:
+        self._last = self._phase_start = self.clock()
+        self._durations = {p: deque(maxlen=self.bounds.history) for p in ("train", "save", "eval")}
+
+    # -- the training side ---------------------------------------------------------------
+    def beat(self, what: str, phase: str = "train") -> None:
+        """Progress: ``what`` just ran, in ``phase``; a phase's end is timed into its history.
+        Start-up (and its bound) lasts until the first step ends: a first step after a
+        (re)start also builds communicators and warms caches."""
+        now = self.clock()
+        if phase != self.phase and self.phase != "start-up":
+            if self.phase in ("save", "eval"):
+                self._durations[self.phase].append(now - self._phase_start)
+            self.phase, self._phase_start = phase, now
+        self._last, self.last_progress = now, what
+
+    def step_end(self, iteration: int) -> None:
+        """A training iteration finished: its time joins the steps' history."""
+        now = self.clock()
+        if self.phase == "train" and self.iteration:
+            self._durations["train"].append(now - self._phase_start)
+        self.iteration = iteration
+        self.beat("step end")
+        self.phase, self._phase_start = "train", now
+
+    def remember(self, path: Path) -> None:
+        """Keep the durations for the next attempt (read back by :meth:`recall`), so that a
+        hang soon after a restart is bounded by this run's history, not the first timeout."""
+        atomic_write_json(path, {p: list(d) for p, d in self._durations.items()})
+
+    def recall(self, path: Path) -> None:
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        for phase, durations in self._durations.items():
+            durations.extend(float(d) for d in saved.get(phase, []))
+
+    def bound(self) -> float:
+        if self.phase == "start-up":
+            return self.bounds.first_timeout
+        return self.bounds.of(self._durations[self.phase])
+
+    # -- the watching thread -------------------------------------------------------------
+    def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._run, name="megatron-ext-hang", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            request = self._request()
+            stalled = self.clock() - self._last
+            if request is None and stalled <= self.bound():
+                continue
+            if request is None:
+                request = self._ask(stalled)
+            self._fire(request, stalled)
+            return
+
+    def _request(self) -> int | None:
+        """The rank that asked for dumps in this attempt (a request older than this process
+        is a previous attempt's, in a folder the user reuses: ignored)."""
+        path = self.directory / REQUEST_FILE
+        try:
+            if path.stat().st_mtime < self._started - 1.0:
+                return None
+            return int(json.loads(path.read_text())["rank"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def _ask(self, stalled: float) -> int:
+        """Ask every rank to dump (the first to ask wins: an exclusive create)."""
+        path = self.directory / REQUEST_FILE
+        body = {"rank": self.rank, "iteration": self.iteration + 1, "stalled_s": stalled}
+        try:
+            with open(path, "x") as f:
+                json.dump(body, f)
+        except FileExistsError:
+            return self._request() or self.rank
+        return self.rank
+
+    def dump(self, detected_by: int, stalled: float) -> HangDump:
+        return HangDump(
+            rank=self.rank,
+            world_size=self.world_size,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            iteration=self.iteration + 1,
+            phase=self.phase,
+            last_progress=self.last_progress,
+            stalled_s=round(stalled, 3),
+            bound_s=round(self.bound(), 3),
+            detected_by=detected_by,
+            stacks=stacks(),
+        )
+
+    def _fire(self, detected_by: int, stalled: float) -> None:
+        dump = self.dump(detected_by, stalled)
+        dump.write(self.directory)
+        asked = "" if detected_by == self.rank else f", asked by rank {detected_by}"
+        print(
+            f"megatron-ext hang watchdog: rank {self.rank}: no progress for {stalled:.1f} s at "
+            f"iteration {dump.iteration} ({dump.phase}, last: {dump.last_progress}; bound "
+            f"{dump.bound_s:.1f} s{asked}"
+            f"); stacks in {dump_file(self.directory, self.rank)}; exiting {exit_codes.HUNG} "
+            "so that the launcher restarts from the last checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        deadline = self.clock() + self.grace
+        while self.clock() < deadline:
+            if all(dump_file(self.directory, r).is_file() for r in range(self.world_size)):
+                break
+            time.sleep(self.poll / 5)
+        sys.stdout.flush()
+        self.exit(exit_codes.HUNG)

@@ -1,0 +1,97 @@
+"""The hang watchdog's core with a real thread: the bound follows the run's own history, a
+stall past it dumps every thread's stack and exits 43 once, a peer's request makes a rank
+dump too, and the report names the rank that is not waiting in a collective."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.common import exit_codes
+from megatron_ext.common.records.hangs import HangDump, read_dumps, report
+from megatron_ext.hang.watchdog import Bounds, Watchdog
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_bound_follows_the_steps_saves_and_a_first_timeout() -> None:
+    clock = Clock()
+    dog = Watchdog(0, 1, Path("unused"), Bounds(5.0, 1.0, 100.0), clock=clock)
+    assert dog.bound() == 100.0  # start-up, whatever the first step does
+    for iteration, seconds in enumerate([9.0, 0.2, 0.4, 0.3], start=1):
+        clock.now += seconds
+        dog.beat("batch read")
+        dog.step_end(iteration)
+    assert dog.bound() == pytest.approx(5.0 * 0.4)  # the first step (9 s) is start-up's
+    dog.beat("save", "save")
+    assert dog.bound() == 100.0  # no save seen yet
+    clock.now += 3.0
+    dog.beat("batch read")  # the save took 3 s
+    dog.beat("save", "save")
+    assert dog.bound() == pytest.approx(15.0)
+
+
+def test_durations_carry_over_to_the_next_attempt(tmp_path: Path) -> None:
+    clock = Clock()
+    dog = Watchdog(0, 1, tmp_path, Bounds(5.0, 0.1, 100.0), clock=clock)
+    for iteration in range(1, 5):
+        clock.now += 0.5
+        dog.step_end(iteration)
+    dog.remember(tmp_path / "durations.json")
+    again = Watchdog(0, 1, tmp_path, Bounds(5.0, 0.1, 100.0), clock=clock)
+    again.recall(tmp_path / "durations.json")
+    again.step_end(11)  # the first step after the restart ends start-up
+    assert again.bound() == pytest.approx(2.5)
+
+
+def _run_until_exit(dogs: list[Watchdog], timeout: float = 10.0) -> dict[int, int]:
+    exits: dict[int, int] = {}
+    done = threading.Event()
+    for dog in dogs:
+        dog.exit = lambda code, rank=dog.rank: (exits.__setitem__(rank, code), done.set())
+        dog.start()
+    deadline = time.monotonic() + timeout
+    while len(exits) < len(dogs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return exits
+
+
+def test_a_stall_dumps_every_rank_and_exits_43(tmp_path: Path) -> None:
+    bounds = Bounds(5.0, 0.3, 0.3)
+    stuck = Watchdog(1, 2, tmp_path, bounds, poll=0.05, grace=2.0)
+    busy = Watchdog(0, 2, tmp_path, Bounds(5.0, 60.0, 60.0), poll=0.05, grace=2.0)
+    started = time.monotonic()
+    exits = _run_until_exit([stuck, busy])
+    assert exits == {0: exit_codes.HUNG, 1: exit_codes.HUNG}
+    dumps = read_dumps(tmp_path)
+    assert [d.rank for d in dumps] == [0, 1] and {d.detected_by for d in dumps} == {1}
+    assert 0.3 <= dumps[1].stalled_s < time.monotonic() - started
+    assert "MainThread" in dumps[1].stacks and dumps[1].iteration == 1
+
+
+def _dump(rank: int, innermost: str, stalled: float = 5.0) -> HangDump:
+    frames = ['  File "/x/megatron/core/distributed/distributed_data_parallel.py", line 1, in f\n']
+    frames.append(f'  File "{innermost}", line 7, in g\n    wait()\n')
+    stacks = {"MainThread": frames}
+    return HangDump(rank, 3, "h", 1, 12, "train", "loss", stalled, 3.0, rank, stacks)
+
+
+def test_the_report_names_the_rank_not_waiting_in_a_collective() -> None:
+    c10d = "/v/torch/distributed/distributed_c10d.py"
+    found = report([_dump(0, c10d, 9.0), _dump(1, "/data/reader.py"), _dump(2, c10d)])
+    assert found is not None and found.hung == (1,) and found.silent == ()
+    assert found.where == "/data/reader.py, line 7, in g"
+    assert [d.rank for d in found.dumps] == [1, 0, 2]
+    # A rank that wrote nothing (stopped, or in the kernel) is the one named.
+    silent = report([_dump(0, c10d), _dump(2, c10d)], world_size=3)
+    assert silent is not None and silent.hung == (1,) and silent.silent == (1,)
+    assert report([]) is None
