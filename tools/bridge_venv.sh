@@ -25,8 +25,9 @@ cd "$(dirname "$0")/.."
 
 BRIDGE_VERSION=0.6.2
 NVRX_VERSION=0.6.0
-# The dependencies (besides the main venv's) that `import megatron.bridge.training.pretrain`
-# reaches, found by importing it until it imported (energon, modelopt and their own); each
+# The nvidia-resiliency-ext tier (tests/nvrx) runs here too: nvrx's ft_launcher needs grpcio
+# and httpcore besides what Bridge brings. The dependencies (besides the main venv's) that
+# `import megatron.bridge.training.pretrain` reaches, found by importing it until it imported (energon, modelopt and their own); each
 # with --no-deps, so nothing CUDA-only comes along (antlr4 pinned to the runtime hydra-core
 # 1.3 generated its grammar with; pytest loads hydra as a plugin). Wheels where one exists.
 BRIDGE_DEPS=(
@@ -35,6 +36,7 @@ BRIDGE_DEPS=(
     pycparser lark wcmatch bracex jsonschema jsonschema-specifications attrs referencing rpds-py
     opentelemetry-api braceexpand rapidyaml deprecation filetype webdataset nvidia-modelopt
     requests urllib3 certifi pulp orloge cpsat-logutils scipy tensorboard protobuf absl-py
+    grpcio httpcore
 )
 MAIN_VENV=${MAIN_VENV:-.venv}
 TIER_VENV=${TIER_VENV:-.venv-bridge}
@@ -66,6 +68,7 @@ import megatron.core, megatron_ext, torch
 from megatron_ext.bridge import te_standin
 te_standin.install()
 import megatron.bridge.training.pretrain  # noqa: F401  the whole training path imports
+import nvidia_resiliency_ext.fault_tolerance.launcher  # noqa: F401  ft_launcher (tests/nvrx)
 found = importlib.metadata.version("megatron-bridge")
 assert found == sys.argv[1], f"tier venv imports megatron-bridge {found}, not {sys.argv[1]}"
 core = importlib.metadata.version("megatron-core")

@@ -44,7 +44,9 @@ def prepare_skips(argv: list[str]) -> list[str]:
     """Megatron's argv with one flat ``--iterations-to-skip``: the union of the flags (ranges,
     ``--iterations-to-skip-file``, any spelling argparse accepts) and the list persisted with
     the checkpoints being loaded, printed once. An interrupted ``skiplist --apply`` in
-    ``--load`` is finished first, so the tracker and the persisted list are its result."""
+    ``--load`` is finished first, and a rollback request an in-place restart left pending is
+    applied (:mod:`megatron_ext.incidents.pending`), so the tracker and the persisted list are
+    their result."""
     from megatron_ext.common.records.skip_ranges import load_dir, resolve_argv
     from megatron_ext.common.run_lock import RunLockHeld, held
     from megatron_ext.incidents.transaction import journal_path, settle_at_startup
@@ -70,6 +72,9 @@ def prepare_skips(argv: list[str]) -> list[str]:
             f"{journal.incident:03d} (rolled back to {journal.rollback_to})",
             flush=True,
         )
+    from megatron_ext.incidents.pending import apply_at_startup
+
+    apply_at_startup(argv, rank())
     try:
         megatron_argv, sources = resolve_argv(argv)
     except (OSError, ValueError) as exc:

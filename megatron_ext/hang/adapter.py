@@ -70,10 +70,18 @@ class HangFeature(Feature):
         return bool(args.hang_detect)
 
     def _directory(self, args: Any) -> Path | None:
-        chosen = args.hang_dir or os.environ.get(HANG_DIR_ENV)
-        if chosen:
-            return Path(chosen)
-        return Path(args.signals_dir) / "hangs" if getattr(args, "signals_dir", None) else None
+        """The launchers' per-attempt folder; else one per attempt under ``--hang-dir`` (or
+        SIGNALS_DIR/hangs), named by the launcher's run and restart count (torchrun and
+        ft_launcher set them; a manual rerun reuses ``run-0``: stale files are ignored)."""
+        if os.environ.get(HANG_DIR_ENV) and not args.hang_dir:
+            return Path(os.environ[HANG_DIR_ENV])
+        base = args.hang_dir or (
+            Path(args.signals_dir) / "hangs" if getattr(args, "signals_dir", None) else None
+        )
+        if base is None:
+            return None
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+        return Path(base) / f"{run}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
     def validate(self, args: Any) -> None:
         try:
@@ -96,9 +104,8 @@ class HangFeature(Feature):
         assert directory is not None
         bounds = Bounds(args.hang_timeout_factor, args.hang_min_timeout, args.hang_first_timeout)
         self.watchdog = Watchdog(args.rank, args.world_size, directory, bounds)
-        # The durations outlive the attempt: beside the launchers' per-attempt folders.
-        base = directory.parent if os.environ.get(HANG_DIR_ENV) else directory
-        self.history = base / "durations.json"
+        # The durations outlive the attempt: beside the per-attempt folders.
+        self.history = directory.parent / "durations.json"
         self.watchdog.recall(self.history)
         self.watchdog.start()
         atexit.register(self.watchdog.stop)

@@ -28,8 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext.common import exit_codes
-from megatron_ext.common.io import atomic_write_json
-from megatron_ext.common.records.hangs import REQUEST_FILE, HangDump, dump_file
+from megatron_ext.common.io import atomic_write, atomic_write_json
+from megatron_ext.common.records.hangs import (
+    REQUEST_FILE,
+    HangDump,
+    dump_file,
+    read_dumps,
+    report,
+)
 
 
 @dataclass(frozen=True)
@@ -192,8 +198,26 @@ class Watchdog:
         )
         deadline = self.clock() + self.grace
         while self.clock() < deadline:
-            if all(dump_file(self.directory, r).is_file() for r in range(self.world_size)):
+            if len(read_dumps(self.directory, self._started - 1.0)) == self.world_size:
                 break
             time.sleep(self.poll / 5)
+        if detected_by == self.rank:
+            self._report()
         sys.stdout.flush()
         self.exit(exit_codes.HUNG)
+
+    def _report(self) -> None:
+        """The attempt's hang report beside the dumps (``report.{json,md}``): what a launcher
+        other than megatron-ext's supervisor leaves to read (the supervisor writes its own
+        with the checkpoints)."""
+        found = report(read_dumps(self.directory, self._started - 1.0), self.world_size)
+        if found is None:
+            return
+        atomic_write_json(self.directory / "report.json", found.as_json(attempt=0))
+        atomic_write(self.directory / "report.md", found.markdown(attempt=0, repeat=False))
+        print(
+            f"megatron-ext hang watchdog: hang at iteration {found.iteration}: ranks "
+            f"{list(found.hung)} stuck at {found.where}; report {self.directory / 'report.md'}",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -156,12 +156,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _train_iters(ckpt_dir: Path, iteration: int) -> int:
-    """``train_iters`` from a checkpoint's saved Megatron args."""
-    try:
-        return int(load_common_state(checkpoint_dir(ckpt_dir, iteration))["args"].train_iters)
-    except CheckpointUnreadable as exc:
-        raise PlanError(f"{exc}; or pass --train-iters to plan without reading it") from None
+def _train_iters(ckpt_dir: Path, newest_first: list[int]) -> int:
+    """``train_iters`` from the saved Megatron args of the newest checkpoint that reads: a
+    damaged newer one is what a plan moves aside, so it must not refuse the plan."""
+    problems = []
+    for iteration in newest_first:
+        try:
+            state = load_common_state(checkpoint_dir(ckpt_dir, iteration))
+            return int(state["args"].train_iters)
+        except CheckpointUnreadable as exc:
+            problems.append(str(exc))
+    raise PlanError(
+        f"no checkpoint's saved args could be read ({'; '.join(problems)}); pass "
+        "--train-iters to plan without reading them"
+    )
 
 
 def _earlier_skips(ckpt_dir: Path) -> list[int]:
@@ -341,7 +349,7 @@ def _plan(args: argparse.Namespace) -> int:
             policy=args.policy,
         )
         train_iters = args.train_iters or (
-            _train_iters(args.ckpt_dir, checkpoints[-1]) if checkpoints else None
+            _train_iters(args.ckpt_dir, checkpoints[::-1]) if checkpoints else None
         )
         history = read_window(signals_path, first, last)
         plan = make_plan(

@@ -77,6 +77,16 @@ WRAPPER_FREE = frozenset(
 )
 
 
+def used_flags(args: Any, exempt: frozenset[str] = frozenset()) -> list[str]:
+    """The megatron-ext flags ``args`` sets to other than their defaults, as typed."""
+    defaults = vars(add_megatron_ext_args(argparse.ArgumentParser()).parse_args([]))
+    return [
+        "--" + dest.replace("_", "-")
+        for dest, default in defaults.items()
+        if dest not in exempt and getattr(args, dest, default) != default
+    ]
+
+
 def refuse_under_megatron_fsdp(args: Any) -> None:
     """Refuse the megatron-ext flags set in ``args`` when Megatron-FSDP wraps the model.
 
@@ -89,13 +99,7 @@ def refuse_under_megatron_fsdp(args: Any) -> None:
     """
     if not getattr(args, "use_megatron_fsdp", False):
         return
-    defaults = vars(add_megatron_ext_args(argparse.ArgumentParser()).parse_args([]))
-    used = [
-        "--" + dest.replace("_", "-")
-        for dest, default in defaults.items()
-        if dest not in WRAPPER_FREE and getattr(args, dest, default) != default
-    ]
-    if used:
+    if used := used_flags(args, WRAPPER_FREE):
         raise FeatureError(
             f"{', '.join(used)} with --use-megatron-fsdp: megatron-ext's features are not "
             "verified under Megatron-FSDP (telemetry needs Megatron's ChainedOptimizer and DDP "
@@ -105,10 +109,28 @@ def refuse_under_megatron_fsdp(args: Any) -> None:
         )
 
 
+def refuse_inprocess_restart(args: Any) -> None:
+    """Megatron's ``--inprocess-restart`` (nvidia-resiliency-ext's in-process wrapper) with
+    megatron-ext's features: not verified. A second pass through ``pretrain`` would keep the
+    features' state, and the wrapper would retry the spike detector's exit from the same
+    checkpoint, without the rollback."""
+    if getattr(args, "inprocess_restart", False) and (used := used_flags(args)):
+        raise FeatureError(
+            f"{', '.join(used)} with --inprocess-restart: not verified (a second pass through "
+            "pretrain keeps megatron-ext's feature state, and an in-process retry of the spike "
+            "detector's exit replays the spike instead of rolling back). Drop "
+            "--inprocess-restart and restart jobs from the last checkpoint: "
+            "launch/run_single_node.sh or launch/pretrain_gpt_ext.sbatch (rollbacks and hangs "
+            "handled), or nvidia-resiliency-ext's ft_launcher (in-job restarts; a pending "
+            "rollback is applied when the training restarts)."
+        )
+
+
 def install(args: Any, features: list[Feature] | None = None) -> FeatureSet:
     """Validate and install the enabled features (``all_features()`` unless given), then
     apply the patches they use, each bound to what its wrapper reads."""
     refuse_under_megatron_fsdp(args)
+    refuse_inprocess_restart(args)
     installed = FeatureSet.install(all_features() if features is None else features, args)
     for feature in installed.features:
         apply_patches_of(feature)

@@ -217,3 +217,23 @@ def test_no_loadable_target_is_refused_and_nothing_moves(before_plan, tmp_path) 
     assert _state(root) == before and before["tracker"] == "30" and not before["skips"]
     assert not (ckpt / "rolled_back").exists()
     assert not (ckpt / "megatron_ext_incidents").exists()
+
+
+@fault(
+    "the newest checkpoint's DCP index (`.metadata`, which holds its saved args) deleted and no "
+    "`--train-iters` "
+    "given (the planner read the run's length from the newest checkpoint's args and refused "
+    "the plan that would have moved it aside)",
+    "the run's length is read from the newest checkpoint that reads (25); the plan rolls back "
+    "to 25 and moves the damaged 30 aside",
+    area="skiplist",
+)
+def test_a_damaged_newest_checkpoint_does_not_refuse_the_plan(before_plan, tmp_path) -> None:
+    root = _copy(before_plan, tmp_path)
+    (checkpoint_dir(root / "ckpt", 30) / DCP_METADATA_FILE).unlink()
+    result = run_skiplist(root, *PLAN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Roll back to checkpoint 25" in result.stdout
+    plan = json.loads((root / "ckpt" / "megatron_ext_incidents" / "incident-001.json").read_text())
+    assert plan["rollback_to"] == 25 and plan["moved_checkpoints"] == [30]
+    assert _load_everything(checkpoint_dir(root / "ckpt", 25)) == 25

@@ -184,9 +184,13 @@ def launch(
     model: list[str] = TINY_MODEL,
     training: list[str] = TINY_TRAINING,
     script: Path | None = None,
+    launcher: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> Run:
-    """Run the entry point under torchrun; optionally SIGKILL the whole job right after the
-    checkpoint of iteration ``kill_at_checkpoint`` is committed (crash-after-save drill).
+    """Run the entry point under torchrun (``launcher``: another one's command and flags
+    instead, e.g. nvidia-resiliency-ext's ``ft_launcher``; ``env``: more environment);
+    optionally SIGKILL the whole job right after the checkpoint of iteration
+    ``kill_at_checkpoint`` is committed (crash-after-save drill).
     ``sample_log=False`` leaves ``--sample-log-dir`` out (benchmarks' "off" arm); ``model``
     replaces the tiny model's flags (e.g. without ``--untie-embeddings-and-output-weights``),
     ``training`` the training flags (e.g. sample-based, without ``--train-iters``);
@@ -198,12 +202,10 @@ def launch(
         MEGATRON_EXT_HARNESS_COUNTS=str(workdir / "counts"),
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS="1",
+        **(env or {}),
     )
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
+        *(launcher or (sys.executable, "-m", "torch.distributed.run", "--standalone")),
         f"--nproc-per-node={nproc}",
         str(RUNNER),
         *(["--script", str(script)] if script is not None else []),

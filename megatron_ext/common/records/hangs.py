@@ -69,11 +69,14 @@ class HangDump:
         return atomic_write_json(dump_file(directory, self.rank), json_safe(asdict(self)))
 
 
-def read_dumps(directory: str | Path) -> list[HangDump]:
-    """Every rank's dump in ``directory`` (unreadable ones skipped: a rank killed mid-write)."""
+def read_dumps(directory: str | Path, since: float = 0.0) -> list[HangDump]:
+    """Every rank's dump in ``directory`` written at ``since`` (a time) or later (unreadable
+    ones skipped: a rank killed mid-write)."""
     dumps = []
     for path in sorted(Path(directory).glob("rank-*.json")):
         try:
+            if path.stat().st_mtime < since:
+                continue
             dumps.append(HangDump(**json.loads(path.read_text())))
         except (OSError, ValueError, TypeError):
             continue

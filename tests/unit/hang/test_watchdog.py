@@ -76,6 +76,8 @@ def test_a_stall_dumps_every_rank_and_exits_43(tmp_path: Path) -> None:
     assert [d.rank for d in dumps] == [0, 1] and {d.detected_by for d in dumps} == {1}
     assert 0.3 <= dumps[1].stalled_s < time.monotonic() - started
     assert "MainThread" in dumps[1].stacks and dumps[1].iteration == 1
+    # The rank that fired writes the attempt's report (no supervisor needed).
+    assert (tmp_path / "report.md").read_text().startswith("# Hang at iteration 1")
 
 
 def _dump(rank: int, innermost: str, stalled: float = 5.0) -> HangDump:

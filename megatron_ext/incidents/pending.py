@@ -1,0 +1,88 @@
+"""A rollback request left pending by a launcher that restarts in place (nvidia-resiliency-ext's
+``ft_launcher --max-restarts``, torchrun's ``--max-restarts``, a manual rerun): the restarted
+training applies it before it reads the tracker, so the spike is rolled back and skipped
+instead of replayed.
+
+Under megatron-ext's supervisor nothing is done here (its spike hook, ``skiplist --apply`` or
+``MEGATRON_EXT_ON_SPIKE``, already ran). Elsewhere rank 0 runs ``skiplist --apply`` (the
+journaled transaction, under the run lock: one writer, exactly once; ``SKIPLIST_ARGS`` adds
+planner flags as it does for the supervisor) and every other rank waits until the request is
+recorded as applied (no process group exists yet: the shared filesystem is the channel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import time
+from pathlib import Path
+
+from megatron_ext.common.files import SPIKE_LEDGER_FILE, read_checkpoint_tracker
+from megatron_ext.common.io import read_jsonl
+from megatron_ext.common.run_lock import TOKEN_ENV
+from megatron_ext.incidents import cli, transaction
+from megatron_ext.incidents.planner import incident_id
+
+
+def _facts(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in ("--load", "--signals-dir", "--spike-ledger", "--result-rejected-tracker-filename"):
+        parser.add_argument(flag)
+    parser.add_argument("--spike-detect", action="store_true")
+    return parser.parse_known_args(argv)[0]
+
+
+def pending(load: Path, ledger: Path) -> str | None:
+    """The identity of the newest rollback request when it is neither applied nor trained
+    past (the checkpoint to load predates it), else None."""
+    if not ledger.is_file():
+        return None
+    requests = [e for e in read_jsonl(ledger, warn=False).records if e.get("kind") == "rollback"]
+    if not requests:
+        return None
+    ident = incident_id(requests[-1])
+    if any(r.get("incident_id") == ident for r in transaction.applied_records(load)):
+        return None
+    tracker = read_checkpoint_tracker(load)
+    return ident if tracker is None or tracker <= int(requests[-1]["iteration"]) else None
+
+
+def apply_at_startup(argv: list[str], rank: int, timeout: float = 600.0) -> str | None:
+    """Apply (rank 0) or wait for (the others) a pending rollback request; returns its
+    identity, None when there was none."""
+    facts = _facts(argv)
+    if os.environ.get(TOKEN_ENV) or not (facts.load and facts.signals_dir and facts.spike_detect):
+        return None
+    load = Path(facts.load)
+    ledger = Path(facts.spike_ledger or Path(facts.signals_dir) / SPIKE_LEDGER_FILE)
+    ident = pending(load, ledger)
+    if ident is None:
+        return None
+    if rank == 0:
+        print(
+            f"megatron-ext: applying the pending rollback request {ident} before loading "
+            "(the launcher restarted the training in place)",
+            flush=True,
+        )
+        words = ["--apply", "--ckpt-dir", str(load), "--signals-dir", facts.signals_dir]
+        words += ["--ledger", str(ledger)]
+        if facts.result_rejected_tracker_filename:
+            words += ["--tracker-file", facts.result_rejected_tracker_filename]
+        status = cli.main([*words, *shlex.split(os.environ.get("SKIPLIST_ARGS", ""))])
+        if status != 0:
+            raise SystemExit(
+                f"megatron-ext: the pending rollback request {ident} could not be applied (exit "
+                f"{status}, above); fix it and apply it with `megatron-ext skiplist --apply "
+                f"--ckpt-dir {load} --signals-dir {facts.signals_dir}`, or undo it with --undo"
+            )
+        return ident
+    deadline = time.monotonic() + timeout
+    while pending(load, ledger) is not None:
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"megatron-ext: rank {rank}: rank 0 did not apply the pending rollback request "
+                f"{ident} in {load} within {timeout:.0f} s; see rank 0's output"
+            )
+        time.sleep(0.5)
+    return ident

@@ -1,0 +1,92 @@
+"""nvidia-resiliency-ext's real ``ft_launcher`` (0.6.0) with in-job restarts, as nvrx users run
+it (no megatron-ext supervisor): it restarts the training in place, with the same arguments,
+after any non-zero exit.
+
+- The spike drill (DP rank 1's batches corrupted at 32-36): the detector exits 42; the
+  restarted rank 0 applies the pending rollback request before it loads
+  (``megatron_ext.incidents.pending``), so the job ends at ``--train-iters`` after exactly one
+  rollback (before: three replays of the spike from checkpoint 35, then exit 1).
+- A hung rank (rank 1's forward sleeps at iteration 12, first cycle only): megatron-ext's
+  watchdog (``--hang-detect``) dumps every rank's stacks and writes the report, exits 43;
+  ft_launcher restarts from checkpoint 10 and the job ends at ``--train-iters``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from megatron_ext.common.files import SKIPPED_ITERATIONS_FILE
+from tests.support.drill import BAD, TRAIN_ITERS, drill_args
+from tests.support.harness import REPO, launch
+from tests.support.incidents import SITECUSTOMIZE
+
+FT_LAUNCHER = (
+    sys.executable,
+    "-c",
+    "import sys; from nvidia_resiliency_ext.fault_tolerance.launcher import main; sys.exit(main())",
+    "--standalone",
+    "--max-restarts",
+    "2",
+    "--monitor-interval",
+    "0.3",
+)
+
+
+def _trained(work: Path) -> dict[int, set[int]]:
+    seen: dict[int, set[int]] = {}
+    for line in (work / "signals" / "signals.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "iteration" in record and "attempt" in record:
+            seen.setdefault(record["attempt"], set()).add(record["iteration"])
+    return seen
+
+
+def test_the_spike_drill_rolls_back_once_under_ft_launcher(tmp_path, data_args) -> None:
+    args = drill_args(data_args, tmp_path, f"{BAD[0]}-{BAD[1]}:1", patience=3)
+    plan = {"SKIPLIST_ARGS": "--rollback-iters 5 --skip-batches 12"}
+    run = launch(tmp_path, args, nproc=2, launcher=FT_LAUNCHER, env=plan)
+    assert run.returncode == 0, run.log[-4000:]
+    assert run.log.count("applying the pending rollback request") == 1
+    lines = (tmp_path / "signals" / "spikes.jsonl").read_text().splitlines()
+    ledger = [json.loads(line) for line in lines]
+    assert [e["onset"] for e in ledger if e.get("kind") == "rollback"] == [BAD[0]]
+    applied = (tmp_path / "ckpt" / "megatron_ext_incidents" / "applied.jsonl").read_text()
+    assert [json.loads(line)["skip_window"] for line in applied.splitlines()] == [[26, 37]]
+    persisted = (tmp_path / "ckpt" / SKIPPED_ITERATIONS_FILE).read_text().splitlines()
+    assert [line.split()[0] for line in persisted if not line.startswith("#")] == ["26-37"]
+    trained = _trained(tmp_path)
+    assert sorted(trained) == [1, 2] and max(trained[2]) == TRAIN_ITERS
+    assert min(trained[2]) == 38  # resumed from 25, 26-37 skipped (not logged)
+
+
+def test_a_hung_rank_is_restarted_with_its_stacks_under_ft_launcher(tmp_path, data_args) -> None:
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(inject), str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "INJECT_HANG_AT": "12",
+        "INJECT_HANG_RANK": "1",
+        "INJECT_HANG_ONCE": "1",
+        "INJECT_ONCE_FILE": str(inject / "fired"),
+    }
+    ckpt = str(tmp_path / "ckpt")
+    args = [
+        *data_args,
+        *("--save", ckpt, "--load", ckpt, "--save-interval", "5"),
+        *("--signals-dir", str(tmp_path / "signals"), "--hang-detect"),
+        *("--hang-min-timeout", "3"),
+    ]
+    run = launch(tmp_path, args, nproc=2, launcher=FT_LAUNCHER, env=env)
+    assert run.returncode == 0, run.log[-4000:]
+    (report,) = (tmp_path / "signals" / "hangs").glob("*/report.json")
+    found = json.loads(report.read_text())
+    assert found["iteration"] == 12 and found["hung_ranks"] == [1], found
+    stack = "".join(found["ranks"][0]["stacks"]["MainThread"])
+    assert "time.sleep(3600)  # injected hang" in stack
+    assert any("torch/distributed" in f for f in found["ranks"][1]["stacks"]["MainThread"])
+    trained = _trained(tmp_path)
+    assert max(trained[1]) == 11 and min(trained[2]) == 11 and max(trained[2]) == 20
