@@ -213,11 +213,30 @@ class Watchdog:
         found = report(read_dumps(self.directory, self._started - 1.0), self.world_size)
         if found is None:
             return
+        repeat = self._repeats(found.iteration, found.where)
         atomic_write_json(self.directory / "report.json", found.as_json(attempt=0))
-        atomic_write(self.directory / "report.md", found.markdown(attempt=0, repeat=False))
+        atomic_write(self.directory / "report.md", found.markdown(attempt=0, repeat=repeat))
+        again = "; the same hang as the previous attempt: a restart will hang again" * repeat
         print(
             f"megatron-ext hang watchdog: hang at iteration {found.iteration}: ranks "
-            f"{list(found.hung)} stuck at {found.where}; report {self.directory / 'report.md'}",
+            f"{list(found.hung)} stuck at {found.where}{again}; report "
+            f"{self.directory / 'report.md'}",
             file=sys.stderr,
             flush=True,
         )
+
+    def _repeats(self, iteration: int, where: str) -> bool:
+        """Whether the newest earlier attempt's report (a sibling folder) names the same
+        iteration and place."""
+        earlier = [
+            path
+            for path in self.directory.parent.glob("*/report.json")
+            if path.parent != self.directory
+        ]
+        if not earlier:
+            return False
+        try:
+            last = json.loads(max(earlier, key=lambda p: p.stat().st_mtime).read_text())
+        except (OSError, ValueError):
+            return False
+        return (last.get("iteration"), last.get("where")) == (iteration, where)

@@ -166,8 +166,9 @@ def _train_iters(ckpt_dir: Path, newest_first: list[int]) -> int:
             return int(state["args"].train_iters)
         except CheckpointUnreadable as exc:
             problems.append(str(exc))
+    more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
     raise PlanError(
-        f"no checkpoint's saved args could be read ({'; '.join(problems)}); pass "
+        f"no checkpoint's saved args could be read ({'; '.join(problems[:3])}{more}); pass "
         "--train-iters to plan without reading them"
     )
 

@@ -27,6 +27,9 @@ code, ``scontrol show job``, the job output and the files the training wrote.
   - ``drill``: the spike drill with the bad batches on DP rank 1 (n2): both nodes' ranks exit
     42, the batch step's supervisor (on n1) plans and applies one rollback, once, and the
     relaunch on both nodes completes.
+  - ``hang``: rank 1's forward (on n2) sleeps for an hour at iteration 12, once: the hang
+    watchdogs of both nodes meet in the launch state on the shared filesystem, both dump their
+    stacks, the supervisor names rank 1 and relaunches; the job completes.
 
 * the cluster tooling: teardown removes every namespace, link and /etc/netns entry it made
   and is idempotent; a second cluster with the same names is refused, not merged.
@@ -49,6 +52,7 @@ import pytest
 from megatron_ext.common.files import SKIPPED_ITERATIONS_FILE, incident_stem, rolled_back_dir
 from megatron_ext.common.records.skip_ranges import read_ranges
 from megatron_ext.demo import TINY_DETECTOR
+from tests.support.incidents import SITECUSTOMIZE
 from tests.support.multinode import (
     PREFIX,
     TWO_NODES,
@@ -77,6 +81,7 @@ pytestmark = pytest.mark.timeout(900)
 TRAIN_ITERS = 40  # iterations are cheap (~0.1 s); launches are not
 SAVE_INTERVAL = 10
 DRILL_ITERS = 50
+HANG_ITERS = 20
 DRILL_SKIPPED = range(26, 38)  # rollback to checkpoint 25, then 12 batches skipped
 # As the single-node drill (tests/e2e/test_slurm.py): the same DP=2 numerics.
 DRILL = [*TINY_DETECTOR, "--drill-corrupt-batch", "32-36:1"]
@@ -271,6 +276,25 @@ def jobs(two_nodes: TwoNodeSlurm, tmp_path_factory, data_args: list[str]) -> dic
         )
         for name in ("normal", "interrupted")
     }
+    inject = root / "hang" / "inject"
+    inject.mkdir(parents=True)
+    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    extra_env = [
+        *("PYTHONUNBUFFERED=1", "LOGLEVEL=INFO", f"MEGATRON_EXT_HARNESS_COUNTS={root}/hang/counts"),
+        *(f"PYTHONPATH={inject}:{REPO}", "INJECT_HANG_AT=12", "INJECT_HANG_RANK=1"),
+        *("INJECT_HANG_ONCE=1", f"INJECT_ONCE_FILE={inject / 'fired'}"),
+    ]
+    pending["hang"] = start_two_node_training(
+        two_nodes,
+        root / "hang",
+        data_args,
+        ["--signals-dir", str(root / "hang" / "signals"), "--hang-min-timeout", "3"],
+        train_iters=HANG_ITERS,
+        save_interval=5,
+        job_name="mx-hang",
+        EXTRA_ENV=" ".join(extra_env),
+    )
+    work["hang"] = root / "hang"
     pending["drill"] = start_two_node_training(
         two_nodes,
         work["drill"],
@@ -284,7 +308,7 @@ def jobs(two_nodes: TwoNodeSlurm, tmp_path_factory, data_args: list[str]) -> dic
     )
     interruptions = Interruptions(two_nodes, work["interrupted"])
     results, _ = run_together(pending, {"interrupted": interruptions}, timeout=800)
-    print(f"\n[timing] three 2-node jobs, submitted together: {time.monotonic() - t0:.1f} s")
+    print(f"\n[timing] four 2-node jobs, submitted together: {time.monotonic() - t0:.1f} s")
     for name, job in results.items():
         print(f"[timing]   {name}: Slurm RunTime {job.fields.get('RunTime')}")
     return {"results": results, "work": work, "interruptions": interruptions}
@@ -472,6 +496,22 @@ def test_spike_drill_across_nodes_rolls_back_once_and_completes(jobs: dict) -> N
         sequence = [r for r in recs[:restart] if r.iteration < DRILL_SKIPPED[0]] + recs[restart:]
         expected = [k for k in range(1, DRILL_ITERS + 1) if k not in DRILL_SKIPPED for _ in "mb"]
         assert [r.iteration for r in sequence] == expected
+
+
+def test_a_hung_rank_on_the_second_node_is_named_and_the_job_completes(jobs: dict) -> None:
+    job, work = jobs["results"]["hang"], jobs["work"]["hang"]
+    _completed(job)
+    log = job.output
+    _assert(
+        job,
+        "hang at iteration 12: rank 1 made no progress" in log and "relaunching in place" in log,
+        "the supervisor must name the hung rank and relaunch",
+    )
+    (report,) = (work / "ckpt" / "megatron_ext_incidents").glob("hang-*.json")
+    found = json.loads(report.read_text())
+    assert found["hung_ranks"] == [1] and [r["host"] for r in found["ranks"]] == ["n2", "n1"]
+    assert "time.sleep(3600)" in "".join(found["ranks"][0]["stacks"]["MainThread"])
+    assert latest_checkpoint(work / "ckpt") == HANG_ITERS
 
 
 def test_teardown_removes_everything_and_is_idempotent(

@@ -189,7 +189,10 @@ def _help(n: Newcomer, command: str) -> None:
         if f not in ("-h", "--help")
     ]
     missing = [
-        f for f in expected if not re.search(rf"^\s+{re.escape(f)}(?=[\s,]|$)", listed, re.M)
+        # An option's spellings share a line ("--hang-detect, --no-hang-detect").
+        f
+        for f in expected
+        if not re.search(rf"^(\s+|\s+\S+, ){re.escape(f)}(?=[\s,]|$)", listed, re.M)
     ]
     assert "--z-loss-coeff" in expected and not missing, missing
 

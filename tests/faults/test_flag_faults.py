@@ -40,10 +40,11 @@ def _validate(tmp_path, *flags: str) -> None:
 @pytest.mark.e2e
 @fault(
     "`--spike-exit-code 256` (the kernel keeps 8 bits: 256 exits as 0) and `0`, `16`, `17`, "
-    "`137`; `--spike-loss-rel nan`, `--spike-large-rel inf`; window or patience 0; "
+    "`43` (the hang watchdog's), `137`; `--spike-loss-rel nan`, `--spike-large-rel inf`; "
+    "window or patience 0; "
     "`--sample-log-dir`/`--signals-dir` naming a file",
     "refused before distributed initialisation, naming the flag, the value and what is "
-    "allowed (exit codes 3-125 other than 16/17); the supervisor refuses the same exit codes "
+    "allowed (exit codes 3-125 other than 16/17/43); the supervisor refuses the same exit codes "
     "and never reads an exit 0 with a new ledger rollback request as success",
     area="training start-up",
 )
@@ -63,6 +64,7 @@ def test_bad_exit_codes_nan_thresholds_and_wrong_paths_are_refused(data_args, tm
         ("--spike-exit-code", "0"): "0 already means success",
         ("--spike-exit-code", "16"): "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
         ("--spike-exit-code", "17"): "EXIT_CODE_FAILED_ON_RESULT_VALIDATION",
+        ("--spike-exit-code", "43"): "hang watchdog",
         ("--spike-exit-code", "137"): "killed by signal 9",
         ("--spike-exit-code", "-1"): "exit statuses are 8 bits",
         ("--spike-loss-rel", "nan"): "--spike-loss-rel must be a finite number, got nan",
@@ -77,7 +79,7 @@ def test_bad_exit_codes_nan_thresholds_and_wrong_paths_are_refused(data_args, tm
         _validate(tmp_path, "--sample-log-dir", str(file))
     with pytest.raises(FeatureError, match="is a file, so"):
         _validate(tmp_path, "--signals-dir", str(file / "signals"))
-    _validate(tmp_path, *signals, "--spike-exit-code", "43")  # a free code is accepted
+    _validate(tmp_path, *signals, "--spike-exit-code", "44")  # a free code is accepted
 
     for code in ("256", "0", "17"):
         with pytest.raises(KnobError, match="--spike-exit-code"):

@@ -342,27 +342,30 @@ def test_a_garbage_tracker_is_refused_by_skiplist(template, tmp_path) -> None:
     assert "not an iteration number" in result.stderr and "Traceback" not in result.stderr
 
 
+def _corrupt(checkpoint: Path) -> None:
+    (checkpoint / "metadata.json").write_text(
+        json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
+    )
+    (checkpoint / ".metadata").write_bytes(os.urandom(256))
+
+
 @fault(
     "a corrupt newest checkpoint (metadata.json present, checkpoint data garbage) in "
-    "`skiplist` without --train-iters",
-    "refused (exit 2) naming the checkpoint, its error and the fix; no CheckpointException "
-    "traceback",
+    "`skiplist` without --train-iters, no older checkpoint with readable args either",
+    "refused (exit 2) naming the checkpoints, their errors and the fix (--train-iters); no "
+    "CheckpointException traceback (with an older readable one, the plan reads that: "
+    "test_rollback_target_faults)",
     area="skiplist",
 )
 def test_a_corrupt_checkpoint_is_refused_by_skiplist(template, tmp_path) -> None:
     root = shutil.copytree(template, tmp_path / "run")
     newest = root / "ckpt" / "iter_0000045"
-    (newest / "metadata.json").write_text(
-        json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
-    )
-    (newest / ".metadata").write_bytes(os.urandom(256))
+    _corrupt(newest)  # the template's older checkpoints hold no Megatron args
     argv = [a for a in skiplist_argv(root, "--apply") if a not in ("--train-iters", "100")]
-    result = subprocess.run(
-        [sys.executable, "-m", "megatron_ext.cli", "skiplist", *argv],
-        capture_output=True,
-        text=True,
-    )
+    command = [sys.executable, "-m", "megatron_ext.cli", "skiplist", *argv]
+    result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2, result.stderr[-2000:]
+    assert "no checkpoint's saved args could be read" in result.stderr
     assert f"checkpoint {newest} is unreadable (CheckpointException" in result.stderr
-    assert "or pass --train-iters" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert "and 6 more" in result.stderr  # the first three named, not every one
+    assert "pass --train-iters" in result.stderr and "Traceback" not in result.stderr

@@ -80,6 +80,16 @@ def test_a_stall_dumps_every_rank_and_exits_43(tmp_path: Path) -> None:
     assert (tmp_path / "report.md").read_text().startswith("# Hang at iteration 1")
 
 
+def test_a_hang_at_the_same_place_as_the_last_attempt_is_said_to_repeat(tmp_path: Path) -> None:
+    reports = []
+    for attempt in ("run-0", "run-1"):
+        dog = Watchdog(0, 1, tmp_path / attempt, Bounds(5.0, 0.2, 0.2), poll=0.05, grace=0.1)
+        assert _run_until_exit([dog]) == {0: exit_codes.HUNG}
+        reports.append((tmp_path / attempt / "report.md").read_text())
+    assert "repeat of the previous attempt's hang: no" in reports[0]
+    assert "repeat of the previous attempt's hang: yes" in reports[1]
+
+
 def _dump(rank: int, innermost: str, stalled: float = 5.0) -> HangDump:
     frames = ['  File "/x/megatron/core/distributed/distributed_data_parallel.py", line 1, in f\n']
     frames.append(f'  File "{innermost}", line 7, in g\n    wait()\n')
