@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import time
 from pathlib import Path
 
 from megatron_ext.common.files import SPIKE_LEDGER_FILE, read_checkpoint_tracker
@@ -77,12 +76,9 @@ def apply_at_startup(argv: list[str], rank: int, timeout: float = 600.0) -> str 
                 f"--ckpt-dir {load} --signals-dir {facts.signals_dir}`, or undo it with --undo"
             )
         return ident
-    deadline = time.monotonic() + timeout
-    while pending(load, ledger) is not None:
-        if time.monotonic() > deadline:
-            raise SystemExit(
-                f"megatron-ext: rank {rank}: rank 0 did not apply the pending rollback request "
-                f"{ident} in {load} within {timeout:.0f} s; see rank 0's output"
-            )
-        time.sleep(0.5)
+    transaction.wait_for_rank_0(
+        lambda: pending(load, ledger) is None,
+        timeout,
+        f"rank {rank}: rank 0 did not apply the pending rollback request {ident} in {load}",
+    )
     return ident

@@ -33,6 +33,7 @@ import base64
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -247,12 +248,19 @@ def settle_at_startup(load: str | None, rank: int, timeout: float = 600.0) -> Jo
             return finish_pending(load)
         except TransactionError as exc:
             raise SystemExit(f"megatron-ext: {exc}") from None
-    deadline = time.monotonic() + timeout
-    while journal_path(load).exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(
-                f"megatron-ext: rank {rank}: rank 0 did not finish the interrupted `skiplist "
-                f"--apply` in {load} within {timeout:.0f} s; see rank 0's output"
-            )
-        time.sleep(1.0)
+    wait_for_rank_0(
+        lambda: not journal_path(load).exists(),
+        timeout,
+        f"rank {rank}: rank 0 did not finish the interrupted `skiplist --apply` in {load}",
+    )
     return None
+
+
+def wait_for_rank_0(done: Callable[[], bool], timeout: float, what: str) -> None:
+    """Start-up, before any process group: poll the shared filesystem until ``done()``;
+    past ``timeout`` end the rank saying ``what`` did not happen."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"megatron-ext: {what} within {timeout:.0f} s; see rank 0's output")
+        time.sleep(0.5)

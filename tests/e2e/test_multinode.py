@@ -29,7 +29,7 @@ code, ``scontrol show job``, the job output and the files the training wrote.
     relaunch on both nodes completes.
   - ``hang``: rank 1's forward (on n2) sleeps for an hour at iteration 12, once: the hang
     watchdogs of both nodes meet in the launch state on the shared filesystem, both dump their
-    stacks, the supervisor names rank 1 and relaunches; the job completes.
+    stacks and exit 43, the supervisor names rank 1 and requeues; the job completes.
 
 * the cluster tooling: teardown removes every namespace, link and /etc/netns entry it made
   and is idempotent; a second cluster with the same names is refused, not merged.
@@ -500,12 +500,14 @@ def test_spike_drill_across_nodes_rolls_back_once_and_completes(jobs: dict) -> N
 
 def test_a_hung_rank_on_the_second_node_is_named_and_the_job_completes(jobs: dict) -> None:
     job, work = jobs["results"]["hang"], jobs["work"]["hang"]
-    _completed(job)
+    _completed(job, restarts=1)  # under sbatch a restart is a requeue (RESTART_MODE)
     log = job.output
     _assert(
         job,
-        "hang at iteration 12: rank 1 made no progress" in log and "relaunching in place" in log,
-        "the supervisor must name the hung rank and relaunch",
+        "hang at iteration 12: rank 1 made no progress" in log
+        and "attempt 1: rank 0 on n1 exited 43, rank 1 on n2 exited 43" in log
+        and "requeueing Slurm job" in log,
+        "the supervisor must name the hung rank and requeue",
     )
     (report,) = (work / "ckpt" / "megatron_ext_incidents").glob("hang-*.json")
     found = json.loads(report.read_text())

@@ -22,15 +22,6 @@ HANG = ["--save-interval", "5", "--hang-min-timeout", str(MIN_TIMEOUT)]
 HUNG_AT = 12
 
 
-def _trained(work: Path) -> dict[int, set[int]]:
-    seen: dict[int, set[int]] = {}
-    for line in (work / "signals" / "signals.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "iteration" in record and "attempt" in record:
-            seen.setdefault(record["attempt"], set()).add(record["iteration"])
-    return seen
-
-
 def _reports(work: Path) -> list[dict]:
     folder = work / "ckpt" / INCIDENTS_DIR
     return [json.loads(p.read_text()) for p in sorted(folder.glob("hang-*.json"))]
@@ -60,27 +51,28 @@ def _assert_reported(report: dict, hung_rank: int, world: int) -> None:
     "log and hang-*.md; exit 43; relaunch from checkpoint 10; the job ends at --train-iters",
     area="hangs",
 )
-def test_a_rank_that_hangs_once_is_restarted_with_every_stack(data_args, tmp_path) -> None:
+def _hang_once(work: Path, data_args: list[str], rank: int, world: int) -> incidents.LauncherRun:
+    """``rank`` of ``world`` hangs at HUNG_AT once: one report, then the job completes."""
+    knobs = {"GPUS_PER_NODE": str(world)} | ({"INJECT_HANG_RANK": "1"} if world > 1 else {})
     run = incidents.run(
-        tmp_path,
-        data_args,
-        HANG,
-        20,
-        INJECT_HANG_AT=str(HUNG_AT),
-        INJECT_HANG_RANK="1",
-        INJECT_HANG_ONCE="1",
+        work, data_args, HANG, 20, INJECT_HANG_AT=str(HUNG_AT), INJECT_HANG_ONCE="1", **knobs
     )
     assert run.returncode == 0, run.output[-5000:]
-    (report,) = _reports(tmp_path)
-    _assert_reported(report, hung_rank=1, world=2)
+    (report,) = _reports(work)
+    _assert_reported(report, hung_rank=rank, world=world)
+    trained = incidents.trained(work)
+    assert max(trained[1]) == HUNG_AT - 1 and min(trained[2]) == 11 and max(trained[2]) == 20
+    assert incidents.wait_for_no_survivors(run.marker) == []
+    return run
+
+
+def test_a_rank_that_hangs_once_is_restarted_with_every_stack(data_args, tmp_path) -> None:
+    run = _hang_once(tmp_path, data_args, rank=1, world=2)
     lines = "\n".join(run.supervisor_lines())
     assert f"hang at iteration {HUNG_AT}: rank 1 made no progress" in lines
     assert "relaunching in place from the last checkpoint" in lines
     assert "training finished successfully (reached its last iteration)" in lines
     assert f"exiting {exit_codes.HUNG}" in run.output
-    trained = _trained(tmp_path)
-    assert max(trained[1]) == HUNG_AT - 1 and min(trained[2]) == 11 and max(trained[2]) == 20
-    assert incidents.wait_for_no_survivors(run.marker) == []
 
 
 @fault(
@@ -91,20 +83,7 @@ def test_a_rank_that_hangs_once_is_restarted_with_every_stack(data_args, tmp_pat
     area="hangs",
 )
 def test_a_single_rank_hang_is_caught_without_a_collective(data_args, tmp_path) -> None:
-    run = incidents.run(
-        tmp_path,
-        data_args,
-        HANG,
-        20,
-        INJECT_HANG_AT=str(HUNG_AT),
-        INJECT_HANG_ONCE="1",
-        GPUS_PER_NODE="1",
-    )
-    assert run.returncode == 0, run.output[-5000:]
-    (report,) = _reports(tmp_path)
-    _assert_reported(report, hung_rank=0, world=1)
-    assert max(_trained(tmp_path)[2]) == 20
-    assert incidents.wait_for_no_survivors(run.marker) == []
+    _hang_once(tmp_path, data_args, rank=0, world=1)
 
 
 @fault(

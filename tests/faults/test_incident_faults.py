@@ -28,16 +28,6 @@ PLAN = {"SKIPLIST_ARGS": "--rollback-iters 3 --skip-batches 4"}
 SAVE = ["--save-interval", "2"]
 
 
-def _trained(run: incidents.LauncherRun) -> dict[int, set[int]]:
-    """Iterations each attempt logged, from the signals log."""
-    seen: dict[int, set[int]] = {}
-    for line in (run.work / "signals" / "signals.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "iteration" in record and "attempt" in record:
-            seen.setdefault(record["attempt"], set()).add(record["iteration"])
-    return seen
-
-
 def _assert_nan_rolled_back_once(run: incidents.LauncherRun, last_logged: int) -> None:
     """One rollback for the NaN at 12; attempt 1 logged up to ``last_logged``."""
     assert run.returncode == 0, run.output[-4000:]
@@ -49,7 +39,7 @@ def _assert_nan_rolled_back_once(run: incidents.LauncherRun, last_logged: int) -
     assert "training finished successfully (reached its last iteration)" in lines
     persisted = (run.work / "ckpt" / SKIPPED_ITERATIONS_FILE).read_text().splitlines()
     assert [line.split()[0] for line in persisted if not line.startswith("#")] == ["9-12"]
-    trained = _trained(run)
+    trained = incidents.trained(run.work)
     assert max(trained[1]) == last_logged and 12 not in trained[2] and max(trained[2]) == 24
     report = (run.work / "ckpt" / "megatron_ext_incidents" / "incident-001.md").read_text()
     assert report.startswith("# Incident 001: rollback at iteration 12 (loss nan: non-finite")
@@ -134,7 +124,7 @@ def test_an_exit_duration_stop_is_relaunched_to_the_end(data_args, tmp_path) -> 
     assert "with checkpoint 8; resuming" in lines
     assert lines.count("finished successfully") == 1
     assert lines.index("resuming") < lines.index("finished successfully")
-    trained = _trained(run)
+    trained = incidents.trained(run.work)
     assert max(trained[1]) == 8 and min(trained[2]) == 9 and max(trained[2]) == 16
 
 
@@ -246,6 +236,6 @@ def test_a_nan_that_comes_back_rolls_back_further(data_args, tmp_path) -> None:
     targets = [(r["rollback_to"], r["skip_window"]) for r in map(json.loads, applied.split())]
     assert targets == [(8, [9, 12]), (6, [7, 17])]
     assert "The same failure came back after incident 001 (onset 12)" in run.output
-    trained = _trained(run)
+    trained = incidents.trained(run.work)
     assert 13 in trained[2] and not {12, 13} & trained[3] and max(trained[3]) == 24
     assert incidents.wait_for_no_survivors(run.marker) == []

@@ -14,7 +14,6 @@ after any non-zero exit.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,8 +21,8 @@ from pathlib import Path
 from megatron_ext.common.files import SKIPPED_ITERATIONS_FILE
 from tests.support.drill import BAD, TRAIN_ITERS, drill_args
 from tests.support.faults import fault
-from tests.support.harness import REPO, launch
-from tests.support.incidents import SITECUSTOMIZE
+from tests.support.harness import launch
+from tests.support.incidents import injected, trained
 
 FT_LAUNCHER = (
     sys.executable,
@@ -37,13 +36,20 @@ FT_LAUNCHER = (
 )
 
 
-def _trained(work: Path) -> dict[int, set[int]]:
-    seen: dict[int, set[int]] = {}
-    for line in (work / "signals" / "signals.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "iteration" in record and "attempt" in record:
-            seen.setdefault(record["attempt"], set()).add(record["iteration"])
-    return seen
+def _hang_args(work: Path, data_args: list[str]) -> list[str]:
+    """Checkpoints every 5 and the watchdog on (its floor at 3 s: the tiny model steps fast)."""
+    ckpt = str(work / "ckpt")
+    return [
+        *data_args,
+        *("--save", ckpt, "--load", ckpt, "--save-interval", "5"),
+        *("--signals-dir", str(work / "signals"), "--hang-detect", "--hang-min-timeout", "3"),
+    ]
+
+
+def _restarts(count: int) -> tuple[str, ...]:
+    launcher = [*FT_LAUNCHER]
+    launcher[launcher.index("--max-restarts") + 1] = str(count)
+    return tuple(launcher)
 
 
 @fault(
@@ -67,9 +73,9 @@ def test_the_spike_drill_rolls_back_once_under_ft_launcher(tmp_path, data_args) 
     assert [json.loads(line)["skip_window"] for line in applied.splitlines()] == [[26, 37]]
     persisted = (tmp_path / "ckpt" / SKIPPED_ITERATIONS_FILE).read_text().splitlines()
     assert [line.split()[0] for line in persisted if not line.startswith("#")] == ["26-37"]
-    trained = _trained(tmp_path)
-    assert sorted(trained) == [1, 2] and max(trained[2]) == TRAIN_ITERS
-    assert min(trained[2]) == 38  # resumed from 25, 26-37 skipped (not logged)
+    by_attempt = trained(tmp_path)
+    assert sorted(by_attempt) == [1, 2] and max(by_attempt[2]) == TRAIN_ITERS
+    assert min(by_attempt[2]) == 38  # resumed from 25, 26-37 skipped (not logged)
 
 
 @fault(
@@ -81,24 +87,8 @@ def test_the_spike_drill_rolls_back_once_under_ft_launcher(tmp_path, data_args) 
     area="nvidia-resiliency-ext",
 )
 def test_a_hung_rank_is_restarted_with_its_stacks_under_ft_launcher(tmp_path, data_args) -> None:
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {
-        "PYTHONPATH": os.pathsep.join([str(inject), str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "INJECT_HANG_AT": "12",
-        "INJECT_HANG_RANK": "1",
-        "INJECT_HANG_ONCE": "1",
-        "INJECT_ONCE_FILE": str(inject / "fired"),
-    }
-    ckpt = str(tmp_path / "ckpt")
-    args = [
-        *data_args,
-        *("--save", ckpt, "--load", ckpt, "--save-interval", "5"),
-        *("--signals-dir", str(tmp_path / "signals"), "--hang-detect"),
-        *("--hang-min-timeout", "3"),
-    ]
-    run = launch(tmp_path, args, nproc=2, launcher=FT_LAUNCHER, env=env)
+    env = injected(tmp_path, INJECT_HANG_AT="12", INJECT_HANG_RANK="1", INJECT_HANG_ONCE="1")
+    run = launch(tmp_path, _hang_args(tmp_path, data_args), nproc=2, launcher=FT_LAUNCHER, env=env)
     assert run.returncode == 0, run.log[-4000:]
     (report,) = (tmp_path / "signals" / "hangs").glob("*/report.json")
     found = json.loads(report.read_text())
@@ -106,8 +96,8 @@ def test_a_hung_rank_is_restarted_with_its_stacks_under_ft_launcher(tmp_path, da
     stack = "".join(found["ranks"][0]["stacks"]["MainThread"])
     assert "time.sleep(3600)  # injected hang" in stack
     assert any("torch/distributed" in f for f in found["ranks"][1]["stacks"]["MainThread"])
-    trained = _trained(tmp_path)
-    assert max(trained[1]) == 11 and min(trained[2]) == 11 and max(trained[2]) == 20
+    by_attempt = trained(tmp_path)
+    assert max(by_attempt[1]) == 11 and min(by_attempt[2]) == 11 and max(by_attempt[2]) == 20
 
 
 @fault(
@@ -120,18 +110,9 @@ def test_a_rank_local_exception_fails_fast_and_is_said_first(tmp_path, data_args
     """Rank 1 raises in its forward at iteration 12 (no restarts left): the job ends in
     seconds, not at the 10-minute collective timeout, and the first traceback in the log is
     rank 1's own exception, not its peer's collective error."""
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {
-        "PYTHONPATH": os.pathsep.join([str(inject), str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "INJECT_RAISE_AT": "12",
-        "INJECT_RAISE_RANK": "1",
-    }
-    launcher = [*FT_LAUNCHER]
-    launcher[launcher.index("--max-restarts") + 1] = "0"
+    env = injected(tmp_path, INJECT_RAISE_AT="12", INJECT_RAISE_RANK="1")
     started = time.monotonic()
-    run = launch(tmp_path, [*data_args], nproc=2, launcher=tuple(launcher), env=env)
+    run = launch(tmp_path, [*data_args], nproc=2, launcher=_restarts(0), env=env)
     assert run.returncode != 0 and time.monotonic() - started < 120, run.log[-3000:]
     first = run.log.index("Traceback")
     assert "injected failure at iteration 12" in run.log[first:].split("Traceback")[1]
@@ -146,24 +127,8 @@ def test_a_rank_local_exception_fails_fast_and_is_said_first(tmp_path, data_args
     area="nvidia-resiliency-ext",
 )
 def test_a_single_rank_hang_that_repeats_stops_within_the_budget(tmp_path, data_args) -> None:
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {
-        "PYTHONPATH": os.pathsep.join([str(inject), str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "INJECT_HANG_AT": "12",
-        "INJECT_ONCE_FILE": str(inject / "fired"),
-    }
-    ckpt = str(tmp_path / "ckpt")
-    args = [
-        *data_args,
-        *("--save", ckpt, "--load", ckpt, "--save-interval", "5"),
-        *("--signals-dir", str(tmp_path / "signals"), "--hang-detect"),
-        *("--hang-min-timeout", "3"),
-    ]
-    launcher = [*FT_LAUNCHER]
-    launcher[launcher.index("--max-restarts") + 1] = "1"
-    run = launch(tmp_path, args, nproc=1, launcher=tuple(launcher), env=env)
+    env = injected(tmp_path, INJECT_HANG_AT="12")
+    run = launch(tmp_path, _hang_args(tmp_path, data_args), nproc=1, launcher=_restarts(1), env=env)
     assert run.returncode != 0, run.log[-4000:]
     reports = sorted(
         (tmp_path / "signals" / "hangs").glob("*/report.md"), key=lambda p: p.stat().st_mtime

@@ -188,6 +188,30 @@ def run(
     return LauncherRun(work, returncode, (work / "launcher.log").read_text(), marker)
 
 
+def trained(work: Path) -> dict[int, set[int]]:
+    """Iterations each attempt logged, from ``work/signals/signals.jsonl``."""
+    seen: dict[int, set[int]] = {}
+    for line in (work / "signals" / "signals.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "iteration" in record and "attempt" in record:
+            seen.setdefault(record["attempt"], set()).add(record["iteration"])
+    return seen
+
+
+def injected(work: Path, **values: str) -> dict[str, str]:
+    """The environment of a launch of our own (not the launcher's) with :data:`SITECUSTOMIZE`
+    on the path and ``INJECT_*`` ``values``."""
+    inject = work / "inject"
+    inject.mkdir(parents=True, exist_ok=True)
+    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    path = [str(inject), str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
+    return {
+        "PYTHONPATH": os.pathsep.join(path),
+        "INJECT_ONCE_FILE": str(inject / "fired"),
+        **values,
+    }
+
+
 def survivors(marker: str) -> list[psutil.Process]:
     """Every process still carrying the run's marker."""
     found = []
