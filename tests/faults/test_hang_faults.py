@@ -42,15 +42,6 @@ def _assert_reported(report: dict, hung_rank: int, world: int) -> None:
         assert any("torch/distributed" in f for f in peer["stacks"]["MainThread"]), peer
 
 
-@fault(
-    "rank 1 of 2 stops making progress at iteration 12 (its forward sleeps for an hour, once); "
-    "before, the peer waited for the 10-minute collective timeout and the job stopped as a "
-    "crash with no stack",
-    "the watchdog fires ~3 s after the hang (bound: 5x the slowest step, floor "
-    "--hang-min-timeout); both ranks dump their stacks, rank 1 first and named as hung in the "
-    "log and hang-*.md; exit 43; relaunch from checkpoint 10; the job ends at --train-iters",
-    area="hangs",
-)
 def _hang_once(work: Path, data_args: list[str], rank: int, world: int) -> incidents.LauncherRun:
     """``rank`` of ``world`` hangs at HUNG_AT once: one report, then the job completes."""
     knobs = {"GPUS_PER_NODE": str(world)} | ({"INJECT_HANG_RANK": "1"} if world > 1 else {})
@@ -66,6 +57,15 @@ def _hang_once(work: Path, data_args: list[str], rank: int, world: int) -> incid
     return run
 
 
+@fault(
+    "rank 1 of 2 stops making progress at iteration 12 (its forward sleeps for an hour, once); "
+    "before, the peer waited for the 10-minute collective timeout and the job stopped as a "
+    "crash with no stack",
+    "the watchdog fires ~3 s after the hang (bound: 5x the slowest step, floor "
+    "--hang-min-timeout); both ranks dump their stacks, rank 1 first and named as hung in the "
+    "log and hang-*.md; exit 43; relaunch from checkpoint 10; the job ends at --train-iters",
+    area="hangs",
+)
 def test_a_rank_that_hangs_once_is_restarted_with_every_stack(data_args, tmp_path) -> None:
     run = _hang_once(tmp_path, data_args, rank=1, world=2)
     lines = "\n".join(run.supervisor_lines())
