@@ -1,7 +1,8 @@
 """The hang watchdog in Megatron's loop (:mod:`megatron_ext.hang.watchdog`).
 
 On by default under the launchers' supervisor (it sets ``MEGATRON_EXT_HANG_DIR``, a fresh
-folder per attempt) and with ``--hang-detect``; ``--no-hang-detect`` turns it off. Every rank
+folder per attempt) unless Megatron's ``--enable-ft-package`` hands hang detection to
+nvidia-resiliency-ext, and with ``--hang-detect``; ``--no-hang-detect`` turns it off. Every rank
 starts its watchdog at install, before distributed initialisation, so a rank stuck in the
 rendezvous, the checkpoint load or the first step is caught too (``--hang-first-timeout``).
 """
@@ -65,8 +66,11 @@ class HangFeature(Feature):
         )
 
     def enabled(self, args: Any) -> bool:
+        """Explicit flags win; by default on under the launchers, except with Megatron's
+        ``--enable-ft-package``: nvidia-resiliency-ext's rank monitor times the sections then."""
         if args.hang_detect is None:
-            return bool(os.environ.get(HANG_DIR_ENV))
+            nvrx = getattr(args, "enable_ft_package", False)
+            return bool(os.environ.get(HANG_DIR_ENV)) and not nvrx
         return bool(args.hang_detect)
 
     def _directory(self, args: Any) -> Path | None:

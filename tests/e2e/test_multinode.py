@@ -30,6 +30,8 @@ code, ``scontrol show job``, the job output and the files the training wrote.
   - ``hang``: rank 1's forward (on n2) sleeps for an hour at iteration 12, once: the hang
     watchdogs of both nodes meet in the launch state on the shared filesystem, both dump their
     stacks and exit 43, the supervisor names rank 1 and requeues; the job completes.
+  - ``hang-again``: the same hang in every attempt: one requeue, then the supervisor says it
+    repeats and the job fails with 43.
 
 * the cluster tooling: teardown removes every namespace, link and /etc/netns entry it made
   and is idempotent; a second cluster with the same names is refused, not merged.
@@ -258,6 +260,30 @@ class Interruptions:
         return bool(workers)
 
 
+def _hang_job(cluster: TwoNodeSlurm, work: Path, data_args: list[str], once: bool) -> PendingJob:
+    """Rank 1 (on n2) sleeps in its forward at iteration 12: in the first attempt only, or in
+    every attempt; the hang watchdog's floor at 3 s (the tiny model steps in ~0.1 s)."""
+    inject = work / "inject"
+    inject.mkdir(parents=True)
+    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    extra_env = [
+        *("PYTHONUNBUFFERED=1", "LOGLEVEL=INFO", f"MEGATRON_EXT_HARNESS_COUNTS={work}/counts"),
+        *(f"PYTHONPATH={inject}:{REPO}", "INJECT_HANG_AT=12", "INJECT_HANG_RANK=1"),
+        f"INJECT_ONCE_FILE={inject / 'fired'}",
+        *(["INJECT_HANG_ONCE=1"] if once else []),
+    ]
+    return start_two_node_training(
+        cluster,
+        work,
+        data_args,
+        ["--signals-dir", str(work / "signals"), "--hang-min-timeout", "3"],
+        train_iters=HANG_ITERS,
+        save_interval=5,
+        job_name=f"mx-{work.name}",
+        EXTRA_ENV=" ".join(extra_env),
+    )
+
+
 @pytest.fixture(scope="module")
 def jobs(two_nodes: TwoNodeSlurm, tmp_path_factory, data_args: list[str]) -> dict:
     """Submit the three jobs at once, act on the interrupted one at its moments, wait for all.
@@ -276,25 +302,9 @@ def jobs(two_nodes: TwoNodeSlurm, tmp_path_factory, data_args: list[str]) -> dic
         )
         for name in ("normal", "interrupted")
     }
-    inject = root / "hang" / "inject"
-    inject.mkdir(parents=True)
-    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    extra_env = [
-        *("PYTHONUNBUFFERED=1", "LOGLEVEL=INFO", f"MEGATRON_EXT_HARNESS_COUNTS={root}/hang/counts"),
-        *(f"PYTHONPATH={inject}:{REPO}", "INJECT_HANG_AT=12", "INJECT_HANG_RANK=1"),
-        *("INJECT_HANG_ONCE=1", f"INJECT_ONCE_FILE={inject / 'fired'}"),
-    ]
-    pending["hang"] = start_two_node_training(
-        two_nodes,
-        root / "hang",
-        data_args,
-        ["--signals-dir", str(root / "hang" / "signals"), "--hang-min-timeout", "3"],
-        train_iters=HANG_ITERS,
-        save_interval=5,
-        job_name="mx-hang",
-        EXTRA_ENV=" ".join(extra_env),
-    )
-    work["hang"] = root / "hang"
+    for name, once in (("hang", True), ("hang-again", False)):
+        pending[name] = _hang_job(two_nodes, root / name, data_args, once)
+        work[name] = root / name
     pending["drill"] = start_two_node_training(
         two_nodes,
         work["drill"],
@@ -308,7 +318,7 @@ def jobs(two_nodes: TwoNodeSlurm, tmp_path_factory, data_args: list[str]) -> dic
     )
     interruptions = Interruptions(two_nodes, work["interrupted"])
     results, _ = run_together(pending, {"interrupted": interruptions}, timeout=800)
-    print(f"\n[timing] four 2-node jobs, submitted together: {time.monotonic() - t0:.1f} s")
+    print(f"\n[timing] five 2-node jobs, submitted together: {time.monotonic() - t0:.1f} s")
     for name, job in results.items():
         print(f"[timing]   {name}: Slurm RunTime {job.fields.get('RunTime')}")
     return {"results": results, "work": work, "interruptions": interruptions}
@@ -514,6 +524,23 @@ def test_a_hung_rank_on_the_second_node_is_named_and_the_job_completes(jobs: dic
     assert found["hung_ranks"] == [1] and [r["host"] for r in found["ranks"]] == ["n2", "n1"]
     assert "time.sleep(3600)" in "".join(found["ranks"][0]["stacks"]["MainThread"])
     assert latest_checkpoint(work / "ckpt") == HANG_ITERS
+
+
+def test_a_hang_that_comes_back_after_the_requeue_stops_the_job(jobs: dict) -> None:
+    job, work = jobs["results"]["hang-again"], jobs["work"]["hang-again"]
+    _assert(
+        job,
+        (job.returncode, job.state, job.exit_code, job.restarts) == (43, "FAILED", (43, 0), 1),
+        "the repeated hang must stop the job with 43 after one requeue",
+    )
+    _assert(
+        job,
+        "the same hang as the previous attempt (same iteration, same place)" in job.output,
+        "the supervisor must say the hang repeats",
+    )
+    reports = sorted((work / "ckpt" / "megatron_ext_incidents").glob("hang-*.md"))
+    assert len(reports) == 2
+    assert "repeat of the previous attempt's hang: yes" in reports[1].read_text()
 
 
 def test_teardown_removes_everything_and_is_idempotent(

@@ -107,3 +107,19 @@ def test_the_report_names_the_rank_not_waiting_in_a_collective() -> None:
     silent = report([_dump(0, c10d), _dump(2, c10d)], world_size=3)
     assert silent is not None and silent.hung == (1,) and silent.silent == (1,)
     assert report([]) is None
+
+
+def test_on_under_the_launchers_unless_nvrx_times_the_sections(monkeypatch, tmp_path) -> None:
+    from argparse import Namespace
+
+    from megatron_ext.common.records.hangs import HANG_DIR_ENV
+    from megatron_ext.hang.adapter import HangFeature
+
+    def enabled(**flags: object) -> bool:
+        return HangFeature().enabled(Namespace(**{"hang_detect": None, **flags}))
+
+    assert not enabled()  # a plain run stays plain Megatron
+    monkeypatch.setenv(HANG_DIR_ENV, str(tmp_path))
+    assert enabled() and enabled(enable_ft_package=False)
+    assert not enabled(enable_ft_package=True)  # Megatron's --enable-ft-package: nvrx's
+    assert enabled(enable_ft_package=True, hang_detect=True) and not enabled(hang_detect=False)
