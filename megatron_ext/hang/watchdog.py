@@ -30,10 +30,12 @@ from pathlib import Path
 from megatron_ext.common import exit_codes
 from megatron_ext.common.io import atomic_write, atomic_write_json
 from megatron_ext.common.records.hangs import (
+    REPORT_FILE,
     REQUEST_FILE,
     HangDump,
     dump_file,
     read_dumps,
+    repeats_previous,
     report,
 )
 
@@ -165,7 +167,8 @@ class Watchdog:
             with open(path, "x") as f:
                 json.dump(body, f)
         except FileExistsError:
-            return self._request() or self.rank
+            first = self._request()
+            return self.rank if first is None else first
         return self.rank
 
     def dump(self, detected_by: int, stalled: float) -> HangDump:
@@ -196,15 +199,22 @@ class Watchdog:
             file=sys.stderr,
             flush=True,
         )
+        # Nobody exits before the report is written: a launcher stops the other ranks as soon
+        # as one exits, and the rank that fired writes the report once every rank dumped.
         deadline = self.clock() + self.grace
-        while self.clock() < deadline:
-            if len(read_dumps(self.directory, self._started - 1.0)) == self.world_size:
-                break
+        while self.clock() < deadline and not self._settled(detected_by):
             time.sleep(self.poll / 5)
         if detected_by == self.rank:
             self._report()
         sys.stdout.flush()
         self.exit(exit_codes.HUNG)
+
+    def _settled(self, detected_by: int) -> bool:
+        """The firing rank: every rank dumped; the others: the firing rank's report is out."""
+        if detected_by != self.rank:
+            path = self.directory / REPORT_FILE
+            return path.is_file() and path.stat().st_mtime >= self._started - 1.0
+        return len(read_dumps(self.directory, self._started - 1.0)) == self.world_size
 
     def _report(self) -> None:
         """The attempt's hang report beside the dumps (``report.{json,md}``): what a launcher
@@ -213,8 +223,8 @@ class Watchdog:
         found = report(read_dumps(self.directory, self._started - 1.0), self.world_size)
         if found is None:
             return
-        repeat = self._repeats(found.iteration, found.where)
-        atomic_write_json(self.directory / "report.json", found.as_json(attempt=0))
+        repeat = repeats_previous(self.directory, found.iteration, found.where)
+        atomic_write_json(self.directory / REPORT_FILE, found.as_json(attempt=0))
         atomic_write(self.directory / "report.md", found.markdown(attempt=0, repeat=repeat))
         again = "; the same hang as the previous attempt: a restart will hang again" * repeat
         print(
@@ -224,19 +234,3 @@ class Watchdog:
             file=sys.stderr,
             flush=True,
         )
-
-    def _repeats(self, iteration: int, where: str) -> bool:
-        """Whether the newest earlier attempt's report (a sibling folder) names the same
-        iteration and place."""
-        earlier = [
-            path
-            for path in self.directory.parent.glob("*/report.json")
-            if path.parent != self.directory
-        ]
-        if not earlier:
-            return False
-        try:
-            last = json.loads(max(earlier, key=lambda p: p.stat().st_mtime).read_text())
-        except (OSError, ValueError):
-            return False
-        return (last.get("iteration"), last.get("where")) == (iteration, where)

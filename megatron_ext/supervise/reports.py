@@ -18,7 +18,6 @@ STACK_LINES = 12  # of the hung rank's main thread, in the supervisor's log
 
 def hang(
     hang_dir: Path,
-    launch_state: Path,
     ckpt_dir: Path,
     tag: str,
     attempt: int,
@@ -30,18 +29,12 @@ def hang(
     report = hangs.report(hangs.read_dumps(hang_dir), len(codes) or None)
     if report is None:
         return "a rank's hang watchdog fired but no rank left its stacks", False
-    history = launch_state / hangs.HANG_HISTORY_FILE
-    previous = hangs.previous_hang(history)
-    repeats = previous is not None and (previous["iteration"], previous["where"]) == (
-        report.iteration,
-        report.where,
-    )
+    repeats = hangs.repeats_previous(hang_dir, report.iteration, report.where)
     folder = ckpt_dir / INCIDENTS_DIR
     atomic_write_json(folder / f"hang-{tag}.json", report.as_json(attempt))
     markdown = atomic_write(folder / f"hang-{tag}.md", report.markdown(attempt, repeats))
-    hangs.record_hang(
-        history, {"attempt": attempt, "iteration": report.iteration, "where": report.where}
-    )
+    if not (hang_dir / hangs.REPORT_FILE).is_file():  # the firing rank died before writing it
+        atomic_write_json(hang_dir / hangs.REPORT_FILE, report.as_json(attempt))
     first = report.dumps[0]
     ranks = ", ".join(f"rank {r}" for r in report.hung) or "no rank"
     description = (

@@ -170,8 +170,8 @@ class Supervisor:
         after = self._rollback_requests()
         hang = None
         if exit_codes.HUNG in codes:
-            args = (self.launch_state, self.config.ckpt_dir, self.attempt_tag(attempt), attempt)
-            hang = reports.hang(self.hang_dir(attempt), *args, codes, lambda m: log(self.config, m))
+            where = (self.hang_dir(attempt), self.config.ckpt_dir, self.attempt_tag(attempt))
+            hang = reports.hang(*where, attempt, codes, lambda m: log(self.config, m))
         outcome = Outcome(
             launcher_rc,
             codes,

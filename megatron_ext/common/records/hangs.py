@@ -2,8 +2,9 @@
 report the supervisor builds from every rank's dump (no torch, no Megatron).
 
 One attempt's dumps live in one folder (``MEGATRON_EXT_HANG_DIR``, set per attempt by the
-supervisor): ``request.json`` (the first rank to see a stall asks every rank to dump) and
-``rank-R.json`` per rank. The hung rank is the one whose main thread is not waiting in a
+supervisor): ``request.json`` (the first rank to see a stall asks every rank to dump),
+``rank-R.json`` per rank and ``report.json``, which the next attempt's report compares with
+(a repeat). The hung rank is the one whose main thread is not waiting in a
 collective (its peers are); failing that, the one that stopped making progress first; a rank
 that wrote no dump (a stopped or D-state process) is named as silent.
 """
@@ -11,7 +12,6 @@ that wrote no dump (a stopped or D-state process) is named as silent.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ from megatron_ext.common.io import atomic_write_json, json_safe
 
 HANG_DIR_ENV = "MEGATRON_EXT_HANG_DIR"
 REQUEST_FILE = "request.json"
-HANG_HISTORY_FILE = "hangs.jsonl"  # in the supervisor's launch state: one line per hang
+REPORT_FILE = "report.json"  # the attempt's report, beside the dumps
 # An innermost frame inside torch.distributed means the thread waits on its peers (a
 # collective or a store), not that it is stuck alone. Only the innermost frames count: the
 # whole forward runs inside Megatron's DDP wrapper.
@@ -146,17 +146,15 @@ def report(dumps: list[HangDump], world_size: int | None = None) -> HangReport |
     return HangReport(min(d.iteration for d in dumps), hung, silent, where, ordered)
 
 
-def previous_hang(history: Path) -> dict[str, Any] | None:
-    """The last hang the supervisor recorded in this job, if any."""
-    if not history.is_file():
-        return None
-    lines = [line for line in history.read_text().splitlines() if line.strip()]
-    return json.loads(lines[-1]) if lines else None
-
-
-def record_hang(history: Path, entry: dict[str, Any]) -> None:
-    history.parent.mkdir(parents=True, exist_ok=True)
-    with open(history, "a") as f:
-        f.write(json.dumps(entry) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+def repeats_previous(directory: str | Path, iteration: int, where: str) -> bool:
+    """Whether the newest earlier attempt's report (``report.json`` in a sibling of this
+    attempt's ``directory``) names the same iteration and place."""
+    directory = Path(directory)
+    earlier = [p for p in directory.parent.glob(f"*/{REPORT_FILE}") if p.parent != directory]
+    if not earlier:
+        return False
+    try:
+        last = json.loads(max(earlier, key=lambda p: p.stat().st_mtime).read_text())
+    except (OSError, ValueError):
+        return False
+    return (last.get("iteration"), last.get("where")) == (iteration, where)

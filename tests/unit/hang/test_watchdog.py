@@ -123,3 +123,9 @@ def test_on_under_the_launchers_unless_nvrx_times_the_sections(monkeypatch, tmp_
     assert enabled() and enabled(enable_ft_package=False)
     assert not enabled(enable_ft_package=True)  # Megatron's --enable-ft-package: nvrx's
     assert enabled(enable_ft_package=True, hang_detect=True) and not enabled(hang_detect=False)
+
+
+def test_a_request_by_rank_0_is_credited_to_rank_0(tmp_path: Path) -> None:
+    first = Watchdog(0, 2, tmp_path)
+    assert first._ask(5.0) == 0
+    assert Watchdog(1, 2, tmp_path)._ask(5.0) == 0  # the exclusive create lost to rank 0
