@@ -1,11 +1,8 @@
 """Pretrain GPT with megatron-ext: Megatron-LM's ``pretrain_gpt.py`` semantics plus the overlay.
 
-Run it exactly like Megatron-LM's script (``torchrun ... pretrain_gpt_ext.py <megatron args>``);
-megatron-ext flags live in their own argument group (``--help``). With no megatron-ext flag
-set, training is plain Megatron, apart from the upstream bug fixes listed by
-``megatron-ext patches``. It is the overlay's own GPT step (:mod:`megatron_ext.loop.gpt_step`)
-through the start-up a pretrain script of the user's own gets from :mod:`megatron_ext.fork`
-(:mod:`megatron_ext.fork.start`).
+Run it like Megatron-LM's script (``torchrun ... pretrain_gpt_ext.py <megatron args>``); the
+megatron-ext flags are their own argument group (``--help``). Without them, training is plain
+Megatron apart from the upstream bug fixes ``megatron-ext patches`` lists.
 """
 
 import time

@@ -1,36 +1,13 @@
 """Output layer + CE + z-loss: fused (``--fused-output-loss``) against the unfused path, side
 by side in one run: peak memory of the head + loss and time, forward + backward.
 
-Methods, on the same hidden states, weight shard, labels and loss mask:
-
-- ``unfused``: Megatron's ``ColumnParallelLinear`` output layer (the weight passed in, as a
-  tied model does) then the overlay's CE + z-loss in training mode (what ``--z-loss-coeff``
-  runs without the flag);
-- ``fused``: :func:`megatron_ext.zloss.fused.fused_output_loss` at the automatic chunk size
-  (``--chunk-tokens`` to override), the weight gradient returned as ``.grad`` (a bare
-  module);
-- ``ddp``: the same under Megatron DDP (the weight given an fp32 ``main_grad``, as DDP gives
-  every parameter): the weight gradient goes into ``main_grad`` during the forward, what
-  training runs;
-- ``recompute``: the other design, Cut Cross-Entropy's (a benchmark-only implementation, one
-  TP rank): the forward keeps each token's log Z, the backward recomputes the logits.
-
-Both then apply Megatron's loss (``Σ loss · mask`` times a scale) and backpropagate. ``eval``
-is the fused function under ``no_grad`` (the loss only).
-
-Peak memory: every storage created from the first op of the head to the end of backward
-(saved tensors and transients alike, the two returned gradients included) is tracked by a
-``TorchDispatchMode`` that adds a storage's bytes when an op first returns it and subtracts
-them when the storage is freed (a weak reference on the storage); the peak of that running sum
-is reported, and again with the two gradients set aside (``- grads``). Inputs are not
-counted. It runs on the ``meta`` device: the same ops on the same shapes, so the bytes are
-exact (RSS is not: the allocator keeps freed pages) and the whole grid is cheap.
-
-Times (the ``--time-hidden`` sizes, fp32 unless ``--time-bf16``) are the process's CPU time
-with one intra-op thread (``--clock cpu --threads 1``; on a
-shared machine wall time mostly measures the other jobs), median of ``--reps``
-interleaved repetitions. A TP group of one rank (gloo): a real TP group
-adds the same all-reduces per token to both (the fused path: 2 per chunk instead of 3).
+Arms on the same inputs: ``unfused`` (Megatron's ``ColumnParallelLinear`` + the overlay's CE +
+z-loss), ``fused`` (:func:`megatron_ext.zloss.core.fused_output_loss`, ``.grad`` returned),
+``ddp`` (the same with an fp32 ``main_grad``, as training runs it), ``recompute`` (a
+benchmark-only Cut Cross-Entropy design) and ``eval`` (fused under ``no_grad``). Peak memory is
+tracked per storage by a ``TorchDispatchMode`` on the ``meta`` device (exact bytes, cheap);
+times are process CPU time on one thread, median of ``--reps`` interleaved repetitions, with a
+one-rank gloo TP group. Method and figures: BENCHMARKS.md#fused-output-loss.
 
     python benchmarks/fused_output_loss.py --reps 1          # the grid in BENCHMARKS.md
     python benchmarks/fused_output_loss.py --hidden 4096 --vocab 32768 --dtype bf16
@@ -92,7 +69,7 @@ def _methods(group: dist.ProcessGroup, chunk: int | None) -> dict[str, Callable[
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     from megatron_ext.zloss import cross_entropy_and_z_loss
-    from megatron_ext.zloss.fused import default_chunk_tokens, fused_output_loss
+    from megatron_ext.zloss.core import default_chunk_tokens, fused_output_loss
 
     def unfused(hidden, weight, labels, mask):
         config = ModelParallelConfig(use_cpu_initialization=True, params_dtype=weight.dtype)

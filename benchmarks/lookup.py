@@ -82,7 +82,7 @@ def _prepare(root: Path, documents: int):
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.tokenizers import MegatronTokenizer
 
-    from megatron_ext.lookup.caches import DataSpec
+    from megatron_ext.lookup.data import DataSpec
 
     rng = np.random.default_rng(documents)
     root.mkdir(parents=True, exist_ok=True)
@@ -119,9 +119,8 @@ def _prepare(root: Path, documents: int):
 
 def _round(size: Size, rng: np.random.Generator) -> None:
     """Open, one batch lookup and one inverse scan on ``size``, timed on both clocks."""
-    from megatron_ext.lookup.indices import open_train_index
-    from megatron_ext.lookup.inverse import find_document
-    from megatron_ext.lookup.position import Schedule
+    from megatron_ext.lookup.data import find_document, open_train_index
+    from megatron_ext.lookup.schedule import Schedule
 
     def timed(what: str, work: Callable[[], Any]) -> Any:
         wall, cpu = time.perf_counter(), time.process_time()

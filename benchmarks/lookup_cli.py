@@ -9,6 +9,8 @@ flags, opening the caches. Arms, interleaved over ``--repeat`` rounds (median an
 - ``import torch`` and ``import megatron.core``: what any Megatron import costs;
 - ``lookup``: this checkout (``PYTHONPATH`` = this checkout);
 - ``lookup --text``: also decodes the tokens (builds the run's tokenizer with Megatron);
+- ``lookup --from-sample-log``: the same micro-batch from the run's sample log alone (sample
+  ids, token SHA-1s, losses; no Megatron, no torch);
 - with ``--baseline DIR``: the same lookup run by another checkout of megatron-ext, e.g. the
   one before this change: ``git archive cea90f0 | tar -x -C /tmp/base``.
 
@@ -95,6 +97,7 @@ def main() -> None:
             ),
             "lookup (this checkout)": (cli, REPO),
             "lookup --text (this checkout)": ([*cli, "--text"], REPO),
+            "lookup --from-sample-log (this checkout)": ([*cli, "--from-sample-log"], REPO),
         }
         if options.baseline:
             arms["lookup (baseline)"] = (cli, options.baseline.resolve())

@@ -20,9 +20,10 @@ every 100 iterations (50 k at 5 M). Operations:
 ``--older-lines`` writes the lines without the fields appended to ``SignalRecord`` since
 (``log_z``, ``update_skipped``), as a run of an older tree wrote them, so that older code reads
 them as its own. ``--compare REV`` runs REV's code (``git archive`` into a temporary
-directory, first on ``PYTHONPATH``, with this tree's built C scanner when REV's ``_scan.c`` is
-the same) on the same files, under ``prlimit --as`` (``--old-limit-gib``): on a shared machine
-a run past its limit fails (reported as such) instead of taking everyone's memory.
+directory, first on ``PYTHONPATH``; a REV with the C scanner runs without it, as on a machine
+without a compiler) on the same files, under ``prlimit --as`` (``--old-limit-gib``): on a
+shared machine a run past its limit fails (reported as such) instead of taking everyone's
+memory.
 """
 
 from __future__ import annotations
@@ -180,12 +181,6 @@ def main() -> int:
                 check=True,
             ).stdout
             subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-            scanner = Path("megatron_ext/common/records/_scan.c")
-            if (old / scanner).is_file() and (old / scanner).read_bytes() == (
-                REPO / scanner
-            ).read_bytes():
-                for built in (REPO / scanner.parent).glob("_scan*.so"):
-                    shutil.copy(built, old / scanner.parent)
             arms = {args.compare: old, "new": REPO}
         for size in [int(s) for s in args.sizes.split(",")]:
             root = work / f"run-{size}"

@@ -43,10 +43,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the launch helper: tests.support.harness
 
 from megatron_ext.common.io import token_sha1  # noqa: E402
-from megatron_ext.common.records.signals import SignalRecord  # noqa: E402
-from megatron_ext.common.records.signals_writer import SignalsWriter  # noqa: E402
+from megatron_ext.common.records.signals import SignalRecord, SignalsWriter  # noqa: E402
 from megatron_ext.demo import prepare_tiny_dataset  # noqa: E402
-from megatron_ext.telemetry.bucket_norms import BucketView, squared_norms  # noqa: E402
+from megatron_ext.telemetry.bucket_layout import BucketView, squared_norms  # noqa: E402
 from tests.support.harness import launch  # noqa: E402
 
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")

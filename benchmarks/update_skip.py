@@ -1,4 +1,4 @@
-"""The adaptive update skip's gate (``megatron_ext.spikes.update_gate``) on real grad-norm curves:
+"""The adaptive update skip's gate (``megatron_ext.spikes.update_skip``) on real grad-norm curves:
 how many healthy updates it would withhold, and in which streaks, at several thresholds.
 
     .venv/bin/python benchmarks/update_skip.py
@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.curves import load_curve, load_curves  # noqa: E402
 from benchmarks.detector import primer  # noqa: E402
-from megatron_ext.spikes.update_gate import GateConfig, UpdateGate  # noqa: E402
+from megatron_ext.spikes.update_skip import GateConfig, UpdateGate  # noqa: E402
 
 SETTINGS = ((2.0, 6.0), (3.0, 6.0), (2.0, 12.0), (3.0, 12.0))
 STREAK = 5

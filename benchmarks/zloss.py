@@ -1,26 +1,12 @@
 """Cross entropy + output z-loss: time and saved-for-backward memory, side by side in one run.
 
-Methods, each on identical fresh logits (forward + backward timed, input preparation not):
-
-- ``megatron CE``: ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy`` alone (the
-  baseline, no z-loss);
-- ``naive CE + z``: what users write today, ``c * logsumexp(logits)**2`` next to Megatron's CE.
-  The z term must be taken first and the CE must get a copy, because the CE overwrites its
-  input (a z term computed after it is silently wrong). Single-process ``torch.logsumexp``
-  undercounts it under tensor parallelism, where it would also need two more all-reduces;
-- ``z-loss (keeps logits)``: :func:`megatron_ext.zloss.vocab_parallel_cross_entropy_with_z_loss`;
-- ``z-loss (training path)``: the same with ``overwrite_logits=True``, as ``--z-loss-coeff``
-  runs it inside ``compute_language_model_loss`` (logits used as the working buffer, like
-  Megatron's CE).
-
-Times are the median and the best of ``--reps`` interleaved repetitions. By default they are
-the process's CPU time with one intra-op thread (``--clock cpu --threads 1``): on a shared
-machine, wall time mostly measures the other jobs, CPU time (user + system, so page faults of
-fresh buffers count) does not. Saved bytes are the distinct storages packed by
-``torch.autograd.graph.saved_tensors_hooks`` during the forward. The large vocabulary is
-sharded as tensor parallelism would shard it (``SIZES``): one rank's ``V/tp`` slice, timed in
-one process with a single-rank gloo group (a real TP group adds the same three all-reduces to
-Megatron's CE and to the z-loss).
+Methods on identical fresh logits: ``megatron CE`` (Megatron's ``vocab_parallel_cross_entropy``,
+no z-loss), ``naive CE + z`` (``c * logsumexp(logits)**2`` taken first, CE on a copy),
+``z-loss (keeps logits)`` (:func:`megatron_ext.zloss.vocab_parallel_cross_entropy_with_z_loss`)
+and ``z-loss (training path)`` (``overwrite_logits=True``, as ``--z-loss-coeff`` runs it).
+Times are process CPU time on one thread, median and best of ``--reps`` interleaved
+repetitions; saved bytes are the storages ``saved_tensors_hooks`` packs. Method and figures:
+BENCHMARKS.md#z-loss.
 
     python benchmarks/zloss.py [--dtype bf16]     # the two sizes in BENCHMARKS.md
 """

@@ -1,9 +1,8 @@
 """``megatron-ext``: one console script, one subcommand per tool.
 
-Each subcommand's implementation owns its own parser; this module only dispatches, so the
-``tools/`` wrappers and the subcommands share one code path. It also keeps optional-dependency
-import warnings out of the commands' output (:mod:`megatron_ext.common.quiet`; training launched by
-a command runs in its own processes and keeps them).
+Each subcommand's module owns its parser; this only dispatches (importing a command's module,
+and so its dependencies, only when used) and keeps optional-dependency import warnings out of
+the commands' output (:mod:`megatron_ext.common.quiet`).
 """
 
 from __future__ import annotations
@@ -30,13 +29,12 @@ commands:
 """
 
 
-# Subcommand -> module with ``main(argv) -> int``, imported only when used (start-up stays fast
-# and a command's heavy dependencies load only for that command).
+# Subcommand -> module with ``main(argv) -> int``.
 COMMANDS: dict[str, str] = {
     "preprocess": "megatron_ext.data.preprocess",
     "demo": "megatron_ext.demo",
     "train": "megatron_ext.train",
-    "patches": "megatron_ext.registry.report",
+    "patches": "megatron_ext.patches",
     "skiplist": "megatron_ext.incidents.cli",
     "lookup": "megatron_ext.lookup.cli",
     "provenance": "megatron_ext.data.provenance",

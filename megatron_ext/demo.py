@@ -1,9 +1,7 @@
 """``megatron-ext demo``: a tiny corpus and model made on the fly, trained by the real loop.
 
-On a GPU machine it runs ``pretrain_gpt_ext.py`` directly. Without a GPU it runs the same
-entry point through the package's CPU runner (``megatron_ext/cpu/run.py``, as
-``megatron-ext train --cpu`` does): the demo only points ``torchrun`` at it and never imports
-:mod:`megatron_ext.cpu` itself.
+On a GPU machine it runs ``pretrain_gpt_ext.py`` directly; without one, the same entry point
+through the package's CPU runner (as ``megatron-ext train --cpu`` does).
 
 Each mode has its own work directory (``runs/demo``, ``runs/demo-drill``). A plain demo resumes
 from its checkpoints and says when nothing is left to train; ``--fresh`` starts over. The drill
@@ -13,10 +11,14 @@ always starts over: it is about the incident, not the model.
 from __future__ import annotations
 
 import argparse
+import re
+import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -31,39 +33,60 @@ from megatron_ext.common.io import read_jsonl
 from megatron_ext.data import preprocess
 from megatron_ext.data.corpus import write_tiny_corpus
 from megatron_ext.data.tokenizer import megatron_tokenizer_args
-from megatron_ext.launch_console import console
 from megatron_ext.train import CPU_FLAGS, ENTRY_POINT, cpu_runner, torchrun
 
 WORKDIRS = {False: Path("runs/demo"), True: Path("runs/demo-drill")}  # by --drill
 # A tiny Llama-style GPT (RoPE, RMSNorm, SwiGLU, untied output layer).
-TINY_MODEL = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "64",
-    "--max-position-embeddings",
-    "64",
-    "--position-embedding-type",
-    "rope",
-    "--normalization",
-    "RMSNorm",
-    "--swiglu",
-    "--disable-bias-linear",
-    "--untie-embeddings-and-output-weights",
+TINY_MODEL = shlex.split(
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+    "--max-position-embeddings 64 --position-embedding-type rope --normalization RMSNorm "
+    "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights"
+)
+WARMUP_ITERS = 5  # the demo's --lr-warmup-iters (Megatron asserts warmup < train iters)
+# The incident drill: garbage tokens on DP rank 1 for iterations 40-45, caught by a detector
+# tuned for a 60-iteration run of this tiny model (also the Slurm drills' in tests/e2e), then
+# a rollback to a checkpoint >= 5 iterations before the onset and a 12-batch skip window.
+TINY_DETECTOR = shlex.split(
+    "--spike-detect --spike-window 10 --spike-warmup 20 --spike-mad-k 3 "
+    "--spike-grad-factor 1.5 --spike-patience 3"
+)
+DRILL_FLAGS = [
+    *shlex.split("--z-loss-coeff 1e-4 --log-bucket-grad-norms"),
+    *TINY_DETECTOR,
+    *shlex.split("--drill-corrupt-batch 40-45:1 --save-interval 5"),
 ]
+DRILL_PLAN = ["--rollback-iters", "5", "--skip-batches", "12"]
+MAX_DRILL_ROLLBACKS = 2
+
+# What the console shows of a launch (train.log gets every line): not Megatron's argument
+# dump ("  name ........ value"), nor anything from torchrun's report of a failed worker on
+# (the worker's own message above it already says what went wrong).
+_ARGUMENT_DUMP = re.compile(r"^\s*\S+ \.{2,} ")
+_LAUNCHER_FAILED = re.compile(r"elastic.*\bfailed \(exitcode")
+
+
+def shown(line: str) -> bool:
+    """Iteration and validation lines, megatron-ext messages and errors; not Megatron's
+    argument dump or its per-checkpoint memory report."""
+    if _ARGUMENT_DUMP.match(line) or "memory (MB)" in line:
+        return False
+    return " iteration " in line or "megatron-ext" in line or "error" in line.lower()
+
+
+def console(lines: Iterable[str], log: TextIO) -> Iterator[str]:
+    """Every line into ``log``; the :func:`shown` ones back, until torchrun reports a failed
+    worker."""
+    reported = False
+    for line in lines:
+        log.write(line)
+        reported = reported or bool(_LAUNCHER_FAILED.search(line))
+        if not reported and shown(line):
+            yield line.rstrip()
 
 
 def prepare_tiny_dataset(workdir: Path) -> tuple[Path, list[str]]:
-    """Write a synthetic corpus, train a BPE on it and preprocess it (reused when present).
-
-    Its records carry ids and the dataset a provenance sidecar naming them, so the drill's
-    incident report names the raw records behind a spike. Returns the Megatron data prefix and
-    the tokenizer flags that load the tokenizer.
-    """
+    """Write a synthetic corpus with ids, train a BPE on it and preprocess it with a
+    provenance sidecar (reused when present); the data prefix and the tokenizer flags."""
     data_dir = workdir / "data"
     prefix = data_dir / "tiny"
     document = Path(f"{prefix}_text_document")
@@ -72,21 +95,11 @@ def prepare_tiny_dataset(workdir: Path) -> tuple[Path, list[str]]:
         shutil.rmtree(data_dir, ignore_errors=True)
         data_dir.mkdir(parents=True)
         corpus = write_tiny_corpus(data_dir / "corpus.jsonl", ids=True)
+        flags = shlex.split("--train-tokenizer --vocab-size 1024 --workers 2 --provenance-key id")
         status = preprocess.main(
             [
-                "--input",
-                str(corpus),
-                "--output-prefix",
-                str(prefix),
-                "--train-tokenizer",
-                "--vocab-size",
-                "1024",
-                "--tokenizer-out",
-                str(tokenizer_dir),
-                "--workers",
-                "2",
-                "--provenance-key",
-                "id",
+                *("--input", str(corpus), "--output-prefix", str(prefix)),
+                *("--tokenizer-out", str(tokenizer_dir), *flags),
             ]
         )
         if status != 0:
@@ -99,91 +112,29 @@ def training_command(workdir: Path, nproc: int, iters: int, extra: list[str]) ->
     document, tokenizer_args = prepare_tiny_dataset(workdir)
     on_gpu = torch.cuda.is_available()
     script = ENTRY_POINT if on_gpu else cpu_runner("demo")
+    schedule = (
+        f"--micro-batch-size 4 --global-batch-size {8 * nproc} --train-iters {iters} --lr 3e-3 "
+        f"--min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters {WARMUP_ITERS} "
+        "--weight-decay 0.1 --clip-grad 1.0 --seed 1234 --log-interval 5 "
+        f"--eval-interval {iters} --eval-iters 2"
+    )
+    where = {"checkpoints": workdir / "checkpoints", "cache": workdir / "index-cache"}
     return torchrun(
         script,
         nproc,
         [
             *TINY_MODEL,
             *([] if on_gpu else CPU_FLAGS),
-            "--micro-batch-size",
-            "4",
-            "--global-batch-size",
-            str(8 * nproc),
-            "--train-iters",
-            str(iters),
-            "--lr",
-            "3e-3",
-            "--min-lr",
-            "3e-4",
-            "--lr-decay-style",
-            "cosine",
-            "--lr-warmup-iters",
-            str(WARMUP_ITERS),
-            "--weight-decay",
-            "0.1",
-            "--clip-grad",
-            "1.0",
-            "--seed",
-            "1234",
-            "--log-interval",
-            "5",
-            "--eval-interval",
-            str(iters),
-            "--eval-iters",
-            "2",
-            "--data-path",
-            str(document),
-            "--split",
-            "98,2,0",
-            *tokenizer_args,
-            "--data-cache-path",
-            str(workdir / "index-cache"),
-            "--save",
-            str(workdir / "checkpoints"),
-            "--load",
-            str(workdir / "checkpoints"),
-            "--save-interval",
-            str(max(1, iters // 2)),
-            "--tensorboard-dir",
-            str(workdir / "tensorboard"),
-            "--sample-log-dir",
-            str(workdir / "samples"),
+            *schedule.split(" "),
+            *("--data-path", str(document), "--split", "98,2,0", *tokenizer_args),
+            *("--data-cache-path", str(where["cache"])),
+            *("--save", str(where["checkpoints"]), "--load", str(where["checkpoints"])),
+            *("--save-interval", str(max(1, iters // 2))),
+            *("--tensorboard-dir", str(workdir / "tensorboard")),
+            *("--sample-log-dir", str(workdir / "samples")),
             *extra,
         ],
     )
-
-
-# The incident drill: garbage tokens on DP rank 1 for iterations 40-45, caught by a detector
-# tuned for a 60-iteration run (short window, low MAD factor: the tiny model's loss is still
-# falling steeply), then a rollback to a checkpoint >= 5 iterations before the onset and a
-# 12-batch skip window.
-# The tuned detector is shared with the Slurm drills in tests/e2e (same tiny DP=2 numerics).
-TINY_DETECTOR = [
-    "--spike-detect",
-    "--spike-window",
-    "10",
-    "--spike-warmup",
-    "20",
-    "--spike-mad-k",
-    "3",
-    "--spike-grad-factor",
-    "1.5",
-    "--spike-patience",
-    "3",
-]
-DRILL_FLAGS = [
-    "--z-loss-coeff",
-    "1e-4",
-    "--log-bucket-grad-norms",
-    *TINY_DETECTOR,
-    "--drill-corrupt-batch",
-    "40-45:1",
-    "--save-interval",
-    "5",
-]
-WARMUP_ITERS = 5  # the demo's --lr-warmup-iters (Megatron asserts warmup < train iters)
-DRILL_PLAN = ["--rollback-iters", "5", "--skip-batches", "12"]
-MAX_DRILL_ROLLBACKS = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,17 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--workdir",
         type=Path,
-        default=None,
         help=f"where data, checkpoints and logs go (default: {WORKDIRS[False]}; "
         f"{WORKDIRS[True]} with --drill)",
     )
     parser.add_argument(
-        "--iters", type=int, default=None, help="training iterations (default 40; 60 with --drill)"
+        "--iters", type=int, help="training iterations (default 40; 60 with --drill)"
     )
     parser.add_argument(
         "--nproc",
         type=int,
-        default=None,
         help="processes, data parallel (default 1; 2 with --drill)",
     )
     parser.add_argument(
@@ -277,14 +226,10 @@ def _left_to_train(workdir: Path, iters: int, global_batch: int) -> int | None:
     return iters - done
 
 
-def _command_name() -> str:
-    """How the user invoked us (``.venv/bin/megatron-ext``), for copy-pasteable next steps."""
-    return sys.argv[0] if Path(sys.argv[0]).name == "megatron-ext" else "megatron-ext"
-
-
 def _summary(workdir: Path, shown: Path, log_path: Path, status: int, iters: int) -> str:
     incidents = sorted(incident_stem(workdir / "checkpoints", 1).parent.glob("*.md"))
-    tool = _command_name()
+    # How the user invoked us (.venv/bin/megatron-ext), for copy-pasteable next steps.
+    tool = sys.argv[0] if Path(sys.argv[0]).name == "megatron-ext" else "megatron-ext"
     return (
         f"\ntraining log:   {log_path}\ncheckpoints:    {workdir / 'checkpoints'}\n"
         f"tensorboard:    {workdir / 'tensorboard'}\nsample log:     {workdir / 'samples'}\n"
@@ -314,15 +259,23 @@ def _drill_rollback(workdir: Path, number: int) -> bool:
     print(f"demo: spike exit -> megatron-ext skiplist --apply (rollback {number})")
     from megatron_ext.incidents.cli import main as skiplist
 
-    plan = [
-        "--ckpt-dir",
-        str(workdir / "checkpoints"),
-        "--signals-dir",
-        str(workdir / "signals"),
-        "--apply",
-        *DRILL_PLAN,
-    ]
-    return skiplist(plan) == 0
+    dirs = ["--ckpt-dir", str(workdir / "checkpoints"), "--signals-dir", str(workdir / "signals")]
+    return skiplist([*dirs, "--apply", *DRILL_PLAN]) == 0
+
+
+def _run(args: argparse.Namespace, command: list[str], workdir: Path, log_path: Path) -> int:
+    """Train; in the drill, roll back and train again after each expected spike exit."""
+    status = _train(command, workdir, log_path)
+    rollbacks = 0
+    while args.drill and status != 0 and _rollback_requests(workdir) > rollbacks:
+        rollbacks += 1
+        if rollbacks > MAX_DRILL_ROLLBACKS:
+            print(f"demo: more than {MAX_DRILL_ROLLBACKS} rollbacks; stopping")
+            break
+        if not _drill_rollback(workdir, rollbacks):
+            break
+        status = _train(command, workdir, log_path)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,10 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         *extra,
     ]
     log_path = workdir / "train.log"
-    # What the training will run with: a flag after -- wins over the demo's own (argparse
-    # takes the last), so a resume is compared with that.
-    given = _given(extra, iters, 8 * nproc)
-    left = _left_to_train(workdir, *given)
+    # A flag after -- wins over the demo's own (argparse takes the last): compare a resume
+    # with what the training will run with.
+    left = _left_to_train(workdir, *_given(extra, iters, 8 * nproc))
     if left is not None and left <= 0:
         print(
             f"demo: {shown} already trained all {iters} iterations; nothing left to train. "
@@ -360,16 +312,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(_summary(workdir, shown, log_path, 0, iters))
         return 0
-    command = training_command(workdir, nproc, iters, extra)
-    status = _train(command, workdir, log_path)
-    rollbacks = 0
-    while args.drill and status != 0 and _rollback_requests(workdir) > rollbacks:
-        rollbacks += 1
-        if rollbacks > MAX_DRILL_ROLLBACKS:
-            print(f"demo: more than {MAX_DRILL_ROLLBACKS} rollbacks; stopping")
-            break
-        if not _drill_rollback(workdir, rollbacks):
-            break
-        status = _train(command, workdir, log_path)
+    status = _run(args, training_command(workdir, nproc, iters, extra), workdir, log_path)
     print(_summary(workdir, shown, log_path, status, iters))
     return status

@@ -1,19 +1,15 @@
 """``megatron-ext train --cpu``: train on your own data on CPU, through the CPU runner.
 
-Megatron requires CUDA. The package's CPU runner (:mod:`megatron_ext.cpu`: counted shims for
-the handful of CUDA calls megatron-core makes on the training path, gloo instead of NCCL) runs
-the real ``pretrain_gpt_ext.py`` and Megatron loop on CPU, which is how the test suite and the
-demo train. This command points ``torchrun`` at that runner with the flags CPU training needs
-(:data:`CPU_FLAGS`) followed by yours, so a tiny model on your own ``.bin/.idx`` data trains
-anywhere::
+Megatron requires CUDA; the package's CPU runner (:mod:`megatron_ext.cpu`: shims for the few
+CUDA calls on the training path, gloo instead of NCCL) runs the real ``pretrain_gpt_ext.py``
+on CPU. This points ``torchrun`` at that runner with :data:`CPU_FLAGS`, then yours::
 
     megatron-ext train --cpu --nproc-per-node 2 -- --data-path data/corpus_text_document \\
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model data/corpus_tokenizer ...
 
-This command only names the runner's file (:data:`CPU_RUNNER`); it never imports
-:mod:`megatron_ext.cpu`, so the shims exist only in the processes the runner starts. On GPUs
-there is nothing to wrap: ``torchrun pretrain_gpt_ext.py ...``, ``launch/run_single_node.sh``
-or ``launch/pretrain_gpt_ext.sbatch``.
+It names the runner's file and never imports :mod:`megatron_ext.cpu` (the shims exist only
+in the processes the runner starts). On GPUs: ``torchrun pretrain_gpt_ext.py ...`` or the
+launchers in ``launch/``.
 """
 
 from __future__ import annotations
@@ -35,23 +31,12 @@ GPU_HINT = (
 
 # Megatron's fused CUDA kernels are unavailable on CPU; dropout is off because CPU dropout
 # draws from the same generator the data loader seeds from, which breaks exact resume there.
-CPU_FLAGS = [
-    "--distributed-backend",
-    "gloo",
-    "--use-cpu-initialization",
-    "--transformer-impl",
-    "local",
-    "--no-gradient-accumulation-fusion",
-    "--no-persist-layer-norm",
-    "--no-masked-softmax-fusion",
-    "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion",
-    "--no-rope-fusion",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-]
+CPU_FLAGS = shlex.split(
+    "--distributed-backend gloo --use-cpu-initialization --transformer-impl local "
+    "--no-gradient-accumulation-fusion --no-persist-layer-norm --no-masked-softmax-fusion "
+    "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --hidden-dropout 0 "
+    "--attention-dropout 0"
+)
 
 
 def cpu_runner(command: str) -> Path:
@@ -67,15 +52,8 @@ def cpu_runner(command: str) -> Path:
 
 def torchrun(script: Path, nproc: int, args: list[str]) -> list[str]:
     """A single-node ``torchrun`` of ``script`` with ``nproc`` processes."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(script),
-        *args,
-    ]
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*run, f"--nproc-per-node={nproc}", str(script), *args]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--script",
         type=Path,
-        default=None,
         help="a pretrain script of your own on megatron_ext.fork (docs/fork.md) to run "
         "instead of pretrain_gpt_ext.py",
     )

@@ -8,7 +8,7 @@ inputs (``torch.cuda.max_memory_allocated``):
 - ``megatron CE``: ``ColumnParallelLinear`` + ``vocab_parallel_cross_entropy`` (plain path);
 - ``megatron fused CE``: the same layer + ``fused_vocab_parallel_cross_entropy``
   (``--cross-entropy-loss-fusion``);
-- ``fused output loss``: :func:`megatron_ext.zloss.fused.fused_output_loss` (z-loss 1e-4),
+- ``fused output loss``: :func:`megatron_ext.zloss.core.fused_output_loss` (z-loss 1e-4),
   the weight gradient returned as ``.grad`` (a bare module);
 - ``fused output loss, DDP``: the same with the weight as Megatron DDP leaves it (an fp32
   ``main_grad``, allocated before the measure as DDP's grad buffer is): the weight gradient
@@ -46,7 +46,7 @@ def _methods(
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
     from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
 
-    from megatron_ext.zloss.fused import fused_output_loss
+    from megatron_ext.zloss.core import fused_output_loss
 
     def head(cross_entropy: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def run(hidden, weight, labels, mask):

@@ -129,10 +129,21 @@ def compare(reference: Path, candidate: Path, rtol: float) -> tuple[dict, list[s
         for d in (reference, candidate)
     )
     problems: list[str] = []
-    worst = dict.fromkeys(SIGNALS, 0.0)
     ref_runs = [r for r in ref_runs if r.iteration > START]
     if [r.iteration for r in got_runs] != list(range(START + 1, ITERS + 1)):
         problems.append(f"iterations {[r.iteration for r in got_runs]}, not {START + 1}..{ITERS}")
+    worst = _compare_signals(ref_runs, got_runs, problems)
+    problems += [f"{k} differs by {v:.2e} (> {rtol})" for k, v in worst.items() if v > rtol]
+    micro_batches = _compare_samples(reference, candidate, rtol, problems)
+    figures = {f"max_rel_diff_{k}": float(f"{v:.3g}") for k, v in worst.items()}
+    figures |= {"iterations": len(got_runs), "micro_batches": micro_batches}
+    return figures, problems
+
+
+def _compare_signals(ref_runs: list, got_runs: list, problems: list[str]) -> dict[str, float]:
+    """The largest relative difference per signal; adds missing values, other token counts and
+    a bucket-norm sum off the grad norm to ``problems``."""
+    worst = dict.fromkeys(SIGNALS, 0.0)
     for ref, got in zip(ref_runs, got_runs):
         pairs = [(f, getattr(ref, f), getattr(got, f)) for f in SIGNALS]
         pairs += [
@@ -149,7 +160,12 @@ def compare(reference: Path, candidate: Path, rtol: float) -> tuple[dict, list[s
         squares = sum(v * v for v in got.bucket_grad_norms.values())
         if not got.bucket_grad_norms or abs(squares - got.grad_norm**2) > 1e-4 * got.grad_norm**2:
             problems.append(f"iteration {ref.iteration}: sum of bucket norms^2 != grad norm^2")
-    problems += [f"{k} differs by {v:.2e} (> {rtol})" for k, v in worst.items() if v > rtol]
+    return worst
+
+
+def _compare_samples(reference: Path, candidate: Path, rtol: float, problems: list[str]) -> int:
+    """The candidate's sample records against the reference's past START (differences added to
+    ``problems``); returns how many micro-batches the candidate logged."""
     (ref_samples, _), (samples, twice) = _samples(reference), _samples(candidate)
     ref_samples = {k: v for k, v in ref_samples.items() if k[0] > START}
     if twice or samples.keys() != ref_samples.keys():
@@ -160,9 +176,7 @@ def compare(reference: Path, candidate: Path, rtol: float) -> tuple[dict, list[s
             problems.append(f"micro-batch {key}: other samples, digests or token count")
         elif any(abs(y - x) > rtol * abs(x) for x, y in zip(losses, mine[3])):
             problems.append(f"micro-batch {key}: per-sample losses differ")
-    figures = {f"max_rel_diff_{k}": float(f"{v:.3g}") for k, v in worst.items()}
-    figures |= {"iterations": len(got_runs), "micro_batches": len(samples)}
-    return figures, problems
+    return len(samples)
 
 
 def _samples(workdir: Path) -> tuple[dict[tuple[int, int, int], tuple], int]:

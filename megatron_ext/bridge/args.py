@@ -1,15 +1,10 @@
 """The Megatron-style args the features are installed on, made from a Bridge ``ConfigContainer``.
 
-Why: every feature keeps the Megatron ``args`` namespace it was installed with (its flags and
-Megatron's: layout, batch sizes, paths, loop counters) and reads nothing else. Bridge has no
-such namespace (its configuration is the ConfigContainer), so one is made here: Megatron's own
-parser with the overlay's group (every Megatron default, so a feature reading a Megatron
-field finds it), the megatron-ext flags the user gave, and the fields the features read
-copied from the ConfigContainer. It is also made Megatron's global args (``set_args``): the
-megatron-core helpers the features call (``calc_params_l2_norm``) read them there.
-
-What cannot work under Bridge is refused here, before anything starts
-(:class:`BridgeRefusal`), with the reason.
+Every feature reads the Megatron ``args`` it was installed with; Bridge has none, so one is
+made: Megatron's parser with the overlay's group (every Megatron default), the user's
+megatron-ext flags, and the fields the features read copied from the ConfigContainer. It is
+also Megatron's global args (``calc_params_l2_norm`` reads them). What cannot work under
+Bridge is refused here, before anything starts (:class:`BridgeRefusal`).
 """
 
 from __future__ import annotations
@@ -36,20 +31,6 @@ def refuse_unsupported(config: Any) -> None:
             "same process from the same checkpoint, so the rollback never reaches the "
             "supervisor and the bad window is replayed. Disable it; megatron-ext's supervisor "
             "relaunches the job (launch/run_single_node.sh)"
-        )
-    model = config.model
-    if getattr(model, "tensor_model_parallel_size", 1) > 1:
-        raise BridgeRefusal(
-            "tensor_model_parallel_size > 1: Bridge loads the TP-replicated batch on every TP "
-            "rank (Megatron reads it on TP rank 0 and broadcasts), so the per-batch features "
-            "(sample log, per-source loss, drill) would run once per TP rank; not verified, "
-            "refused until a run checks it"
-        )
-    if getattr(model, "pipeline_model_parallel_size", 1) > 1:
-        raise BridgeRefusal(
-            "pipeline_model_parallel_size > 1 is not verified with Bridge's loop yet (the "
-            "layout matrix covers it under Megatron's); train with PP=1 or with "
-            "pretrain_gpt_ext.py"
         )
     if getattr(config.checkpoint, "async_save", False):
         raise BridgeRefusal(
@@ -84,25 +65,31 @@ def megatron_args(config: Any, flags: list[str]) -> Any:
         args = parse_args(extra_args_provider=add_megatron_ext_args)
     finally:
         sys.argv = argv
-    model, train, ckpt, dataset = config.model, config.train, config.checkpoint, config.dataset
-    if (args.z_loss_coeff or args.log_output_z) and model.cross_entropy_loss_fusion:
-        raise BridgeRefusal(
-            "--z-loss-coeff / --log-output-z with config.model.cross_entropy_loss_fusion=True "
-            "(Bridge's default): z-loss replaces the language-model cross entropy with its own "
-            "one-pass CE + z kernel, so the fused cross entropy would be silently ignored. Set "
-            "cross_entropy_loss_fusion=False on the model provider"
-        )
-    if args.fused_output_loss and getattr(dataset, "eod_mask_loss", False):
+    refuse_flags(config, args)
+    for name, value in config_values(config, args).items():
+        setattr(args, name, value)
+    global_vars.set_args(args)
+    return args
+
+
+def refuse_flags(config: Any, args: Any) -> None:
+    """The megatron-ext flags that cannot work with this ConfigContainer, each with why."""
+    if args.fused_output_loss and getattr(config.dataset, "eod_mask_loss", False):
         raise BridgeRefusal(
             "--fused-output-loss with dataset.eod_mask_loss=True: Bridge's GPT step does not "
             "pass the loss mask to the model, so the fused output layer's weight gradient "
             "would count the masked tokens. Set eod_mask_loss=False or drop the flag"
         )
+
+
+def config_values(config: Any, args: Any) -> dict[str, Any]:
+    """The Megatron args fields the features read, from the ConfigContainer and the launch."""
+    model, train, ckpt, dataset = config.model, config.train, config.checkpoint, config.dataset
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp = model.tensor_model_parallel_size
     pp = model.pipeline_model_parallel_size
     cp = getattr(model, "context_parallel_size", 1) or 1
-    values = {
+    return {
         "rank": int(os.environ.get("RANK", "0")),
         "world_size": world,
         "tensor_model_parallel_size": tp,
@@ -123,6 +110,7 @@ def megatron_args(config: Any, flags: list[str]) -> Any:
         "vocab_size": getattr(config.tokenizer, "vocab_size", None),
         "untie_embeddings_and_output_weights": not model.share_embeddings_and_output_weights,
         "cross_entropy_loss_fusion": model.cross_entropy_loss_fusion,
+        "cross_entropy_fusion_impl": getattr(model, "cross_entropy_fusion_impl", "native"),
         "overlap_grad_reduce": config.ddp.overlap_grad_reduce,
         "overlap_param_gather": config.ddp.overlap_param_gather,
         "use_distributed_optimizer": config.ddp.use_distributed_optimizer,
@@ -147,7 +135,3 @@ def megatron_args(config: Any, flags: list[str]) -> Any:
         "consumed_train_samples": 0,
         "skipped_train_samples": 0,
     }
-    for name, value in values.items():
-        setattr(args, name, value)
-    global_vars.set_args(args)
-    return args

@@ -1,13 +1,10 @@
 """The checkpoint manager Bridge builds from ``CheckpointConfig.custom_manager_class``: Bridge's
-own default manager, behind the features' ``on_checkpoint`` (the save veto).
+default manager behind the features' ``on_checkpoint`` (the save veto).
 
-Why a manager and not a callback: Bridge's ``on_checkpoint_save`` event fires after the save,
-too late to keep a checkpoint of a spiking model from becoming the rollback target. Its
-public ``custom_manager_class`` is the one place every save passes before it is written
-(interval saves, the exit-signal and rerun saves, the final save). Bridge constructs the class
-itself with the checkpoint config only, so the run's features come from the
-``CallbackManager`` Bridge hands ``save`` (:func:`megatron_ext.bridge.wiring.register_callbacks`
-put them on its ``user_state``). Registry assumption ``bridge-checkpoint-manager``.
+Bridge's ``on_checkpoint_save`` event fires after the save, too late to keep a spiking model
+from becoming the rollback target; ``custom_manager_class`` is the one place every save passes
+first. Bridge builds it from the checkpoint config alone, so the features come from the
+``CallbackManager``'s ``user_state``. Registry assumption ``bridge-checkpoint-manager``.
 """
 
 from __future__ import annotations
@@ -23,8 +20,8 @@ CLASS_PATH = "megatron_ext.bridge.checkpoints.VetoingCheckpointManager"
 
 
 def write_layout(save: str, iteration: int, args: Any) -> None:
-    """Rank 0: the world and data-parallel sizes beside Bridge's files in the checkpoint
-    (:mod:`megatron_ext.common.bridge_state` reads them; Bridge's run_config.yaml lacks them)."""
+    """Rank 0: the world and DP sizes beside Bridge's files in the checkpoint (its
+    run_config.yaml lacks them; :mod:`megatron_ext.common.bridge_state` reads them)."""
     import torch
 
     from megatron_ext.common.files import BRIDGE_LAYOUT_FILE, checkpoint_dir

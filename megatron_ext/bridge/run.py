@@ -1,12 +1,9 @@
 """:func:`pretrain`: Bridge's ``pretrain`` with every megatron-ext feature, in one call.
 
-It starts and ends as ``pretrain_gpt_ext.py`` does (:mod:`megatron_ext.fork.start`): an
-interrupted ``skiplist --apply`` in the load directory is finished first, the skip lists
-(flags, file, the list persisted with the checkpoints) become Bridge's
-``train.iterations_to_skip``, every registry entry (megatron-core's and Bridge's) is verified
-and the upstream fixes applied, what cannot work is refused with the reason, rank 0 records
-the attempt's end for the supervisor, and a megatron-ext refusal ends the rank with its
-message and code (the spike detector's rollback exit passes through unchanged).
+It starts and ends as ``pretrain_gpt_ext.py`` does (:mod:`megatron_ext.fork.start`): skip
+lists resolved into ``train.iterations_to_skip``, every registry entry (megatron-core's and
+Bridge's) verified and the fixes applied, refusals with the reason, the attempt's end recorded
+for the supervisor, and a refusal ending the rank with its message and code.
 """
 
 from __future__ import annotations
@@ -24,19 +21,23 @@ from megatron_ext.common.features import FeatureSet
 
 def final_save(features: FeatureSet, config: Any, manager: Any, context: Any) -> None:
     """``on_train_end``: the final checkpoint Bridge's ``train()`` skips when the last
-    iteration was skipped at an interval multiple (registry assumption
-    ``bridge-save-checkpoint-and-time``), saved as ``train()`` would have."""
+    iteration was skipped at an interval multiple (``bridge-save-checkpoint-and-time``)."""
     ckpt = config.checkpoint
     step = context.state.train_state.step
-    if not ckpt.save or not ckpt.save_interval or step == 0 or step % ckpt.save_interval:
-        return
-    if step not in set(config.train.iterations_to_skip or ()):
-        return
-    if (Path(ckpt.save) / f"iter_{step:07d}").is_dir():
+    if (
+        not ckpt.save
+        or not ckpt.save_interval
+        or step == 0
+        or step % ckpt.save_interval
+        or step not in set(config.train.iterations_to_skip or ())
+        or (Path(ckpt.save) / f"iter_{step:07d}").is_dir()
+    ):
         return
     from megatron.bridge.training.train import save_checkpoint_and_time
 
-    if context.state.train_state.step == step and _rank() == 0:
+    from megatron_ext.fork.start import rank
+
+    if rank() == 0:
         print(f"megatron-ext: saving the final checkpoint {step} (its iteration was skipped)")
     save_checkpoint_and_time(
         context.state,
@@ -50,10 +51,9 @@ def final_save(features: FeatureSet, config: Any, manager: Any, context: Any) ->
 
 
 def apply_launcher_flags(config: Any, flags: list[str]) -> None:
-    """The Megatron flags megatron-ext's launchers pass every training script (``--save`` and
-    ``--load`` the job's CKPT_DIR, ``--exit-signal-handler``: megatron_ext.supervise.commands)
-    set the same things in Bridge's config, so the supervisor relaunches a Bridge job as it
-    does ``pretrain_gpt_ext.py``; given, they win over the script's config."""
+    """The launchers' ``--save``, ``--load`` and ``--exit-signal-handler`` set the same things
+    in Bridge's config (winning over the script's), so the supervisor relaunches a Bridge job
+    as it does ``pretrain_gpt_ext.py``."""
     import argparse
 
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -67,12 +67,6 @@ def apply_launcher_flags(config: Any, flags: list[str]) -> None:
         config.checkpoint.load = given.load
     if given.exit_signal_handler:
         config.train.exit_signal_handler = True
-
-
-def _rank() -> int:
-    from megatron_ext.fork.start import rank
-
-    return rank()
 
 
 def _start(config: Any, flags: list[str]) -> Any:
@@ -106,16 +100,9 @@ def pretrain(
     callbacks: Any = None,
 ) -> None:
     """Train ``config`` with Bridge's ``pretrain`` and the features ``flags`` ask for
-    (megatron-ext's own flags: ``--z-loss-coeff 1e-4 --spike-detect ...``).
-
-    ``forward_step_func``: None, Bridge's GPT forward step
-    (``megatron.bridge.training.gpt_step.forward_step``), or a step of the same form (the
-    ``(state, data_iterator, model, return_schedule_plan)`` signature, returning the output and
-    a ``functools.partial`` loss function whose first argument is the loss mask); it reads
-    through the features' batch reader and its loss is observed (docs/bridge.md).
-    ``callbacks``: the user's own Bridge callbacks (a list or a ``CallbackManager``); the
-    features' run after them.
-    """
+    (``--z-loss-coeff 1e-4 --spike-detect ...``). ``forward_step_func``: Bridge's GPT step
+    (default) or one of its form, whose loss partial's first argument is the loss mask;
+    ``callbacks``: the user's own, run before the features' (docs/bridge.md)."""
     from megatron_ext.common.errors import exit_on_error
     from megatron_ext.common.process_exit import ending_children_on_failure
 
@@ -128,8 +115,8 @@ def _pretrain(
 ) -> None:
     from megatron_ext.common import attempt_end
     from megatron_ext.fork.start import rank
-    from megatron_ext.loop import hooks
     from megatron_ext.loop import install as loop
+    from megatron_ext.registry import hooks
 
     args = _start(config, flags)
     features = loop.install(args)

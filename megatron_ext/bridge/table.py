@@ -1,20 +1,9 @@
 """Every touch of Megatron-Bridge internals, in one table, with the Bridge version verified.
 
-The megatron-core registry (:mod:`megatron_ext.registry.table`) declares what the overlay
-touches in megatron-core, by megatron-core version; Bridge is a second upstream with its own
-versions, so its entries live here and each says which Bridge release it was verified on
-(:data:`BRIDGE_VERIFIED`). They use the registry's own :class:`Patch` / :class:`Assumption`
-mechanism unchanged (exact signatures, idempotent apply, a readable refusal when a target
-moved); ``verified_on`` is the megatron-core line they were verified with (0.19.2: the one
-Bridge 0.6.2 runs on). :func:`verify_all` refuses, at start-up, a Bridge other than a verified
-one and any entry whose target changed.
-
-Only the touches that are not Bridge's public API are here. The public mechanisms the
-integration uses (``ConfigContainer``, ``Callback`` events through ``CallbackManager.register``,
-``model.register_pre_wrap_hook``, ``CheckpointConfig.custom_manager_class``,
-``OptimizerConfigOverrideProvider``, ``train.iterations_to_skip``, ``gpt_step.forward_step``)
-are verified too, as assumptions, so a renamed one is a start-up refusal and not an
-AttributeError mid-run.
+Bridge's entries use the registry's :class:`Patch` / :class:`Assumption` unchanged;
+``verified_on`` is the megatron-core line (0.19.2, what Bridge 0.6.2 runs on). The public
+mechanisms used are declared as assumptions too, so a renamed one is a start-up refusal, not
+an AttributeError mid-run. :func:`verify_all` refuses an unverified Bridge or a moved target.
 """
 
 from __future__ import annotations
@@ -44,10 +33,8 @@ BUGFIXES: tuple[Patch, ...] = (
         target=f"{_TRAINING}.initialize:compile_helpers",
         signature="()",
         wrap=fixes.skip_make_when_prebuilt,
-        reason="The registry's prebuilt-dataset-helpers fix, where Bridge holds its own "
-        "reference (`from megatron.core.datasets.utils import compile_helpers`): Bridge's "
-        "initialize_megatron runs `make` in the installed megatron-core, whose wheel ships the "
-        "prebuilt helpers_cpp and no Makefile, so every start-up exits 1.",
+        reason="The registry's prebuilt-dataset-helpers fix on Bridge's own reference: its "
+        "initialize_megatron runs `make` in megatron-core's wheel, which has no Makefile.",
     ),
 )
 
@@ -64,10 +51,27 @@ PATCHES: tuple[Patch, ...] = (
         "| megatron.bridge.data.builders.mock_vlm_sft.MockVLMSFTDatasetConfig | "
         "megatron.bridge.data.base.DatasetProvider) -> Callable[..., Any]",
         wrap=wiring.with_train_dataset_hook,
-        reason="on_train_dataset: Bridge picks the dataset provider from the dataset config's "
-        "type inside _pretrain, and has no public hook on the built train dataset (the sample "
-        "log adds each sample's global index there). The provider it picks is wrapped so the "
-        "train dataset goes through the features' on_train_dataset.",
+        reason="on_train_dataset: Bridge has no public hook on the built train dataset; the "
+        "provider it picks is wrapped so the train dataset goes through the features.",
+    ),
+)
+
+CPU_RUNNER: tuple[Patch, ...] = (
+    Patch(
+        name="bridge-cpu-initialize-without-cuda",
+        verified_on=V19,
+        kind="cpu",
+        target=f"{_TRAINING}.initialize:initialize_megatron",
+        also_bound_in=(f"{_TRAINING}.setup",),
+        signature="(cfg: megatron.bridge.training.config.ConfigContainer, allow_no_cuda: bool "
+        "= False, skip_mpu_initialization: bool = False, get_embedding_ranks: Optional["
+        "Callable[[list[int], Optional[int]], list[int]]] = None, get_position_embedding_ranks"
+        ": Optional[Callable[[list[int], Optional[int]], list[int]]] = None, restart_store: "
+        "Optional[torch.distributed.distributed_c10d.Store] = None) -> Union[Callable[[], "
+        "NoneType], megatron.core.process_groups_config.ProcessGroupCollection, NoneType]",
+        wrap=fixes.allows_no_cuda,
+        reason="Applied by the CPU runner alone (--bridge-script): Bridge's initialize_megatron "
+        "asserts CUDA unless allow_no_cuda, which its pretrain never passes; passed (counted).",
     ),
 )
 
@@ -86,11 +90,8 @@ FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed featu
         "megatron.core.optimizer.optimizer.MegatronOptimizer",
         wrap=with_param_map,
         feature=WeightDecayFeature,
-        reason="The registry's weight-decay-map where Bridge's setup_optimizer holds its own "
-        "reference to megatron-core's get_megatron_optimizer: with a weight-decay flag set, "
-        "print every parameter's wd_mult and the rule that decided it once the param groups "
-        "exist (proof the OptimizerConfigOverrideProvider's overrides took), and fail on a "
-        "GLOB matching nothing.",
+        reason="The registry's weight-decay-map on Bridge's own reference to "
+        "get_megatron_optimizer: the per-parameter wd_mult map, and unmatched GLOBs refused.",
     ),
 )
 
@@ -101,9 +102,8 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         names=("LoRALinear",),
         used_by="megatron_ext.bridge.te_standin",
         verified_on=V19,
-        reason="Every `import megatron.bridge` reaches peft/lora_layers.py, which imports "
-        "transformer_engine.pytorch unguarded; te_standin shows that module alone an import "
-        "stand-in, so Bridge imports without Transformer Engine.",
+        reason="peft/lora_layers.py imports transformer_engine unguarded; te_standin shows it "
+        "alone a stand-in, so Bridge imports without Transformer Engine.",
     ),
     Assumption(
         name="bridge-pretrain",
@@ -128,10 +128,8 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "bool = False) -> tuple[torch.Tensor, functools.partial]",
         used_by="megatron_ext.bridge.wiring",
         verified_on=V19,
-        reason="The overlay's forward step is Bridge's own GPT step with the features' batch "
-        "reader as its data iterator (Bridge's get_batch drops dataset_id) and its loss "
-        "function observed: that partial's first argument is the loss mask, which Bridge does "
-        "not otherwise pass on.",
+        reason="Bridge's GPT step reads through the features' batch reader (its get_batch "
+        "drops dataset_id); its loss partial's first argument is the loss mask.",
     ),
     Assumption(
         name="bridge-callbacks",
@@ -148,9 +146,8 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         assigned=("checkpoint_config", "_context"),
         used_by="megatron_ext.bridge.checkpoints",
         verified_on=V19,
-        reason="CheckpointConfig.custom_manager_class names the overlay's manager, which "
-        "delegates to Bridge's default one after the features' on_checkpoint (the save veto "
-        "during a spike).",
+        reason="custom_manager_class names the overlay's manager, which delegates to Bridge's "
+        "default one after the features' on_checkpoint (the save veto).",
     ),
     Assumption(
         name="bridge-save-checkpoint-and-time",
@@ -168,18 +165,16 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "callbacks.CallbackManager] = None, module_name: str | None = None) -> None",
         used_by="megatron_ext.bridge.wiring",
         verified_on=V19,
-        reason="Bridge's train() `continue`s past its interval save on a skipped iteration and "
-        "saves at the end only when the last step is not an interval multiple, so a skip list "
-        "covering the last iteration leaves no final checkpoint (as in Megatron, registry "
-        "skip-list-final-checkpoint). on_train_end saves it, as train() would have.",
+        reason="train() skips the interval save of a skipped iteration and saves at the end "
+        "only off an interval multiple: a skipped last iteration leaves no final checkpoint, "
+        "which on_train_end saves.",
     ),
     Assumption(
         name="bridge-optimizer-overrides",
         target=f"{_TRAINING}.config:OptimizerConfigOverrideProvider",
         used_by="megatron_ext.bridge.wiring",
         verified_on=V19,
-        reason="Weight-decay overrides: the provider's build_config_overrides result gets the "
-        "feature's wd_mult ParamKeys (megatron_ext.weight_decay.adapter.extend_overrides).",
+        reason="Weight-decay overrides: build_config_overrides' result gets the wd_mult keys.",
     ),
     Assumption(
         name="bridge-writers",
@@ -187,11 +182,8 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         assigned=("_tensorboard_logger", "_wandb_logger"),
         used_by="megatron_ext.bridge.wiring.share_writers",
         verified_on=V19,
-        reason="Bridge keeps its TensorBoard / W&B writers on its GlobalState (lazy properties "
-        "tensorboard_logger, wandb_logger, on the last rank), not in Megatron's globals, "
-        "where the features look for them; they are shared into Megatron's "
-        "megatron.training.global_vars _GLOBAL_TENSORBOARD_WRITER / _GLOBAL_WANDB_WRITER "
-        "(module attributes, checked by megatron-bridge-global-writers).",
+        reason="Bridge keeps its TensorBoard / W&B writers on its GlobalState, not in "
+        "Megatron's globals where the features look; they are shared into those.",
     ),
     Assumption(
         name="megatron-bridge-global-writers",
@@ -216,9 +208,8 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         names=("TRAIN_STATE_FILE", "TRACKER_PREFIX", "CONFIG_FILE"),
         used_by="megatron_ext.common.files (BRIDGE_*), incidents, lookup",
         verified_on=V19,
-        reason="Bridge resumes from latest_train_state.pt before Megatron's tracker file, and "
-        "keeps run_config.yaml, not Megatron's args, in each checkpoint: the rollback "
-        "rewrites the first, the lookup reads the second.",
+        reason="Bridge resumes from latest_train_state.pt (the rollback rewrites it) and keeps "
+        "run_config.yaml, not Megatron's args, in each checkpoint (the lookup reads it).",
     ),
 )
 
@@ -244,7 +235,14 @@ IMPORTS: tuple[Assumption, ...] = (
     _imports("megatron.bridge.utils.instantiate_utils", ("register_allowed_target_prefix",)),
 )
 
-ENTRIES: tuple[Entry, ...] = (*BUGFIXES, *PATCHES, *FEATURE_PATCHES, *ASSUMPTIONS, *IMPORTS)
+ENTRIES: tuple[Entry, ...] = (
+    *BUGFIXES,
+    *PATCHES,
+    *FEATURE_PATCHES,
+    *CPU_RUNNER,
+    *ASSUMPTIONS,
+    *IMPORTS,
+)
 
 
 def installed_bridge() -> str | None:

@@ -1,22 +1,12 @@
 """A Transformer Engine import stand-in shown to exactly one Bridge module.
 
-Why: every ``import megatron.bridge`` (its package ``__init__`` imports the model bridges,
-which import the PEFT package) reaches ``megatron.bridge.peft.lora_layers``, whose first lines
-are ``import transformer_engine.pytorch as te``, unguarded, and whose class bodies name
-``te.ops.Sequential`` in annotations evaluated at definition time. Without Transformer Engine
-(every CPU machine, and GPU machines that train with Megatron's local layer spec) Bridge does
-not import at all, although nothing on a GPT pretraining path calls LoRA.
-
-What: a meta-path finder that answers ``transformer_engine`` and its submodules **only while
-``megatron.bridge.peft.lora_layers`` itself is being imported** (checked on the importing
-frame), with modules whose every attribute is a class that refuses to be instantiated. Any
-other importer (Megatron's own optional TE probes, megatron-ext's
-:func:`megatron_ext.fork.start.default_transformer_impl`, ``importlib.util.find_spec``) still
-finds no Transformer Engine; the stand-ins are removed from ``sys.modules`` once
-``lora_layers`` is loaded, so they cannot leak into a later import. Using LoRA then fails
-loudly with the reason (:class:`TransformerEngineAbsent`). Where Transformer Engine is
-installed, :func:`install` does nothing. Registry entry ``bridge-te-import``
-(:mod:`megatron_ext.bridge.table`) declares the module and the Bridge version verified.
+Every ``import megatron.bridge`` reaches ``megatron.bridge.peft.lora_layers``, which imports
+``transformer_engine.pytorch`` unguarded (and evaluates ``te.ops`` annotations), so without TE
+Bridge does not import at all, though GPT pretraining never calls LoRA. A meta-path finder
+answers ``transformer_engine[.x]`` only while that module is being imported (checked on the
+importing frame), with classes that refuse to be built (:class:`TransformerEngineAbsent`);
+the stand-ins leave ``sys.modules`` once it is loaded. With TE installed :func:`install` does
+nothing. Registry entry ``bridge-te-import``.
 """
 
 from __future__ import annotations
@@ -96,9 +86,7 @@ def install() -> bool:
     """Put the finder first on ``sys.meta_path`` unless Transformer Engine is installed; import
     ``lora_layers`` through it now and drop the stand-ins from ``sys.modules``. Idempotent.
     True when the stand-in was used."""
-    if IMPORTER in sys.modules:
-        return False
-    if importlib.util.find_spec(STANDS_IN_FOR) is not None:
+    if IMPORTER in sys.modules or importlib.util.find_spec(STANDS_IN_FOR) is not None:
         return False
     sys.meta_path.insert(0, FINDER)
     try:

@@ -1,30 +1,11 @@
 """Where Megatron-Bridge's loop meets the installed features: one function per mechanism.
 
-Bridge runs its own training loop (``megatron.bridge.training.train``), not Megatron's, so
-the four loop hooks the overlay patches into Megatron (``setup_model_and_optimizer``,
-``training_log``, ``save_checkpoint_and_time``) are never called there. Each hook is reached
-through a public Bridge mechanism instead, and always through the same callers as the
-overlay's own GPT step (:mod:`megatron_ext.loop.hooks`), so the features run unchanged:
-
-=====================  ======================================================================
-``on_model_built``     ``config.model.register_pre_wrap_hook`` (:func:`loop.hooks.pre_wrap_hook`)
-``on_setup``           ``Callback`` event ``on_train_start`` (model chunks, optimizer)
-``on_train_dataset``   registry ``bridge-dataset-provider`` (:func:`with_train_dataset_hook`)
-``on_batch``           the forward step's data iterator (:class:`ObservedBatches`:
-                       :func:`loop.hooks.read_batch`, before Bridge's get_batch drops
-                       ``dataset_id``)
-``on_loss``            the forward step's loss function (Bridge's loss partial, observed)
-``before_grad_norm``   megatron-core's optimizer (registry ``hook-before-grad-norm``: Bridge
-                       steps megatron-core's ChainedOptimizer)
-``after_step``         ``Callback`` event ``on_train_step_end`` (:func:`step_record`)
-``on_checkpoint``      ``CheckpointConfig.custom_manager_class``
-                       (:mod:`megatron_ext.bridge.checkpoints`)
-=====================  ======================================================================
-
-The features keep the Megatron-style args they were installed with
-(:mod:`megatron_ext.bridge.args`); the callbacks keep the loop counters on them current
-(``curr_iteration``, ``iteration``, consumed and skipped samples) from Bridge's
-``train_state``, as Megatron's loop does on its global args. No Bridge import at module level.
+Bridge runs its own loop, so the overlay's Megatron loop hooks are never called there; each
+hook is reached through a public Bridge mechanism (callbacks, the pre-wrap hook, the forward
+step's data iterator and loss partial, the checkpoint manager) or a registry entry, always
+through the same :mod:`megatron_ext.registry.hooks` callers as the overlay's GPT step, so the
+features run unchanged (the table: docs/bridge.md). The callbacks keep the loop counters on
+the features' args current from Bridge's ``train_state``. No Bridge import at module level.
 """
 
 from __future__ import annotations
@@ -33,15 +14,15 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
+from megatron_ext.bridge import checkpoints
 from megatron_ext.common.features import Feature, FeatureSet, LossInputs, MicroBatch, StepRecord
-from megatron_ext.loop import hooks
+from megatron_ext.registry import hooks
 
 
 def with_train_dataset_hook(
     original: Callable[..., Any], features: FeatureSet
 ) -> Callable[..., Any]:
-    """Wrapper of ``bridge-dataset-provider``: the provider Bridge picks, then
-    ``on_train_dataset`` on its train dataset."""
+    """Wrapper of ``bridge-dataset-provider``: ``on_train_dataset`` on the train dataset."""
 
     def get_dataset_provider(dataset_config: Any) -> Callable[..., Any]:
         provider = original(dataset_config)
@@ -59,9 +40,10 @@ def with_train_dataset_hook(
 
 
 class ObservedBatches:
-    """The data iterator Bridge's ``get_batch`` reads from: each ``next`` is
-    :func:`megatron_ext.loop.hooks.read_batch` (``on_batch`` sees the batch whole, with its
-    ``dataset_id``, and the drill may change its tokens), once per micro-batch."""
+    """The data iterator Bridge's ``get_batch`` reads from. Bridge reads the batch on every TP
+    rank, Megatron on TP rank 0 only: here TP rank 0 reads through :func:`hooks.read_batch`
+    (``on_batch`` sees the whole batch once per DP rank, ``dataset_id`` included) and its
+    tokens and labels, which ``on_batch`` may change (drill), replace the other TP ranks'."""
 
     def __init__(self, features: FeatureSet, data: Iterator[Any], micro_batch: MicroBatch) -> None:
         self.features, self.data, self.micro_batch = features, data, micro_batch
@@ -70,7 +52,34 @@ class ObservedBatches:
         return self
 
     def __next__(self) -> dict[str, Any]:
-        return hooks.read_batch(self.features, self.data, self.micro_batch)
+        from megatron.core import parallel_state as mpu
+
+        if mpu.get_tensor_model_parallel_world_size() == 1:
+            return hooks.read_batch(self.features, self.data, self.micro_batch)
+        if mpu.get_tensor_model_parallel_rank() == 0:
+            batch = hooks.read_batch(self.features, self.data, self.micro_batch)
+        else:
+            batch = next(self.data)
+        return tp_broadcast(batch, TP_SHARED_KEYS)
+
+
+TP_SHARED_KEYS = ("tokens", "labels")
+
+
+def tp_broadcast(batch: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """``batch`` with TP rank 0's ``keys`` (on the device, where Bridge moves them anyway)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    for key in keys:
+        if batch.get(key) is not None:
+            batch[key] = batch[key].cuda(non_blocking=True)
+            dist.broadcast(
+                batch[key],
+                src=mpu.get_tensor_model_parallel_src_rank(),
+                group=mpu.get_tensor_model_parallel_group(),
+            )
+    return batch
 
 
 def micro_batch(features: FeatureSet, model: Any) -> MicroBatch:
@@ -92,11 +101,9 @@ def forward_step(
     model: Any,
     return_schedule_plan: bool = False,
 ) -> tuple[Any, Callable[[Any], Any]]:
-    """The forward step handed to Bridge (bound with :func:`functools.partial`; its first
-    free parameter is named ``state``, so Bridge injects its GlobalState): Bridge's GPT step
-    reading through :class:`ObservedBatches`, its loss function observed by ``on_loss``
-    (registry assumption ``bridge-gpt-forward-step``: the partial's first argument is the
-    loss mask)."""
+    """The forward step handed to Bridge (its first free parameter is ``state``, so Bridge
+    injects its GlobalState): Bridge's step reading through :class:`ObservedBatches`, its
+    loss partial (first argument: the loss mask, ``bridge-gpt-forward-step``) observed."""
     batch = micro_batch(features, model)
     data = None if data_iterator is None else ObservedBatches(features, data_iterator, batch)
     output, loss_function = bridge_step(state, data, model, return_schedule_plan)
@@ -113,20 +120,15 @@ def observed_loss(
     loss_mask: Any,
     output_tensor: Any,
 ) -> tuple[Any, Any, dict[str, Any]]:
-    """Bridge's ``(token-summed loss, token count, report)``, then ``on_loss`` with the
-    per-token output and the mask: the features' entries join the report."""
+    """Bridge's ``(loss, token count, report)``, the features' ``on_loss`` entries joined."""
     loss, num_tokens, report = loss_function(output_tensor)
     inputs = LossInputs(batch, output_tensor, loss_mask.view(-1).float(), loss, num_tokens)
     return loss, num_tokens, hooks.loss_report(features, inputs, dict(report))
 
 
-# -- callbacks (Bridge's CallbackManager.register) --------------------------------------------
-
-
 def sync_counters(args: Any, state: Any, after_step: bool) -> None:
-    """Megatron's loop counters on the features' args, from Bridge's ``train_state``: during
-    an iteration (``after_step=False``) as Megatron has them in its forward steps, at its end
-    as Megatron has them in ``training_log`` (the step and its samples counted)."""
+    """Megatron's loop counters on the features' args from Bridge's ``train_state``: as in
+    Megatron's forward steps, or (``after_step``) as in its ``training_log``."""
     train = state.train_state
     args.curr_iteration = train.step
     args.iteration = train.step + (1 if after_step else 0)
@@ -137,9 +139,8 @@ def sync_counters(args: Any, state: Any, after_step: bool) -> None:
 
 
 def on_train_start(features: FeatureSet, context: Any) -> None:
-    """``on_setup``: the wrapped model chunks and the optimizer exist. The tokenizer's
-    vocabulary size, which Megatron puts on its args when it builds the tokenizer, is known
-    from here (Bridge built it in its setup)."""
+    """``on_setup``: the wrapped model chunks and the optimizer exist, and the tokenizer's
+    vocabulary size is known."""
     sync_counters(features.args, context.state, after_step=False)
     share_writers(context.state)
     features.args.vocab_size = context.state.tokenizer.vocab_size
@@ -150,9 +151,8 @@ def on_train_start(features: FeatureSet, context: Any) -> None:
 
 
 def share_writers(state: Any) -> None:
-    """Bridge's TensorBoard and W&B writers (on its state object, made on the last rank, the
-    features' writing rank) as Megatron's global writers, which the features write their
-    scalars to (bucket norms, per-source losses). Registry ``bridge-writers``."""
+    """Bridge's TensorBoard and W&B writers (on its state, last rank) as Megatron's global
+    writers, where the features write their scalars. Registry ``bridge-writers``."""
     from megatron.training import global_vars
 
     global_vars._GLOBAL_TENSORBOARD_WRITER = state.tensorboard_logger
@@ -164,10 +164,9 @@ def on_train_step_start(features: FeatureSet, context: Any) -> None:
 
 
 def step_record(features: FeatureSet, context: Any) -> StepRecord:
-    """The iteration as Megatron's ``training_log`` would have seen it, from Bridge's callback
-    context (its reduced losses, grad norm, skip flag) and the optimizer (learning rate, loss
-    scale); what Bridge does not report (params norm, zeros, attention logit) is None, which
-    the features read as "not measured" (telemetry measures the params norm itself)."""
+    """The iteration as Megatron's ``training_log`` sees it, from Bridge's callback context
+    and the optimizer; what Bridge does not report (params norm, zeros, attention logit) is
+    None, "not measured"."""
     optimizer = context.optimizer
     learning_rate = None
     for group in optimizer.param_groups:
@@ -189,8 +188,8 @@ def step_record(features: FeatureSet, context: Any) -> StepRecord:
 
 
 def on_train_step_end(features: FeatureSet, context: Any) -> None:
-    """``after_step`` in hook order (the spike detector last: a rollback decision ends the
-    process here, before Bridge's interval save of this iteration)."""
+    """``after_step`` in hook order (the spike detector last: a rollback ends the process
+    here, before Bridge's interval save of this iteration)."""
     sync_counters(features.args, context.state, after_step=True)
     record = step_record(features, context)
     for feature in features.using(Feature.after_step):
@@ -200,9 +199,9 @@ def on_train_step_end(features: FeatureSet, context: Any) -> None:
 def register_callbacks(
     manager: Any, features: FeatureSet, final_save: Callable[[Any], None]
 ) -> None:
-    """The features' events on the user's (or a new) ``CallbackManager``, after the user's own
-    callbacks; the run's features also go on its ``user_state`` for the checkpoint manager."""
-    manager.user_state["megatron_ext_features"] = features
+    """The features' events on the ``CallbackManager``, after the user's callbacks; the
+    features also go on its ``user_state`` for the checkpoint manager."""
+    manager.user_state[checkpoints.FEATURES_KEY] = features
     manager.register("on_train_start", partial(on_train_start, features))
     manager.register("on_train_step_start", partial(on_train_step_start, features))
     manager.register("on_train_step_end", partial(on_train_step_end, features))
@@ -210,8 +209,8 @@ def register_callbacks(
 
 
 def with_weight_decay(provider: Any, policy: Any) -> Any:
-    """The config's ``OptimizerConfigOverrideProvider`` with the weight-decay feature's
-    multipliers added to what it builds (Bridge's 1-D/bias defaults kept)."""
+    """The config's ``OptimizerConfigOverrideProvider`` with the weight-decay multipliers
+    added to what it builds."""
     from megatron_ext.weight_decay.adapter import extend_overrides
 
     original = provider.build_config_overrides

@@ -1,13 +1,10 @@
 """How a training attempt ended, in the training's own words, for the supervisor.
 
-Why: Megatron exits 0 both when it reaches ``--train-iters`` and when it stops early with a
-checkpoint saved (``--exit-duration-in-mins``, ``--exit-interval``, a stop signal under
-``--exit-signal-handler``). An exit code cannot tell them apart, and a job that stopped at its
-time limit must be relaunched or requeued, never reported as finished (issue #30). So rank 0
-writes one small JSON file (the path the supervisor passes in :data:`ENV`) the moment it knows:
-``pretrain`` returned (complete) or raised ``SystemExit(0)`` (stopped early, with the reason).
-No file means the training did not say (a crash, or a training script of the user's own that
-does not start through ``megatron_ext.fork``).
+Megatron exits 0 both at ``--train-iters`` and when it stops early with a checkpoint saved
+(exit duration or interval, a stop signal); a job stopped at its time limit must be relaunched,
+not reported finished (issue #30). So rank 0 writes a small JSON file (at :data:`ENV`'s path)
+saying ``pretrain`` returned or raised ``SystemExit(0)`` (and why). No file: the training did
+not say (a crash, or a script that does not start through ``megatron_ext.fork``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """A Megatron-Bridge checkpoint's common state, as the offline tools read Megatron's.
 
-Why: a Bridge checkpoint (``iter_NNNNNNN/``) holds no Megatron ``args``; its run's
-configuration is ``run_config.yaml`` (the whole ``ConfigContainer``) and its loop counters
-``train_state.pt``. The lookup and the skip planner read Megatron's saved args
-(:func:`megatron_ext.common.checkpoint_state.read_common_state`), so for a Bridge checkpoint
-the same namespace is made here: Megatron's parser defaults, then the fields the run
-configuration and the train state hold, renamed where Bridge names them differently. The
-data-parallel size, which neither file holds, comes from the record megatron-ext's checkpoint
-manager writes beside them (:data:`megatron_ext.common.files.BRIDGE_LAYOUT_FILE`). Megatron,
-torch and yaml are imported only when a Bridge checkpoint is read.
+A Bridge checkpoint holds no Megatron ``args``: its configuration is ``run_config.yaml`` and its
+counters ``train_state.pt``. The lookup and the skip planner get the same namespace
+:func:`~megatron_ext.common.checkpoint_state.read_common_state` gives: Megatron's parser
+defaults, then those files' fields (renamed where Bridge differs), and the data-parallel size
+from megatron-ext's :data:`~megatron_ext.common.files.BRIDGE_LAYOUT_FILE`. Megatron, torch and
+yaml are imported only when one is read.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """A checkpoint's common state (Megatron's saved ``args``, ``iteration``, ...) without torch.
 
-Megatron's ``load_common_state_dict`` imports megatron-core and torch's distributed
-checkpointing (5 s of imports) to read a few kilobytes. Tools that only need the saved args
-(``megatron-ext lookup``, the demo's resume check, the skip planner's ``--train-iters``) read
-them here instead, in milliseconds:
-
-- a torch_dist checkpoint keeps the common state as one ``ShardedObject`` whose bytes sit in a
-  ``.distcp`` file at the offset recorded in the DCP ``.metadata`` pickle; a legacy checkpoint
-  keeps it in ``common.pt``. Either way the bytes are a ``torch.save`` zip archive;
-- its pickle is read with a restricted unpickler: plain Python, ``argparse.Namespace``,
-  ``OrderedDict``, paths and signals are rebuilt; torch, numpy and Megatron objects (tensors,
-  dtypes, Megatron enums) and byte buffers become inert :class:`Opaque` records of their name
-  and arguments, which these tools never read. Nothing else is allowed, so, like Megatron's own
-  ``weights_only`` load, reading a checkpoint runs no code from it.
-
-Anything this reader does not recognise raises :class:`UnreadableState`; :func:`load_common_state`
-then falls back to Megatron's loader (slow, always right). A damaged or half-copied checkpoint
-makes that loader raise torch's ``CheckpointException``, which derives from ``BaseException``
-(``except Exception`` misses it) after logging a per-rank traceback: it becomes
-:class:`CheckpointUnreadable`, naming the directory and what to do.
-
-:func:`checkpoint_problem` says whether Megatron could load a checkpoint at all, from the same
-index: a ``metadata.json`` proves only that a save got that far, not that its data files are
-still there and whole (the rollback planner must never point the tracker at one that is not).
+Megatron's ``load_common_state_dict`` spends 5 s importing to read a few kilobytes. Here the
+``torch.save`` archive (a DCP ``.distcp`` item, or a legacy ``common.pt``) is read with a
+restricted unpickler: plain Python objects are rebuilt, torch/numpy/Megatron ones become inert
+:class:`Opaque` records, nothing else runs; an unknown layout raises :class:`UnreadableState`
+and Megatron's loader is used. :func:`checkpoint_problem` says whether Megatron could load it.
 """
 
 from __future__ import annotations
@@ -32,6 +14,7 @@ import builtins
 import codecs
 import collections
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -105,16 +88,11 @@ class Opaque:
         return f"<{self.qualified_name}{self.args!r}>"
 
 
-_OPAQUE: dict[str, type[Opaque]] = {}
-
-
+@functools.cache
 def stand_in(qualified_name: str) -> type[Opaque]:
     """The :class:`Opaque` class standing in for ``qualified_name`` (one per name)."""
-    if qualified_name not in _OPAQUE:
-        _OPAQUE[qualified_name] = type(
-            qualified_name.rsplit(".", 1)[-1], (Opaque,), {"qualified_name": qualified_name}
-        )
-    return _OPAQUE[qualified_name]
+    name = qualified_name.rsplit(".", 1)[-1]
+    return type(name, (Opaque,), {"qualified_name": qualified_name})
 
 
 class _Unpickler(pickle.Unpickler):
@@ -279,11 +257,8 @@ def load_common_state(directory: str | Path) -> dict[str, Any]:
 
 
 def _zip_problem(path: Path, directory: Path) -> str | None:
-    """What is wrong with a ``torch.save`` archive Megatron loads (None: nothing seen).
-
-    Opening it reads the zip's central directory, which sits at the end of the file: a
-    truncated or half-written archive has none. Cheap (no member is read), unlike a
-    ``torch.load`` of gigabytes of optimizer state."""
+    """What is wrong with a ``torch.save`` archive Megatron loads (None: nothing seen): its
+    zip directory, at the end of the file, is missing from a truncated one (no member read)."""
     name = path.relative_to(directory)
     try:
         with zipfile.ZipFile(path) as archive:
@@ -310,11 +285,8 @@ def _dcp_index_by_torch(directory: Path) -> list[_Stored]:
     ]
 
 
-def _torch_dist_problem(directory: Path) -> str | None:
-    """What keeps Megatron's ``dist_checkpointing.load`` from loading a torch_dist checkpoint:
-    ``metadata.json`` (``verify_checkpoint``), the DCP index ``.metadata``, every file it names
-    as long as the furthest byte read from it, and the common state (``common.pt`` when
-    present, as ``load_common_state_dict`` prefers it; else its item in the index)."""
+def _metadata_problem(directory: Path) -> str | None:
+    """``metadata.json`` as ``verify_checkpoint`` reads it, and the DCP index's presence."""
     try:
         config = json.loads((directory / CHECKPOINT_METADATA_FILE).read_text())
     except (OSError, ValueError) as exc:
@@ -323,13 +295,22 @@ def _torch_dist_problem(directory: Path) -> str | None:
         return f"{CHECKPOINT_METADATA_FILE} names no sharded_backend: {str(config)[:100]}"
     if not (directory / DCP_METADATA_FILE).is_file():
         return f"{DCP_METADATA_FILE} (the index of the data files) is missing"
+    return None
+
+
+def _readable_index(directory: Path) -> list[_Stored] | str:
+    """The DCP index, or why it cannot be read."""
     try:
-        index = _dcp_index(directory)
+        return _dcp_index(directory)
     except UnreadableState:
         try:
-            index = _dcp_index_by_torch(directory)
+            return _dcp_index_by_torch(directory)
         except Exception as exc:  # a damaged pickle can raise almost anything
             return f"{DCP_METADATA_FILE} is unreadable ({type(exc).__name__}: {exc})"
+
+
+def _data_files_problem(directory: Path, index: list[_Stored]) -> str | None:
+    """Every file the index names, as long as the furthest byte read from it."""
     ends: dict[str, int] = {}
     for item in index:
         ends[item.path] = max(ends.get(item.path, 0), item.offset + item.length)
@@ -342,30 +323,35 @@ def _torch_dist_problem(directory: Path) -> str | None:
             return f"{name} is unreadable ({exc})"
         if size < end:
             return f"{name} is truncated: {size} bytes, read up to byte {end}"
-    if (directory / CHECKPOINT_COMMON_FILE).exists():
-        return _zip_problem(directory / CHECKPOINT_COMMON_FILE, directory)
-    if not any(item.fqn == COMMON_STATE_KEY for item in index):
-        return (
+    return None
+
+
+def _torch_dist_problem(directory: Path) -> str | None:
+    """What keeps Megatron's ``dist_checkpointing.load`` from loading a torch_dist checkpoint:
+    ``metadata.json``, the DCP index, its data files, and the common state (``common.pt`` when
+    present, as ``load_common_state_dict`` prefers it; else its item in the index)."""
+    problem = _metadata_problem(directory)
+    if problem is not None:
+        return problem
+    index = _readable_index(directory)
+    if isinstance(index, str):
+        return index
+    problem = _data_files_problem(directory, index)
+    if problem is None and (directory / CHECKPOINT_COMMON_FILE).exists():
+        problem = _zip_problem(directory / CHECKPOINT_COMMON_FILE, directory)
+    elif problem is None and not any(item.fqn == COMMON_STATE_KEY for item in index):
+        problem = (
             f"no common state: neither {CHECKPOINT_COMMON_FILE} nor {COMMON_STATE_KEY!r} in "
             f"{DCP_METADATA_FILE}"
         )
-    return None
+    return problem
 
 
 def checkpoint_problem(directory: str | Path) -> str | None:
     """Why Megatron could not load checkpoint ``directory`` (an ``iter_NNNNNNN``), or None
-    when every file its loader reads is there and whole.
-
-    Megatron takes a directory with ``metadata.json`` for torch_dist (checked as above), any
-    other for a legacy one: every ``mp_rank_*/`` folder's ``model_optim_rng.pt``, and its other
-    ``.pt`` files (``distrib_optim.pt``), must be complete zip archives. An unfinished save
-    (``--async-save`` in flight or killed: its ``metadata.json`` is written last) is neither.
-
-    The checks read small files and stat the large ones: ``.metadata`` (kilobytes to tens of
-    megabytes) and one ``stat`` per data file; the tensors are never read, so damage inside a
-    data file that keeps its length is not seen (checking Megatron's optional SHA-256 manifest,
-    ``verify_integrity``, would read every byte).
-    """
+    when every file its loader reads is there and whole: torch_dist (``metadata.json``, which
+    an unfinished save lacks) as above; legacy: each ``mp_rank_*/`` folder's ``.pt`` files are
+    complete zip archives. Small files are read, data files only stat'ed."""
     directory = Path(directory)
     if (directory / CHECKPOINT_METADATA_FILE).exists():
         return _torch_dist_problem(directory)

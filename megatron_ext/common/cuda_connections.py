@@ -1,14 +1,10 @@
 """``CUDA_DEVICE_MAX_CONNECTIONS`` for a training command line: one rule for the launchers, the
 CPU runner and the entry point (standard library only: the supervisor imports it).
 
-Why a rule: Megatron asserts opposite values. Tensor and context parallelism (sequence
-parallelism with them) rely on ``1``, which keeps their communication kernels in issue order
-on Hopper and earlier (``validate_args`` asserts it there unless an FSDP is on); torch FSDP2
-(``--use-torch-fsdp2``) and Megatron-FSDP (``--use-megatron-fsdp``) assert it is not ``1``
-(their overlapped all-gathers and reduce-scatters need several hardware queues). With an FSDP
-and TP/CP together Megatron only warns: FSDP's requirement wins. So the default is ``1``,
-and ``8`` (CUDA's own default) when an FSDP flag is on; an explicit ``1`` with an FSDP flag is
-refused here, before Megatron's assertion traceback.
+Megatron asserts opposite values: tensor and context parallelism rely on ``1`` (kernels in issue
+order on Hopper and earlier), torch FSDP2 and Megatron-FSDP assert it is not ``1``; with both,
+FSDP wins. So ``1`` by default, ``8`` (CUDA's default) with an FSDP flag, and an explicit ``1``
+with an FSDP flag is refused before Megatron's assertion.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Torch FSDP2's sharded tensors, as the overlay's sums read them (torch only, no Megatron).
 
-Under ``--use-torch-fsdp2`` Megatron hands every module to torch's ``fully_shard`` over the
-data-parallel (x context-parallel) device mesh: each parameter, and its gradient after the
-reduce-scatter, is a ``DTensor`` of which a rank holds one slice (``Shard(0)``). A sum of
-squares over local slices is this rank's part of the global one; the global value adds the
-parts over the mesh groups the tensors are sharded over (:func:`shard_groups`). Plain tensors
-(DDP, the distributed optimizer) have no groups here, and every function is then the identity.
+Under ``--use-torch-fsdp2`` each parameter and gradient is a ``DTensor`` of which a rank holds
+one ``Shard(0)`` slice: a local sum of squares is this rank's part, and the global value adds
+the parts over the groups the tensors are sharded over (:func:`shard_groups`). For plain
+tensors every function is the identity.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The one exception base of megatron-ext: a refusal that carries its message and exit code.
 
-Every error the overlay raises on purpose (bad flags, unreadable files, a target Megatron
-changed, a lookup that cannot be answered) is a :class:`MegatronExtError`. Its message says
-what is wrong and what to do; its ``exit_code`` (from :mod:`megatron_ext.common.exit_codes`) is what
-the process ends with. The entry point and every CLI turn one into that message on stderr and
-that code, with no traceback, through :func:`report` (:func:`exit_on_error` for a whole
-``main``), so an on-call engineer reads a sentence, not a stack.
-
-Two bases fix the code: :class:`Refusal` (exit 1: the input cannot be used) and
-:class:`UsageError` (exit 2: the command's own arguments). Their messages are kept exactly as
-written (``prefix = ""``): they are also embedded in other messages, and the command that
-reports one names itself (``report(exc, "megatron-ext lookup: refused")``). Classes that
-callers also catch as a built-in error keep that built-in as a second base.
+Every error raised on purpose is a :class:`MegatronExtError`: its message says what is wrong
+and what to do, its ``exit_code`` is what the process ends with, and :func:`report` /
+:func:`exit_on_error` print it without a traceback. :class:`Refusal` (exit 1: the input) and
+:class:`UsageError` (exit 2: the arguments) keep their messages as written (``prefix = ""``);
+classes that callers also catch as a built-in error keep it as a second base.
 """
 
 from __future__ import annotations

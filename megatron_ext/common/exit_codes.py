@@ -1,8 +1,5 @@
-"""Every exit code a megatron-ext process ends with or acts on: one definition each.
-
-Dependency-free on purpose: the supervisor (which imports neither torch, numpy nor Megatron)
-and the training-side features both import it, so the code a rank exits with and the code the
-launch policy reads are the same constant.
+"""Every exit code a megatron-ext process ends with or acts on, one definition each; dependency
+free, so the supervisor and the training read the same constants.
 """
 
 from __future__ import annotations

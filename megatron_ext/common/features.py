@@ -1,38 +1,12 @@
-"""The feature protocol: one object per feature, with its flags, checks, state and hooks.
+"""The feature protocol: one object per feature (z-loss, weight decay, telemetry, spike
+detector, sample log, drill), with its flags, checks, state and hooks.
 
-A feature (z-loss, weight decay, telemetry, spike detector, sample log, drill) is a
-:class:`Feature` subclass. Its life in a run:
-
-1. ``add_args(group)``: its flags, in the one ``megatron-ext`` argument group;
-2. ``enabled(args)``: whether its flags ask for it (a disabled feature never runs: with no
-   megatron-ext flag set, a run is plain Megatron apart from the upstream fixes);
-3. ``validate(args)``: checks before distributed init; raises :class:`FeatureError` with a
-   message that says what to do;
-4. ``install(args)``: keeps the args and opens its state (still before init); the installer
-   (:func:`megatron_ext.loop.install.install`) then applies its registry patches, bound to it, when
-   ``needs_patch(name)``;
-5. hooks, called on the installed features that override them, in
-   :func:`megatron_ext.loop.install.all_features` order, by the registry's hook wrappers
-   (:mod:`megatron_ext.loop.hooks`) and the entry point's own functions
-   (:mod:`megatron_ext.loop.gpt_step`), each bound to the :class:`FeatureSet` when installed:
-
-   ========================  ==============================================================
-   ``on_model_built``        the model chunks are built, not yet wrapped (no DDP, no
-                             optimizer): the earliest point parameter names exist
-   ``on_setup``              model chunks and optimizer exist (lay out buckets, open files)
-   ``on_train_dataset``      the train dataset is built (data-reading ranks); may wrap it
-   ``on_batch``              TP rank 0 of a data-reading stage got a micro-batch from the
-                             iterator (read ids, drill corruption); may change the batch
-   ``on_loss``               the last stage computed a micro-batch's loss; returns extra
-                             ``report`` entries (Megatron averages and logs them)
-   ``before_grad_norm``      grads are reduced, not yet clipped (bucket norms, snapshots)
-   ``after_step``            an iteration was logged; features read and fill the
-                             :class:`StepRecord` (the only channel between features)
-   ``on_checkpoint``         Megatron is about to save; returning False vetoes the save
-   ========================  ==============================================================
-
-Features never import each other: whatever one produces for another goes on the
-:class:`StepRecord` (per iteration) or the :class:`MicroBatch` (per micro-batch).
+A run calls ``add_args``, ``enabled`` (a disabled feature never runs), ``validate`` (raises
+:class:`FeatureError` before distributed init), ``install`` (then the installer applies its
+registry patches where ``needs_patch``), and the hooks the feature overrides, in
+:func:`megatron_ext.loop.install.all_features` order, from the registry's hook wrappers and
+the entry point (:mod:`megatron_ext.loop.gpt_step`). Features never import each other: what
+one produces for another goes on the :class:`StepRecord` or the :class:`MicroBatch`.
 """
 
 from __future__ import annotations
@@ -75,12 +49,8 @@ DATASET_ID_KEY = "dataset_id"
 
 @dataclass
 class MicroBatch:
-    """One training or evaluation micro-batch as the features see it.
-
-    Created by the forward step, passed to ``on_batch`` (TP rank 0 of a reading stage) and
-    then to ``on_loss`` (last stage). ``extras`` carries what a feature noted at read time
-    for its own use at loss time (e.g. sample ids and token digests).
-    """
+    """One micro-batch as the features see it, from ``on_batch`` to ``on_loss``; ``extras``
+    carries what a feature noted at read time for loss time (e.g. sample ids)."""
 
     iteration: int  # 1-indexed, as Megatron logs it
     training: bool
@@ -112,11 +82,8 @@ class LossInputs:
 
 @dataclass
 class StepRecord:
-    """One iteration as Megatron's ``training_log`` saw it, shared by all features.
-
-    The loop fills Megatron's values; features add theirs (``signals`` by telemetry, read by
-    the spike detector). Values are on every rank, but only the last rank has ``signals``.
-    """
+    """One iteration as Megatron's ``training_log`` saw it, shared by all features; only the
+    writing rank has ``signals`` (telemetry fills them, the spike detector reads them)."""
 
     iteration: int
     losses: dict[str, Any]  # Megatron's reduced loss_dict (tensors: read them where needed)
@@ -155,13 +122,21 @@ class Feature:
         return True
 
     # Hooks: the base versions are never called (see :meth:`implements`).
+    # Model chunks built, not yet wrapped (no DDP, no optimizer).
     def on_model_built(self, model: list[Any]) -> None: ...
+    # Model chunks and optimizer exist (lay out buckets, open files).
     def on_setup(self, model: list[Any], optimizer: Any) -> None: ...
+    # The train dataset is built (data-reading ranks); may wrap it.
     def on_train_dataset(self, dataset: Any) -> Any: ...
+    # TP rank 0 of a data-reading stage got a micro-batch; may change it.
     def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None: ...
+    # The last stage computed a micro-batch's loss; returns extra ``report`` entries.
     def on_loss(self, inputs: LossInputs) -> dict[str, Any]: ...
+    # Grads reduced, not yet clipped.
     def before_grad_norm(self, optimizer: Any) -> None: ...
+    # An iteration was logged: read and fill the StepRecord.
     def after_step(self, record: StepRecord) -> None: ...
+    # Megatron is about to save; False vetoes the save.
     def on_checkpoint(self, iteration: int) -> bool: ...
 
     def implements(self, hook: Callable[..., Any]) -> bool:

@@ -1,15 +1,9 @@
-"""Every file name megatron-ext reads or writes, and the Megatron names it must match.
+"""Every file name megatron-ext reads or writes, and the Megatron names it must match: one
+place, so a reader and the writer never disagree about a name.
 
-One place, so that a reader (planner, lookup, launcher) and the writer (training) can never
-disagree about a name, and a new engineer can see every on-disk artefact at a glance.
-
-Three things are called "tracker" in Megatron's world; the names here keep them apart:
-
-- ``CHECKPOINT_TRACKER_FILE``: Megatron's ``latest_checkpointed_iteration.txt``, naming the
-  newest complete checkpoint in ``--save``/``--load``;
-- ``RESULT_REJECTED_TRACKER_FILE``: the default name the launchers give Megatron's
-  ``--result-rejected-tracker-filename`` (lines appended by its rerun state machine);
-- the spike *detector* (``megatron_ext.spikes``) and its *ledger* (``SPIKE_LEDGER_FILE``).
+Three "trackers": ``CHECKPOINT_TRACKER_FILE`` (Megatron's newest complete checkpoint),
+``RESULT_REJECTED_TRACKER_FILE`` (the launchers' default for Megatron's
+``--result-rejected-tracker-filename``), and the spike detector's ledger (``SPIKE_LEDGER_FILE``).
 """
 
 from __future__ import annotations
@@ -109,12 +103,8 @@ class TrackerError(Refusal, ValueError):
 
 
 def read_checkpoint_tracker(root: str | Path) -> int | None:
-    """The iteration ``ROOT/latest_checkpointed_iteration.txt`` names (None: no tracker).
-
-    Megatron writes a bare integer (or ``release``); anything else means the file was
-    damaged, and every resume from it would fail or load the wrong step, so it is an error
-    that names the file and the fix.
-    """
+    """The iteration ``ROOT/latest_checkpointed_iteration.txt`` names (None: no tracker); a
+    damaged tracker (not an integer or ``release``) is an error naming the file and the fix."""
     path = Path(root) / CHECKPOINT_TRACKER_FILE
     try:
         text = path.read_text(errors="replace").strip()

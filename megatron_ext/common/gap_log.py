@@ -1,21 +1,11 @@
 """An append-only JSONL log whose write failures never stop training, and leave a gap record.
 
-Why: the signals log and the sample log are telemetry. A full disk under ``--signals-dir``
-used to end the training with an ``OSError: [Errno 28]`` traceback from the JSONL flush,
-losing every iteration since the last checkpoint for a log line. :class:`GapLog` keeps the
-training going instead:
-
-- a failed write warns loudly on stderr, the first time and then at most once per
-  :data:`WARN_EVERY_S` seconds (a full disk fails every step: one line, not thousands);
-- every later record retries the write (nothing is buffered: memory stays flat however long
-  the disk is full), and the in-memory consumers (the spike detector) never see a difference;
-- once a write succeeds again, one **gap record** goes in first, naming the iterations whose
-  records are missing (``{"gap": {"first_iteration": A, "last_iteration": B, ...}}``, see
-  :func:`gap_record`), so readers (lookup, plot) can say "not logged" instead of "not trained".
-
-Each record is one ``os.write`` of a whole line on an ``O_APPEND`` descriptor: a short write
-on a full disk leaves a torn line, which the next successful write terminates with a newline
-first (readers skip torn lines, as after a kill -9). No torch, no Megatron.
+The signals and sample logs are telemetry: a full disk must not end a run. A failed write
+warns on stderr (at most once per :data:`WARN_EVERY_S`), every later record retries (nothing
+is buffered), and once a write succeeds a gap record goes in first
+(``{"gap": {"first_iteration": A, "last_iteration": B, ...}}``, :func:`gap_record`) so readers
+say "not logged", not "not trained". Each record is one ``os.write`` on an ``O_APPEND``
+descriptor; a torn line left by a short write is terminated before the next. No torch.
 """
 
 from __future__ import annotations
@@ -25,28 +15,14 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.common.io import DEFAULT_FILE_MODE, json_safe, read_jsonl
+from megatron_ext.common.io import DEFAULT_FILE_MODE, json_safe, read_jsonl, torn_tail
 
 GAP_KEY = "gap"
 WARN_EVERY_S = 60.0
-
-
-def gap_record(first: int, last: int, lost: int, reason: str, wall_time: float) -> dict:
-    """The line that stands for ``lost`` records of iterations ``first..last`` that could not
-    be written (``reason``: the error), appended once writing works again."""
-    return {
-        GAP_KEY: {
-            "first_iteration": first,
-            "last_iteration": last,
-            "records_lost": lost,
-            "reason": reason,
-            "wall_time": wall_time,
-        }
-    }
 
 
 @dataclass(frozen=True)
@@ -68,6 +44,12 @@ class Gap:
             f"iterations {self.first_iteration}-{self.last_iteration} trained but not logged "
             f"({self.records_lost} records lost to {self.reason})"
         )
+
+
+def gap_record(first: int, last: int, lost: int, reason: str, wall_time: float) -> dict:
+    """The line that stands for ``lost`` records of iterations ``first..last`` that could not
+    be written (``reason``: the error), appended once writing works again."""
+    return {GAP_KEY: asdict(Gap(first, last, lost, reason, wall_time))}
 
 
 def read_gaps(path: str | os.PathLike[str]) -> list[Gap]:
@@ -107,12 +89,8 @@ class GapLog:
         if self._fd is None:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
             self._fd = os.open(self.path, flags, DEFAULT_FILE_MODE)
-            size = os.fstat(self._fd).st_size
-            if size:  # a torn tail (kill -9, a short write on a full disk): end it first
-                with open(self.path, "rb") as raw:
-                    raw.seek(size - 1)
-                    if raw.read(1) != b"\n":
-                        self._write_all(b"\n")
+            if torn_tail(self.path):  # a kill -9, a short write on a full disk: end it first
+                self._write_all(b"\n")
         return self._fd
 
     def _write_all(self, data: bytes) -> None:

@@ -1,20 +1,11 @@
 """Crash-safe files: append-only JSON Lines, atomic whole-file writes, JSON-safe records.
 
-Why one module: every file megatron-ext writes is read by someone else (a restarted run, the
-planner, the launcher, an on-call engineer), often after a kill -9. Two disciplines cover all
-of them:
-
-- **Append-only JSONL** (signals, ledger, sample logs): every record is one ``write`` of
-  ``json + "\\n"`` followed by a flush, so a killed process leaves at most one torn line at
-  the end. A writer that reopens the file terminates such a tail with a newline first;
-  readers skip lines that are not JSON objects and report them (file and line number).
-- **Atomic replacement** (plans, skip lists, the checkpoint tracker, reports, plots): write a
-  temporary file in the same directory, fsync it, rename it over the target, fsync the
-  directory. Readers see the old or the new file, never a part. The new file keeps the mode
-  of the file it replaces (0644 under the umask for a new one), not ``mkstemp``'s 0600.
-
-Non-finite floats are stored as the strings ``"nan"``, ``"inf"``, ``"-inf"`` so that any
-JSON reader can load the logs (``json.dumps`` would write bare ``NaN``).
+Every file here is read by someone else, often after a kill -9. JSONL records are one flushed
+``write`` each, so a kill leaves at most one torn line, which the next writer terminates and
+readers skip and report. Whole files are replaced atomically (temporary file, fsync, rename,
+fsync the directory), keeping the replaced file's mode. Non-finite floats are written as the
+strings ``"nan"``, ``"inf"``, ``"-inf"`` (bare ``NaN`` is not JSON); the signals log has its
+own spelling (:mod:`megatron_ext.common.records.signals`).
 """
 
 from __future__ import annotations
@@ -28,16 +19,15 @@ import signal
 import stat
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 DEFAULT_FILE_MODE = 0o666  # masked by the process umask, as open() does
 
-# Tests only: SIGKILL this process right after its k-th kill point (the step boundaries of
-# multi-step writes: the skiplist transaction, publishing a .bin/.idx pair), so fault tests
-# kill a real process exactly there.
+# Tests only: SIGKILL this process right after its k-th kill point (a step boundary of a
+# multi-step write), so fault tests kill a real process exactly there.
 KILL_AT_STEP_ENV = "MEGATRON_EXT_TEST_KILL_AT_STEP"
 _kill_points_passed = 0
 
@@ -86,11 +76,8 @@ def from_json(value: Any) -> Any:
 
 
 def token_sha1(tokens: Any) -> str:
-    """SHA-1 of one sample's token ids as little-endian int64.
-
-    The one definition shared by the sample log (written during training) and the lookup
-    (recomputed from the .bin files): they must agree byte for byte.
-    """
+    """SHA-1 of one sample's token ids as little-endian int64 (the sample log and the lookup
+    must agree byte for byte)."""
     import numpy as np  # not at module level: the supervisor reads JSONL without numpy
 
     if hasattr(tokens, "detach"):  # a torch tensor, possibly on a GPU
@@ -173,6 +160,16 @@ def atomic_write_json(path: str | os.PathLike[str], value: Any) -> Path:
 # -- append-only JSON Lines ----------------------------------------------------------------
 
 
+def torn_tail(path: str | os.PathLike[str]) -> bool:
+    """Whether the file ends inside a line (a kill -9 or a short write mid-record)."""
+    try:
+        with open(path, "rb") as raw:
+            size = raw.seek(0, os.SEEK_END)
+            return size > 0 and (raw.seek(size - 1), raw.read(1))[1] != b"\n"
+    except FileNotFoundError:
+        return False
+
+
 class JsonlAppender:
     """Append-only JSONL file; one flushed ``write`` per record."""
 
@@ -181,17 +178,9 @@ class JsonlAppender:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Held open for the run's lifetime: one flushed write per record.
         self._file: TextIO = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115
-        self._seal_torn_tail()
-
-    def _seal_torn_tail(self) -> None:
-        size = self._file.seek(0, os.SEEK_END)
-        if size == 0:
-            return
-        with open(self.path, "rb") as raw:
-            raw.seek(size - 1)
-            if raw.read(1) != b"\n":
-                self._file.write("\n")
-                self._file.flush()
+        if torn_tail(self.path):
+            self._file.write("\n")
+            self._file.flush()
 
     def append(self, record: Any) -> None:
         """Write one record (a dict or dataclass) as one line and flush it to the OS."""
@@ -211,48 +200,22 @@ class JsonlContent:
     line_numbers: list[int] = field(default_factory=list)  # of each record, 1-based
 
 
-_ITERATION_KEY = '{"iteration":'
-
-
-def _outside(line: str, iterations: tuple[int, int]) -> bool:
-    """True when a ``{"iteration":N,...`` line is certainly outside ``iterations``."""
-    if not line.startswith(_ITERATION_KEY):
-        return False
-    end = line.find(",", len(_ITERATION_KEY))
-    try:
-        value = int(line[len(_ITERATION_KEY) : end])
-    except ValueError:
-        return False  # let the JSON parser decide (torn or foreign line)
-    return not iterations[0] <= value <= iterations[1]
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        yield from enumerate(handle, start=1)
-
-
-def read_jsonl(
-    path: str | os.PathLike[str], warn: bool = True, iterations: tuple[int, int] | None = None
-) -> JsonlContent:
-    """Every JSON object line; torn lines are skipped and reported, never guessed at.
-
-    With ``iterations``, lines that start with an ``iteration`` key outside the range are
-    skipped unparsed (the writers here always put that key first), so a planner can read the
-    stretch before an incident in a million-line log quickly.
-    """
+def read_jsonl(path: str | os.PathLike[str], warn: bool = True) -> JsonlContent:
+    """Every JSON object line; torn lines are skipped and reported, never guessed at."""
     content = JsonlContent()
-    for number, line in _lines(Path(path)):
-        if not line.strip() or (iterations is not None and _outside(line, iterations)):
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
-            value = None
-        if not isinstance(value, dict):
-            content.torn_lines.append(number)
-            continue
-        content.records.append(value)
-        content.line_numbers.append(number)
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                value = None
+            if not isinstance(value, dict):
+                content.torn_lines.append(number)
+                continue
+            content.records.append(value)
+            content.line_numbers.append(number)
     if warn and content.torn_lines:
         warnings.warn(
             f"{path}: skipped {len(content.torn_lines)} torn line(s) at "

@@ -1,19 +1,9 @@
 """A training rank that fails ends, and takes its helper processes with it.
 
-Why: the launchers always pass ``--exit-signal-handler``, so Megatron's Python SIGTERM handler
-(it only records the signal) is installed before the data loader forks its workers, and the
-workers inherit it. When the rank then fails with an exception, the traceback keeps the data
-iterator alive, so its workers are never shut down by the loader; at interpreter exit
-``multiprocessing`` sends each daemonic child SIGTERM, which they now ignore, and joins them:
-the rank waits in ``os.waitpid`` forever and the job idles until its time limit (issue #37).
-Resetting SIGTERM in the workers instead would break the clean save on a stop signal, which
-reaches the whole process group: the workers would die and the rank could not fetch the batch
-it needs to reach its save.
-
-So on failure (any exception, or ``SystemExit`` with a non-zero code) the rank SIGKILLs its
-``multiprocessing`` children (data-loader workers, the checkpoint writer's results-queue
-Manager) before the exception goes on; a normal end and Megatron's own early exits (which
-``sys.exit(0)`` after finishing their saves) are left to the usual shutdown.
+Data-loader workers inherit Megatron's SIGTERM handler (``--exit-signal-handler``), so at a
+failed rank's exit ``multiprocessing`` SIGTERMs them, they ignore it, and it waits forever. On
+failure (an exception, or a non-zero ``SystemExit``) the rank SIGKILLs its children first;
+normal ends and Megatron's early exits are left alone.
 """
 
 from __future__ import annotations

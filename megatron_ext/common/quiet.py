@@ -1,12 +1,6 @@
-"""Keep the import chatter of optional dependencies out of CLI commands' output.
-
-Importing Megatron on a machine without Transformer Engine, Apex, absl or CUDA prints about ten
-warnings ("Transformer Engine and Apex are not installed", "No CUDA runtime is found", ...)
-before a command says anything of its own. For ``megatron-ext`` commands (and
-``pretrain_gpt_ext.py --help``) they are noise: the commands work the same with or without
-those packages. Training logs keep them: they say which kernels a run falls back to, so
-nothing here is ever called on a training path, and the filters are per process (training
-launched by ``demo``/``train``/``supervise`` runs in its own processes, unfiltered).
+"""Keep the import chatter of optional dependencies (Transformer Engine, Apex, absl, CUDA) out
+of CLI commands' output. Never called on a training path: training logs keep the warnings,
+which say what a run falls back to.
 """
 
 from __future__ import annotations

@@ -1,32 +1,19 @@
 """One run, one writer: an exclusive lease on a run's checkpoint directory (no torch, Megatron).
 
-Why: two trainings on one ``--save`` directory (a misconfigured requeue, a training orphaned
-by a SIGKILLed supervisor) overwrote each other's checkpoints without a word, and a
-``skiplist --apply`` under a live training recorded a rollback that never took effect.
+Two trainings on one ``--save`` overwrote each other's checkpoints, and ``skiplist --apply``
+under a live training recorded a rollback that never happened. The lease works on every node
+over any shared filesystem, so it is not ``flock`` (nor ``filelock``, built on it), which NFS
+does not carry reliably across clients:
 
-Design (the same on every node, over any shared filesystem; no ``flock``, which NFS does not
-carry reliably across clients):
-
-- **Lease**: ``DIR/megatron_ext_run.lock``, a JSON file naming its holder (role, host, pid,
-  the pid's kernel start time, job id, start time, a random token). It is written in full to a
-  private temporary file and published with ``link(2)``, which is atomic and fails if the
-  lock exists, on local filesystems and NFS alike (a lost NFS reply is caught by the
-  temporary file's link count). Nobody ever sees a half-written lock.
-- **Heartbeat**: a daemon thread touches the lock every :data:`HEARTBEAT_S` seconds
-  (``utime``: on NFS the server's clock) and checks that the token is still its own.
-- **Staleness** (what makes a kill -9 recoverable): a holder on *this* host is alive exactly
-  when its pid runs with the recorded kernel start time (a reused pid is not the holder); a
-  holder on *another* host is alive while the lock's mtime is less than :data:`STALE_AFTER_S`
-  old, measured against the filesystem's own clock (the mtime of a probe file written now),
-  so clock skew between nodes does not matter. A stale lease is taken over (renamed aside,
-  its token checked, so two contenders cannot both win) with a message naming it.
-- **Inheritance**: the supervisor holds the lease for its whole job and exports its token
-  (:data:`TOKEN_ENV`); its training and its ``skiplist --apply`` run under it. The training's
-  rank 0 then writes a **child** file (``.lock.child``, its own holder, heartbeated the same
-  way) and watches the supervisor's lease: a dead supervisor makes the training stop, and a
-  relaunch refuses while that child still runs.
-- ``--force`` (training: ``--force-run-lock``; supervisor: ``FORCE_RUN_LOCK=1``) takes over a
-  lease whose holder looks alive: only for a holder known to be dead (its node is gone).
+- ``DIR/megatron_ext_run.lock`` names its holder (role, host, pid and its kernel start time,
+  job, token), published whole with ``link(2)`` (atomic, fails if it exists; a lost NFS reply
+  is caught by the link count);
+- a daemon thread touches it every :data:`HEARTBEAT_S` and checks the token is still its own;
+- a holder on this host is alive while its pid runs with the recorded start time; on another
+  host while the lock's mtime is under :data:`STALE_AFTER_S` old by the filesystem's clock. A
+  stale lease is renamed aside and taken over, with a message;
+- the supervisor exports its token (:data:`TOKEN_ENV`); its training writes a ``.child`` lease
+  and stops when the supervisor's dies; ``--force`` takes over a holder that looks alive.
 """
 
 from __future__ import annotations

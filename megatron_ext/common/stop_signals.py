@@ -1,9 +1,6 @@
-"""The initializer of the checkpoint writer's results-queue Manager (see the
-``ckpt-results-queue-survives-sigterm`` fix in :mod:`megatron_ext.registry.fixes`).
-
-Its own module, importing nothing heavy: the Manager's server is a fresh (spawned) Python
-that imports this module to run it, and importing ``megatron_ext.registry.fixes`` there (torch) made
-every run's first checkpoint save ~2.5-7 s slower.
+"""The initializer of the checkpoint writer's results-queue Manager (the
+``ckpt-results-queue-survives-sigterm`` fix in :mod:`megatron_ext.registry.fixes`), in a module
+that imports nothing heavy: the Manager's spawned server imports it.
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ def _die_with(parent: int) -> None:
 def ignore_stop_signals(parent: int) -> None:
     """Runs in the Manager's process: SIGTERM/SIGINT are for the training, not for it (a stop
     signal reaches the whole process group, and the rank still needs the queue to finish its
-    save). It ends with the rank instead: a rank that died by SIGTERM (torchrun stopping it, or
-    ending the others after one failed) used to leave it running, ~370 MB each (issue #30)."""
+    save). It ends with the rank instead, however the rank dies."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with(parent)

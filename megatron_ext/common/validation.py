@@ -1,13 +1,9 @@
 """Start-up checks of overlay flag values, shared by the features and the supervisor.
 
-Why: a flag value that argparse accepts can still switch the safety net off while the job
-reports success. ``--spike-exit-code 256`` is exit status 0 (the kernel keeps 8 bits), so a
-rollback request ended as "training finished successfully"; a NaN threshold compares False
-with everything, so no spike was ever flagged; a ``--sample-log-dir`` naming a file failed
-only after the model was built. Each check here raises :class:`ValueError` with a sentence
-that names the flag, the value and what is allowed; the features turn it into a
-:class:`~megatron_ext.common.features.FeatureError` before distributed initialisation, the
-supervisor into a :class:`~megatron_ext.supervise.knobs.KnobError`. No torch, no Megatron.
+A value argparse accepts can still switch the safety net off while the job reports success
+(``--spike-exit-code 256`` is exit status 0; a NaN threshold flags nothing). Each check raises
+:class:`ValueError` naming the flag, the value and what is allowed; callers turn it into their
+own refusal before distributed initialisation. No torch, no Megatron.
 """
 
 from __future__ import annotations
@@ -59,11 +55,6 @@ def check_finite(flag: str, value: float, *, minimum: float | None = None) -> No
         raise ValueError(f"{flag} must be a finite number, got {value}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{flag} must be >= {minimum}, got {value}")
-
-
-def check_positive(flag: str, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"{flag} must be a positive integer, got {value}")
 
 
 def check_directory(flag: str, path: str | os.PathLike[str]) -> None:

@@ -1,10 +1,8 @@
 """The megatron-core versions megatron-ext supports, declared once.
 
-``setup.py`` reads this file on its own (``runpy``, no package import, nothing but the
-standard library here), the entry point and ``megatron-ext patches`` refuse a version outside
-the range (:func:`check`), the CPU harness accepts the same range and the README's table is
-tested against :data:`VERIFIED`. Every registry entry names, per variant, which of
-:data:`VERIFIED` it was verified on (:mod:`megatron_ext.registry.patching`).
+``setup.py`` runs this file with ``runpy`` for :data:`REQUIREMENT` (nothing but the standard
+library at import time); the entry point and ``megatron-ext patches`` refuse a version outside
+the range (:func:`check`); registry variants name the :data:`VERIFIED` versions they hold on.
 """
 
 from __future__ import annotations
@@ -51,18 +49,11 @@ def installed() -> str | None:
 
 
 def parse(version: str) -> tuple[int, ...]:
-    """``"0.19.2"`` (or ``"0.19.2rc1"``, ``"0.19.2+abc"``) -> ``(0, 19, 2)``."""
-    parts = []
-    for piece in version.split("+")[0].split(".")[:3]:
-        digits = ""
-        for char in piece:
-            if not char.isdigit():
-                break
-            digits += char
-        if not digits:
-            raise ValueError(f"not a megatron-core version: {version!r}")
-        parts.append(int(digits))
-    return tuple(parts)
+    """``"0.19.2"`` (or ``"0.19.2rc1"``, ``"0.19.2+abc"``) -> ``(0, 19, 2)``; ValueError if it
+    is not a version."""
+    from packaging.version import Version  # here: setup.py runs this file before any install
+
+    return Version(version).release[:3]
 
 
 def in_range(version: str) -> bool:
@@ -88,14 +79,6 @@ def nearest_verified(version: str) -> str:
     return older[-1] if older else candidates[0]
 
 
-def install_hint(pip: str = "pip") -> str:
-    """How to install a supported megatron-core."""
-    return (
-        f"install a supported one: `{pip} install 'megatron-core=={DEFAULT_VERSION}'` "
-        f"(or any of {', '.join(VERIFIED)})"
-    )
-
-
 def check(found: str, environ: Mapping[str, str] = os.environ) -> str | None:
     """Raise :class:`UnsupportedVersion` for a megatron-core outside the range; return the
     warning to print for one that may run but is not an exact verified version (None for a
@@ -118,6 +101,7 @@ def check(found: str, environ: Mapping[str, str] = os.environ) -> str | None:
         )
     raise UnsupportedVersion(
         f"megatron-ext: megatron-core {found} is not supported: {supported} "
-        f"(verified: {', '.join(VERIFIED)}). To train, {install_hint()}. To try {found} "
+        f"(verified: {', '.join(VERIFIED)}). To train, install a supported one: `pip install "
+        f"'megatron-core=={DEFAULT_VERSION}'` (or any of {', '.join(VERIFIED)}). To try {found} "
         f"anyway (unverified, at your own risk), set {OVERRIDE_ENV}=1."
     )

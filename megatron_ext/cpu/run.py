@@ -1,17 +1,10 @@
 """Run ``pretrain_gpt_ext.py`` on CPU: install the counted CUDA shims, then the real entry point.
 
-Usage (world size 2): ``python -m torch.distributed.run --nproc-per-node 2
-megatron_ext/cpu/run.py <megatron and megatron-ext args>`` (what ``megatron-ext train --cpu``
-runs, with the CPU flags first). ``run.py --script PATH <args>`` runs the pretrain script at
-PATH as ``__main__`` instead (a script of the user's own on :mod:`megatron_ext.fork`, such as
-``docs/examples/pretrain_gpt_fork.py``), under the same shims; ``run.py --bridge-script PATH
-<args>`` runs a Megatron-Bridge script the same way, with the harness's Bridge additions
-(:mod:`megatron_ext.cpu.bridge`).
-
-Besides the shim counters, each rank records what tests cannot read from the run's own files:
-how many micro-batches it read from the data iterator, per DP rank it read them for, and the
-exit code it chose (written the moment ``SystemExit`` reaches this script, so a rank that
-exits on its own is told apart from one torchrun terminated after a peer exited first).
+``torchrun ... megatron_ext/cpu/run.py <args>`` (what ``megatron-ext train --cpu`` runs);
+``--script PATH <args>`` runs a pretrain script of the user's own as ``__main__`` instead, and
+``--bridge-script PATH <args>`` a Megatron-Bridge script (with :mod:`megatron_ext.cpu.bridge`).
+Each rank also records its batch reads and the exit code it chose (``exit-rankN.json``), so a
+rank that exits on its own is told apart from one torchrun terminated.
 """
 
 import atexit
@@ -24,11 +17,9 @@ _EXIT_CODE = [1]  # what the interpreter would exit with; set where the run ends
 
 
 def _skip_interpreter_teardown() -> None:
-    """Registered first, so it runs after every other exit handler (Megatron's, the checkpoint
-    writer's Manager shutdown, the shims' counter dump): then the process ends at once with
-    the exit code it would have had. What it skips is the interpreter's teardown of torch and
-    megatron-core modules, ~2 s of CPU per rank and launch with nothing to write (every file
-    the overlay and the harness write is flushed record by record)."""
+    """Registered first, so it runs after every other exit handler: end at once with the exit
+    code the process would have had, skipping the interpreter's teardown of torch and
+    megatron-core (seconds of CPU per rank, nothing to write)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(_EXIT_CODE[0])
@@ -43,7 +34,7 @@ def _code(exit_code: object) -> int:
 
 def _training(argv: list[str]) -> Callable[[], object]:
     """What to run: the entry point with ``argv``, or with ``--script PATH`` first, that
-    script as ``__main__`` with the rest as its command line."""
+    script as ``__main__`` with the rest as its command line and its folder on ``sys.path``."""
     if argv[:1] == ["--bridge-script"]:
         from megatron_ext.cpu import bridge
 
@@ -55,6 +46,9 @@ def _training(argv: list[str]) -> Callable[[], object]:
         return lambda: pretrain_gpt_ext.main(argv)
     script, *flags = argv[1:]
     sys.argv = [script, *flags]
+    # As `python script.py` does: the script's folder first, for its sibling imports
+    # (Megatron-LM's pretrain_gpt.py imports gpt_builders and model_provider).
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     return lambda: runpy.run_path(script, run_name="__main__")
 
 

@@ -1,21 +1,11 @@
 """Counted shims that let megatron-core's real ``pretrain`` loop run on CPU with gloo.
 
-Why this exists: megatron-core 0.19.2 assumes CUDA in a handful of places (device queries,
-streams, RNG state, ``device='cuda'`` allocations, ``Tensor.type()`` string asserts). These
-shims redirect exactly those calls to the CPU so CI (no GPU) runs the genuine training loop.
-
-Rules, enforced here:
-- ranged: :func:`install` refuses any megatron-core outside the supported range
-  (:mod:`megatron_ext.common.versions`, the same check as the entry point's); the shims needed on
-  each verified version are counted by tests (tests/unit/cpu/);
-- counted: every shim increments a counter, dumped per rank as JSON at exit, so tests can
-  assert which CUDA touch points the loop hit;
-- strict: every *other* public ``torch.cuda`` callable is replaced by a tripwire that records
-  ``unexpected:<name>`` and raises, so a new CUDA dependency fails the suite loudly;
-- one counted shim is not a CUDA touch point but a CPU cost: ``torch.compile`` runs eagerly
-  (:func:`run_compiled_code_eagerly`);
-- loaded only by the CPU runner (:mod:`megatron_ext.cpu.run`): nothing else in the package
-  imports it, so a GPU run never does (tests/unit/test_architecture.py checks this).
+megatron-core assumes CUDA in a handful of places (device queries, streams, RNG state,
+``device='cuda'`` allocations, ``Tensor.type()`` asserts); these shims redirect exactly those
+to the CPU. Every shim is counted (dumped per rank as JSON at exit, for the tests); every other
+public ``torch.cuda`` callable becomes a tripwire that raises, so a new CUDA dependency fails
+loudly. Megatron's own function is patched through the registry (``cpu-initialize-without-cuda``).
+Loaded only by the CPU runner (tests/unit/test_architecture.py checks a GPU run never does).
 """
 
 from __future__ import annotations
@@ -68,6 +58,10 @@ _LEAVE_ALONE = {
     "get_rng_state_all",
     "set_rng_state_all",
 }
+_STREAMS = ("current_stream", "default_stream", "stream")
+_NO_OPS = ("set_device", "synchronize", "set_rng_state", "manual_seed", "manual_seed_all")
+_NO_OPS += ("empty_cache", "reset_peak_memory_stats")
+_ZERO_BYTES = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved")
 
 
 def _count(name: str) -> None:
@@ -161,16 +155,11 @@ def _is_cuda_device(dev: Any) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Maps ``device='cuda*'`` (or an int ordinal) to CPU and fakes ``Tensor.type()`` names.
-
-    Megatron asserts ``param.type() == 'torch.cuda.FloatTensor'`` in the optimizer and grad
-    clipping code, so ``Tensor.type()`` with no argument reports the CUDA name of a CPU tensor.
-    """
+    """Maps ``device='cuda*'`` (or an int ordinal) to CPU, and reports a CPU tensor's CUDA name
+    from ``Tensor.type()`` (Megatron asserts ``torch.cuda.FloatTensor`` in its optimizers)."""
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
-        # Every torch call of the run passes here: the common case (no device, no special
-        # function) is one dict lookup and one set lookup, no copy (a third of the mode's cost
-        # per call before; a tiny CPU run makes thousands of calls per iteration).
+        # Every torch call of the run passes here: the common case costs two lookups, no copy.
         if kwargs:
             device = kwargs.get("device")
             if device is not None and _is_cuda_device(device):
@@ -231,7 +220,7 @@ def resident_bytes() -> int:
 def record_batch_reads() -> None:
     """Count the micro-batches this rank reads from the data iterator (readers only), in
     ``hooks.read_batch``: the GPT step's and a script's own (``megatron_ext.fork``) alike."""
-    from megatron_ext.loop import hooks
+    from megatron_ext.registry import hooks
 
     original = hooks.read_batch
     sample_rss = bool(os.environ.get("MEGATRON_EXT_HARNESS_RSS"))
@@ -258,36 +247,17 @@ MMAP_THRESHOLD = 128 << 10  # glibc's initial value
 
 
 def fix_mmap_threshold() -> bool:
-    """Give large host allocations back to the OS when freed, as the GPU path never has to.
-
-    On GPUs a micro-batch's activations live in CUDA's caching allocator; on CPU they are
-    glibc heap blocks. glibc starts by serving blocks of 128 KiB and more with mmap, but each
-    time such a block is freed it raises its mmap threshold to that size (up to 32 MiB): from
-    then on a micro-batch's attention scores and logits come from the heap, which then grows
-    by about one micro-batch's activations per micro-batch without being trimmed (tiny model,
-    seq 1024: +33 MiB per micro-batch, 9 GiB after 256; the "first iteration" growth of
-    issue #25). Setting the threshold explicitly turns that adjustment off (mallopt(3)).
-    Returns False where the C library has no ``mallopt`` (not glibc): nothing changed.
-    """
+    """Give large freed host allocations back to the OS: glibc otherwise raises its mmap
+    threshold on each free and the heap grows by a micro-batch's activations per micro-batch
+    (BENCHMARKS.md, "first-iteration memory"). False where there is no ``mallopt`` (not glibc)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     return bool(mallopt and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
 def run_compiled_code_eagerly() -> None:
-    """Make ``torch.compile`` a no-op here: what it decorates runs eagerly (counted).
-
-    Why: megatron-core decorates its fusion kernels with ``torch.compile`` (``jit_fuser``) at
-    import, and ``initialize_megatron`` then warms them up (``set_jit_fusion_options``) on
-    tensors of the run's shapes, fusion flags or not. On CPU that is an Inductor C++ build:
-    8.2 s per rank and launch on these 2-core machines (Megatron's own
-    ``startup-set-jit-fusion-options`` timer), the largest part of a tiny run's start-up, for
-    kernels the CPU flags never call after the warm-up (``--no-bias-gelu-fusion``,
-    ``--no-bias-dropout-fusion``...). The warm-up's outputs are discarded, but its dropout
-    draws from the CPU generator (the harness's ``device="cuda"`` is the CPU), and eager
-    dropout draws differently from Inductor's: a CPU run's later random numbers (the CPU
-    initialisation of the model) differ from an Inductor-warmed one's. Neither is a GPU run's,
-    whose warm-up draws from the CUDA generator. Must run before megatron-core is imported
-    (the decorators run then); idempotent."""
+    """Make ``torch.compile`` a no-op (counted): Megatron's fusion warm-up would otherwise build
+    Inductor C++ kernels that the CPU flags never call (docs/megatron-facts.md). Must run before
+    megatron-core is imported; idempotent."""
     if getattr(torch.compile, "_megatron_ext_eager", False):
         return
 
@@ -318,24 +288,13 @@ def install() -> None:
     shims: dict[str, Callable[..., Any]] = {
         "current_device": lambda: "cpu",
         "device_count": lambda: 1,
-        "set_device": lambda *a, **k: None,
         "get_device_properties": _props,
         "get_device_capability": lambda *a, **k: (9, 0),
         "get_device_name": lambda *a, **k: "cpu-harness",
-        "synchronize": lambda *a, **k: None,
-        "current_stream": lambda *a, **k: _FakeStream(),
-        "default_stream": lambda *a, **k: _FakeStream(),
-        "stream": lambda *a, **k: _FakeStream(),
         "get_rng_state": lambda *a, **k: torch.get_rng_state(),
-        "set_rng_state": lambda *a, **k: None,
-        "manual_seed": lambda *a, **k: None,
-        "manual_seed_all": lambda *a, **k: None,
-        "empty_cache": lambda *a, **k: None,
-        "memory_allocated": lambda *a, **k: 0,
-        "max_memory_allocated": lambda *a, **k: 0,
-        "memory_reserved": lambda *a, **k: 0,
-        "max_memory_reserved": lambda *a, **k: 0,
-        "reset_peak_memory_stats": lambda *a, **k: None,
+        **dict.fromkeys(_STREAMS, lambda *a, **k: _FakeStream()),
+        **dict.fromkeys(_NO_OPS, lambda *a, **k: None),
+        **dict.fromkeys(_ZERO_BYTES, lambda *a, **k: 0),
     }
     for name, fn in shims.items():
         setattr(cuda, name, _shim(name, fn))
@@ -353,12 +312,8 @@ def install() -> None:
 
 
 def _cpu_device_mesh() -> None:
-    """A device mesh asked for on ``"cuda"`` is built on the CPU (counted ``DeviceMesh(cuda)``).
-
-    Megatron's torch FSDP2 wrapper (``--use-torch-fsdp2``) shards every module over
-    ``DeviceMesh.from_group(dp_cp_group, "cuda")``; on a CPU mesh FSDP2 all-gathers and
-    reduce-scatters with gloo, so the real FSDP2 path trains here.
-    """
+    """A device mesh asked for on ``"cuda"`` is built on the CPU (counted): FSDP2 then
+    all-gathers and reduce-scatters with gloo, so the real FSDP2 path trains here."""
     from torch.distributed.device_mesh import DeviceMesh
 
     original = DeviceMesh.from_group
@@ -374,22 +329,7 @@ def _cpu_device_mesh() -> None:
 
 
 def _patch_megatron() -> None:
-    """The Megatron-side shim: ``initialize_megatron`` must not require CUDA.
+    """megatron-core's side: the registry's ``cpu-initialize-without-cuda``, counted."""
+    from megatron_ext.registry import table as registry
 
-    (The ``compile_helpers`` failure is not CPU-specific; the package fixes it for everyone,
-    see ``megatron_ext.registry.fixes``.)
-    """
-    from megatron.training import initialize
-
-    original_init = initialize.initialize_megatron
-
-    @functools.wraps(original_init)  # the registry verifies the signature underneath
-    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
-        _count("initialize_megatron(allow_no_cuda)")
-        kwargs["allow_no_cuda"] = True
-        return original_init(*args, **kwargs)
-
-    initialize.initialize_megatron = initialize_megatron
-    import megatron.training.training as training
-
-    training.initialize_megatron = initialize_megatron
+    registry.patch("cpu-initialize-without-cuda").apply(_count)

@@ -1,20 +1,11 @@
 """The data checks in Megatron: refuse, before distributed init, datasets that would be read
 wrong or hang the start-up.
 
-For every prefix of the run's blend (``--data-path``, or the per-split paths):
-
-- the ``.bin``/``.idx`` pair is complete, the ``.idx`` is a consistent index of its ``.bin``
-  (counts, lengths, pointers, document indices: a truncated or edited one would die in a
-  Megatron traceback or train on wrong tokens) and, when it carries megatron-ext's
-  fingerprint, the pair is the one recorded (:mod:`megatron_ext.common.records.pair`);
-- every split that Megatron will build holds at least one sample
-  (:mod:`megatron_ext.data.checks`; otherwise megatron-core 0.19.2 loops forever).
-
-The split and blend are parsed with megatron-core's own public functions, so the check sees the
-splits exactly as the dataset builder will. Every rank runs it (one chunked pass over each
-``.idx``: for 50 M documents, a 1 GB ``.idx``, ~0.3 s of CPU, ~1 s with the SHA-256 that a
-preprocess trailer records; a few reads of each ``.bin``); rank 0 prints the reason, the
-others say where to find it.
+For every prefix of the run's blend: the ``.bin``/``.idx`` pair is complete, consistent and,
+with megatron-ext's fingerprint, the one recorded (:mod:`megatron_ext.common.records.pair`);
+every split Megatron will build holds a sample (:mod:`megatron_ext.data.checks`). Split and
+blend are parsed with megatron-core's own functions. Every rank checks (costs: BENCHMARKS.md);
+rank 0 prints the reason.
 """
 
 from __future__ import annotations

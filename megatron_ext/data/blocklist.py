@@ -5,15 +5,14 @@ shards, writing filtered copies (never in place) and counting what was removed.
         --emit-blocklist bad.jsonl
     megatron-ext blocklist apply --blocklist bad.jsonl --out-dir /data/filtered
 
-Each entry of a blocklist (``lookup --emit-blocklist``) names its raw record through the
-provenance sidecar (:mod:`megatron_ext.common.records.provenance`): shard, line, byte offset, id,
-and the shard's size and sampled fingerprint when the sidecar was written. Before anything is
-written, every named shard must still be that shard (a shard edited since would hold other
-records at those lines) and every named line must hold that record (it starts at the recorded
-byte and, with ids, carries the recorded id). Then each shard with a named record is copied
-into ``--out-dir`` without those lines, atomically, keeping its path below the shards' common
-directory; shards with nothing to remove are not copied. Lines are counted as ``preprocess``
-counts them: split at ``\\n``, 1-based, blank lines included (and kept).
+Each entry names its raw record through the provenance sidecar
+(:mod:`megatron_ext.common.records.provenance`): shard, line, byte offset, id, and the shard's
+size and sampled fingerprint. Before anything is written, every named shard must still be that
+shard and every named line must hold that record (it starts at the recorded byte and carries
+the recorded id). Then each shard with a named record is copied into ``--out-dir`` without
+those lines, atomically, keeping its path below the shards' common directory. Lines are
+counted as ``preprocess`` counts them: split at ``\\n``, 1-based, blank lines included (and
+kept).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""Checks on a run's datasets before anything is built: complete pairs, and splits that can
-hold a sample.
+"""Splits that can hold a sample: each split's documents and tokens as megatron-core's
+builder splits them, from two reads of the ``.idx`` (no Megatron import).
 
-megatron-core 0.19.2 builds a ``GPTDataset`` for every split with a non-zero weight, even one
-asked for zero samples, and ``GPTDataset._get_num_epochs`` adds epochs until the split's
-tokens cover the request: with 0 tokens (a split that got 0 documents, e.g. the test split
-of ``--split 949,50,1`` on a 400-document corpus) it loops forever on rank 0 while every
-other rank waits in a barrier: no iteration, no message. Each split that will be built must
-hold at least one sample (``seq_length + 1`` tokens); :func:`split_sizes` computes each
-split's documents and tokens the way the builder splits them, from two reads of the ``.idx``
-(the document count in its header, the byte pointers at the split edges). No Megatron import.
+megatron-core 0.19.2 builds a ``GPTDataset`` for every split with a non-zero weight, and
+``GPTDataset._get_num_epochs`` loops forever on a split with 0 tokens (e.g. the test split of
+``--split 949,50,1`` on 400 documents) while the other ranks wait in a barrier.
 """
 
 from __future__ import annotations
@@ -30,24 +25,26 @@ class SplitSize:
     of_documents: int  # in the whole prefix
 
 
+def index_arrays(prefix: str) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """The ``.idx``'s dtype code, sequence lengths, sequence pointers and document starts, as
+    megatron-core's ``_IndexReader`` lays them out."""
+    idx = f"{prefix}.idx"
+    with open(idx, "rb") as handle:
+        _, _, code, sequences, documents = HEADER.unpack(handle.read(HEADER.size))
+
+    def array(dtype: type, offset: int, count: int) -> np.ndarray:
+        return np.memmap(idx, dtype, "r", offset, (count,)) if count else np.zeros(0, dtype)
+
+    lengths = array(np.int32, HEADER.size, sequences)
+    pointers = array(np.int64, HEADER.size + 4 * sequences, sequences)
+    return code, lengths, pointers, array(np.int64, HEADER.size + 12 * sequences, documents)
+
+
 def split_sizes(prefix: str, matrix: list[tuple[float, float] | None]) -> list[SplitSize | None]:
     """Documents and tokens of each split of ``prefix`` (None: the split is not built), with
     the builder's rounding: ``int(round(edge * sequences))``."""
-    with open(f"{prefix}.idx", "rb") as handle:
-        _, _, code, sequences, _ = HEADER.unpack(handle.read(HEADER.size))
-    itemsize = ITEM_SIZES.get(code, 2)
-    lengths = pointers = np.zeros(0, dtype=np.int64)
-    if sequences:
-        lengths = np.memmap(
-            f"{prefix}.idx", dtype=np.int32, mode="r", offset=HEADER.size, shape=(sequences,)
-        )
-        pointers = np.memmap(
-            f"{prefix}.idx",
-            dtype=np.int64,
-            mode="r",
-            offset=HEADER.size + 4 * sequences,
-            shape=(sequences,),
-        )
+    code, lengths, pointers, _ = index_arrays(prefix)
+    itemsize, sequences = ITEM_SIZES.get(code, 2), len(lengths)
 
     def byte(position: int) -> int:
         if position < sequences:

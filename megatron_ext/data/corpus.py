@@ -1,141 +1,44 @@
-"""A deterministic, synthetic, English-like JSONL corpus for offline smoke tests.
-
-Real corpora need downloads and licences; a tiny GPT trained for a few dozen iterations only
-needs text with learnable structure (recurring words, grammar-like templates, punctuation,
-digits, some non-ASCII bytes). Output depends only on ``num_docs`` and ``seed``.
-:func:`write_code_corpus` adds a real second source (Python's standard library) for blends.
-"""
+"""Deterministic JSONL corpora for offline smoke tests: synthetic English-like prose with
+learnable structure (output depends only on ``num_docs`` and ``seed``), and Python's standard
+library as a second, different source for blends."""
 
 import json
 import random
 import sysconfig
 from pathlib import Path
 
+
+def _split(words: str, sep: str | None = None) -> tuple[str, ...]:
+    return tuple(words.split(sep))
+
+
 _WORDS: dict[str, tuple[str, ...]] = {
-    "name": (
-        "Ada",
-        "Bruno",
-        "Chloé",
-        "Dmitri",
-        "Elena",
-        "Farid",
-        "Grace",
-        "Hiro",
-        "Ines",
-        "Jonas",
-        "Kemal",
-        "Lena",
-        "Mateo",
-        "Nora",
-        "Omar",
-        "Priya",
+    "name": _split(
+        "Ada Bruno Chloé Dmitri Elena Farid Grace Hiro Ines Jonas Kemal Lena Mateo Nora Omar Priya"
     ),
-    "noun": (
-        "river",
-        "engine",
-        "garden",
-        "letter",
-        "market",
-        "window",
-        "bridge",
-        "lantern",
-        "forest",
-        "teacher",
-        "village",
-        "machine",
-        "harbor",
-        "kitchen",
-        "library",
-        "mountain",
-        "captain",
-        "student",
-        "painter",
-        "signal",
-        "storm",
-        "ladder",
-        "café",
-        "orchard",
-        "compass",
-        "violin",
-        "station",
-        "meadow",
-        "castle",
-        "notebook",
+    "noun": _split(
+        "river engine garden letter market window bridge lantern forest teacher village "
+        "machine harbor kitchen library mountain captain student painter signal storm ladder café "
+        "orchard compass violin station meadow castle notebook"
     ),
-    "adj": (
-        "quiet",
-        "bright",
-        "ancient",
-        "small",
-        "heavy",
-        "curious",
-        "golden",
-        "narrow",
-        "gentle",
-        "broken",
-        "distant",
-        "careful",
-        "silver",
-        "hungry",
-        "patient",
-        "naïve",
-        "crowded",
-        "honest",
-        "frozen",
-        "tired",
+    "adj": _split(
+        "quiet bright ancient small heavy curious golden narrow gentle broken distant "
+        "careful silver hungry patient naïve crowded honest frozen tired"
     ),
-    "verb": (
-        "found",
-        "carried",
-        "watched",
-        "opened",
-        "repaired",
-        "followed",
-        "painted",
-        "visited",
-        "crossed",
-        "built",
-        "remembered",
-        "described",
-        "measured",
-        "sold",
-        "borrowed",
-        "cleaned",
-        "discovered",
-        "answered",
+    "verb": _split(
+        "found carried watched opened repaired followed painted visited crossed built "
+        "remembered described measured sold borrowed cleaned discovered answered"
     ),
-    "adv": (
-        "slowly",
-        "quickly",
-        "carefully",
-        "suddenly",
-        "quietly",
-        "happily",
-        "rarely",
-        "often",
-        "finally",
-        "almost",
+    "adv": _split("slowly quickly carefully suddenly quietly happily rarely often finally almost"),
+    "place": _split(
+        "the old town|the north shore|Zürich|the valley|the harbor road|the eastern "
+        "hills|the station square|São Paulo|the island",
+        "|",
     ),
-    "place": (
-        "the old town",
-        "the north shore",
-        "Zürich",
-        "the valley",
-        "the harbor road",
-        "the eastern hills",
-        "the station square",
-        "São Paulo",
-        "the island",
-    ),
-    "time": (
-        "at dawn",
-        "in the evening",
-        "after the rain",
-        "before winter",
-        "on Monday",
-        "every morning",
-        "last year",
-        "at midnight",
+    "time": _split(
+        "at dawn|in the evening|after the rain|before winter|on Monday|every morning|"
+        "last year|at midnight",
+        "|",
     ),
 }
 
@@ -164,8 +67,7 @@ def _sentence(rng: random.Random) -> str:
 
 
 def _document(rng: random.Random) -> str:
-    """One document of roughly 20-400 words in 1-5 paragraphs, so sequence packing sees a
-    realistic mix of documents shorter and longer than the training sequence length."""
+    """20-400 words in paragraphs: documents both shorter and longer than a sequence."""
     target_words = rng.randint(20, 400)
     paragraphs, words = [], 0
     while words < target_words:
@@ -178,13 +80,8 @@ def _document(rng: random.Random) -> str:
 def write_tiny_corpus(
     path: str | Path, num_docs: int = 400, seed: int = 1234, ids: bool = False
 ) -> Path:
-    """Write ``num_docs`` documents as JSONL lines ``{"text": ...}`` and return the path.
-
-    The default (400 documents, ~550 KB, ~130k tokens with a 2k-vocab BPE) covers a few dozen
-    iterations of a tiny GPT at sequence length 64-128 without repeating an epoch too often.
-    ``ids``: each record also carries an ``"id"`` (``tiny-00000``, ...), as real corpora do, for
-    ``preprocess --provenance-key id``; the texts are the same either way.
-    """
+    """Write ``num_docs`` documents as JSONL ``{"text": ...}`` lines; ``ids`` adds an ``"id"``
+    (``tiny-00000``, ...) to each for ``preprocess --provenance-key id``, same texts."""
     rng = random.Random(seed)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,13 +93,8 @@ def write_tiny_corpus(
 
 
 def write_code_corpus(path: str | Path, num_docs: int = 400, lines_per_doc: int = 30) -> Path:
-    """Write real Python source as JSONL documents (``{"text": ...}``) and return the path.
-
-    A second, really different source for blend tests next to the prose above: the
-    interpreter's own standard library (shipped with every Python, no download), its
-    top-level modules in name order, cut into ``lines_per_doc``-line documents. Output depends
-    only on the arguments and the Python version.
-    """
+    """Write the standard library's top-level modules, in name order, as JSONL documents of
+    ``lines_per_doc`` lines (depends only on the arguments and the Python version)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

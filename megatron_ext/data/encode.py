@@ -1,34 +1,45 @@
-"""One JSONL line -> token ids, in a preprocess worker, with bounded memory.
+"""JSONL lines -> token ids for ``megatron-ext preprocess``: parsing, windowed encoding with
+bounded memory, and the order-preserving worker pool.
 
-Tokenizing a whole document in one call costs the ``tokenizers`` library about 120 bytes per
-character (offsets, token strings, masks for every token), so a 50 MB document peaked at
-7.8 GB. Long documents are therefore tokenized in windows of :data:`WINDOW_CHARS` characters
-cut at pre-tokenizer boundaries, where BPE merges never reach across, so the ids are exactly
-those of one call (checked by the tests). The ids travel as int32 arrays, not Python lists.
-
-Stated bound, per process that tokenizes, above its start-up memory: under 6x the longest
-input line (its bytes, its decoded text, the ids and their copies) plus 64 MiB (one window and
-the tokenizer); measured about 4.5x + 50 MB (``benchmarks/preprocess_memory.py``,
-BENCHMARKS.md; tests/faults checks the bound). Windowing applies when cutting is
-provably exact: the tokenizer has a pre-tokenizer, no normalizer, and adds no special tokens
-(``encode("")`` is empty); otherwise a document is tokenized in one call, as before.
+Long documents are tokenized in windows of :data:`WINDOW_CHARS` characters cut at
+pre-tokenizer boundaries (BPE merges never cross them, so the ids equal one call's) whenever
+that is provably exact: a pre-tokenizer, no normalizer, no added special tokens. Stated bound,
+per tokenizing process above its start-up memory: under 6x the longest input line plus 64 MiB
+(measurements: BENCHMARKS.md "preprocess"). Spawned workers import this module, so it stays
+free of Megatron and torch imports.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager
+from itertools import batched
 from pathlib import Path
 
 import numpy as np
 
 from megatron_ext.common.errors import Refusal
-from megatron_ext.data.tokenizer import LoadedTokenizer
+from megatron_ext.data.tokenizer import LoadedTokenizer, load_tokenizer
 
 WINDOW_CHARS = 1 << 18
 
 
 class EncodeError(Refusal, ValueError):
     """Bad input; the message names the file and line."""
+
+
+def lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
+    """(1-based line number, byte offset, line) of each non-blank line of ``path``."""
+    offset = 0
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip():
+                yield number, offset, line
+            offset += len(line)
 
 
 def texts(line: bytes, path: Path, lineno: int, keys: list[str]) -> list[str]:
@@ -119,3 +130,61 @@ class Encoder:
             self.encode(text) if text.strip() else np.empty(0, dtype=np.int32) for text in values
         ]
         return encoded, record_id
+
+
+_worker_encoder: Encoder | None = None
+
+
+def _init_worker(tokenizer_dir: Path) -> None:
+    global _worker_encoder
+    _worker_encoder = Encoder(load_tokenizer(tokenizer_dir))
+
+
+def encode_chunk(
+    chunk: tuple[tuple[int, bytes], ...], path: Path, keys: list[str], id_key: str | None
+) -> list[tuple[int, list[np.ndarray], str | None]]:
+    """(byte size, ids per key, record id) for each line of a chunk."""
+    assert _worker_encoder is not None
+    return [
+        (len(line), *_worker_encoder.encode_line(line, path, lineno, keys, id_key))
+        for lineno, line in chunk
+    ]
+
+
+@contextmanager
+def worker_pool(workers: int, chunksize: int, tokenizer_dir: Path) -> Iterator[Callable]:
+    """An order-preserving map over chunks: in-process for one worker, else spawned processes
+    with at most ``2 x workers`` chunks in flight (``Executor.map`` would submit them all).
+
+    A ``ProcessPoolExecutor``, not ``multiprocessing.Pool``: a dead worker (an OOM kill) fails
+    every pending result with ``BrokenProcessPool`` where ``Pool`` would wait forever.
+    """
+    if workers == 1:
+        _init_worker(tokenizer_dir)
+        yield lambda fn, items: (r for chunk in batched(items, chunksize) for r in fn(chunk))
+        return
+    executor = ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(tokenizer_dir,),
+    )
+
+    def ordered(fn: Callable, items: Iterator[tuple[int, bytes]]) -> Iterator:
+        pending: deque[Future] = deque()
+        for chunk in batched(items, chunksize):
+            pending.append(executor.submit(fn, chunk))
+            if len(pending) >= 2 * workers:
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
+
+    try:
+        yield ordered
+    except BaseException:
+        # An error or SIGTERM is stopping us: cancel queued chunks and end the workers now.
+        executor.shutdown(wait=False, cancel_futures=True)
+        for child in multiprocessing.active_children():
+            child.terminate()
+        raise
+    executor.shutdown(wait=True)

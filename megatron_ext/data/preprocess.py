@@ -1,25 +1,13 @@
 """``megatron-ext preprocess``: JSONL -> Megatron ``.bin``/``.idx`` indexed datasets.
 
-Mirrors Megatron-LM's ``tools/preprocess_data.py`` (same ``{prefix}_{key}_document`` names,
-EOD appended to every document, dtype from ``DType.optimal_dtype``), but can train its own
-tokenizer offline, reports bad input as ``file:line``, skips and counts empty documents, and
-never leaves half-written outputs: everything is written to temporary names and published
-only after the whole input was processed, as a pair no reader can see mixed
-(:mod:`megatron_ext.common.records.pair`). Beside each pair it writes the provenance sidecar
-(``PREFIX.prov``, :mod:`megatron_ext.common.records.provenance`): every document's file, line, byte
-offset and, with ``--provenance-key``, the record's id, so a document an incident names can be
-removed from the raw shards (``megatron-ext blocklist apply``).
-
-Failures end fast with a message, and remove the temporary files: a worker that dies (an
-OOM kill) breaks the pool at once instead of leaving the parent waiting for its results
-forever; SIGTERM and a full disk stop the run cleanly. An input without any document, or an
-output directory that cannot be written, is refused before any work (``--allow-empty`` writes
-an empty dataset on purpose). Long documents are tokenized in windows
-(:mod:`megatron_ext.data.encode`, with the memory bound stated there).
-
-Megatron (and with it torch) is imported lazily inside :func:`_write_datasets` because worker
-processes are spawned and re-import this module; a module-level import would cost each worker
-seconds of start-up.
+Megatron-LM's ``tools/preprocess_data.py`` (same ``{prefix}_{key}_document`` names, EOD per
+document, ``DType.optimal_dtype``; megatron-core's ``IndexedDatasetBuilder`` writes), plus: an
+offline tokenizer, bad input named as ``file:line``, empty documents skipped and counted, the
+provenance sidecar ``PREFIX.prov`` (:mod:`megatron_ext.common.records.provenance`), and nothing
+half-written: temporary names published as a pair only at the end
+(:mod:`megatron_ext.common.records.pair`), removed on any failure (a dead worker, SIGTERM, a
+full disk). Megatron is imported inside :func:`_write_datasets`: spawned workers re-import
+this module.
 """
 
 import argparse
@@ -32,9 +20,10 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -43,16 +32,19 @@ from megatron_ext.common.errors import Refusal, report
 from megatron_ext.common.io import remove_durably, rename_durably
 from megatron_ext.common.records.pair import append_fingerprint, publish
 from megatron_ext.common.records.provenance import SUFFIX, Recorder
-from megatron_ext.data.encode import EncodeError, texts
+from megatron_ext.data.encode import EncodeError, encode_chunk, lines, texts, worker_pool
 from megatron_ext.data.tokenizer import (
     TOKENIZER_FILE,
     LoadedTokenizer,
     load_tokenizer,
     train_bpe_tokenizer,
 )
-from megatron_ext.data.workers import encode_chunk, worker_pool
 
 PROG = "megatron-ext preprocess"
+
+
+def say(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
 class PreprocessError(Refusal):
@@ -133,99 +125,122 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _lines(
-    path: Path, positions: deque[tuple[int, int]] | None = None
-) -> Iterator[tuple[int, bytes]]:
-    """Non-blank lines of ``path`` with 1-based line numbers (bytes: sizes drive progress);
-    each one's (line, byte offset) is also appended to ``positions``, for the provenance of
-    the results that come back in the same order."""
-    offset = 0
-    with path.open("rb") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                if positions is not None:
-                    positions.append((n, offset))
-                yield n, line
-            offset += len(line)
-
-
 @dataclass
-class _Stats:
+class _Output:
+    """One key's dataset under its temporary name: builder, provenance and counts."""
+
+    prefix: str
+    recorder: Recorder
+    builder: Any = None
     documents: int = 0
     tokens: int = 0
     skipped: int = 0
+    tmp: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tmp = f"{self.prefix}.tmp{os.getpid()}"
+
+    def add(self, document: np.ndarray, source: tuple[int, int, int, str | None] | None) -> None:
+        self.builder.add_document(document, [len(document)])
+        if source is not None:
+            self.recorder.add(*source)
+        self.documents += 1
+        self.tokens += len(document)
+
+    def finish(self, provenance: bool) -> None:
+        """Finalize the temporary pair, fingerprint it and write its sidecar."""
+        self.builder.finalize(self.tmp + ".idx")
+        append_fingerprint(self.tmp + ".idx", self.tmp + ".bin")
+        if provenance:
+            self.recorder.write(self.tmp + SUFFIX, self.tmp + ".idx")
+
+    def publish(self, provenance: bool) -> None:
+        # An old sidecar goes first: a kill below leaves none, never one of the old pair.
+        remove_durably(self.prefix + SUFFIX)
+        publish(self.tmp, self.prefix)
+        if provenance:
+            rename_durably(self.tmp + SUFFIX, self.prefix + SUFFIX)
+
+    def clean_up(self) -> None:
+        if self.builder is not None:
+            # A no-op after finalize(); on an error it may flush into the full disk again.
+            with contextlib.suppress(OSError):
+                self.builder.data_file.close()
+        for ext in (".bin", ".idx", SUFFIX):
+            Path(self.tmp + ext).unlink(missing_ok=True)
+
+
+def _numbered(path: Path, positions: deque[tuple[int, int]]) -> Iterator[tuple[int, bytes]]:
+    """``path``'s non-blank lines for the workers; each one's (line, byte offset) goes to
+    ``positions``, for the results that come back in the same order."""
+    for number, offset, line in lines(path):
+        positions.append((number, offset))
+        yield number, line
+
+
+def _encode_into(
+    args: argparse.Namespace, tokenizer_dir: Path, outputs: dict[str, _Output], eod: np.ndarray
+) -> None:
+    """Tokenize every input (with a progress bar over its bytes) into ``outputs``."""
+    total_bytes = sum(path.stat().st_size for path in args.input)
+    progress = tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=None,
+        desc="preprocess",
+    )
+    with worker_pool(args.workers, args.chunksize, tokenizer_dir) as mapper, progress as bar:
+        for shard, path in enumerate(args.input):
+            positions: deque[tuple[int, int]] = deque()
+            encode = partial(
+                encode_chunk, path=path, keys=args.json_keys, id_key=args.provenance_key
+            )
+            for size, ids_per_key, record_id in mapper(encode, _numbered(path, positions)):
+                bar.update(size)
+                line, offset = positions.popleft()
+                source = (shard, line, offset, record_id) if args.provenance else None
+                for key, ids in zip(args.json_keys, ids_per_key, strict=True):
+                    if ids.size:
+                        outputs[key].add(np.concatenate([ids, eod]), source)
+                    else:
+                        outputs[key].skipped += 1
 
 
 def _write_datasets(
     args: argparse.Namespace, tokenizer_dir: Path, tokenizer: LoadedTokenizer
-) -> dict[str, tuple[_Stats, str]]:
-    """Encode all inputs and write one dataset per key; return stats and prefix per key."""
-    print(
-        f"{PROG}: tokenizing {len(args.input)} file(s) with {args.workers} worker(s) -> "
-        + ", ".join(f"{args.output_prefix}_{key}_document.bin/.idx" for key in args.json_keys),
-        file=sys.stderr,
-        flush=True,
+) -> dict[str, _Output]:
+    """Encode all inputs and publish one dataset per key; return each key's output."""
+    say(
+        f"tokenizing {len(args.input)} file(s) with {args.workers} worker(s) -> "
+        + ", ".join(f"{args.output_prefix}_{key}_document.bin/.idx" for key in args.json_keys)
     )
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
-    tmp = {key: f"{p}.tmp{os.getpid()}" for key, p in prefixes.items()}
+    outputs = {
+        key: _Output(
+            f"{args.output_prefix}_{key}_document", Recorder(args.input, args.provenance_key)
+        )
+        for key in args.json_keys
+    }
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    builders: dict[str, IndexedDatasetBuilder] = {}
-    stats = {key: _Stats() for key in prefixes}
-    recorders = {key: Recorder(args.input, args.provenance_key) for key in prefixes}
     eod = np.asarray([tokenizer.eod_id] if args.append_eod else [], dtype=np.int32)
-    total_bytes = sum(path.stat().st_size for path in args.input)
     try:
-        for key in prefixes:
-            builders[key] = IndexedDatasetBuilder(tmp[key] + ".bin", dtype=dtype)
-        with (
-            worker_pool(args.workers, args.chunksize, tokenizer_dir) as mapper,
-            tqdm(
-                total=total_bytes,
-                unit="B",
-                unit_scale=True,
-                file=sys.stderr,
-                disable=None,
-                desc="preprocess",
-            ) as bar,
-        ):
-            for shard, path in enumerate(args.input):
-                positions: deque[tuple[int, int]] = deque()
-                encode = partial(
-                    encode_chunk, path=path, keys=args.json_keys, id_key=args.provenance_key
-                )
-                for size, ids_per_key, record_id in mapper(encode, _lines(path, positions)):
-                    bar.update(size)
-                    line, offset = positions.popleft()
-                    for key, ids in zip(args.json_keys, ids_per_key, strict=True):
-                        if not ids.size:
-                            stats[key].skipped += 1
-                            continue
-                        document = np.concatenate([ids, eod])
-                        builders[key].add_document(document, [len(document)])
-                        if args.provenance:
-                            recorders[key].add(shard, line, offset, record_id)
-                        stats[key].documents += 1
-                        stats[key].tokens += len(document)
-        empty = [key for key in prefixes if not stats[key].documents]
+        for output in outputs.values():
+            output.builder = IndexedDatasetBuilder(output.tmp + ".bin", dtype=dtype)
+        _encode_into(args, tokenizer_dir, outputs, eod)
+        empty = [key for key, output in outputs.items() if not output.documents]
         if empty and not args.allow_empty:
             raise PreprocessError(
                 f"no non-empty document for --json-keys {' '.join(empty)} in "
                 f"{' '.join(map(str, args.input))}: nothing to train on. Check the input and "
                 "the keys, or pass --allow-empty to write an empty dataset anyway"
             )
-        for key, builder in builders.items():
-            builder.finalize(tmp[key] + ".idx")
-            append_fingerprint(tmp[key] + ".idx", tmp[key] + ".bin")
-            if args.provenance:
-                recorders[key].write(tmp[key] + SUFFIX, tmp[key] + ".idx")
-        for key, prefix in prefixes.items():
-            # An old sidecar goes first: a kill below leaves none, never one of the old pair.
-            remove_durably(prefix + SUFFIX)
-            publish(tmp[key], prefix)
-            if args.provenance:
-                rename_durably(tmp[key] + SUFFIX, prefix + SUFFIX)
+        for output in outputs.values():
+            output.finish(args.provenance)
+        for output in outputs.values():
+            output.publish(args.provenance)
     except BrokenProcessPool:
         raise PreprocessError(
             "a tokenizer worker process died (killed by the OOM killer or a signal); nothing "
@@ -239,32 +254,9 @@ def _write_datasets(
             "files were removed. Free space (or fix the permissions) and rerun"
         ) from None
     finally:
-        for builder in builders.values():
-            # A no-op after finalize(); on an error it may flush into the full disk again.
-            with contextlib.suppress(OSError):
-                builder.data_file.close()
-        for key in prefixes:
-            for ext in (".bin", ".idx", SUFFIX):
-                Path(tmp[key] + ext).unlink(missing_ok=True)
-    return {key: (stats[key], prefixes[key]) for key in prefixes}
-
-
-def _train_tokenizer(corpus: Iterator[str], out: Path, args: argparse.Namespace) -> None:
-    """Train the BPE, saying so: it reads every input once and takes seconds to minutes."""
-    size = sum(path.stat().st_size for path in args.input) / 2**20
-    print(
-        f"{PROG}: training a byte-level BPE tokenizer (vocab <= {args.vocab_size}) on "
-        f"{len(args.input)} file(s), {size:.1f} MiB...",
-        file=sys.stderr,
-        flush=True,
-    )
-    start = time.perf_counter()
-    train_bpe_tokenizer(corpus, out, vocab_size=args.vocab_size, show_progress=sys.stderr.isatty())
-    print(
-        f"{PROG}: tokenizer trained in {time.perf_counter() - start:.1f} s -> {out}",
-        file=sys.stderr,
-        flush=True,
-    )
+        for output in outputs.values():
+            output.clean_up()
+    return outputs
 
 
 def _prepare_tokenizer(args: argparse.Namespace) -> tuple[Path, LoadedTokenizer]:
@@ -273,7 +265,7 @@ def _prepare_tokenizer(args: argparse.Namespace) -> tuple[Path, LoadedTokenizer]
 
     def corpus() -> Iterator[str]:
         for path in args.input:
-            for lineno, line in _lines(path):
+            for lineno, _, line in lines(path):
                 yield from (t for t in texts(line, path, lineno, args.json_keys) if t.strip())
 
     tokenizer_dir = args.tokenizer_dir
@@ -286,7 +278,16 @@ def _prepare_tokenizer(args: argparse.Namespace) -> tuple[Path, LoadedTokenizer]
                     f"{tokenizer_dir} already holds a tokenizer; reuse it with --tokenizer-dir "
                     f"{tokenizer_dir} or delete it to retrain"
                 )
-            _train_tokenizer(corpus(), tokenizer_dir, args)
+            size = sum(path.stat().st_size for path in args.input) / 2**20
+            say(
+                f"training a byte-level BPE tokenizer (vocab <= {args.vocab_size}) on "
+                f"{len(args.input)} file(s), {size:.1f} MiB..."
+            )
+            start = time.perf_counter()
+            train_bpe_tokenizer(
+                corpus(), tokenizer_dir, args.vocab_size, show_progress=sys.stderr.isatty()
+            )
+            say(f"tokenizer trained in {time.perf_counter() - start:.1f} s -> {tokenizer_dir}")
         return tokenizer_dir, load_tokenizer(tokenizer_dir)
     except (FileNotFoundError, ValueError) as e:  # bad --tokenizer-dir or --vocab-size
         raise PreprocessError(str(e)) from None
@@ -296,9 +297,8 @@ def _check_writable(directory: Path, what: str) -> None:
     """Create ``directory`` and a file in it now, before any work, or refuse."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".megatron-ext-write-test.")
-        os.close(fd)
-        os.unlink(probe)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".megatron-ext-write-test."):
+            pass
     except OSError as exc:
         raise PreprocessError(
             f"{what} {directory} is not writable ({exc.strerror or exc}); choose another "
@@ -308,11 +308,11 @@ def _check_writable(directory: Path, what: str) -> None:
 
 def _has_documents(args: argparse.Namespace) -> bool:
     """Whether any input line holds a non-blank value (stops at the first one)."""
-    for path in args.input:
-        for lineno, line in _lines(path):
-            if any(t.strip() for t in texts(line, path, lineno, args.json_keys)):
-                return True
-    return False
+    return any(
+        any(t.strip() for t in texts(line, path, lineno, args.json_keys))
+        for path in args.input
+        for lineno, _, line in lines(path)
+    )
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -338,10 +338,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 class _Terminated(Exception):
-    """SIGTERM arrived: unwind so every temporary file is removed.
-
-    An internal control-flow signal (``main`` reports it and exits 128 + SIGTERM), not a
-    refusal, so it is no :class:`~megatron_ext.common.errors.MegatronExtError`."""
+    """SIGTERM arrived: an internal control-flow signal to unwind and remove temporary files."""
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -356,24 +353,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_args(args)
         tokenizer_dir, tokenizer = _prepare_tokenizer(args)
-        results = _write_datasets(args, tokenizer_dir, tokenizer)
+        outputs = _write_datasets(args, tokenizer_dir, tokenizer)
     except (PreprocessError, EncodeError) as e:
         return report(e, f"{PROG}: error")
     except _Terminated:
-        print(
-            f"{PROG}: stopped by SIGTERM; nothing was published and the temporary files were "
-            "removed",
-            file=sys.stderr,
-        )
+        say("stopped by SIGTERM; nothing was published and the temporary files were removed")
         return 128 + signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)
     seconds = time.perf_counter() - start
-    for key, (s, prefix) in results.items():
+    for key, s in outputs.items():
         print(
             f"{key}: {s.documents} documents, {s.tokens} tokens, {s.skipped} empty skipped, "
-            f"{seconds:.1f} s -> {prefix}.bin/.idx{'/.prov' if args.provenance else ''} "
-            f"(tokenizer: {tokenizer_dir}, "
-            f"vocab {tokenizer.vocab_size}, eod {tokenizer.eod_id})"
+            f"{seconds:.1f} s -> {s.prefix}.bin/.idx{'/.prov' if args.provenance else ''} "
+            f"(tokenizer: {tokenizer_dir}, vocab {tokenizer.vocab_size}, eod {tokenizer.eod_id})"
         )
     return 0

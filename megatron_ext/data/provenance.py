@@ -5,17 +5,12 @@ sidecar says.
         web-1.jsonl --provenance-key id --tokenizer-dir tok/
     megatron-ext provenance show --dataset data/web_text_document --document 83
 
-``rebuild``: Megatron's ``tools/preprocess_data.py`` drops where each document came from. It
-reads its input line by line and adds one document per line (a line whose text tokenizes to
-nothing adds a document without sequences); ``megatron-ext preprocess`` adds one per line with
-text. So the sidecar (:mod:`megatron_ext.common.records.provenance`) can be rebuilt from the same
-input files in the same order: the ``.idx``'s document count must equal the inputs' records
-(or their records with text), each document's sequences come from its record, and a sample of
-documents (``--verify``, spread over the whole dataset, first and last included) is re-tokenised
-and compared with the ``.bin``. The first mismatch is refused with the record and both token
-sequences, and nothing is written: other files, another order, or another tokenizer would name
-the wrong records. Documents built with ``--split-sentences`` (several sequences each, each
-sentence tokenized alone) do not compare equal and are refused the same way.
+``rebuild``: the sidecar (:mod:`megatron_ext.common.records.provenance`) of a dataset built by
+Megatron's ``tools/preprocess_data.py`` (one document per input line) or by ``megatron-ext
+preprocess`` (one per line with text), from the same input files in the same order. The
+document count must match, and ``--verify`` documents (spread over the dataset, first and last
+included) are re-tokenised and compared with the ``.bin``; the first mismatch is refused and
+nothing is written (other files, order or tokenizer; ``--split-sentences`` datasets too).
 
 ``show``: a sidecar's shards and the raw record of given documents, after checking that it
 describes today's ``.idx``.
@@ -30,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ext.common.errors import Refusal, report
-from megatron_ext.common.records.pair import DTYPES, HEADER, PairError, check_pair
+from megatron_ext.common.records.pair import DTYPES, PairError, check_pair
 from megatron_ext.common.records.provenance import (
     SUFFIX,
     ProvenanceError,
@@ -39,7 +34,8 @@ from megatron_ext.common.records.provenance import (
     shard_entry,
     write_sidecar,
 )
-from megatron_ext.data.encode import EncodeError, fields
+from megatron_ext.data.checks import index_arrays
+from megatron_ext.data.encode import EncodeError, fields, lines
 from megatron_ext.data.tokenizer import load_tokenizer
 
 PROG = "megatron-ext provenance"
@@ -96,26 +92,11 @@ def _scan(inputs: list[Path], key: str, id_key: str | None) -> tuple[Recorder, n
     them have no text under ``key`` (``preprocess`` adds no document for those)."""
     recorder, empty = Recorder(inputs, id_key), bytearray()
     for shard, path in enumerate(inputs):
-        offset = 0
-        with path.open("rb") as handle:
-            for number, line in enumerate(handle, 1):
-                if line.strip():
-                    values, record_id = fields(line, path, number, [key], id_key)
-                    recorder.add(shard, number, offset, record_id)
-                    empty.append(not values[0].strip())
-                offset += len(line)
+        for number, offset, line in lines(path):
+            values, record_id = fields(line, path, number, [key], id_key)
+            recorder.add(shard, number, offset, record_id)
+            empty.append(not values[0].strip())
     return recorder, np.frombuffer(empty, np.uint8).astype(bool)
-
-
-def _index(prefix: str) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
-    """The checked ``.idx``'s token dtype, sequence lengths, pointers and document indices."""
-    idx = prefix + ".idx"
-    with open(idx, "rb") as handle:
-        _, _, code, sequences, documents = HEADER.unpack(handle.read(HEADER.size))
-    lengths = np.memmap(idx, np.int32, "r", HEADER.size, (sequences,))
-    pointers = np.memmap(idx, np.int64, "r", HEADER.size + 4 * sequences, (sequences,))
-    starts = np.memmap(idx, np.int64, "r", HEADER.size + 12 * sequences, (documents,))
-    return np.dtype(DTYPES[code]), lengths, pointers, starts
 
 
 def _records_of(
@@ -150,7 +131,8 @@ def _verify(
 ) -> tuple[int, int]:
     """Re-tokenise ``--verify`` documents spread over the dataset (of those with tokens);
     refuse the first mismatch. (Documents compared, documents with tokens.)"""
-    dtype, lengths, pointers, starts = _index(prefix)
+    code, lengths, pointers, starts = index_arrays(prefix)
+    dtype = np.dtype(DTYPES[code])
     counts = np.diff(np.asarray(starts, dtype=np.int64))
     candidates = np.flatnonzero(counts > 0)
     wanted = max(0, min(args.verify, len(candidates)))
@@ -195,7 +177,7 @@ def rebuild(args: argparse.Namespace) -> int:
         raise RebuildError(f"input file(s) not found: {', '.join(missing)}")
     check_pair(args.dataset)
     recorder, empty = _scan(args.input, args.json_key, args.provenance_key)
-    _, _, _, starts = _index(args.dataset)
+    starts = index_arrays(args.dataset)[3]
     record_of = _records_of(args.dataset, starts, empty, args.input)
     verified, tokenized = _verify(args.dataset, args, recorder, record_of)
     # Each sequence's record: a document's sequences all come from its line.

@@ -1,15 +1,9 @@
-"""A locally trained byte-level BPE tokenizer that Megatron training can load offline.
+"""A locally trained byte-level BPE tokenizer that Megatron loads offline.
 
-Megatron's ``GPT2BPETokenizer`` fetches ``gpt2`` from the Hugging Face Hub, so it fails on
-machines without network access. Instead we train a GPT-2-style byte-level BPE with the
-``tokenizers`` package and save it as a Hugging Face tokenizer directory, which Megatron loads
-through ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` (``AutoTokenizer`` on a
-local directory never touches the network). Byte-level BPE covers every byte, so encoding
-never produces unknown tokens and decoding restores the input text exactly.
-
-Preprocessing itself only needs ``tokenizers`` (not ``transformers``); it reads the same
-``tokenizer.json`` and the same EOS token that Megatron's ``HuggingFaceTokenizer`` uses as
-``eod``, so the ids written to ``.bin`` files are the ids training expects.
+Megatron's ``GPT2BPETokenizer`` fetches ``gpt2`` from the Hub; this trains a GPT-2-style
+byte-level BPE with ``tokenizers`` and saves a Hugging Face tokenizer dir, which
+``--tokenizer-type HuggingFaceTokenizer`` loads without network. Preprocessing reads the same
+``tokenizer.json`` and EOS token that Megatron uses as ``eod``, so the ids match training's.
 """
 
 import json
@@ -29,13 +23,8 @@ MIN_VOCAB_SIZE = 257  # the 256 byte tokens + EOD; BPE needs room for at least o
 def train_bpe_tokenizer(
     texts: Iterable[str], out_dir: str | Path, vocab_size: int = 2048, show_progress: bool = False
 ) -> Path:
-    """Train a byte-level BPE on ``texts`` and save a Hugging Face tokenizer dir; return it.
-
-    ``vocab_size`` is an upper bound: on a small corpus BPE runs out of merges earlier. The EOD
-    token gets id 0. Megatron pads the embedding to a multiple of
-    ``--make-vocab-size-divisible-by`` (default 128) times the TP size, so a multiple of 128
-    wastes no rows. ``show_progress``: the ``tokenizers`` progress bars (for a terminal).
-    """
+    """Train a byte-level BPE on ``texts``, save it as a Hugging Face tokenizer dir, return it.
+    ``vocab_size`` is an upper bound (a small corpus runs out of merges); EOD gets id 0."""
     if vocab_size <= MIN_VOCAB_SIZE:
         raise ValueError(f"vocab size must exceed {MIN_VOCAB_SIZE} (256 bytes + EOD): {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
@@ -91,11 +80,8 @@ class LoadedTokenizer:
 
 
 def load_tokenizer(tokenizer_dir: str | Path) -> LoadedTokenizer:
-    """Load a Hugging Face tokenizer dir (``tokenizer.json`` + ``tokenizer_config.json``).
-
-    The EOD id is taken from the config's ``eos_token``, exactly as Megatron's
-    ``HuggingFaceTokenizer.eod`` does, so any fast HF tokenizer dir works, not only ours.
-    """
+    """Load a Hugging Face tokenizer dir; EOD is the config's ``eos_token``, as Megatron's
+    ``HuggingFaceTokenizer.eod`` takes it (any fast HF tokenizer dir works)."""
     tokenizer_dir = Path(tokenizer_dir)
     missing = [n for n in (TOKENIZER_FILE, CONFIG_FILE) if not (tokenizer_dir / n).is_file()]
     if missing:
@@ -113,14 +99,7 @@ def load_tokenizer(tokenizer_dir: str | Path) -> LoadedTokenizer:
 
 
 def megatron_tokenizer_args(tokenizer_dir: str | Path) -> list[str]:
-    """Megatron CLI flags that load this tokenizer in training.
-
-    The path is made absolute because Megatron is usually launched from another working
-    directory, and a relative path that does not exist there is looked up on the Hub instead.
-    """
-    return [
-        "--tokenizer-type",
-        "HuggingFaceTokenizer",
-        "--tokenizer-model",
-        os.path.abspath(tokenizer_dir),
-    ]
+    """Megatron flags that load this tokenizer (an absolute path: a relative one missing from
+    the training's working directory would be looked up on the Hub)."""
+    model = os.path.abspath(tokenizer_dir)
+    return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", model]

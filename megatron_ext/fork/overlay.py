@@ -1,10 +1,7 @@
 """The overlay in a pretrain script of the user's own: :class:`Overlay` and :class:`Forward`.
-
-Why a handle object and not module functions: the features are installed once the arguments
-are parsed, inside :meth:`Overlay.pretrain`, and the script's forward step reaches them through
-the handle it made, never through a megatron-ext module global (patched and hook code reads
-only what it was bound to; tests/unit/test_architecture.py). Every hook goes through the
-functions the overlay's own GPT step calls (:mod:`megatron_ext.loop.hooks`).
+A handle object, not module functions: the features are installed inside
+:meth:`Overlay.pretrain` and the script reaches them through the handle it made, never a module
+global; every hook goes through :mod:`megatron_ext.registry.hooks`, as the overlay's GPT step.
 """
 
 from __future__ import annotations
@@ -18,8 +15,8 @@ from typing import Any
 from megatron_ext.common.errors import StartupError
 from megatron_ext.common.features import FeatureSet, LossInputs, MicroBatch
 from megatron_ext.fork import start
-from megatron_ext.loop import hooks
 from megatron_ext.loop.step import Step
+from megatron_ext.registry import hooks
 
 
 class ScriptError(StartupError):
@@ -28,11 +25,9 @@ class ScriptError(StartupError):
 
 
 def check_script(args: Any) -> None:
-    """Refuse, before distributed init, what the features cannot read in a script of the
-    user's own: the data modes whose batches are not the standard GPT batch
-    (:data:`megatron_ext.loop.gpt_step.BATCH_MODES`: per-sample records, per-source losses and
-    the drill's rows would be wrong), and the layouts Megatron's local layer spec cannot build
-    (:func:`megatron_ext.loop.gpt_step.check_layout`)."""
+    """Refuse, before distributed init, the data modes whose batches are not the standard GPT
+    batch the features read, and the layouts :func:`~megatron_ext.loop.gpt_step.check_layout`
+    refuses."""
     from megatron_ext.loop import gpt_step
 
     used = gpt_step.flags_set(args, gpt_step.BATCH_MODES)
@@ -53,19 +48,16 @@ class Forward:
     micro_batch: MicroBatch
 
     def read(self, data_iterator: Iterator[dict[str, Any]]) -> dict[str, Any]:
-        """``next(data_iterator)`` for the script's ``get_batch`` on TP rank 0 of a
-        data-reading stage, before the TP broadcast: ``on_batch`` sees the batch with its
-        ``dataset_id`` (the blend member of each sample, which Megatron's batch helpers drop)
-        and the drill may change its tokens."""
+        """``next(data_iterator)`` for the script's ``get_batch`` on TP rank 0 of a data-reading
+        stage, before the TP broadcast: ``on_batch`` sees the batch with its ``dataset_id``."""
         return hooks.read_batch(self.features, data_iterator, self.micro_batch)
 
     def loss(
         self, loss_func: Callable[[Any], tuple[Any, Any, dict[str, Any]]], loss_mask: Any
     ) -> Callable[[Any], tuple[Any, Any, dict[str, Any]]]:
-        """What the forward step returns to Megatron instead of ``loss_func``: it calls
-        ``loss_func(output_tensor)``, which returns Megatron's ``(token-summed loss, token
-        count, report)``, then ``on_loss`` with the per-token ``output_tensor`` and
-        ``loss_mask``; the features' entries join the report (z-loss's pure-CE ``lm loss``)."""
+        """What the forward step returns instead of ``loss_func``: ``loss_func(output_tensor)``
+        (Megatron's ``(token-summed loss, token count, report)``), then ``on_loss``, whose
+        entries join the report."""
         return partial(_observed_loss, self.features, self.micro_batch, loss_func, loss_mask)
 
 
@@ -126,19 +118,11 @@ class Overlay:
         program_start: float | None = None,
         argv: list[str] | None = None,
     ) -> None:
-        """Train with the script's functions, as Megatron's classic ``pretrain`` takes them,
-        on whichever megatron-core is installed (0.17 to 0.19: the overlay calls its
-        ``pretrain`` the way that version takes it, registry ``entry-point``).
-
-        ``model_provider`` is called as ``get_model`` calls it and then ``on_model_built``
-        (None: the standard GPT model from the args, as ``pretrain_gpt_ext.py`` builds it); the
-        dataset provider's train dataset goes through ``on_train_dataset``.
-        ``extra_args_provider`` adds the script's flags, the overlay its group. ``argv``
-        defaults to the command line. It returns when the training is complete; every other
-        end (the spike detector's exit code, Megatron's early exits, a refusal with its
-        message) ends the process as ``pretrain_gpt_ext.py`` does, and the launchers read it
-        the same way (:mod:`megatron_ext.fork.start`).
-        """
+        """Train with the script's functions, as Megatron's classic ``pretrain`` takes them, on
+        whichever megatron-core is installed. ``model_provider`` None: the standard GPT model,
+        as ``pretrain_gpt_ext.py`` builds it. ``argv`` defaults to the command line. Returns
+        when training is complete; every other end ends the process as
+        ``pretrain_gpt_ext.py`` does (:mod:`megatron_ext.fork.start`)."""
         observed = (
             None
             if model_provider is None
@@ -162,10 +146,8 @@ class Overlay:
         features: FeatureSet,
         broadcast: Callable[..., dict[str, Any]],
     ) -> tuple[Callable[..., Any], Any]:
-        """The runner's :class:`~megatron_ext.loop.step.Step` ``bind``: keep the installed
-        features for :meth:`forward`; Megatron calls the script's forward step as it is (the
-        script broadcasts its batch itself) and its dataset provider through
-        ``on_train_dataset``."""
+        """The Step's ``bind``: keep the features for :meth:`forward`; the script's forward step
+        goes to Megatron as it is, its dataset provider through ``on_train_dataset``."""
         self._features = features
         datasets = partial(hooks.datasets, features, provider)
         datasets.is_distributed = getattr(provider, "is_distributed", False)  # type: ignore[attr-defined]

@@ -1,16 +1,11 @@
-"""How a training script starts and ends under megatron-ext: ``pretrain_gpt_ext.py`` (the
-overlay's GPT step) and a pretrain script of the user's own (:class:`megatron_ext.fork.Overlay`)
-run exactly this, so the two cannot drift apart.
+"""How a training script starts and ends under megatron-ext: ``pretrain_gpt_ext.py`` and a
+script of the user's own (:class:`megatron_ext.fork.Overlay`) both run exactly this.
 
-Start: the megatron-core version is checked before any Megatron import of the overlay's; the
-skip lists are resolved into Megatron's argv (an interrupted ``skiplist --apply`` finished
-first, as the run's one writer); every registry entry is verified and the upstream fixes
-applied; the installed version's runner (registry ``entry-point``) parses the arguments once,
-installs the features and calls ``pretrain``. End: rank 0 tells the supervisor whether
-``pretrain`` returned or Megatron stopped early (:mod:`megatron_ext.common.attempt_end`); a
-megatron-ext refusal ends the rank with its message and exit code, no traceback; a failed rank
-ends its helper processes first (:mod:`megatron_ext.common.process_exit`). The spike
-detector's exit code (42) and every other exit pass through unchanged.
+Start: the megatron-core version is checked before any Megatron import; the skip lists are
+resolved into Megatron's argv; every registry entry is verified and the upstream fixes
+applied; the installed version's runner (:mod:`megatron_ext.loop.entry`) trains. End: rank 0
+records whether ``pretrain`` returned or Megatron stopped early; a refusal ends the rank with
+its message and exit code, no traceback; every other exit passes through unchanged.
 """
 
 from __future__ import annotations
@@ -24,11 +19,8 @@ from megatron_ext.loop.step import Step
 
 
 def default_transformer_impl(argv: list[str]) -> list[str]:
-    """Use Megatron's local layer spec when Transformer Engine is absent and none was chosen.
-
-    Megatron defaults to ``--transformer-impl transformer_engine``, which cannot start without
-    TE; choosing ``local`` keeps CPU/TE-less runs working and is announced, never silent.
-    """
+    """``--transformer-impl local`` (announced) when Transformer Engine is absent and no
+    implementation was chosen: Megatron's default cannot start without TE."""
     if "--transformer-impl" in argv or importlib.util.find_spec("transformer_engine"):
         return argv
     print("megatron-ext: Transformer Engine not importable; using --transformer-impl local")
@@ -41,12 +33,10 @@ def rank() -> int:
 
 
 def prepare_skips(argv: list[str]) -> list[str]:
-    """Megatron's argv with one flat ``--iterations-to-skip``: the union of the flags (ranges,
-    ``--iterations-to-skip-file``, any spelling argparse accepts) and the list persisted with
-    the checkpoints being loaded, printed once. An interrupted ``skiplist --apply`` in
-    ``--load`` is finished first, and a rollback request an in-place restart left pending is
-    applied (:mod:`megatron_ext.incidents.pending`), so the tracker and the persisted list are
-    their result."""
+    """Megatron's argv with one flat ``--iterations-to-skip``: the union of the skip flags and
+    the list persisted with the checkpoints being loaded, printed once. An interrupted
+    ``skiplist --apply`` in ``--load`` is finished first (rank 0, as the run's one writer) and
+    a pending rollback request applied."""
     from megatron_ext.common.records.skip_ranges import load_dir, resolve_argv
     from megatron_ext.common.run_lock import RunLockHeld, held
     from megatron_ext.incidents.transaction import journal_path, settle_at_startup
@@ -86,10 +76,7 @@ def prepare_skips(argv: list[str]) -> list[str]:
 
 def _require_cuda(script: str | None) -> None:
     """Refuse early, with the CPU command for ``script`` (None: ``pretrain_gpt_ext.py``),
-    instead of Megatron's bare "requires CUDA" assert.
-
-    The CPU runner (:mod:`megatron_ext.cpu`) marks ``torch.cuda`` when its shims stand in.
-    """
+    instead of Megatron's bare "requires CUDA" assert (the CPU runner marks ``torch.cuda``)."""
     import torch
 
     if torch.cuda.is_available() or getattr(torch.cuda, "_megatron_ext_cpu_harness", False):
@@ -104,9 +91,8 @@ def _require_cuda(script: str | None) -> None:
 
 
 def main(argv: list[str], step: Step | None = None, program_start: float | None = None) -> None:
-    """:func:`train`; a megatron-ext refusal ends the rank with its message and exit code,
-    no traceback (:func:`megatron_ext.common.errors.exit_on_error`), and a failed rank ends its
-    helper processes first (:mod:`megatron_ext.common.process_exit`)."""
+    """:func:`train`; a refusal ends the rank with its message and exit code, no traceback, and
+    a failed rank ends its helper processes first."""
     from megatron_ext.common.errors import exit_on_error
     from megatron_ext.common.process_exit import ending_children_on_failure
 
@@ -131,15 +117,14 @@ def train(argv: list[str], step: Step | None = None, program_start: float | None
         cuda_connections.check(argv, os.environ)
     from megatron_ext.registry import patching
 
-    # Before any Megatron import: a version outside the supported range is refused with the
-    # range and how to install a supported one (megatron_ext.common.versions), not an ImportError.
+    # Before any Megatron import: an unsupported version is a refusal, not an ImportError.
     patching.check_version()
     sys.argv = [sys.argv[0], *prepare_skips(argv)]
 
     from megatron.training import set_startup_timestamps
 
-    from megatron_ext.loop import install as loop
-    from megatron_ext.loop.entry import Wiring, overlay_step
+    from megatron_ext.common import attempt_end
+    from megatron_ext.loop import entry
     from megatron_ext.registry import table as registry
 
     if program_start is not None:
@@ -147,23 +132,8 @@ def train(argv: list[str], step: Step | None = None, program_start: float | None
     registry.verify_all()
     for fix in registry.BUGFIXES:
         fix.apply()
-    # The runner, batch helper and model provider verified for the installed megatron-core
-    # (megatron_ext.loop.entry; registry entries entry-point, batch-on-this-rank).
-    run = registry.assumption("entry-point").selected().wrap
-    broadcast = registry.assumption("batch-on-this-rank").selected().wrap
-    assert run is not None and broadcast is not None, "registry entry without its runner"
-    from megatron_ext.common import attempt_end
-
-    wiring = Wiring(
-        broadcast,
-        registry.CLASSIC_INIT,
-        loop.add_megatron_ext_args,
-        loop.install,
-        loop.attach,
-        overlay_step() if step is None else step,
-    )
     try:
-        run(wiring)
+        entry.run(step)
     except SystemExit as exc:
         # Megatron's early exits save, then sys.exit(0); rank 0 tells the supervisor. Every
         # rank asks why: Megatron's signal handler answers by an all-gather.

@@ -1,21 +1,11 @@
-"""The torch FSDP2 feature: enabled by Megatron's own ``--use-torch-fsdp2``, no flag of its own.
+"""The torch FSDP2 feature: on with Megatron's own ``--use-torch-fsdp2``, no flag of its own.
 
-Under FSDP2 every parameter (and its gradient) is a ``DTensor`` shard over the data-parallel
-mesh (:mod:`megatron_ext.common.dtensors`), and three megatron-core paths read a shard as if it were
-the parameter (found by the layout matrix's ``fsdp2-dp2`` row; megatron-core 0.17.1 to 0.19.2).
-This feature's registry patches (``megatron_ext.registry.fsdp``), bound to it:
-
-- ``fsdp2-global-params-norm``: Megatron's params norm (``--log-params-norm``, the signals'
-  ``params_norm``) is the local shard's, 13.98 where the model's is 19.78 at DP=2; the squares
-  are added over the shards;
-- ``fsdp2-checkpoint-param-ids``: every torch_dist save raised "Param id 0 does not match any
-  model sharded param" (Megatron keys optimizer parameters by ``id(to_local(param))``, a fresh
-  view since pytorch/pytorch#166156);
-- ``fsdp2-resume-adam-step``: Megatron loads the optimizer's tensors in place and skips
-  ``optimizer.load_state_dict``, so the checkpoint's Adam step was never restored and every
-  resume with torch's Adam died at its first step (KeyError: 'step').
-
-Megatron imports happen inside the wrappers: the registry imports this module without them.
+Under FSDP2 every parameter is a ``DTensor`` shard (:mod:`megatron_ext.common.dtensors`), and
+three megatron-core paths read a shard as the parameter; this feature's registry patches
+(``megatron_ext.registry.table``) put them right: ``fsdp2-global-params-norm`` (the params norm
+was one shard's), ``fsdp2-checkpoint-param-ids`` (every torch_dist save raised "Param id 0
+does not match any model sharded param") and ``fsdp2-resume-adam-step`` (every resume lost
+Adam's step: KeyError 'step'). Megatron is imported inside the wrappers.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The hang watchdog in Megatron's loop (:mod:`megatron_ext.hang.watchdog`).
-
-On by default under the launchers' supervisor (it sets ``MEGATRON_EXT_HANG_DIR``, a fresh
-folder per attempt) unless Megatron's ``--enable-ft-package`` hands hang detection to
-nvidia-resiliency-ext, and with ``--hang-detect``; ``--no-hang-detect`` turns it off. Every rank
-starts its watchdog at install, before distributed initialisation, so a rank stuck in the
-rendezvous, the checkpoint load or the first step is caught too (``--hang-first-timeout``).
-"""
+"""The hang watchdog in Megatron's loop (:mod:`megatron_ext.hang.watchdog`): on by default under
+the launchers (unless ``--enable-ft-package``), started at install so that a rank stuck before
+its first step is caught too (docs/hangs.md)."""
 
 from __future__ import annotations
 

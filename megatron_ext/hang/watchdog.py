@@ -1,16 +1,12 @@
 """Forward-progress watchdog: a rank that stops making progress is a hang incident (no torch,
 no Megatron).
 
-The training calls :meth:`Watchdog.beat` at each hook (a batch read, a loss, the grad norm,
-a step's end, a save). A daemon thread compares the time since the last beat with a bound
-derived from the run's own history: ``factor`` times the slowest of the recent steps (or of
-the saves and evaluations seen so far), at least ``min_timeout``; ``first_timeout`` until a
-phase has a history (start-up and checkpoint load, the first step, the first save and
-evaluation). Past it, the rank asks every rank to dump (``request.json`` in the attempt's
-hang folder, polled by every watchdog: a collective is what is stuck, so none is used),
-writes its stacks, waits for its peers' dumps (``grace`` at most) and exits with
-:data:`~megatron_ext.common.exit_codes.HUNG`, which the supervisor reads as "relaunch from the
-last checkpoint". Megatron's ``--distributed-timeout-minutes`` stays the last line.
+The training calls :meth:`Watchdog.beat` at each hook; a daemon thread compares the time since the
+last beat with ``factor`` times the slowest recent duration of the phase (at least
+``min_timeout``; ``first_timeout`` until the phase has a history). Past it, the rank asks every
+rank to dump through the attempt's hang folder (a collective is what is stuck), writes its
+stacks, waits for its peers' and exits :data:`~megatron_ext.common.exit_codes.HUNG`, which the
+supervisor reads as "relaunch from the last checkpoint". docs/hangs.md.
 """
 
 from __future__ import annotations
@@ -92,8 +88,7 @@ class Watchdog:
     # -- the training side ---------------------------------------------------------------
     def beat(self, what: str, phase: str = "train") -> None:
         """Progress: ``what`` just ran, in ``phase``; a phase's end is timed into its history.
-        Start-up (and its bound) lasts until the first step ends: a first step after a
-        (re)start also builds communicators and warms caches."""
+        Start-up (and its bound) lasts until the first step ends (it builds communicators)."""
         now = self.clock()
         if phase != self.phase and self.phase != "start-up":
             if self.phase in ("save", "eval"):
@@ -111,8 +106,8 @@ class Watchdog:
         self.phase, self._phase_start = "train", now
 
     def remember(self, path: Path) -> None:
-        """Keep the durations for the next attempt (read back by :meth:`recall`), so that a
-        hang soon after a restart is bounded by this run's history, not the first timeout."""
+        """Keep the durations for the next attempt (:meth:`recall`): a hang soon after a
+        restart is then bounded by this run's history, not the first timeout."""
         atomic_write_json(path, {p: list(d) for p, d in self._durations.items()})
 
     def recall(self, path: Path) -> None:
@@ -217,9 +212,8 @@ class Watchdog:
         return len(read_dumps(self.directory, self._started - 1.0)) == self.world_size
 
     def _report(self) -> None:
-        """The attempt's hang report beside the dumps (``report.{json,md}``): what a launcher
-        other than megatron-ext's supervisor leaves to read (the supervisor writes its own
-        with the checkpoints)."""
+        """The attempt's hang report beside the dumps (``report.{json,md}``), for launchers
+        other than megatron-ext's supervisor (which writes its own)."""
         found = report(read_dumps(self.directory, self._started - 1.0), self.world_size)
         if found is None:
             return

@@ -1,28 +1,11 @@
 """Which of seed 000's five causes an incident most likely had (no Megatron imports).
 
-The decision tree of seed 000 chapter 2 §7, walked over the signals recorded before and at the
-onset. Questions are asked in the order of "which fingerprint is the most specific and the
-earliest visible":
-
-0. divergence?  a non-finite loss/grad, or the spike did not come back (roll back first, then
-   keep asking: the cause decides what to change);
-1. attention-logit growth?  the max attention logit rose steadily before the onset and
-   crossed ~100 (bf16 softmax saturates there);
-2. learning rate?  the params norm grew faster before the onset than before that, and the grad
-   norm was already rising;
-3. single-rank bad data?  the worst DP rank's loss jumped much more than the DP average (a
-   bad batch on one rank is diluted in the average); reproduced at the same onset after a
-   rollback (``--policy confirm``) makes it certain. Or one blend member's own loss
-   (``lm_loss_by_dataset``) jumped while the others did not: bad data in that source, which
-   a small share hides in the average (then the cause is ``bad-source``, the source named);
-4. optimizer-state timing?  the grad norm sat on a plateau below its normal level before the
-   spike (Adam's v shrank, so a normal gradient becomes a large step);
-5. bf16 sporadic?  no precursor, loss and grad norm back the next step, ``num_zeros`` off its
-   baseline at the onset.
-
-Each question's answer is ``yes``, ``no`` or ``unknown`` (a signal it needs was not recorded);
-the first ``yes`` names the cause. The evidence and the missing signals are kept for the
-report: an on-call engineer should see why, and what to record next time.
+Seed 000's decision tree (chapter 2 §7) over the signals before and at the onset, most specific
+and earliest-visible fingerprint first: divergence (non-finite, or not recovered: roll back
+first, then keep asking), attention-logit growth, learning rate, single-rank or single-source
+bad data, optimizer-state timing, bf16 sporadic. Each answer is ``yes``, ``no`` or ``unknown``
+(a signal was not recorded); the first ``yes`` names the cause, and the evidence and the missing
+signals go to the report.
 """
 
 from __future__ import annotations
@@ -34,6 +17,7 @@ from typing import Any, Literal
 
 from megatron_ext.common.records.signals import SignalRecord
 from megatron_ext.common.records.spike_config import ATTENTION_LOGIT_LIMIT
+from megatron_ext.spikes.precursors import rank_trend
 
 Answer = Literal["yes", "no", "unknown"]
 
@@ -134,59 +118,33 @@ def _fmt(value: float | None) -> str:
 
 
 def _divergence(incident: dict[str, Any], after: list[SignalRecord]) -> Question:
-    bad = [
-        r.iteration
-        for r in after
-        if not all(v is None or math.isfinite(v) for v in (r.lm_loss, r.grad_norm))
-    ]
+    q = "non-finite loss or grad, or no recovery?"
+    bad = [r.iteration for r in after if not _finite(r.lm_loss or 0.0, r.grad_norm or 0.0)]
     if bad:
-        return Question(
-            "divergence",
-            "non-finite loss or grad, or no recovery?",
-            "yes",
-            f"non-finite loss/grad norm at iteration {bad[0]}",
-        )
+        return Question("divergence", q, "yes", f"non-finite loss/grad norm at iteration {bad[0]}")
     if incident.get("kind") in ("rollback", "divergence"):
-        return Question(
-            "divergence",
-            "non-finite loss or grad, or no recovery?",
-            "yes",
-            f"not recovered: {incident.get('classification')}",
-        )
-    return Question(
-        "divergence",
-        "non-finite loss or grad, or no recovery?",
-        "no",
-        "finite, and the incident recovered",
-    )
+        why = f"not recovered: {incident.get('classification')}"
+        return Question("divergence", q, "yes", why)
+    return Question("divergence", q, "no", "finite, and the incident recovered")
 
 
 def _logit(before: list[SignalRecord]) -> Question:
     q = "max attention logit rising steadily before the onset, past ~100?"
     logits = _values(before[-RISE:], "max_attention_logit")
     if len(logits) < 3:
+        missing = ["max_attention_logit (--log-max-attention-logit)"]
         return Question(
-            "attention-logit",
-            q,
-            "unknown",
-            "max attention logit not recorded",
-            ["max_attention_logit (--log-max-attention-logit)"],
+            "attention-logit", q, "unknown", "max attention logit not recorded", missing
         )
-    trend = (
-        statistics.correlation(range(len(logits)), logits, method="ranked")
-        if len(set(logits)) > 1
-        else 0.0
-    )
+    trend = rank_trend(logits)
     peak = max(logits)
     answer: Answer = "yes" if trend >= LOGIT_TREND and peak >= ATTENTION_LOGIT_LIMIT else "no"
-    return Question(
-        "attention-logit",
-        q,
-        answer,
+    why = (
         f"{logits[0]:.4g} -> {logits[-1]:.4g} over the last {len(logits)} "
         f"iterations, rank correlation with time {trend:.2f} (steady if >= "
-        f"{LOGIT_TREND:g}), peak {peak:.4g} (limit {ATTENTION_LOGIT_LIMIT:g})",
+        f"{LOGIT_TREND:g}), peak {peak:.4g} (limit {ATTENTION_LOGIT_LIMIT:g})"
     )
+    return Question("attention-logit", q, answer, why)
 
 
 def _rate(values: list[float]) -> float:
@@ -195,7 +153,7 @@ def _rate(values: list[float]) -> float:
 
 def _history(name: str, q: str, before: list[SignalRecord], signals: list[str]) -> Question | None:
     """Why a question comparing the last RECENT iterations of ``signals`` with the ones before
-    is ``unknown``: a signal not recorded (named, to record), or too few iterations (recorded)."""
+    is ``unknown`` (a signal not recorded, or too few iterations); None: answerable."""
     missing = [f"{s} (signals: --signals-dir)" for s in signals if not _values(before, s)]
     count = min(len(_values(before, s)) for s in signals)
     if missing or count >= 2 * RECENT:
@@ -217,31 +175,29 @@ def _learning_rate(before: list[SignalRecord]) -> Question:
     accel = recent / earlier if earlier > 0 else (math.inf if recent > 0 else 0.0)
     grad_ratio = statistics.median(grads[-RECENT // 4 :]) / statistics.median(grads[:-RECENT])
     answer: Answer = "yes" if accel >= PARAMS_ACCEL and grad_ratio >= GRAD_RISE else "no"
-    return Question(
-        "learning-rate",
-        q,
-        answer,
+    why = (
         f"params-norm growth {recent:.3g}/iter vs {earlier:.3g}/iter before "
         f"(x{accel:.3g}, limit x{PARAMS_ACCEL:g}); grad norm x{grad_ratio:.3g} "
-        f"of its earlier median (limit x{GRAD_RISE:g})",
+        f"of its earlier median (limit x{GRAD_RISE:g})"
     )
+    return Question("learning-rate", q, answer, why)
+
+
+def _excess(records: list[SignalRecord]) -> list[tuple[float, SignalRecord]]:
+    return [
+        (r.max_local_loss - r.lm_loss, r) for r in records if _finite(r.max_local_loss, r.lm_loss)
+    ]  # type: ignore[operator]
 
 
 def _bad_data(
     before: list[SignalRecord], at: list[SignalRecord], reproduced: bool
 ) -> tuple[Question, int | None]:
     q = "worst DP rank's loss far above the DP average at the onset?"
-    pairs = [
-        (r.max_local_loss - r.lm_loss, r) for r in before if _finite(r.max_local_loss, r.lm_loss)
-    ]
-    onset = [(r.max_local_loss - r.lm_loss, r) for r in at if _finite(r.max_local_loss, r.lm_loss)]
+    pairs, onset = _excess(before), _excess(at)
     if not pairs or not onset:
+        missing = ["max_local_loss (telemetry --signals-dir)"]
         return Question(
-            "bad-data",
-            q,
-            "unknown",
-            "the worst DP rank's loss was not recorded",
-            ["max_local_loss (telemetry --signals-dir)"],
+            "bad-data", q, "unknown", "the worst DP rank's loss was not recorded", missing
         ), None
     base_excess = statistics.median(e for e, _ in pairs)
     base_mean = statistics.median(r.lm_loss for _, r in pairs)
@@ -270,7 +226,7 @@ def _bad_source(
     named: str | None, before: list[SignalRecord], at: list[SignalRecord]
 ) -> tuple[str, str] | None:
     """(culprit member, evidence) when one member's own loss rose ``ONE_SOURCE`` over its
-    median before the onset and more than twice as much as any other member's."""
+    median, and over twice any other member's rise."""
     rises: dict[str, tuple[float, float, SignalRecord]] = {}
     for name in {n for r in at for n in r.lm_loss_by_dataset}:
         base = [r.lm_loss_by_dataset[name] for r in before if name in r.lm_loss_by_dataset]
@@ -305,13 +261,11 @@ def _plateau(before: list[SignalRecord]) -> Question:
     grads = _values(before, "grad_norm")
     recent, earlier = statistics.median(grads[-RECENT:]), statistics.median(grads[:-RECENT])
     ratio = recent / earlier if earlier > 0 else 1.0
-    return Question(
-        "optimizer-state",
-        q,
-        "yes" if ratio <= PLATEAU else "no",
+    why = (
         f"grad-norm median over the last {RECENT} iterations {recent:.4g} = "
-        f"x{ratio:.3g} of the earlier {earlier:.4g} (plateau if <= x{PLATEAU:g})",
+        f"x{ratio:.3g} of the earlier {earlier:.4g} (plateau if <= x{PLATEAU:g})"
     )
+    return Question("optimizer-state", q, "yes" if ratio <= PLATEAU else "no", why)
 
 
 def _bf16(
@@ -344,14 +298,11 @@ def _bf16(
         anomaly = abs(onset_zeros - med) > max(ZEROS_K * mad, 1e-12 + 1e-3 * abs(med))
         zeros_text = f"num_zeros {onset_zeros:.6g} vs baseline {med:.6g} (sigma {mad:.3g})"
         answer = "yes" if grad_back and loss_back and anomaly else "no"
-    return Question(
-        "bf16",
-        q,
-        answer,
+    why = (
         f"next step: loss {_fmt(nxt.lm_loss)} (back: {loss_back}), grad norm "
-        f"{_fmt(nxt.grad_norm)} (back: {grad_back}); {zeros_text}",
-        missing,
+        f"{_fmt(nxt.grad_norm)} (back: {grad_back}); {zeros_text}"
     )
+    return Question("bf16", q, answer, why, missing)
 
 
 def diagnose(
@@ -359,8 +310,7 @@ def diagnose(
     records: list[SignalRecord],
     reproduced: bool = False,
 ) -> Diagnosis:
-    """Walk the tree for ``incident`` (a ledger event) over ``records`` (one per iteration,
-    the attempt that had the incident; those after the decision are ignored)."""
+    """Walk the tree for ``incident`` (a ledger event) over ``records`` (one per iteration)."""
     onset, last = int(incident["onset"]), int(incident["iteration"])
     before = [r for r in records if onset - LOOKBACK <= r.iteration < onset]
     at = [r for r in records if onset <= r.iteration <= max(onset, min(last, onset + 2))]

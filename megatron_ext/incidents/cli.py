@@ -1,30 +1,10 @@
 """``megatron-ext skiplist``: plan (and with ``--apply``, carry out) a rollback + skip.
 
-Reads the spike ledger and signals log (all attempts), the checkpoint directory and earlier
-skip lists; writes the plan (JSON), the skip file and an incident report (Markdown + JSON)
-under ``CKPT/megatron_ext_incidents/``. ``--apply`` then moves checkpoints newer than the
-rollback target aside (``CKPT/rolled_back/incident-NNN/``, nothing is deleted), points
-Megatron's ``latest_checkpointed_iteration.txt`` at the target and updates the persisted skip
-list that ``pretrain_gpt_ext.py`` reads from ``--load``, so the same launch command resumes
-with the plan.
-
-The rollback target is a checkpoint Megatron can load (its metadata, index and every data file
-it names present and long enough: :func:`megatron_ext.common.checkpoint_state.checkpoint_problem`,
-run on the candidates newest first until one passes). A damaged candidate is passed over,
-named with what is wrong in the plan (``passed_over``) and on the console, and moved aside with
-the newer ones; when none is loadable the plan is refused and nothing is moved.
-
-The apply is a journaled transaction (:mod:`megatron_ext.incidents.transaction`): killed at any
-point, rerunning ``--apply`` (or starting the training) finishes it and ``--undo`` reverts it;
-the tracker never names a missing checkpoint.
-
-Incidents have identities: a rollback request is ``attempt<A>-iteration<I>-onset<O>`` from
-its ledger line, planned as ``incident-NNN`` (a re-plan of the same request keeps its
-number). Applied incidents are recorded, one JSON line each, in
-``CKPT/megatron_ext_incidents/applied.jsonl`` (number, identity, rollback target, skip
-window). A request that was applied and trained past (a checkpoint newer than its rollback
-target exists), or that the tracker's checkpoint postdates, is refused: the run is past it.
-Exit status: 0 planned (or already applied, nothing to do), 2 refused or impossible plan.
+Writes the plan, the skip file and an incident report under ``CKPT/megatron_ext_incidents/``.
+``--apply`` moves the checkpoints newer than the target to ``CKPT/rolled_back/incident-NNN/``,
+points the tracker at the target and updates the persisted skip list, so the same launch
+command resumes with the plan; it is journaled (killed, ``--apply`` finishes it, ``--undo``
+reverts it). Exit status: 0 planned or already applied, 2 refused. See docs/incidents.md.
 """
 
 from __future__ import annotations
@@ -56,12 +36,13 @@ from megatron_ext.common.files import (
     rolled_back_dir,
 )
 from megatron_ext.common.io import atomic_write, atomic_write_json, read_jsonl
-from megatron_ext.common.records.signals_seek import read_window
+from megatron_ext.common.records.signals import SignalRecord, read_window
 from megatron_ext.common.records.skip_ranges import format_windows, read_file, read_windows
 from megatron_ext.common.records.skip_windows import Window
 from megatron_ext.common.run_lock import RunLockHeld, held
-from megatron_ext.incidents import repeats, transaction
+from megatron_ext.incidents import transaction
 from megatron_ext.incidents.planner import (
+    MAX_REPEATS,
     Plan,
     PlanConfig,
     PlanError,
@@ -84,12 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--ckpt-dir", type=Path, required=True, help="the run's --save/--load dir")
-    p.add_argument(
-        "--signals-dir", type=Path, help="the run's --signals-dir (not needed with --undo)"
-    )
-    p.add_argument(
-        "--ledger", type=Path, help=f"spike ledger (default SIGNALS/{SPIKE_LEDGER_FILE})"
-    )
+    p.add_argument("--signals-dir", type=Path, help="the run's --signals-dir (not for --undo)")
+    p.add_argument("--ledger", type=Path, help=f"spike ledger (SIGNALS/{SPIKE_LEDGER_FILE})")
     p.add_argument(
         "--rollback-iters",
         type=int,
@@ -102,8 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-batches",
         type=int,
         default=300,
-        help="global batches to skip after the rollback target (PaLM: 200-500) "
-        "(default: %(default)s)",
+        help="global batches to skip after the rollback target (default: %(default)s)",
     )
     n.add_argument(
         "--skip-from-beta2",
@@ -124,29 +100,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tracker-file",
         type=Path,
-        help="Megatron --result-rejected-tracker-filename to append confirmed "
-        "spikes to (confirm policy)",
+        help="Megatron's --result-rejected-tracker-filename, for confirmed spikes (confirm policy)",
     )
     action = p.add_mutually_exclusive_group()
     action.add_argument("--apply", action="store_true", help="carry the plan out (see above)")
     action.add_argument(
         "--undo",
         action="store_true",
-        help="revert an --apply that was interrupted (its journal is still in CKPT)",
+        help="revert an interrupted --apply (its journal is still in CKPT)",
     )
     p.add_argument(
         "--worst",
         type=int,
         default=DEFAULT_WORST,
         metavar="K",
-        help="list the onset batch's K samples with the highest loss, and their documents, in "
-        "the report (megatron-ext lookup --worst; needs the run's --sample-log-dir)",
+        help="report the onset batch's K highest-loss samples and documents (needs the run's "
+        "--sample-log-dir)",
     )
     p.add_argument(
         "--force",
         action="store_true",
-        help="--apply/--undo even though the run lock's holder looks alive (only for a holder "
-        "known to be dead: its node is gone)",
+        help="--apply/--undo although the run lock's holder looks alive (known dead only)",
     )
     p.add_argument(
         "--no-lookup",
@@ -157,8 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train_iters(ckpt_dir: Path, newest_first: list[int]) -> int:
-    """``train_iters`` from the saved Megatron args of the newest checkpoint that reads: a
-    damaged newer one is what a plan moves aside, so it must not refuse the plan."""
+    """``train_iters`` from the newest checkpoint whose saved args read."""
     problems = []
     for iteration in newest_first:
         try:
@@ -174,18 +147,13 @@ def _train_iters(ckpt_dir: Path, newest_first: list[int]) -> int:
 
 
 def _earlier_skips(ckpt_dir: Path) -> list[int]:
-    """Iterations already skipped: the applied list training keeps with the checkpoints.
-
-    Not ``LAST_PLAN_SKIP_FILE``: that holds the last plan, which may never have been applied.
-    """
+    """Iterations already skipped: the applied list kept with the checkpoints."""
     persisted = ckpt_dir / SKIPPED_ITERATIONS_FILE
     return read_file(persisted) if persisted.exists() else []
 
 
 def _batch_at(ckpt_dir: Path, iteration: int) -> tuple[int, int] | None:
-    """Checkpoint ``iteration``'s consumed samples and global batch (None: its args cannot be
-    read quickly; the window is then kept in iterations only, as before samples were
-    recorded)."""
+    """Checkpoint ``iteration``'s consumed samples and global batch (None: unreadable)."""
     try:
         args = read_saved_args(checkpoint_dir(ckpt_dir, iteration))
     except (UnreadableState, OSError):
@@ -195,8 +163,7 @@ def _batch_at(ckpt_dir: Path, iteration: int) -> tuple[int, int] | None:
 
 
 def _skip_text(plan: Plan, ckpt_dir: Path) -> str:
-    """The skip list after the plan: the persisted one (its sample windows kept) and the
-    plan's window, with the samples it stands for."""
+    """The persisted skip list plus the plan's window."""
     persisted = ckpt_dir / SKIPPED_ITERATIONS_FILE
     windows = read_windows(persisted) if persisted.exists() else []
     if plan.skip_window:
@@ -255,8 +222,8 @@ def _journal(
 
 
 def _pending(args: argparse.Namespace) -> int | None:
-    """Finish (``--apply``) or undo (``--undo``) an interrupted apply; refuse to plan on top
-    of one. Returns an exit status when there is nothing more to do."""
+    """Finish (``--apply``) or undo (``--undo``) an interrupted apply; an exit status when
+    there is nothing more to do."""
     if args.undo:
         journal = transaction.undo_pending(args.ckpt_dir)
         print(
@@ -310,65 +277,75 @@ def _plan(args: argparse.Namespace) -> int:
         status = _pending(args)
         if status is not None:
             return status
-        ledger_path = args.ledger or args.signals_dir / SPIKE_LEDGER_FILE
-        signals_path = args.signals_dir / SIGNALS_FILE
-        for path in (ledger_path, signals_path):
-            if not path.exists():
-                raise PlanError(
-                    f"{path} not found: was the run started with --signals-dir and --spike-detect?"
-                )
-        ledger: list[dict[str, Any]] = read_jsonl(ledger_path).records
-        incident = latest_incident(ledger)
-        ident = incident_id(incident)
-        applied = transaction.applied_records(args.ckpt_dir)
-        # The onset search looks back from the incident: read only that stretch of the log,
-        # and check only the checkpoints a plan can use (the rollback target and those after).
-        last = int(incident["iteration"])
-        first = max(1, last - ONSET_LOOKBACK)
-        floors = [min(int(incident["onset"]), first) - args.rollback_iters]
-        floors += [int(r["rollback_to"]) for r in applied if r.get("incident_id") == ident]
-        # A repeat of the last rollbacks goes to a checkpoint older than their targets.
-        floors += [int(r["rollback_to"]) - 1 for r in applied[-repeats.MAX_REPEATS - 1 :]]
-        newest_first = complete_newest_first(args.ckpt_dir)
-        checkpoints = take_down_to(newest_first, min(floors))
-        done = check_unhandled(
-            incident,
-            applied,
-            checkpoints,
-            read_checkpoint_tracker(args.ckpt_dir),
-        )
-        if done is not None:
-            print(
-                f"incident {int(done['incident']):03d} ({ident}) is already applied: rolled "
-                f"back to {done['rollback_to']}, nothing to do; restart with the same command"
-            )
-            return 0
-        config = PlanConfig(
-            rollback_iters=args.rollback_iters,
-            skip_batches=args.skip_batches,
-            beta2=args.beta2,
-            policy=args.policy,
-        )
-        train_iters = args.train_iters or (
-            _train_iters(args.ckpt_dir, checkpoints[::-1]) if checkpoints else None
-        )
-        history = read_window(signals_path, first, last)
-        plan = make_plan(
-            ledger,
-            history,
-            checkpoints,
-            _earlier_skips(args.ckpt_dir),
-            config,
-            train_iters,
-            str(args.ckpt_dir),
-            lambda iteration: _batch_at(args.ckpt_dir, iteration),
-            lambda iteration: checkpoint_problem(checkpoint_dir(args.ckpt_dir, iteration)),
-            newest_first,
-            applied,
-        )
+        made = _make_plan(args)
     except (PlanError, ValueError, OSError, transaction.TransactionError) as exc:
         print(f"megatron-ext skiplist: error: {exc}", file=sys.stderr)
         return exit_codes.USAGE
+    return 0 if made is None else _write(args, *made)
+
+
+def _make_plan(
+    args: argparse.Namespace,
+) -> tuple[Plan, list[dict[str, Any]], list[SignalRecord], str] | None:
+    """The plan, the ledger, the signals read and the incident's identity (None: applied)."""
+    ledger_path = args.ledger or args.signals_dir / SPIKE_LEDGER_FILE
+    signals_path = args.signals_dir / SIGNALS_FILE
+    for path in (ledger_path, signals_path):
+        if not path.exists():
+            raise PlanError(
+                f"{path} not found: was the run started with --signals-dir and --spike-detect?"
+            )
+    ledger: list[dict[str, Any]] = read_jsonl(ledger_path).records
+    incident = latest_incident(ledger)
+    ident = incident_id(incident)
+    applied = transaction.applied_records(args.ckpt_dir)
+    # The onset search looks back from the incident: read only that stretch of the log,
+    # and check only the checkpoints a plan can use (the rollback target and those after).
+    last = int(incident["iteration"])
+    first = max(1, last - ONSET_LOOKBACK)
+    floors = [min(int(incident["onset"]), first) - args.rollback_iters]
+    floors += [int(r["rollback_to"]) for r in applied if r.get("incident_id") == ident]
+    # A repeat of the last rollbacks goes to a checkpoint older than their targets.
+    floors += [int(r["rollback_to"]) - 1 for r in applied[-MAX_REPEATS - 1 :]]
+    newest_first = complete_newest_first(args.ckpt_dir)
+    checkpoints = take_down_to(newest_first, min(floors))
+    tracker = read_checkpoint_tracker(args.ckpt_dir)
+    done = check_unhandled(incident, applied, checkpoints, tracker)
+    if done is not None:
+        print(
+            f"incident {int(done['incident']):03d} ({ident}) is already applied: rolled "
+            f"back to {done['rollback_to']}, nothing to do; restart with the same command"
+        )
+        return None
+    config = PlanConfig(args.rollback_iters, args.skip_batches, args.beta2, args.policy)
+    train_iters = args.train_iters or (
+        _train_iters(args.ckpt_dir, checkpoints[::-1]) if checkpoints else None
+    )
+    history = read_window(signals_path, first, last)
+    plan = make_plan(
+        ledger,
+        history,
+        checkpoints,
+        _earlier_skips(args.ckpt_dir),
+        config,
+        train_iters,
+        str(args.ckpt_dir),
+        lambda iteration: _batch_at(args.ckpt_dir, iteration),
+        lambda iteration: checkpoint_problem(checkpoint_dir(args.ckpt_dir, iteration)),
+        newest_first,
+        applied,
+    )
+    return plan, ledger, history, ident
+
+
+def _write(
+    args: argparse.Namespace,
+    plan: Plan,
+    ledger: list[dict[str, Any]],
+    history: list[SignalRecord],
+    ident: str,
+) -> int:
+    """Write the plan, its report and skip file; with ``--apply`` carry it out."""
     number = _number(args.ckpt_dir, ident)
     stem = incident_stem(args.ckpt_dir, number)
     report = build_report(

@@ -1,13 +1,7 @@
-"""A rollback request left pending by a launcher that restarts in place (nvidia-resiliency-ext's
-``ft_launcher --max-restarts``, torchrun's ``--max-restarts``, a manual rerun): the restarted
-training applies it before it reads the tracker, so the spike is rolled back and skipped
-instead of replayed.
-
-Under megatron-ext's supervisor nothing is done here (its spike hook, ``skiplist --apply`` or
-``MEGATRON_EXT_ON_SPIKE``, already ran). Elsewhere rank 0 runs ``skiplist --apply`` (the
-journaled transaction, under the run lock: one writer, exactly once; ``SKIPLIST_ARGS`` adds
-planner flags as it does for the supervisor) and every other rank waits until the request is
-recorded as applied (no process group exists yet: the shared filesystem is the channel).
+"""A rollback request left pending by a launcher that restarts in place (``ft_launcher`` or
+torchrun ``--max-restarts``, a manual rerun): applied by the restarted training before it
+reads the tracker. Rank 0 runs ``skiplist --apply`` (``SKIPLIST_ARGS`` adds flags), the other
+ranks wait for it on the shared filesystem; under megatron-ext's supervisor, nothing to do.
 """
 
 from __future__ import annotations
@@ -33,8 +27,7 @@ def _facts(argv: list[str]) -> argparse.Namespace:
 
 
 def pending(load: Path, ledger: Path) -> str | None:
-    """The identity of the newest rollback request when it is neither applied nor trained
-    past (the checkpoint to load predates it), else None."""
+    """The newest rollback request's identity when neither applied nor trained past."""
     if not ledger.is_file():
         return None
     requests = [e for e in read_jsonl(ledger, warn=False).records if e.get("kind") == "rollback"]
@@ -48,8 +41,7 @@ def pending(load: Path, ledger: Path) -> str | None:
 
 
 def apply_at_startup(argv: list[str], rank: int, timeout: float = 600.0) -> str | None:
-    """Apply (rank 0) or wait for (the others) a pending rollback request; returns its
-    identity, None when there was none."""
+    """Apply (rank 0) or wait for (the others) a pending rollback request; its identity."""
     facts = _facts(argv)
     if os.environ.get(TOKEN_ENV) or not (facts.load and facts.signals_dir and facts.spike_detect):
         return None

@@ -1,13 +1,11 @@
-"""Offline rollback + skip planner (the PaLM recipe) — no Megatron imports.
+"""Offline rollback + skip planner (the PaLM recipe): no Megatron imports.
 
-Given the spike ledger, the signals log (all attempts), the checkpoint directory and earlier
-skip lists, a :class:`Plan` says: load checkpoint ``T_c`` (the newest complete one at least
-``rollback_iters`` before the incident's onset that Megatron can load: damaged ones are passed
-over, with a note, and moved aside with the newer ones), skip the next ``n`` batches
-(``T_c+1 … T_c+n``, which must reach past the incident), merged with every earlier skip, and
-restart. Under the ``confirm`` policy the first rollback replays the same data; only an
-incident that reproduces at the same onset in two attempts is treated as data-caused, skipped,
-and written to Megatron's result-rejected tracker so plain Megatron skips it too.
+A :class:`Plan` says: load the newest loadable checkpoint at least ``rollback_iters`` before the
+incident's onset (damaged ones are passed over and moved aside with the newer ones), skip the
+next ``n`` batches (merged with every earlier skip), restart. Under the ``confirm`` policy only
+an incident reproduced at the same onset is skipped (and written to Megatron's result-rejected
+tracker). A failure that comes back within an applied rollback's reach *repeats* it: the plan
+goes further back and skips further, at most :data:`MAX_REPEATS` times (docs/incidents.md).
 """
 
 from __future__ import annotations
@@ -31,19 +29,15 @@ from megatron_ext.common.files import (
 from megatron_ext.common.io import from_json
 from megatron_ext.common.records.signals import SignalRecord
 from megatron_ext.common.records.skip_ranges import to_ranges
-from megatron_ext.incidents import repeats
 
-# Walk the onset back while the grad norm was already this far above its baseline.
-ONSET_GRAD_FACTOR = 2.0
-# PaLM's 200-500 skipped batches are 10-25 time constants of Adam's v at beta2 = 0.95.
-TIME_CONSTANTS = 10
-# Damaged checkpoints a refusal names, newest first (the rest are counted).
-NAMED = 5
+ONSET_GRAD_FACTOR = 2.0  # the onset moves back while the grad norm was this far up already
+TIME_CONSTANTS = 10  # of Adam's v: PaLM's 200-500 batches are 10-25 at beta2 = 0.95
+NAMED = 5  # damaged checkpoints a refusal names, newest first (the rest are counted)
+MAX_REPEATS = 2  # rollbacks of one failure that each went further back, before refusing
 
 
 def rounded(value: Any) -> Any:
-    """A float for people (4 significant digits, as Megatron's logs show losses); anything
-    else as is. The plan's JSON keeps the full values."""
+    """A float for people (4 significant digits, as Megatron's logs show losses)."""
     return f"{value:.4g}" if isinstance(value, float) else value
 
 
@@ -82,9 +76,8 @@ class Plan:
     restart_args: list[str]
     summary: str
     tracker_lines: list[str] = field(default_factory=list)
-    # The batch the window was planned at and the consumed samples [first, last] it stands
-    # for (None: the rollback target's args could not be read): training places these samples
-    # at the global batch in force when it resumes (records.skip_ranges).
+    # The batch the window was planned at and the samples [first, last] it stands for (None:
+    # the target's args could not be read); a resume places them at its own global batch.
     global_batch_size: int | None = None
     skip_samples: list[int] | None = None
     # Newer candidates that Megatron could not load: [{"checkpoint": N, "problem": "..."}].
@@ -103,14 +96,7 @@ def _complete(directory: Path) -> bool:
 
 
 def complete_newest_first(ckpt_dir: Path) -> Iterator[int]:
-    """Iterations with a complete checkpoint directory (torch_dist metadata or legacy files),
-    newest first, each checked only when the caller gets that far.
-
-    Why lazily: a long run keeps tens of thousands of checkpoints (50 k took 3.5 s with a
-    completeness check each), and a plan needs only the newest usable one at or before its
-    limit and every one after it. The names come from one directory read (``scandir``: no
-    stat per entry on local filesystems).
-    """
+    """Iterations with a complete checkpoint directory, newest first, checked lazily."""
     try:
         with os.scandir(ckpt_dir) as entries:
             named = sorted(
@@ -127,7 +113,7 @@ def complete_newest_first(ckpt_dir: Path) -> Iterator[int]:
 
 def take_down_to(newest_first: Iterator[int], down_to: int | None) -> list[int]:
     """From ``newest_first``, every iteration down to the first one at or before ``down_to``
-    (all: None), oldest first; the iterator then goes on with the older ones."""
+    (all: None), oldest first."""
     found = []
     for iteration in newest_first:
         found.append(iteration)
@@ -142,11 +128,8 @@ def choose_target(
     problem: Callable[[int], str | None] | None,
     older: Iterable[int] = (),
 ) -> tuple[int, list[dict[str, Any]]]:
-    """The newest checkpoint at or before ``limit`` that ``problem`` finds nothing wrong with
-    (none given: the newest), and the damaged ones passed over on the way, each with what is
-    wrong. ``older``: complete checkpoints older than ``checkpoints[0]``, newest first, read
-    only when every candidate in ``checkpoints`` is damaged. Each candidate is verified only
-    when it is reached, so a run of healthy checkpoints costs one verification."""
+    """The newest checkpoint at or before ``limit`` that ``problem`` finds nothing wrong with,
+    and the damaged ones passed over; ``older`` (newest first) is read only if all are damaged."""
     passed_over: list[dict[str, Any]] = []
     listed = reversed([c for c in checkpoints if c <= limit])
     for candidate in itertools.chain(listed, (c for c in older if c <= limit)):
@@ -170,8 +153,7 @@ def choose_target(
 
 
 def _checked(event: dict[str, Any]) -> dict[str, Any]:
-    """A ledger event with its numbers checked: iterations are integers, measurements numbers
-    (``"NaN"``/``"Infinity"`` strings included) or null; anything else is a damaged line."""
+    """A ledger event with its iterations and measurements checked (else: a damaged line)."""
     event = from_json(event)
     for key in ("iteration", "onset"):
         value = event.get(key)
@@ -217,14 +199,7 @@ def check_unhandled(
     tracker: int | None,
 ) -> dict[str, Any] | None:
     """Refuse an incident the run is already past; return its applied record when it was
-    applied and nothing was trained since (then there is nothing left to do).
-
-    - applied, and a checkpoint newer than its rollback target exists: those were trained
-      after the rollback (the apply moved every newer one aside), and applying again would
-      discard them;
-    - never applied, but the tracker names a checkpoint saved after the incident's iteration:
-      the run trained past it some other way (a manual restart), so it is history.
-    """
+    applied and nothing was trained since."""
     ident = incident_id(incident)
     record = next((r for r in applied if r.get("incident_id") == ident), None)
     where = (
@@ -265,34 +240,124 @@ def find_onset(incident: dict[str, Any], signals: list[SignalRecord]) -> int:
     return onset
 
 
-def reproduced(incident: dict[str, Any], ledger: list[dict[str, Any]]) -> bool:
-    """Whether an earlier attempt had an incident with the same onset (bad-data fingerprint)."""
-    attempts = {
+def _attempts(incident: dict[str, Any], ledger: list[dict[str, Any]]) -> set[Any]:
+    """The attempts that had an incident with this one's onset."""
+    return {
         e.get("attempt")
         for e in ledger
         if e.get("kind") in ("spike", "divergence") and e.get("onset") == incident["onset"]
     }
-    return len(attempts) >= 2
+
+
+def reproduced(incident: dict[str, Any], ledger: list[dict[str, Any]]) -> bool:
+    """Whether an earlier attempt had an incident with the same onset (bad-data fingerprint)."""
+    return len(_attempts(incident, ledger)) >= 2
 
 
 def tracker_lines(incident: dict[str, Any], ledger: list[dict[str, Any]]) -> list[str]:
     """Lines Megatron's get_skipped_iterations_from_tracker_file counts: the same
     (rank, iteration) reported once per attempt, each attempt by a single rank."""
     rank = incident.get("culprit_dp_rank") or 0
-    attempts = sorted(
-        {
-            e.get("attempt")
-            for e in ledger
-            if e.get("onset") == incident["onset"] and e.get("kind") in ("spike", "divergence")
-        }
-    )
     return [
         f"ts=megatron-ext node=megatron-ext device=megatron-ext jobID=attempt-{a} rank={rank} "
         f"iteration={incident['onset']} status=RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE "
         f"result={incident.get('loss')} message='megatron-ext: loss spike reproduced at the "
         f"same iteration after a rollback'\n"
-        for a in attempts
+        for a in sorted(_attempts(incident, ledger))
     ]
+
+
+def repeated(incident: dict[str, Any], applied: list[dict[str, Any]], n: int) -> list[dict]:
+    """The applied rollbacks (oldest first) whose target and window end + ``n`` enclose
+    ``incident``'s onset."""
+    chain: list[dict[str, Any]] = []
+    onset = int(incident["onset"])
+    for record in reversed(applied):
+        window = record.get("skip_window")
+        if not window or record.get("action") != "rollback-and-skip":
+            break
+        if not int(record["rollback_to"]) < onset <= int(window[1]) + n:
+            break
+        chain.append(record)
+        onset = int(record["onset"])
+    return chain[::-1]
+
+
+def _tried(chain: list[dict[str, Any]]) -> str:
+    return "; ".join(
+        f"incident {int(r['incident']):03d} (onset {r['onset']}): rolled back to "
+        f"{r['rollback_to']}, skipped {r['skip_window'][0]}-{r['skip_window'][1]}"
+        for r in chain
+    )
+
+
+def _refuse_if_exhausted(chain: list[dict[str, Any]], onset: int) -> None:
+    if len(chain) <= MAX_REPEATS:
+        return
+    raise PlanError(
+        f"the failure came back at onset {onset} after {len(chain)} rollbacks that each rolled "
+        f"back further and skipped more ({_tried(chain)}); stopping instead of rolling back "
+        "again. Likely: a checkpoint that fails after every load (Megatron-LM #5281: compare "
+        "the losses right after each resume), a persistent GPU fault (the ranks and nodes in "
+        "the ledger and Megatron's result-rejected tracker), or bad data longer than every "
+        "window (`megatron-ext lookup` of the onsets). Fix the cause, then relaunch; "
+        "`skiplist --undo` reverts the last rollback"
+    )
+
+
+def _skip_window(
+    incident: dict[str, Any],
+    chain: list[dict[str, Any]],
+    target: int,
+    n: int,
+    train_iters: int | None,
+) -> list[int]:
+    """From the target to past every window and incident seen, plus ``n``."""
+    iteration = int(incident["iteration"])
+    reached = [iteration, *(int(r["skip_window"][1]) for r in chain)]
+    window = [target + 1, max(target + n, max(reached) + n) if chain else target + n]
+    if window[1] < iteration:
+        raise PlanError(
+            f"skip window {window[0]}-{window[1]} does not reach the incident at iteration "
+            f"{incident['iteration']}: use --skip-batches >= {incident['iteration'] - target}"
+        )
+    if train_iters is not None and window[1] > train_iters:
+        raise PlanError(
+            f"skip window {window[0]}-{window[1]} runs past --train-iters "
+            f"{train_iters}: use fewer --skip-batches"
+        )
+    return window
+
+
+def _summary(plan: Plan, chain: list[dict[str, Any]]) -> str:
+    incident, window, samples = plan.incident, plan.skip_window, plan.skip_samples
+    source = incident.get("culprit_source")
+    passed = "".join(
+        f" (passed over checkpoint {p['checkpoint']}, which cannot be loaded: {p['problem']})"
+        for p in plan.passed_over
+    )
+    if window is None:
+        what = ", replay the same data to confirm (confirm policy, first occurrence)"
+    else:
+        what = f", skip iterations {window[0]}-{window[1]}"
+        if samples is not None:
+            what += f" (samples {samples[0]}-{samples[1]} at global batch {plan.global_batch_size})"
+    repeat = (
+        f" The same failure came back after {_tried(chain)}: rolling back to a checkpoint older "
+        f"than every target tried and skipping past every window seen (repeat {len(chain)} of "
+        f"at most {MAX_REPEATS})."
+        if chain
+        else ""
+    )
+    skip_text = ", ".join(f"{a}-{b}" for a, b in plan.skip_ranges) or "none"
+    return (
+        f"{incident['kind']} requested at iteration {incident['iteration']} (onset {plan.onset}, "
+        f"{incident.get('classification')}, culprit DP rank {incident.get('culprit_dp_rank')}, "
+        + (f"culprit source {source}, " if source else "")
+        + f"loss {rounded(incident.get('loss'))} vs baseline "
+        f"{rounded(incident.get('loss_baseline'))}). Roll back to checkpoint {plan.rollback_to}"
+        f"{passed}{what}; all skipped iterations: {skip_text}.{repeat}"
+    )
 
 
 def make_plan(
@@ -308,20 +373,14 @@ def make_plan(
     older: Iterable[int] = (),
     applied: list[dict[str, Any]] | None = None,
 ) -> Plan:
-    """Decide the rollback target and skip window for the newest incident. ``batch_at(c)``
-    gives checkpoint c's consumed samples and global batch, so the window is also recorded in
-    samples (what stays bad when the batch size changes). ``problem(c)`` says why Megatron
-    could not load checkpoint c (None: it can), ``older`` goes on past ``checkpoints`` (see
-    :func:`choose_target`); damaged candidates are moved aside with the newer ones, so that
-    nothing newer than the target stays where the run would find it. ``applied``: the
-    rollbacks applied so far; one this incident repeats goes further (:mod:`.repeats`)."""
+    """Decide the rollback target and skip window for the newest incident. ``batch_at(c)``:
+    checkpoint c's consumed samples and global batch; ``problem(c)``: why c cannot load."""
     incident = latest_incident(ledger)
     onset = find_onset(incident, signals)
     replay = config.policy == "confirm" and not reproduced(incident, ledger)
-    chain = [] if replay else repeats.repeated(incident, applied or [], config.batches())
-    if (refusal := repeats.refuse_if_exhausted(chain, onset)) is not None:
-        raise PlanError(refusal)
-    limit = repeats.limit(chain, onset - config.rollback_iters)
+    chain = [] if replay else repeated(incident, applied or [], config.batches())
+    _refuse_if_exhausted(chain, onset)
+    limit = min([onset - config.rollback_iters, *(int(r["rollback_to"]) - 1 for r in chain)])
     try:
         target, passed_over = choose_target(checkpoints, limit, problem, older)
     except PlanError as exc:
@@ -332,51 +391,14 @@ def make_plan(
     skips = set(earlier_skips)
     window = None
     if not replay:
-        n = config.batches()
-        window = [target + 1, repeats.window_end(chain, target, int(incident["iteration"]), n)]
-        if window[1] < int(incident["iteration"]):
-            raise PlanError(
-                f"skip window {window[0]}-{window[1]} does not reach the incident at iteration "
-                f"{incident['iteration']}: use --skip-batches >= {incident['iteration'] - target}"
-            )
-        if train_iters is not None and window[1] > train_iters:
-            raise PlanError(
-                f"skip window {window[0]}-{window[1]} runs past --train-iters "
-                f"{train_iters}: use fewer --skip-batches"
-            )
+        window = _skip_window(incident, chain, target, config.batches(), train_iters)
         skips |= set(range(window[0], window[1] + 1))
     at = batch_at(target) if window and batch_at else None
     samples = [at[0], at[0] + (window[1] - window[0] + 1) * at[1] - 1] if window and at else None
     ranges = [list(r) for r in to_ranges(sorted(skips))]
-    action = "rollback-and-replay" if replay else "rollback-and-skip"
-    skip_text = ", ".join(f"{a}-{b}" for a, b in ranges) or "none"
-    summary = (
-        f"{incident['kind']} requested at iteration {incident['iteration']} (onset {onset}, "
-        f"{incident.get('classification')}, culprit DP rank {incident.get('culprit_dp_rank')}, "
-        + (
-            f"culprit source {incident['culprit_source']}, "
-            if incident.get("culprit_source")
-            else ""
-        )
-        + f"loss {rounded(incident.get('loss'))} vs baseline "
-        f"{rounded(incident.get('loss_baseline'))}). "
-        f"Roll back to checkpoint {target}"
-        + "".join(
-            f" (passed over checkpoint {p['checkpoint']}, which cannot be loaded: {p['problem']})"
-            for p in passed_over
-        )
-        + (
-            f", skip iterations {window[0]}-{window[1]}"
-            + (f" (samples {samples[0]}-{samples[1]} at global batch {at[1]})" if at else "")
-            if window
-            else ", replay the same data to confirm (confirm policy, first occurrence)"
-        )
-        + f"; all skipped iterations: {skip_text}."
-        + repeats.note(chain)
-    )
-    return Plan(
+    plan = Plan(
         incident=incident,
-        action=action,
+        action="rollback-and-replay" if replay else "rollback-and-skip",
         onset=onset,
         rollback_to=target,
         skip_window=window,
@@ -388,7 +410,7 @@ def make_plan(
             "--iterations-to-skip",
             *(f"{a}-{b}" if a != b else str(a) for a, b in ranges),
         ],
-        summary=summary,
+        summary="",
         global_batch_size=at[1] if at else None,
         skip_samples=samples,
         passed_over=passed_over,
@@ -396,3 +418,5 @@ def make_plan(
         if replay or config.policy != "confirm"
         else tracker_lines(incident, ledger),
     )
+    plan.summary = _summary(plan, chain)
+    return plan

@@ -1,19 +1,6 @@
-"""The incident report of ``megatron-ext skiplist``: plan, likely cause, the documents behind it.
-
-Written next to the plan (``CKPT/megatron_ext_incidents/incident-NNN.{md,json}``) for the
-on-call engineer. Three parts, each answering a question they would otherwise answer by hand:
-
-- **what to do**: the plan (rollback target, skip window, restart command);
-- **why it happened**: seed 000's decision tree walked over the recorded signals
-  (:mod:`megatron_ext.incidents.causes`), each step with its evidence, and the signals the run
-  did not record (so the next run records them);
-- **which documents**: the onset batch's samples with the highest loss, culprit DP rank first,
-  resolved to documents and text by ``megatron-ext lookup --worst`` (a subprocess: the lookup
-  loads Megatron's config machinery, the planner must not), each with its raw record (shard,
-  line, id) when the data has a provenance sidecar, the command that writes them as a
-  blocklist and the one that writes the shards without them (``megatron-ext blocklist apply``).
-
-Best effort for the lookup: a failed lookup is reported in its place, it never blocks the plan.
+"""The incident report of ``megatron-ext skiplist`` (``incident-NNN.{md,json}``): the plan, the
+cause tree's walk, and the onset batch's worst documents from ``megatron-ext lookup --worst``
+(a subprocess, so the planner loads no Megatron; a failed lookup never blocks the plan).
 """
 
 from __future__ import annotations
@@ -44,8 +31,7 @@ def _num(value: Any) -> str:
 
 
 def _nonfinite(incident: dict[str, Any]) -> str:
-    """The title's note when the incident's loss was not a number (a NaN or Inf loss is the
-    first thing an on-call engineer needs to read)."""
+    """The title's note when the incident's loss was not a number."""
     loss = incident.get("loss")
     if isinstance(loss, float) and not math.isfinite(loss):
         return f" (loss {loss}: non-finite at iteration {incident['iteration']})"
@@ -83,24 +69,25 @@ class Report:
             f"({first['signal']} at iteration {first['iteration']}: {first['classification']})"
         )
 
+    def _blocklist(self) -> Path:
+        ckpt_dir = self.lookup_command[self.lookup_command.index("--from-checkpoint") + 1]
+        return incident_blocklist(ckpt_dir, self.number)
+
     def blocklist_command(self) -> str:
         """The lookup that writes these documents as a blocklist (``--emit-blocklist``)."""
-        ckpt_dir = self.lookup_command[self.lookup_command.index("--from-checkpoint") + 1]
         command = [a for a in self.lookup_command[3:] if a != "--json"]
-        target = incident_blocklist(ckpt_dir, self.number)
-        return " ".join(["megatron-ext", *command, "--emit-blocklist", str(target)])
+        return " ".join(["megatron-ext", *command, "--emit-blocklist", str(self._blocklist())])
 
     def apply_command(self) -> str | None:
-        """The command that writes the raw shards without these documents' records, into a
-        directory beside them (None: no document names its raw record)."""
-        files = {d["source"]["file"] for r in self.documents for d in _sourced(r)}
+        """The command that writes the raw shards without these documents' records (None: no
+        document names its raw record)."""
+        documents = (d for r in self.documents for d in r.get("documents", []))
+        files = {d["source"]["file"] for d in documents if d.get("source")}
         if not files:
             return None
-        ckpt_dir = self.lookup_command[self.lookup_command.index("--from-checkpoint") + 1]
         common = os.path.commonpath([os.path.dirname(f) for f in files])
         out = Path(common) / f"filtered-incident-{self.number:03d}"
-        blocklist = incident_blocklist(ckpt_dir, self.number)
-        return f"megatron-ext blocklist apply --blocklist {blocklist} --out-dir {out}"
+        return f"megatron-ext blocklist apply --blocklist {self._blocklist()} --out-dir {out}"
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -205,11 +192,6 @@ class Report:
         return f"Then write the raw shards without their records (filtered copies): `{command}`"
 
 
-def _sourced(sample: dict[str, Any]) -> list[dict[str, Any]]:
-    """A sample's documents that name their raw record."""
-    return [d for d in sample.get("documents", []) if d.get("source")]
-
-
 def _raw(source: dict[str, Any] | None) -> str:
     """`` from FILE:LINE (id X)`` for the report's table, or nothing."""
     if not source:
@@ -219,28 +201,16 @@ def _raw(source: dict[str, Any] | None) -> str:
 
 
 def incident_timeline(incident: dict[str, Any], history: list[SignalRecord]) -> list[SignalRecord]:
-    """The iterations the incident's attempt trained on, one record each: its own records and
-    those of the earlier attempts it continued from."""
+    """The iterations the incident's attempt trained on, one record each."""
     attempt = incident.get("attempt") or max((r.attempt for r in history), default=0)
     return latest_per_iteration([r for r in history if r.attempt <= attempt])
 
 
 def lookup_command(plan: Plan, ckpt_dir: Path, worst: int) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "megatron_ext.cli",
-        "lookup",
-        "--from-checkpoint",
-        str(ckpt_dir),
-        "--ckpt-step",
-        str(plan.rollback_to),
-        "--iteration",
-        str(plan.onset),
-        "--worst",
-        str(worst),
-        "--text",
-        "--json",
+        *(sys.executable, "-m", "megatron_ext.cli", "lookup", "--from-checkpoint", str(ckpt_dir)),
+        *("--ckpt-step", str(plan.rollback_to), "--iteration", str(plan.onset)),
+        *("--worst", str(worst), "--text", "--json"),
     ]
 
 
@@ -250,8 +220,8 @@ def culprit_first(samples: list[dict[str, Any]], rank: int | None) -> list[dict[
 
 
 def early_warnings(plan: Plan, ledger: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The precursor warnings (ledger kind ``warning``) of the incident's attempt within
-    :data:`WARNING_HORIZON` iterations before its onset (at the onset itself included)."""
+    """The incident's attempt's precursor warnings within :data:`WARNING_HORIZON` iterations
+    up to its onset."""
     attempt = plan.incident.get("attempt")
     return [
         e

@@ -1,30 +1,17 @@
 """``skiplist --apply`` as a journaled transaction: a kill at any point leaves a resumable run.
 
-Applying a plan changes four things in the checkpoint directory: the persisted skip list, the
-checkpoint tracker (and, for a Megatron-Bridge run, Bridge's own tracker
-``latest_train_state.pt``, which Bridge's resume reads before Megatron's: rewriting only
-Megatron's would be silently ignored), (confirm policy) Megatron's result-rejected tracker,
-and where the checkpoints newer than the rollback target live. Done in the wrong order, a kill -9 in
-between leaves a tracker naming a checkpoint that was moved aside, and every resume crashes.
-So the apply is a transaction:
-
-1. the **intent** (``CKPT/megatron_ext_apply_journal.json``) is written atomically: what
-   each file held before, what it will hold, every move;
-2. the skip list, then the tracker (it names the rollback target, which is never moved), then
-   Bridge's ``latest_train_state.pt`` where the target holds a Bridge ``train_state.pt`` (a
-   copy of it, as Bridge's own save writes it);
-3. the result-rejected tracker lines (only those not already there);
-4. the moves, one ``rename`` each (``CKPT/rolled_back/incident-NNN/``; nothing is deleted);
-5. the incident is recorded as applied (``megatron_ext_incidents/applied.jsonl``);
+1. the **intent** (``CKPT/megatron_ext_apply_journal.json``) is written atomically;
+2. the skip list, then the tracker (it names the target, never moved), then Bridge's
+   ``latest_train_state.pt`` when the target is a Bridge checkpoint (Bridge reads it first);
+3. the result-rejected tracker lines (confirm policy; only those not there yet);
+4. the moves, one ``rename`` each, to ``CKPT/rolled_back/incident-NNN/`` (nothing is deleted);
+5. the incident is recorded in ``megatron_ext_incidents/applied.jsonl``;
 6. the journal is removed.
 
-Every step is idempotent, so a journal found later is **finished** by re-running
-``skiplist --apply`` or by the training start-up (``pretrain_gpt_ext.py``, before Megatron
-reads the tracker), or **undone** with ``skiplist --undo`` (moves back first, then the tracker
-and skip list are restored). At every step boundary the tracker names a checkpoint that
-exists. ``MEGATRON_EXT_TEST_KILL_AT_STEP=k`` (tests only, :func:`megatron_ext.common.io.kill_point`)
-makes the process SIGKILL itself right after step k, so the fault tests kill a real process at
-every boundary.
+Every step is idempotent: a journal found later is finished by ``skiplist --apply`` or the
+training start-up, or undone by ``skiplist --undo``; the tracker always names a checkpoint that
+exists. ``MEGATRON_EXT_TEST_KILL_AT_STEP=k`` (:func:`~megatron_ext.common.io.kill_point`) kills
+the process after step k, for the fault tests.
 """
 
 from __future__ import annotations
@@ -99,13 +86,6 @@ def pending(ckpt_dir: str | Path) -> Journal | None:
         ) from None
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        return None
-
-
 def _restore(path: Path, text: str | None) -> None:
     if text is None:
         remove_durably(path)
@@ -143,7 +123,7 @@ def _set_rejected_lines(journal: Journal, present: bool) -> None:
     if not journal.rejected_tracker or not journal.rejected_lines:
         return
     path = Path(journal.rejected_tracker)
-    text = _read(path) or ""
+    text = path.read_text() if path.exists() else ""
     lines = text.splitlines(keepends=True)
     if present:
         missing = [line for line in journal.rejected_lines if line not in lines]
@@ -156,20 +136,14 @@ def _set_rejected_lines(journal: Journal, present: bool) -> None:
         atomic_write(path, "".join(line for line in lines if line not in journal.rejected_lines))
 
 
-def _bridge_target(ckpt_dir: Path, journal: Journal) -> Path | None:
-    """The rollback target's Bridge train state (None: not a Megatron-Bridge checkpoint)."""
-    path = checkpoint_dir(ckpt_dir, journal.rollback_to) / BRIDGE_TRAIN_STATE_FILE
-    return path if path.is_file() else None
-
-
 def _carry_out(ckpt_dir: Path, journal: Journal) -> None:
     """Steps 2-6; each one is a no-op when already done."""
     _check_target(ckpt_dir, journal)
     atomic_write(ckpt_dir / SKIPPED_ITERATIONS_FILE, journal.skips_after)
     kill_point()
     atomic_write(ckpt_dir / CHECKPOINT_TRACKER_FILE, f"{journal.rollback_to}\n")
-    bridge_state = _bridge_target(ckpt_dir, journal)
-    if bridge_state is not None:
+    bridge_state = checkpoint_dir(ckpt_dir, journal.rollback_to) / BRIDGE_TRAIN_STATE_FILE
+    if bridge_state.is_file():  # a Megatron-Bridge checkpoint
         atomic_write(ckpt_dir / BRIDGE_TRACKER_FILE, bridge_state.read_bytes())
     kill_point()
     _set_rejected_lines(journal, present=True)
@@ -207,8 +181,8 @@ def finish_pending(ckpt_dir: str | Path) -> Journal | None:
 
 
 def undo_pending(ckpt_dir: str | Path) -> Journal | None:
-    """Put everything back as the journal found it: checkpoints first, then the tracker (so it
-    never names a moved checkpoint), the skip list, the rejected lines and the applied record."""
+    """Put everything back as the journal found it, checkpoints before the tracker (so it
+    never names a moved checkpoint)."""
     ckpt_dir = Path(ckpt_dir)
     journal = pending(ckpt_dir)
     if journal is None:
@@ -238,9 +212,8 @@ def undo_pending(ckpt_dir: str | Path) -> Journal | None:
 
 
 def settle_at_startup(load: str | None, rank: int, timeout: float = 600.0) -> Journal | None:
-    """Training start-up, before Megatron reads the tracker: rank 0 finishes an interrupted
-    apply in ``--load``; every other rank waits until the journal is gone (no process group
-    exists yet, the shared filesystem is the only channel)."""
+    """Training start-up: rank 0 finishes an interrupted apply in ``--load``; the others wait
+    for the journal to go (the shared filesystem is the only channel yet)."""
     if not load or not journal_path(load).exists():
         return None
     if rank == 0:
@@ -257,8 +230,7 @@ def settle_at_startup(load: str | None, rank: int, timeout: float = 600.0) -> Jo
 
 
 def wait_for_rank_0(done: Callable[[], bool], timeout: float, what: str) -> None:
-    """Start-up, before any process group: poll the shared filesystem until ``done()``;
-    past ``timeout`` end the rank saying ``what`` did not happen."""
+    """Poll the shared filesystem until ``done()``; past ``timeout``, exit saying ``what``."""
     deadline = time.monotonic() + timeout
     while not done():
         if time.monotonic() > deadline:

@@ -11,7 +11,7 @@ parser; explicit flags override the checkpoint). The answer is read from the run
 (memory-mapped, never rebuilt unless ``--rebuild-caches``) after checking that the data on disk
 is the data they were built from. An iteration is answered per attempt (what the latest
 attempt that trained it read; rolled back or skipped afterwards is said), with the data stage
-in force then (megatron_ext/lookup/attempts.py, history.py). Exit status: 0 answered,
+in force then (megatron_ext/lookup/history.py). Exit status: 0 answered,
 1 refused (the message says why), 2 usage error, 3 not yet trained.
 """
 
@@ -26,32 +26,139 @@ from typing import Any
 import numpy as np
 
 from megatron_ext.common.errors import report
-from megatron_ext.lookup.attempts import Attempts
-from megatron_ext.lookup.blocklist import emit_blocklist
-from megatron_ext.lookup.crosscheck import check_against_log
-from megatron_ext.lookup.cyclic import CyclicOrder
-from megatron_ext.lookup.errors import ConfigError, Refused
-from megatron_ext.lookup.indices import TrainIndex
-from megatron_ext.lookup.inverse import find_document, member_of
-from megatron_ext.lookup.position import Batch
-from megatron_ext.lookup.render import (
-    describe_source,
-    hits_table,
-    jsonl,
-    samples_table,
-    spans_of,
-    write_atomic,
-)
-from megatron_ext.lookup.session import Session, batch_records
-from megatron_ext.lookup.worst import (
+from megatron_ext.lookup.config import load_checkpoint
+from megatron_ext.lookup.crosscheck import (
     attach,
+    check_against_log,
+    log_answer,
     ranked_samples,
     sample_log_dir,
     worst_lines,
     worst_table,
 )
-from megatron_ext.registry import copy_check as copies
+from megatron_ext.lookup.data import TrainIndex, find_document, member_of
+from megatron_ext.lookup.errors import ConfigError, Refused
+from megatron_ext.lookup.history import Attempts
+from megatron_ext.lookup.schedule import Batch, CyclicOrder
+from megatron_ext.lookup.session import (
+    Session,
+    batch_records,
+    describe_source,
+    emit_blocklist,
+    hits_table,
+    jsonl,
+    samples_table,
+    spans_of,
+    table,
+    write_atomic,
+)
+from megatron_ext.registry import copies
 from megatron_ext.registry.copies import COPIES
+
+_INT, _FLAG, _MANY = {"type": int}, {"action": "store_true"}, {"action": "append", "default": []}
+# (group, flag, options, help) of the lookup's own flags.
+_FLAGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
+    ("what", "--iteration", _INT, "1-indexed iteration, as Megatron logs it"),
+    (
+        "what",
+        "--consumed-samples",
+        _INT,
+        "the batch Megatron reads next at this consumed_train_samples",
+    ),
+    ("what", "--document", _INT, "inverse: a document (sequence) id of --dataset"),
+    (
+        "what",
+        "--dataset",
+        {},
+        "inverse: data prefix as in --data-path, its file name, or its position in the blend",
+    ),
+    ("what", "--dp-rank", _INT, "only this data-parallel rank"),
+    (
+        "what",
+        "--worst",
+        {**_INT, "metavar": "K"},
+        "with --iteration: the K samples with the highest loss training recorded (sample log), "
+        "with their documents",
+    ),
+    ("what", "--microbatch", _INT, "only this micro-batch of the iteration"),
+    (
+        "what",
+        "--attempt",
+        _INT,
+        "with --iteration: what this attempt (1-based, in launch order) trained there (default: "
+        "the latest attempt that trained it, e.g. an incident's onset batch)",
+    ),
+    (
+        "run",
+        "--from-checkpoint",
+        {"metavar": "DIR"},
+        "a torch_dist --save directory or one iter_NNNNNNN directory",
+    ),
+    ("run", "--ckpt-step", _INT, "which iteration's checkpoint to read"),
+    (
+        "run",
+        "--data-parallel-size",
+        _INT,
+        "DP size (default: the checkpoint's); world / (TP x PP x CP)",
+    ),
+    (
+        "run",
+        "--phase",
+        _INT,
+        "inverse with --phase-transition-iterations and no checkpoint: which phase's data the "
+        "flags describe (0-based)",
+    ),
+    (
+        "run",
+        "--no-add-extra-token-to-sequence",
+        _FLAG,
+        "the datasets were built with add_extra_token_to_sequence=False (Megatron-LM training "
+        "always uses True)",
+    ),
+    (
+        "data",
+        "--cache-dir",
+        {},
+        "index cache directory (default: the run's --data-cache-path, else "
+        "<prefix>/cache/GPTDataset_indices)",
+    ),
+    (
+        "data",
+        "--data-root",
+        {**_MANY, "metavar": "OLD=NEW"},
+        "the data moved: read prefixes under OLD from NEW (repeatable)",
+    ),
+    (
+        "data",
+        "--rebuild-caches",
+        _FLAG,
+        "build missing caches with megatron-core's builder (same config)",
+    ),
+    (
+        "data",
+        "--from-sample-log",
+        _FLAG,
+        "answer --iteration from the run's sample log alone (--sample-log DIR, else the "
+        "checkpoint's --sample-log-dir): sample ids, token SHA-1s and losses as trained, in "
+        "milliseconds, without Megatron or the index caches (documents and tokens need those)",
+    ),
+    ("output", "--json", _FLAG, "one JSON document on stdout"),
+    ("output", "--out", {"metavar": "FILE.jsonl"}, "write one JSON line per sample/hit"),
+    (
+        "output",
+        "--emit-blocklist",
+        {"metavar": "FILE.jsonl"},
+        "write the documents found, for a data filter (one JSON line each)",
+    ),
+    ("output", "--text", _FLAG, "decode tokens with the run's tokenizer (checkpoint or flags)"),
+    (
+        "output",
+        "--sample-log",
+        {"metavar": "DIR"},
+        "refuse unless the answer matches the run's --sample-log-dir records",
+    ),
+    ("output", "--max-tokens", {**_INT, "default": 12}, "tokens per table row"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,94 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any other flag is a Megatron training flag and means what it meant to the run.",
     )
-    what = parser.add_argument_group("what to look up (one of)")
-    what.add_argument("--iteration", type=int, help="1-indexed iteration, as Megatron logs it")
-    what.add_argument(
-        "--consumed-samples",
-        type=int,
-        help="the batch Megatron reads next at this consumed_train_samples",
-    )
-    what.add_argument("--document", type=int, help="inverse: a document (sequence) id of --dataset")
-    what.add_argument(
-        "--dataset",
-        help="inverse: data prefix as in --data-path, its file name, or its position in the blend",
-    )
-    what.add_argument("--dp-rank", type=int, help="only this data-parallel rank")
-    what.add_argument(
-        "--worst",
-        type=int,
-        metavar="K",
-        help="with --iteration: the K samples with the highest loss training recorded "
-        "(sample log), with their documents (megatron_ext/lookup/worst.py)",
-    )
-    what.add_argument("--microbatch", type=int, help="only this micro-batch of the iteration")
-    what.add_argument(
-        "--attempt",
-        type=int,
-        help="with --iteration: what this attempt (1-based, in launch order) trained there "
-        "(default: the latest attempt that trained it, e.g. an incident's onset batch)",
-    )
-    run = parser.add_argument_group("the run")
-    run.add_argument(
-        "--from-checkpoint",
-        metavar="DIR",
-        help="a torch_dist --save directory or one iter_NNNNNNN directory",
-    )
-    run.add_argument("--ckpt-step", type=int, help="which iteration's checkpoint to read")
-    run.add_argument(
-        "--data-parallel-size",
-        type=int,
-        help="DP size (default: the checkpoint's); world / (TP x PP x CP)",
-    )
-    run.add_argument(
-        "--phase",
-        type=int,
-        help="inverse with --phase-transition-iterations and no checkpoint: which "
-        "phase's data the flags describe (0-based)",
-    )
-    run.add_argument(
-        "--no-add-extra-token-to-sequence",
-        action="store_true",
-        help="the datasets were built with add_extra_token_to_sequence=False "
-        "(Megatron-LM training always uses True)",
-    )
-    data = parser.add_argument_group("data and caches")
-    data.add_argument(
-        "--cache-dir",
-        help="index cache directory (default: the run's "
-        "--data-cache-path, else <prefix>/cache/GPTDataset_indices)",
-    )
-    data.add_argument(
-        "--data-root",
-        action="append",
-        default=[],
-        metavar="OLD=NEW",
-        help="the data moved: read prefixes under OLD from NEW (repeatable)",
-    )
-    data.add_argument(
-        "--rebuild-caches",
-        action="store_true",
-        help="build missing caches with megatron-core's builder (same config)",
-    )
-    out = parser.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    out.add_argument("--out", metavar="FILE.jsonl", help="write one JSON line per sample/hit")
-    out.add_argument(
-        "--emit-blocklist",
-        metavar="FILE.jsonl",
-        help="write the documents found, for a data filter (one JSON line each)",
-    )
-    out.add_argument(
-        "--text",
-        action="store_true",
-        help="decode tokens with the run's tokenizer (checkpoint or flags)",
-    )
-    out.add_argument(
-        "--sample-log",
-        metavar="DIR",
-        help="refuse unless the answer matches the run's --sample-log-dir records",
-    )
-    out.add_argument("--max-tokens", type=int, default=12, help="tokens per table row")
+    titles = {"what": "what to look up (one of)", "run": "the run", "data": "data and caches"}
+    groups: dict[str, Any] = {}
+    for group, flag, options, text in _FLAGS:
+        if group not in groups:
+            groups[group] = parser.add_argument_group(titles.get(group, group))
+        groups[group].add_argument(flag, help=text, **options)
     return parser
 
 
@@ -176,6 +201,12 @@ def _usage(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None
         parser.error("--attempt N (N >= 1) chooses whose training of an --iteration to answer")
     if options.consumed_samples is not None and options.consumed_samples < 0:
         parser.error(f"--consumed-samples must be >= 0, got {options.consumed_samples}")
+    needs_indices = (options.text, options.emit_blocklist, options.worst, options.attempt)
+    if options.from_sample_log and (options.iteration is None or any(needs_indices)):
+        parser.error(
+            "--from-sample-log answers --iteration [--dp-rank] [--microbatch] from the log "
+            "alone; --text, --emit-blocklist, --worst and --attempt need the index caches"
+        )
     if any("=" not in item for item in options.data_root):
         parser.error("--data-root takes OLD=NEW")
 
@@ -205,24 +236,18 @@ def _batch_lines(
 
 
 def _emit(
-    session: Session,
+    options: argparse.Namespace,
     lines: list[str],
     records: list[dict[str, Any]],
     kind: str,
     table: str,
     extra: dict[str, Any],
 ) -> None:
-    options = session.options
     if options.out:
         write_atomic(options.out, jsonl(records))
         print(f"wrote {len(records)} {kind} to {options.out}", file=sys.stderr)
     if options.json:
-        print(
-            json.dumps(
-                {**extra, "notes": list(session.config.notes), "lines": lines, kind: records},
-                indent=1,
-            )
-        )
+        print(json.dumps({**extra, "lines": lines, kind: records}, indent=1))
     else:
         print("\n".join(lines) if options.out else table)
 
@@ -288,32 +313,16 @@ def forward(session: Session) -> int:
         if options.worst is not None
         else samples_table(lines, records, options.max_tokens)
     )
-    _emit(session, lines, records, "samples", table, extra)
+    _emit(options, lines, records, "samples", table, extra | {"notes": [*session.config.notes]})
     return 0
 
 
-def inverse(session: Session) -> int:
-    """Document -> every (iteration, DP rank, micro-batch) that read it."""
-    options, schedule = session.options, session.config.schedule
-    if session.history is not None and session.history.distinct_layouts() > 1:
-        raise ConfigError(
-            "the run's DP size or batch sizes changed at a resume, and the inverse lookup maps "
-            "positions with one layout: it would name wrong ranks for part of the run. Look "
-            "up candidate iterations forward (--iteration), or pass --ckpt-step, "
-            "--data-parallel-size and --micro-batch-size for one stretch"
-        )
-    phase = session.phase(None)
-    index = session.index(phase)
-    member = member_of(index, options.dataset)
-    hits = find_document(index, member, options.document)
-    before, last = schedule.phase_bounds(phase)
-    if last is None:
-        raise ConfigError("the run's last iteration is unknown; pass --train-iters")
-    stream_end = (
-        (last - before) * schedule.global_batch_size
-        if schedule.phase_transitions
-        else schedule.consumed_before(last + 1)
-    )
+def _hits(
+    session: Session, index: TrainIndex, hits: Any, stream_end: int, phase: int, last: int
+) -> tuple[list[dict[str, Any]], int]:
+    """The reads of a document placed at (iteration, DP rank, micro-batch), and how many lie
+    past the run's last iteration."""
+    schedule = session.config.schedule
     if session.config.dataloader_type == "single":
         positions, origin = hits.global_indices, np.arange(len(hits.global_indices))
     else:
@@ -344,6 +353,32 @@ def inverse(session: Session) -> int:
         ),
         key=lambda h: (h["iteration"], h["microbatch"], h["dp_rank"], h["offset"]),
     )
+    return records, int((~reached).sum())
+
+
+def inverse(session: Session) -> int:
+    """Document -> every (iteration, DP rank, micro-batch) that read it."""
+    options, schedule = session.options, session.config.schedule
+    if session.history is not None and session.history.distinct_layouts() > 1:
+        raise ConfigError(
+            "the run's DP size or batch sizes changed at a resume, and the inverse lookup maps "
+            "positions with one layout: it would name wrong ranks for part of the run. Look "
+            "up candidate iterations forward (--iteration), or pass --ckpt-step, "
+            "--data-parallel-size and --micro-batch-size for one stretch"
+        )
+    phase = session.phase(None)
+    index = session.index(phase)
+    member = member_of(index, options.dataset)
+    hits = find_document(index, member, options.document)
+    before, last = schedule.phase_bounds(phase)
+    if last is None:
+        raise ConfigError("the run's last iteration is unknown; pass --train-iters")
+    stream_end = (
+        (last - before) * schedule.global_batch_size
+        if schedule.phase_transitions
+        else schedule.consumed_before(last + 1)
+    )
+    records, unreached = _hits(session, index, hits, stream_end, phase, last)
     mid = index.mids[member]
     source = mid.source(options.document)
     trained = {h["iteration"] for h in records if not h["skipped"]}
@@ -361,10 +396,9 @@ def inverse(session: Session) -> int:
         f"from: {describe_source(source)}" if source else "from: (no provenance sidecar)",
         *[f"note: {note}" for note in session.config.notes],
     ]
-    if int((~reached).sum()):
+    if unreached:
         lines.append(
-            f"{int((~reached).sum())} more sample(s) in the caches hold it but lie "
-            f"past iteration {last}"
+            f"{unreached} more sample(s) in the caches hold it but lie past iteration {last}"
         )
     if options.emit_blocklist:
         emit_blocklist(session, index, {(member, mid.path, options.document)})
@@ -374,7 +408,38 @@ def inverse(session: Session) -> int:
         "source": source,
         "data": {"kind": index.kind, "cache": index.hash},
     }
-    _emit(session, lines, records, "hits", hits_table(lines, records), extra)
+    extra["notes"] = list(session.config.notes)
+    _emit(options, lines, records, "hits", hits_table(lines, records), extra)
+    return 0
+
+
+def from_sample_log(options: argparse.Namespace) -> int:
+    """``--from-sample-log``: the iteration's samples as training logged them; reads the
+    checkpoint's args without torch and imports no Megatron."""
+    directory = options.sample_log
+    if not directory and options.from_checkpoint:
+        args = load_checkpoint(options.from_checkpoint, options.ckpt_step).args
+        directory = getattr(args, "sample_log_dir", None)
+    if not directory:
+        raise ConfigError(
+            "--from-sample-log reads the run's sample log: pass --sample-log DIR, or a "
+            "checkpoint of a run trained with --sample-log-dir"
+        )
+    records = log_answer(directory, options.iteration, options.dp_rank, options.microbatch)
+    ranks = sorted({r["dp_rank"] for r in records})
+    lines = [
+        f"iteration {options.iteration}: {len(records)} samples on DP rank(s) "
+        f"{', '.join(map(str, ranks))}, as trained",
+        f"source: sample log {directory} (no Megatron, no index caches: drop "
+        "--from-sample-log for documents and tokens)",
+    ]
+    rows = [
+        [*map(str, (r["sample_index"], r["dp_rank"], r["microbatch"])), loss, r["token_sha1"]]
+        for r in records
+        for loss in ["-" if r["loss"] is None else f"{r['loss']:.4f}"]
+    ]
+    shown = "\n".join(lines + table(["sample", "dp", "mb", "loss", "token_sha1"], rows))
+    _emit(options, lines, records, "samples", shown, {"source": f"sample log {directory}"})
     return 0
 
 
@@ -383,9 +448,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     options, megatron_flags = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     _usage(parser, options)
+    if options.from_sample_log and megatron_flags:
+        parser.error(f"--from-sample-log reads what was trained; not {' '.join(megatron_flags)}")
     # Megatron logs every index it opens at INFO; the answer is the output here.
     logging.getLogger("megatron").setLevel(logging.WARNING)
     try:
+        if options.from_sample_log:
+            return from_sample_log(options)
         # The Megatron logic copied here must still be the installed megatron-core's.
         copies.verify(COPIES)
         session = Session(options, megatron_flags)

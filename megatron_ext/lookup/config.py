@@ -1,19 +1,25 @@
-"""The run's data and batch configuration: from a checkpoint's saved args, or Megatron flags.
-
-Megatron saves its whole ``args`` namespace in every checkpoint, so a checkpoint is the most
-faithful record of how the run read data. Flags are parsed by Megatron's own argument parser,
-on top of the checkpoint's args when both are given (explicit flags win), so every flag means
-exactly what it meant to the training job. What the lookup needs is then distilled into a
-:class:`RunConfig`; modes whose sample order this tool cannot reproduce are refused here.
+"""The run's configuration: a checkpoint's saved args and/or Megatron flags (Megatron's own
+parser; explicit flags win) -> :class:`RunConfig`, the tokenizer (``--text``), and
+``--rebuild-caches`` (Megatron's builder, the entry point's config). Modes whose sample order
+cannot be reproduced are refused here.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import logging
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from tqdm import tqdm
+
+from megatron_ext.common import versions
 from megatron_ext.common.checkpoint_state import CheckpointUnreadable, load_common_state
 from megatron_ext.common.files import (
     CHECKPOINT_COMMON_FILE,
@@ -21,18 +27,17 @@ from megatron_ext.common.files import (
     TrackerError,
     read_checkpoint_tracker,
 )
-from megatron_ext.lookup import flagspec
-from megatron_ext.lookup.caches import DataSpec
-from megatron_ext.lookup.errors import ConfigError
-from megatron_ext.lookup.formats import blend_and_blend_per_split
-from megatron_ext.lookup.position import (
+from megatron_ext.common.records.pair import PairError, check_pair
+from megatron_ext.lookup.data import DataSpec, blend_and_blend_per_split, remap
+from megatron_ext.lookup.errors import ConfigError, DataChanged
+from megatron_ext.lookup.schedule import (
     Anchor,
     Schedule,
+    Topology,
     parse_step_schedule,
     rampup_schedule,
     rampup_train_iters,
 )
-from megatron_ext.lookup.topology import Topology
 
 # Megatron-LM's validate_args default when --data-path is given without --split.
 LEGACY_SPLIT = "969, 30, 1"
@@ -56,11 +61,7 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, step: int | None = None) -> Checkpoint:
-    """Read the saved args of a torch_dist checkpoint (a --save dir or one ``iter_*`` dir).
-
-    Read by :mod:`megatron_ext.common.checkpoint_state` (no Megatron import); a layout it does not
-    know is read by Megatron's ``load_common_state_dict``.
-    """
+    """Read the saved args of a torch_dist checkpoint (a --save dir or one ``iter_*`` dir)."""
     root = Path(path)
     try:
         tracked = None if step is not None else read_checkpoint_tracker(root)
@@ -86,15 +87,20 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> Checkpoint:
     return Checkpoint(directory, int(state.get("iteration", 0)), state["args"])
 
 
-def megatron_namespace(argv: list[str], base: argparse.Namespace | None) -> argparse.Namespace:
-    """Parse Megatron flags with Megatron's parser; values already in ``base`` are defaults.
+def megatron_parser() -> argparse.ArgumentParser:
+    """Megatron's own training-flag parser (imports megatron.training: seconds)."""
+    from megatron.training.arguments import add_megatron_arguments
 
-    argparse only fills defaults for attributes the namespace lacks, so checkpoint values stay
-    unless a flag overrides them, and flags absent from the checkpoint get Megatron's defaults.
-    The parser is Megatron's own, rebuilt from its generated spec (:mod:`.flagspec`).
-    """
+    return add_megatron_arguments(
+        argparse.ArgumentParser(prog="megatron flags", allow_abbrev=False)
+    )
+
+
+def megatron_namespace(argv: list[str], base: argparse.Namespace | None) -> argparse.Namespace:
+    """Parse Megatron flags with Megatron's parser; values already in ``base`` are defaults
+    (argparse fills only missing attributes: checkpoint values stay unless a flag overrides)."""
     namespace = copy.deepcopy(base) if base is not None else argparse.Namespace()
-    parsed, unknown = flagspec.parse(argv, namespace)
+    parsed, unknown = megatron_parser().parse_known_args(argv, namespace=namespace)
     if unknown:
         raise ConfigError(f"unknown flags (neither lookup nor Megatron flags): {' '.join(unknown)}")
     if isinstance(parsed.phase_transition_iterations, str):  # as validate_args does
@@ -169,18 +175,10 @@ class RunConfig:
 
 
 def honours_rampup(args: argparse.Namespace, *, from_checkpoint: bool) -> bool:
-    """Whether the megatron-core that trained the run honoured ``--rampup-batch-size``.
-
-    megatron-core 0.17 ramps the batch up; 0.18 replaced it with ``--step-batch-size-schedule``
-    and ignores it. A checkpoint's saved args are the namespace the training job's own parser
-    built, and every parser from 0.18 on defines ``step_batch_size_schedule``: the attribute is
-    in the saved args exactly when the run was trained on 0.18 or later (a record Megatron
-    keeps in every checkpoint). Without a checkpoint (flags only), the installed
-    megatron-core is taken to be the one that trained the run (a note says so).
-    """
+    """Whether the megatron-core that trained the run honoured ``--rampup-batch-size``."""
     if from_checkpoint:
         return "step_batch_size_schedule" not in vars(args)
-    installed = flagspec.installed_version()
+    installed = versions.installed()
     return installed is not None and installed.startswith("0.17.")
 
 
@@ -212,24 +210,8 @@ def _train_iters(
     return iterations
 
 
-def run_config(
-    args: argparse.Namespace,
-    *,
-    data_parallel_size: int | None,
-    checkpoint: Checkpoint | None,
-    data_from_checkpoint: bool = True,
-    add_extra_token: bool = True,
-    segment: bool = False,
-    rampup_honoured: bool = False,
-) -> RunConfig:
-    """Distil Megatron's namespace into a RunConfig, refusing what cannot be answered exactly.
-
-    ``data_from_checkpoint``: the data paths are the checkpoint's (not overridden by flags), so
-    they describe the phase the checkpoint was saved in. ``segment``: ``checkpoint`` is the
-    start of one attempt of the layout history (no notes about the anchor).
-    ``rampup_honoured``: the run was trained by a megatron-core that ramps the batch up
-    (0.17; :func:`honours_rampup`).
-    """
+def _refuse_unsupported(args: argparse.Namespace) -> str:
+    """The dataloader type, after refusing the modes whose sample order is not reproducible."""
     used = [text for attr, text in UNSUPPORTED.items() if getattr(args, attr, None)]
     if used:
         raise ConfigError(f"unsupported for lookup: {'; '.join(used)}")
@@ -240,37 +222,82 @@ def run_config(
         raise ConfigError(f"--dataloader-type {dataloader}: the sample order is the user's code")
     if args.seq_length is None or args.micro_batch_size is None:
         raise ConfigError("pass --seq-length and --micro-batch-size (or --from-checkpoint)")
+    return dataloader
+
+
+def _step_schedule(
+    args: argparse.Namespace, rampup: bool, notes: list[str]
+) -> tuple[tuple[int, int], ...]:
+    """The running batch sizes: --step-batch-size-schedule, or 0.17's ramp-up when honoured."""
+    flag = getattr(args, "rampup_batch_size", None)
+    if flag and not rampup:
+        notes.append(
+            f"--rampup-batch-size {' '.join(map(str, flag))} is deprecated and "
+            "ignored from megatron-core 0.18 on, which trained this run: it used a constant "
+            "global batch (--step-batch-size-schedule is the ramp-up that takes effect)"
+        )
+    if getattr(args, "step_batch_size_schedule", None):
+        return parse_step_schedule(args.step_batch_size_schedule, args.seq_length)
+    if not rampup:
+        return ()
+    table = rampup_schedule(
+        flag,
+        int(args.global_batch_size),
+        int(args.micro_batch_size) * int(args.data_parallel_size),
+        bool(args.decrease_batch_size_if_needed),
+    )
+    notes.append(
+        f"--rampup-batch-size {' '.join(map(str, flag))}: the run was "
+        "trained by megatron-core 0.17, which ramps the global batch up (batch sizes "
+        + ", ".join(f"{size} from {at} samples" for at, size in table)
+        + ")"
+    )
+    return table
+
+
+def _skip_note(
+    schedule: Schedule, skipped: int, iteration: int, ramped: bool, stepped: bool
+) -> str | None:
+    """A note when the checkpoint's skipped-sample count is not what its skips account for."""
+    done = [i for i in schedule.iterations_to_skip if i <= iteration]
+    listed = sum(schedule.batch(i).size for i in done)
+    if schedule.decrease_batch_size_if_needed and ramped:
+        listed = skipped  # 0.17 counts each ramp-up size's rounding: not re-derived here
+    elif schedule.decrease_batch_size_if_needed and not stepped:
+        # Megatron also counts the rounded-off samples of every trained iteration.
+        rounded = schedule.global_batch_size - schedule.batch(1).size
+        listed += rounded * (iteration - len(done))
+    if skipped == listed:
+        return None
+    return (
+        f"the checkpoint counts {skipped} skipped samples but its --iterations-to-skip "
+        f"account for {listed}: earlier jobs skipped other iterations, so 'skipped' "
+        "flags before this job may be incomplete"
+    )
+
+
+def run_config(
+    args: argparse.Namespace,
+    *,
+    data_parallel_size: int | None,
+    checkpoint: Checkpoint | None,
+    data_from_checkpoint: bool = True,
+    add_extra_token: bool = True,
+    segment: bool = False,
+    rampup_honoured: bool = False,
+) -> RunConfig:
+    """Distil Megatron's namespace into a RunConfig, refusing what cannot be answered exactly."""
+    dataloader = _refuse_unsupported(args)
     dp = data_parallel_size or getattr(args, "data_parallel_size", None)
     if not dp:
         raise ConfigError("pass --data-parallel-size (world size / (TP x PP x CP))")
     args = copy.copy(args)
     args.data_parallel_size = dp
-    notes = []
-    rampup = bool(getattr(args, "rampup_batch_size", None)) and rampup_honoured
-    if getattr(args, "rampup_batch_size", None) and not rampup:
-        notes.append(
-            f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))} is deprecated and "
-            "ignored from megatron-core 0.18 on, which trained this run: it used a constant "
-            "global batch (--step-batch-size-schedule is the ramp-up that takes effect)"
-        )
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
-    step_schedule: tuple[tuple[int, int], ...] = ()
-    if getattr(args, "step_batch_size_schedule", None):
-        step_schedule = parse_step_schedule(args.step_batch_size_schedule, args.seq_length)
-    elif rampup:
-        step_schedule = rampup_schedule(
-            args.rampup_batch_size,
-            int(args.global_batch_size),
-            int(args.micro_batch_size) * int(dp),
-            bool(args.decrease_batch_size_if_needed),
-        )
-        notes.append(
-            f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}: the run was "
-            "trained by megatron-core 0.17, which ramps the global batch up (batch sizes "
-            + ", ".join(f"{size} from {at} samples" for at, size in step_schedule)
-            + ")"
-        )
+    notes: list[str] = []
+    rampup = bool(getattr(args, "rampup_batch_size", None)) and rampup_honoured
+    step_schedule = _step_schedule(args, rampup, notes)
     transitions = tuple(args.phase_transition_iterations or ())
     if transitions and not args.train_samples:
         raise ConfigError(
@@ -302,20 +329,8 @@ def run_config(
         )
     skipped = getattr(args, "skipped_train_samples", None)
     if checkpoint is not None and skipped is not None and schedule.history_known:
-        done = [i for i in schedule.iterations_to_skip if i <= checkpoint.iteration]
-        listed = sum(schedule.batch(i).size for i in done)
-        if schedule.decrease_batch_size_if_needed and rampup:
-            listed = skipped  # 0.17 counts each ramp-up size's rounding: not re-derived here
-        elif schedule.decrease_batch_size_if_needed and not step_schedule:
-            # Megatron also counts the rounded-off samples of every trained iteration.
-            rounded = schedule.global_batch_size - schedule.batch(1).size
-            listed += rounded * (checkpoint.iteration - len(done))
-        if skipped != listed:
-            notes.append(
-                f"the checkpoint counts {skipped} skipped samples but its --iterations-to-skip "
-                f"account for {listed}: earlier jobs skipped other iterations, so 'skipped' "
-                "flags before this job may be incomplete"
-            )
+        note = _skip_note(schedule, skipped, checkpoint.iteration, rampup, bool(step_schedule))
+        notes += [note] if note else []
     topology = Topology(
         data_parallel=int(dp),
         tensor_parallel=int(args.tensor_model_parallel_size),
@@ -339,11 +354,7 @@ def run_config(
 
 
 def eval_sizes(args: argparse.Namespace) -> tuple[int | None, int]:
-    """Validation and test sizes as ``get_train_valid_test_num_samples`` (for rebuilds).
-
-    They only decide which valid/test caches a rebuild writes next to the train ones; the train
-    caches the lookup reads do not depend on them.
-    """
+    """Validation and test sizes as ``get_train_valid_test_num_samples`` (for rebuilds)."""
     eval_batch = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
     test = args.eval_iters * eval_batch
     if args.full_validation:
@@ -354,3 +365,169 @@ def eval_sizes(args: argparse.Namespace) -> tuple[int | None, int]:
     if getattr(args, "start_eval_at_iter", None) is not None:  # 0.18 on
         points = max(0, points - args.start_eval_at_iter // args.eval_interval)
     return points * args.eval_iters * eval_batch, test
+
+
+# (0.17 name, 0.18+ name) of the same tokenizer flag's dest.
+RENAMED = (("tokenizer_special_tokens", "special_tokens"), ("tokenizer_metadata", "metadata_path"))
+TOKENIZER_PATH_ARGS = ("tokenizer_model", "vocab_file", "merge_file")
+
+
+def tokenizer_from_args(args: argparse.Namespace, data_root: Sequence[tuple[str, str]] = ()) -> Any:
+    """The run's tokenizer, built by Megatron from the same flags training used; its files
+    are read through the ``--data-root`` remapping, like the data (they usually move with it).
+    The run's args may come from another megatron-core: renamed fields are carried over
+    (:data:`RENAMED`).
+    """
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    if args.tokenizer_type is None:
+        raise ConfigError("no tokenizer in the run's args; pass --tokenizer-type/--tokenizer-model")
+    args = copy.copy(args)
+    args.rank = 0
+    for old, new in RENAMED:
+        value = getattr(args, old, None)
+        value = value if value is not None else getattr(args, new, None)
+        setattr(args, old, value)  # whichever name the installed build_tokenizer reads
+        setattr(args, new, value)
+    for name in TOKENIZER_PATH_ARGS:
+        value = getattr(args, name, None)
+        if not isinstance(value, str) or not os.path.isabs(value):
+            continue  # unset, or a hub name such as "gpt2"
+        moved = remap(value, data_root)
+        if not os.path.exists(moved):
+            hint = (
+                f" (mapped from {value} by --data-root)"
+                if moved != value
+                else "; if it moved with the data, map the old location with --data-root OLD=NEW"
+            )
+            raise ConfigError(f"--text: the run's tokenizer file {moved} is not there{hint}")
+        setattr(args, name, moved)
+    try:
+        return build_tokenizer(args)
+    except Exception as exc:  # any failure of the tokenizer library: say which tokenizer
+        raise ConfigError(
+            f"--text: cannot build the run's tokenizer ({args.tokenizer_type} "
+            f"{getattr(args, 'tokenizer_model', None)}): {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def pad_token_id(tokenizer: Any, allow_ambiguous: bool) -> int:
+    """The pad id GPTDataset uses (MegatronDataset.__init__): the tokenizer's, or -1 when it
+    is missing or collides with another special token."""
+    try:
+        pad = tokenizer.pad
+    except Exception:  # Megatron's own fallback is this broad: any failure means "no pad"
+        return -1
+    try:
+        specials = [v for k, v in tokenizer.special_tokens_dict.items() if k != "pad_token"]
+    except (AttributeError, IndexError, ValueError):
+        specials = []
+    if not specials:
+        for name in ("eos", "eod"):
+            with contextlib.suppress(AttributeError, NotImplementedError):
+                specials.append(getattr(tokenizer, name))
+    if pad in specials and not allow_ambiguous:
+        return -1
+    return pad
+
+
+class _Progress(logging.Handler):
+    """Advance a progress bar on Megatron's "Build and save"/"Load the" index messages."""
+
+    def __init__(self, bar: tqdm) -> None:
+        super().__init__(logging.INFO)
+        self.bar = bar
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        for prefix in ("Build and save the ", "Load the "):
+            if message.startswith(prefix) and "indices" in message:
+                self.bar.set_postfix_str(message[len(prefix) :].replace(" indices", ""))
+                self.bar.update(1)
+
+
+def _expected_indices(args: Any) -> int:
+    """How many GPT/Blended indices the builder will build or load, for the bar's total."""
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    blend, per_split = get_blend_and_blend_per_split(args)
+    blends = (
+        [blend] * sum(1 for part in args.split.split(",") if float(part) > 0)
+        if blend
+        else [b for b in per_split if b is not None]
+    )
+    return sum(
+        len(prefixes) + (len(prefixes) > 1 or weights is not None) for prefixes, weights in blends
+    )
+
+
+@contextlib.contextmanager
+def process_group() -> Iterator[None]:
+    """A one-process gloo group while none exists: megatron-core 0.17's BlendedDataset asks
+    torch.distributed for the rank before building its indices (0.18 on check first), and a
+    lookup is one process with no group."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        store = dist.FileStore(f"{directory}/store", 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _check_data(args: Any) -> None:
+    """Every pair the builder will read passes the check training start-up runs: on a
+    truncated ``.idx`` the builder dies in a numpy traceback, and on an edited one it builds
+    caches that the lookup would then answer from."""
+    blend, per_split = blend_and_blend_per_split(args)
+    for found in (blend, *(per_split or ())):
+        for prefix in found[0] if found else ():
+            try:
+                check_pair(prefix)
+            except PairError as exc:
+                raise DataChanged(f"{exc}; no cache was rebuilt") from None
+
+
+def rebuild_caches(config: RunConfig, phase: int, cache_dir: str | None) -> None:
+    """Build (or load, where present) every index cache of the run's datasets for ``phase``."""
+    _check_data(config.args)
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    from megatron_ext.loop.gpt_step import gpt_dataset_config_from_args
+
+    args = copy.copy(config.args)
+    if cache_dir is not None:
+        args.data_cache_path = cache_dir
+    # Both skip building (they assume caches exist); neither changes names or contents.
+    args.dataloader_fast_cache_load = False
+    args.dataloader_defer_npy_index_mmap = False
+    args.rank = 0
+    dataset_config = gpt_dataset_config_from_args(args)
+    dataset_config.add_extra_token_to_sequence = config.add_extra_token
+    valid, test = eval_sizes(args)
+    sizes = [config.train_target(phase), valid, test]
+    logger = logging.getLogger("megatron.core.datasets")
+    level, propagate = logger.level, logger.propagate
+    with tqdm(total=_expected_indices(args), desc="rebuilding index caches", unit="index") as bar:
+        handler = _Progress(bar)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # the bar reports progress; the log lines would drown it
+        try:
+            with process_group():
+                builder = BlendedMegatronDatasetBuilder(
+                    GPTDataset, sizes, lambda: True, dataset_config
+                )
+                builder.build()
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate

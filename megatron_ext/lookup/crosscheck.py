@@ -1,15 +1,7 @@
-"""``--sample-log DIR``: check the answer against what training itself recorded.
-
-The index arithmetic proves the caches and the .idx agree; only a record written during
-training proves the *tokens* are the ones trained on. When the run had ``--sample-log-dir``,
-each trained micro-batch's sample ids and token SHA-1s are on disk (:mod:`megatron_ext.sample_log`).
-Other samples mean the data changed since, and the answer is refused rather than shown. The
-same samples with other tokens mean the tokens trained differ from the data on disk: changed
-since, or corrupted in flight, as a drill does: when the layout log records a drill that hit
-that batch the answer is shown, with both SHA-1s and the drill named; otherwise it is refused
-as changed data, with both SHA-1s.
-Only the answered iteration's records are read (:mod:`megatron_ext.common.records.sample_log_reader`
-seeks to them), so the check costs the same at iteration 100 as at 100 k, on 1 rank or 64.
+"""What training recorded in the sample log, against the answer (``--sample-log``), ranked by
+loss (``--worst``), or as the answer itself (``--from-sample-log``). Only the asked iteration's
+records are read. Other samples are refused (the data changed); other tokens are shown only
+where a recorded drill corrupted that batch.
 """
 
 from __future__ import annotations
@@ -20,13 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.common.files import SAMPLE_LOG_GLOB, sample_log_file
-from megatron_ext.common.gap_log import Gap
+from megatron_ext.common.gap_log import Gap, read_gaps
 from megatron_ext.common.records.sample_log import SampleRecord
 from megatron_ext.common.records.sample_log_reader import AttemptRecords, latest, read_iteration
-from megatron_ext.lookup.attempts import attempt_number
-from megatron_ext.lookup.errors import DataChanged, Refused, TwoWriters
-from megatron_ext.lookup.gaps import gap_of, sample_log_gaps
-from megatron_ext.lookup.history import Segment
+from megatron_ext.lookup.errors import ConfigError, DataChanged, PositionError, Refused, TwoWriters
+from megatron_ext.lookup.history import Segment, attempt_number
+from megatron_ext.lookup.session import source_line
 
 _DRILL = re.compile(r"^(\d+)(?:-(\d+))?:(\d+|\*)$")  # --drill-corrupt-batch START[-END]:RANK
 
@@ -48,17 +39,7 @@ def check_against_log(
     segments: tuple[Segment, ...] = (),
     answered: int | None = None,
 ) -> str:
-    """Compare answered samples with the log; returns a one-line verdict, raises on mismatch.
-
-    ``records`` is the answer shown (attempt ``answered``). With ``answers`` (attempt number
-    -> that attempt's answer, under its own layout and data stage), every attempt's records
-    of the iteration are compared with its own answer, and ``segments`` (the layout history's
-    attempts) place each sample-log attempt; without, the last record per micro-batch is
-    compared with ``records``. Two different records of one micro-batch in one attempt (two
-    trainings writing one log) are an error. Refuses when there is nothing to compare with
-    (no directory, no sample log in it, or no record of any answered micro-batch): a check
-    that compared nothing must not read as passed.
-    """
+    """Compare answered samples with the log; returns a one-line verdict, raises on mismatch."""
     if not Path(directory).is_dir() or not any(Path(directory).glob(SAMPLE_LOG_GLOB)):
         raise Refused(
             f"--sample-log {directory}: no sample log there ({SAMPLE_LOG_GLOB} files, written by "
@@ -180,16 +161,12 @@ def _covers(drill: str, iteration: int, rank: int) -> bool:
     return first <= iteration <= last and match[3] in ("*", str(rank))
 
 
-def _verdict(
+def _uncompared(
     directory: str | Path,
     slots: dict[tuple[int, int, int], list[dict[str, Any]]],
     logged: dict[tuple[int, int, int], SampleRecord],
-    matched: dict[int | None, int],
-    twice: list[str],
-    differ: int,
-) -> str:
-    """What was compared, or a refusal when nothing was (``differ``: micro-batches compared
-    whose tokens differ, named after the verdict)."""
+) -> tuple[int, int, list[Gap]]:
+    """Answered micro-batches not compared: (not in the log, skipped, in a logging gap)."""
     # Gap records are read only for ranks with an answered micro-batch the log lacks.
     missing = {k[1] for k in slots if k not in logged}
     gaps = sample_log_gaps(directory, missing) if missing else {}
@@ -204,6 +181,20 @@ def _verdict(
             unlogged.append(gap)  # trained while the log could not be written
         else:
             absent += 1
+    return absent, skipped, unlogged
+
+
+def _verdict(
+    directory: str | Path,
+    slots: dict[tuple[int, int, int], list[dict[str, Any]]],
+    logged: dict[tuple[int, int, int], SampleRecord],
+    matched: dict[int | None, int],
+    twice: list[str],
+    differ: int,
+) -> str:
+    """What was compared, or a refusal when nothing was (``differ``: micro-batches compared
+    whose tokens differ, named after the verdict)."""
+    absent, skipped, unlogged = _uncompared(directory, slots, logged)
     total = sum(matched.values())
     if unlogged and not total + differ:
         raise Refused(
@@ -218,17 +209,10 @@ def _verdict(
             "compared; drop --sample-log to answer without the check"
         )
     verdict = f"sample log: {total} micro-batches match the training record"
+    placed = sorted(matched.items(), key=lambda item: (item[0] is None, item[0] or 0))
     if any(n is not None for n in matched):
-        verdict += (
-            " ("
-            + ", ".join(
-                f"attempt {n}: {c}" if n is not None else f"unplaced: {c}"
-                for n, c in sorted(
-                    matched.items(), key=lambda item: (item[0] is None, item[0] or 0)
-                )
-            )
-            + ")"
-        )
+        by = (f"attempt {n}: {c}" if n is not None else f"unplaced: {c}" for n, c in placed)
+        verdict += f" ({', '.join(by)})"
     if differ:
         verdict += f", {differ} trained on the same samples with other tokens (below)"
     if absent:
@@ -243,3 +227,177 @@ def _verdict(
     if twice:
         verdict += f"; WARNING: the same record written twice (two writers?) at {twice[0]}"
     return verdict
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """One trained sample and its token-averaged loss, as the sample log recorded it."""
+
+    loss: float
+    dp_rank: int
+    microbatch: int
+    position: int  # index within the micro-batch
+    sample_id: int
+    token_sha1: str
+
+
+def _ranks(directory: str | Path, dp_rank: int | None) -> list[int]:
+    if dp_rank is not None:
+        return [dp_rank]
+    stems = (p.stem.removeprefix("samples-dp") for p in Path(directory).glob(SAMPLE_LOG_GLOB))
+    return sorted(int(s) for s in stems if s.isdigit())
+
+
+def trained_records(
+    directory: str | Path,
+    iteration: int,
+    dp_rank: int | None = None,
+    attempt: int | None = None,
+    segments: tuple[Segment, ...] = (),
+) -> dict[tuple[int, int], SampleRecord]:
+    """(DP rank, micro-batch) -> what the run finally trained there at ``iteration`` (one DP
+    rank, or all; ``attempt``: that attempt's records where they can be placed)."""
+    trained: dict[tuple[int, int], SampleRecord] = {}
+    for rank, groups in read_iteration(directory, iteration, _ranks(directory, dp_rank)).items():
+        placed = [attempt_number(segments, g.attempt) for g in groups]
+        if attempt is not None and any(n is not None for n in placed):
+            groups = [g for g, n in zip(groups, placed) if n == attempt]
+        for microbatch, record in latest(groups).items():
+            if record.dp_rank == rank:
+                trained[(rank, microbatch)] = record
+    if not trained:
+        raise PositionError(
+            f"the sample log in {directory} has no record of iteration {iteration}"
+            + (f" on DP rank {dp_rank}" if dp_rank is not None else "")
+            + (f" by attempt {attempt}" if attempt is not None else "")
+            + " (was it trained with --sample-log-dir, and not skipped?)"
+        )
+    return trained
+
+
+def ranked_samples(
+    directory: str | Path,
+    iteration: int,
+    dp_rank: int | None = None,
+    attempt: int | None = None,
+    segments: tuple[Segment, ...] = (),
+) -> list[Ranked]:
+    """Every sample trained at ``iteration`` (one DP rank, or all), highest loss first."""
+    out = []
+    for (rank, microbatch), record in trained_records(
+        directory, iteration, dp_rank, attempt, segments
+    ).items():
+        if len(record.sample_losses) != len(record.sample_ids):
+            raise ConfigError(
+                f"the sample log in {directory} has no per-sample losses for iteration "
+                f"{iteration} (written by an older version): --worst needs them"
+            )
+        out += [
+            Ranked(loss, rank, microbatch, k, sample_id, digest)
+            for k, (loss, sample_id, digest) in enumerate(
+                zip(record.sample_losses, record.sample_ids, record.token_sha1)
+            )
+        ]
+    return sorted(out, key=lambda r: (-r.loss, r.dp_rank, r.microbatch, r.position))
+
+
+def log_answer(
+    directory: str | Path, iteration: int, dp_rank: int | None, microbatch: int | None
+) -> list[dict[str, Any]]:
+    """An iteration's samples as the sample log recorded them, in the index answer's order and
+    with its field names (the fields the log holds, and each sample's loss when logged)."""
+    trained = trained_records(directory, iteration, dp_rank)
+    records = []
+    for (rank, mb), record in sorted(trained.items(), key=lambda item: item[0][::-1]):
+        if microbatch is not None and mb != microbatch:
+            continue
+        losses = record.sample_losses or [None] * len(record.sample_ids)
+        for sample_id, digest, loss in zip(record.sample_ids, record.token_sha1, losses):
+            records.append(
+                {"iteration": iteration, "dp_rank": rank, "microbatch": mb}
+                | {"sample_index": sample_id, "token_sha1": digest, "loss": loss}
+            )
+    if not records:
+        raise PositionError(
+            f"the sample log in {directory} has no record of iteration {iteration} "
+            f"micro-batch {microbatch}"
+        )
+    return records
+
+
+def attach(ranked: list[Ranked], records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The lookup records of the ranked samples, with their loss and rank by loss."""
+    slots: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for record in records:
+        slots.setdefault((record["dp_rank"], record["microbatch"]), []).append(record)
+    out, changed = [], 0
+    for order, sample in enumerate(ranked, start=1):
+        slot = slots.get((sample.dp_rank, sample.microbatch), [])
+        if (
+            sample.position >= len(slot)
+            or slot[sample.position]["sample_index"] != sample.sample_id
+        ):
+            found = slot[sample.position]["sample_index"] if sample.position < len(slot) else None
+            raise DataChanged(
+                f"iteration {slot[0]['iteration'] if slot else '?'} DP rank {sample.dp_rank} "
+                f"micro-batch {sample.microbatch} position {sample.position}: training logged "
+                f"sample {sample.sample_id}, the indices give {found}; the run's data or "
+                "configuration differs from what the lookup reads"
+            )
+        record = dict(slot[sample.position], loss=sample.loss, rank_by_loss=order)
+        record["trained_tokens_differ"] = record["token_sha1"] != sample.token_sha1
+        changed += record["trained_tokens_differ"]
+        out.append(record)
+    return out, changed
+
+
+def worst_lines(records: list[dict[str, Any]], changed: int, total: int, source: str) -> list[str]:
+    """The context lines above the table."""
+    lines = [f"worst {len(records)} of {total} samples by token-averaged loss ({source})"]
+    if changed:
+        lines.append(
+            f"note: {changed} of them were trained on tokens that differ from the data on "
+            "disk (data changed since, or corrupted in flight as in a drill)"
+        )
+    return lines
+
+
+def worst_table(lines: list[str], records: list[dict[str, Any]], snippet: int = 160) -> str:
+    """Readable ranking: one line per sample, its documents and a text snippet."""
+    out = list(lines)
+    for r in records:
+        documents = " ".join(f"{d['document']}@{d['offset']}+{d['count']}" for d in r["documents"])
+        out.append(
+            f"#{r['rank_by_loss']:<3} loss {r['loss']:.4f}  dp {r['dp_rank']} mb "
+            f"{r['microbatch']}  sample {r['sample_index']}  source "
+            f"{Path(r['dataset_path']).name}#{r['dataset_sample']}  documents {documents}"
+            + (f"  attempt {r['attempt']}" if r.get("attempt") is not None else "")
+            + ("  [trained tokens differ]" if r["trained_tokens_differ"] else "")
+        )
+        if where := source_line(r["documents"]):
+            out.append(f"     {where}")
+        if "text" in r:
+            text = " ".join(r["text"].split())
+            out.append(f"     text: {text[:snippet]}{'...' if len(text) > snippet else ''}")
+    return "\n".join(out)
+
+
+def sample_log_dir(options: Any, run_args: Any) -> str:
+    """``--sample-log DIR``, else the run's own ``--sample-log-dir`` (from the checkpoint)."""
+    directory = options.sample_log or getattr(run_args, "sample_log_dir", None)
+    if not directory:
+        raise ConfigError(
+            "--worst ranks samples by the loss training recorded: pass --sample-log DIR (the "
+            "run's --sample-log-dir), or use a checkpoint of a run trained with it"
+        )
+    return directory
+
+
+def sample_log_gaps(directory: str | Path, dp_ranks: set[int]) -> dict[int, list[Gap]]:
+    """The gap records of each DP rank's sample log."""
+    return {rank: read_gaps(sample_log_file(directory, rank)) for rank in sorted(dp_ranks)}
+
+
+def gap_of(gaps: dict[int, list[Gap]], iteration: int, dp_rank: int) -> Gap | None:
+    """The logging gap that covers ``iteration`` on ``dp_rank``, if any."""
+    return next((g for g in gaps.get(dp_rank, []) if g.covers(iteration)), None)

@@ -1,8 +1,5 @@
-"""Refusals: the lookup answers exactly or says, in one message, why it will not.
-
-Every refusal names what is wrong and what would make an exact answer possible, because an
-on-call engineer acting on a wrong "rank 17 trained on document 83" would block the wrong data.
-"""
+"""Refusals: the lookup answers exactly or says, in one message, why not and what would make an
+exact answer possible."""
 
 from __future__ import annotations
 

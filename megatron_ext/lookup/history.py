@@ -1,22 +1,6 @@
-"""The run's layout history: which DP size, micro and global batch and skips each iteration
-was trained with, across resumes that changed them.
-
-Users resize on resume (nodes lost: DP=2 to iteration 10, then DP=1 with the same global
-batch; or a smaller micro-batch for memory). The sample stream is the same, but which DP
-rank and micro-batch read a sample is not, so one checkpoint's args answer only for the
-iterations its own attempt trained. Two records give the history:
-
-- **the layout log** (``SAMPLE_LOG_DIR/layout.jsonl``, one line per attempt, written at
-  start-up: first iteration, consumed samples, DP, micro/global batch, skips). It survives
-  the deletion of old checkpoints, and its order is the order the attempts ran in;
-- **every checkpoint's saved args**: the attempt that saved ``iter_N`` resumed from
-  ``args.iteration`` (Megatron sets it at load and saves it unchanged), so it trained
-  ``args.iteration+1 .. N`` with the layout in those args.
-
-Iteration ``k`` was last trained by the latest attempt that started at or before ``k``: the
-last such line of the layout log, else the checkpoint segment that starts latest. An
-iteration no record covers is a gap: refused, never answered with another layout.
-No Megatron import here (checkpoints are read through :mod:`megatron_ext.common.checkpoint_state`).
+"""The run's layout history (layout log + checkpoints' saved args) and its attempts: which
+layout, skips and data stage trained each iteration, and which attempt trained it (the latest
+that did; rolled back after is said). docs/lookup.md, "Attempts".
 """
 
 from __future__ import annotations
@@ -28,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.common.files import CHECKPOINT_DIR, LAYOUT_FILE
+from megatron_ext.common.files import CHECKPOINT_DIR, LAYOUT_FILE, sample_log_file
 from megatron_ext.common.io import read_jsonl
 from megatron_ext.common.records.sample_log import DATA_FIELDS, LAYOUT_FIELDS
-from megatron_ext.lookup.errors import ConfigError, PositionError
+from megatron_ext.common.records.sample_log_reader import Attempt, AttemptRecords, RankLog
+from megatron_ext.lookup.errors import ConfigError, NotTrained, PositionError
 
 
 @dataclass(frozen=True)
@@ -187,15 +172,7 @@ def stage_args(
     history: History, base: argparse.Namespace, segment: Segment
 ) -> tuple[argparse.Namespace, str | None]:
     """The args of the data stage ``segment`` was trained under, and a note saying where they
-    come from when that is not ``base`` (the checkpoint read).
-
-    A resume may change the blend or the data (a new stage of the mixture). The stage's own
-    configuration is, in order: the saved args of a checkpoint whose data fields are the
-    segment's (one the segment's own attempt saved first: every flag of that stage, not only
-    the recorded fields), else the layout log's recorded data fields on top of ``base``. The
-    caches (found by the md5 of their description) and ``--sample-log`` then prove it. Refused
-    only when neither survives.
-    """
+    come from when that is not ``base`` (the checkpoint read)."""
     changed = {k: v for k, v in segment.data.items() if v != getattr(base, k, None)}
     if not changed:
         return base, None
@@ -250,3 +227,160 @@ def segment_args(base: argparse.Namespace, segment: Segment) -> argparse.Namespa
     args.consumed_train_samples = segment.consumed
     args.skipped_train_samples = None  # per attempt; the checkpoint's count is for another
     return args
+
+
+@dataclass(frozen=True)
+class AttemptAt:
+    """One attempt that started at or before the iteration, and what it did with it."""
+
+    number: int  # 1-based, in the order the attempts ran
+    segment: Segment
+    trained: bool  # it trained the iteration (False: skipped it, or never got that far)
+    fate: str  # what it did, and what became of it
+
+    def describe(self) -> str:
+        job = f", job {self.segment.job_id}" if self.segment.job_id else ""
+        return f"attempt {self.number} (from iteration {self.segment.first}{job}): {self.fate}"
+
+
+def attempt_number(segments: tuple[Segment, ...], attempt: Attempt) -> int | None:
+    """The layout-log attempt that wrote a sample-log attempt; None when it cannot be placed
+    (a stretch the attempt index does not vouch for, or no wall times)."""
+    wall = attempt.info.get("wall_time") if attempt.indexed else None
+    if not isinstance(wall, int | float):
+        return None
+    # No slack for node clocks: a rank writes its attempt line after its first step, seconds
+    # after rank 0's layout line, and NTP keeps nodes milliseconds apart.
+    started = [
+        n for n, s in enumerate(segments, start=1) if s.started is not None and s.started <= wall
+    ]
+    return started[-1] if started else None
+
+
+@dataclass(frozen=True)
+class Attempts:
+    """The attempts at one iteration, and the evidence they were judged on."""
+
+    iteration: int
+    at: list[AttemptAt]
+    logged: dict[int | None, list[AttemptRecords]]  # attempt number -> its records (one rank)
+    log_read: bool  # a sample log was read for the evidence
+    caveat: str | None = None  # said when no record tells whether the run got this far
+
+    def answer(self, asked: int | None) -> AttemptAt:
+        """``--attempt N``, else the latest attempt that trained the iteration, else the
+        latest that reached it (it skipped it)."""
+        if asked is not None:
+            chosen = [a for a in self.at if a.number == asked]
+            if not chosen:
+                raise ConfigError(
+                    f"--attempt {asked}: the attempts that started at or before iteration "
+                    f"{self.iteration} are {[a.number for a in self.at]}"
+                )
+            return chosen[0]
+        trained = [a for a in self.at if a.trained]
+        return (trained or self.at)[-1]
+
+    def lines(self, answered: AttemptAt) -> list[str]:
+        out = [f"note: {self.caveat}"] if self.caveat else []
+        if len(self.at) == 1 and self.at[0].trained and self.at[0].number == 1:
+            return out  # one attempt, nothing rolled back: the usual answer needs no more
+        out.append(f"answer: what attempt {answered.number} read at iteration {self.iteration}")
+        out.append(f"attempts at iteration {self.iteration}:")
+        out += [f"  {a.describe()}" for a in self.at]
+        if not self.log_read:
+            out.append(
+                "  (no sample log read: whether a rolled-back attempt got this far is not known)"
+            )
+        return out
+
+
+def attempts_at(history: History, iteration: int, sample_log: str | None, rank: int) -> Attempts:
+    """Judge every attempt at ``iteration`` from the history and one rank's sample log."""
+    segments = history.attempts()
+    logged: dict[int | None, list[AttemptRecords]] = {}
+    last_logged = None
+    path = sample_log_file(sample_log, rank) if sample_log else None
+    log_read = path is not None and path.is_file()
+    if log_read:
+        assert path is not None
+        with RankLog(path, rank) as log:
+            for group in log.iteration(iteration):
+                logged.setdefault(attempt_number(segments, group.attempt), []).append(group)
+            last_logged = log.last_iteration()
+    covering = [(n, s) for n, s in enumerate(segments, start=1) if s.first <= iteration]
+    if not logged:
+        _check_reached(history, iteration, last_logged, log_read, Path(str(sample_log)))
+    if not covering:
+        history.segment_for(iteration)  # raises: a gap of the layout history
+    at = [
+        judged
+        for k in range(len(covering))
+        if (judged := _judge(history, iteration, covering, k, logged, log_read)) is not None
+    ]
+    caveat = None
+    newest = history.newest_checkpoint()
+    if not log_read and iteration > max([newest or 0] + [s.first - 1 for s in segments]):
+        caveat = (
+            f"iteration {iteration} is past the newest checkpoint ({newest}) and no sample log "
+            "is at hand: nothing says whether the run trained it yet (this is the batch it "
+            "reads there)"
+        )
+    return Attempts(iteration, at, logged, log_read, caveat)
+
+
+def _judge(
+    history: History,
+    iteration: int,
+    covering: list[tuple[int, Segment]],
+    k: int,
+    logged: dict[int | None, list[AttemptRecords]],
+    log_read: bool,
+) -> AttemptAt | None:
+    """What attempt ``covering[k]`` did with ``iteration`` (None: it never got that far)."""
+    number, segment = covering[k]
+    final_number, final = covering[-1]
+    later = covering[k + 1] if k + 1 < len(covering) else None
+    if iteration in segment.skips:
+        return AttemptAt(number, segment, False, "skipped it (--iterations-to-skip)")
+    if later is None:
+        newest = history.newest_checkpoint()
+        kept = (
+            f"kept (checkpoint {newest} holds it)"
+            if newest is not None and newest >= iteration
+            else f"no checkpoint holds it yet (newest: {newest})"
+        )
+        return AttemptAt(number, segment, True, f"trained it; {kept}")
+    if log_read and number not in logged and None not in logged:
+        return None  # it stopped, or was rolled back, before this iteration: not an answer
+    if not log_read:
+        fate = (
+            f"may have trained it before attempt {later[0]} resumed from iteration "
+            f"{later[1].first - 1} (no sample log to tell; --attempt {number} shows what "
+            "it read if it did)"
+        )
+        return AttemptAt(number, segment, False, fate)
+    then = "skipped afterwards" if iteration in final.skips else "trained again"
+    fate = (
+        f"trained it; rolled back (attempt {later[0]} resumed from iteration "
+        f"{later[1].first - 1}), {then} by attempt {final_number}"
+    )
+    return AttemptAt(number, segment, True, fate)
+
+
+def _check_reached(
+    history: History, iteration: int, last_logged: int | None, log_read: bool, log: Path
+) -> None:
+    """Refuse an iteration past everything the run recorded (when a sample log says so)."""
+    resumes = [s.first - 1 for s in history.attempts()]
+    reached = max(
+        [i for i in (last_logged, history.newest_checkpoint(), *resumes) if i is not None],
+        default=0,
+    )
+    if log_read and iteration > reached:
+        newest = history.newest_checkpoint()
+        raise NotTrained(
+            f"iteration {iteration} is not yet trained: the run's sample log ({log}) ends at "
+            f"iteration {last_logged}, its newest checkpoint is "
+            f"{'none' if newest is None else newest}. Ask again once the run got there"
+        )

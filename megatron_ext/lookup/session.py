@@ -1,17 +1,5 @@
-"""One lookup: the run's configuration, its tokenizer when asked for, the opened caches, and
-the samples of a batch resolved to documents and tokens.
-
-A batch walk (:func:`batch_records`) goes down, one module per level, each called only from
-the levels above it (tests/unit/lookup/test_lookup_layers.py pins the order):
-
-1. ``session``: the iteration's batch (``position``: which stream positions each micro-batch
-   and DP rank read; ``cyclic``: the sampler's order) and, per sample, its record (``render``);
-2. ``indices``: opens the train index once (:func:`~.indices.open_train_index`), which asks
-   ``caches`` to find the caches by their descriptions, then maps and checks them; then, as the
-   blend level (``BlendedDataset``), routes each global sample to a dataset and a sample in it;
-3. ``dataset``: that GPTDataset's shuffle, sample and document indices give the sample's
-   documents and token spans, checked against today's ``.idx``;
-4. ``formats``: the documents' tokens, read from the ``.bin``/``.idx`` pair.
+"""One lookup invocation: the run's config, tokenizer and opened caches, and a batch walked
+down to records (plain dicts shared by ``--json``, ``--out`` and ``--emit-blocklist``).
 """
 
 from __future__ import annotations
@@ -19,30 +7,199 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from megatron_ext.common.checkpoint_state import CheckpointUnreadable, load_common_state
 from megatron_ext.common.files import CHECKPOINT_DIR
-from megatron_ext.lookup.attempts import AttemptAt, Attempts, attempts_at
+from megatron_ext.common.io import atomic_write, token_sha1
 from megatron_ext.lookup.config import (
+    TOKENIZER_PATH_ARGS,
     Checkpoint,
     RunConfig,
     honours_rampup,
     load_checkpoint,
     megatron_namespace,
+    pad_token_id,
     run_config,
+    tokenizer_from_args,
 )
-from megatron_ext.lookup.cyclic import CyclicOrder
+from megatron_ext.lookup.data import Sample, TrainIndex, open_train_index, remap
 from megatron_ext.lookup.errors import CacheMissing, ConfigError, PositionError
-from megatron_ext.lookup.formats import remap
-from megatron_ext.lookup.history import History, Segment, read_history, segment_args, stage_args
-from megatron_ext.lookup.indices import TrainIndex, open_train_index
-from megatron_ext.lookup.position import Batch
-from megatron_ext.lookup.render import sample_record
-from megatron_ext.lookup.tokenizer import TOKENIZER_PATH_ARGS, pad_token_id, text_tokenizer
+from megatron_ext.lookup.history import (
+    AttemptAt,
+    Attempts,
+    History,
+    Segment,
+    attempts_at,
+    read_history,
+    segment_args,
+    stage_args,
+)
+from megatron_ext.lookup.schedule import Batch, CyclicOrder
+
+
+def sample_record(
+    sample: Sample,
+    *,
+    iteration: int,
+    dp_rank: int,
+    microbatch: int,
+    skipped: bool,
+    readers: list[int],
+    text: str | None,
+    sources: list[dict[str, Any] | None],
+) -> dict[str, Any]:
+    """One sample as the tool reports it (``--json`` / ``--out``); ``sources``: each span's
+    raw record (file, line, byte, id) from the provenance sidecar, None without one."""
+    record: dict[str, Any] = {
+        "iteration": iteration,
+        "dp_rank": dp_rank,
+        "microbatch": microbatch,
+        "skipped": skipped,
+        "sample_index": sample.index,
+        "dataset": sample.dataset,
+        "dataset_path": sample.dataset_path,
+        "dataset_sample": sample.dataset_sample,
+        "stream_sample": sample.stream_sample,
+        "documents": [
+            {"document": s.document, "offset": s.offset, "count": s.count, "source": source}
+            for s, source in zip(sample.spans, sources)
+        ],
+        "tokens": sample.tokens.tolist(),
+        "token_sha1": token_sha1(sample.tokens),
+        "readers": readers,
+    }
+    if text is not None:
+        record["text"] = text
+    return record
+
+
+def _spans(spans: Iterable[dict[str, int]]) -> str:
+    return " ".join(f"{s['document']}@{s['offset']}+{s['count']}" for s in spans)
+
+
+def _tokens(tokens: list[int], limit: int) -> str:
+    shown = " ".join(map(str, tokens[:limit]))
+    return shown + (f" ... ({len(tokens)})" if len(tokens) > limit else "")
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1]
+        for row in [header, *rows]
+    ]
+
+
+def samples_table(lines: list[str], records: list[dict[str, Any]], max_tokens: int) -> str:
+    """Readable table: context lines, then one row per sample (and its text, if decoded)."""
+    header = [
+        "sample",
+        "dp",
+        "mb",
+        "ranks",
+        "dataset#sample",
+        "documents (id@offset+count)",
+        "tokens",
+    ]
+    rows = [
+        [
+            str(r["sample_index"]),
+            str(r["dp_rank"]),
+            str(r["microbatch"]),
+            ",".join(map(str, r["readers"])),
+            f"{Path(r['dataset_path']).name}#{r['dataset_sample']}",
+            _spans(r["documents"]),
+            _tokens(r["tokens"], max_tokens),
+        ]
+        for r in records
+    ]
+    shown = table(header, rows)
+    out = [*lines, shown[0]]
+    for line, record in zip(shown[1:], records):
+        out.append(line)
+        if where := source_line(record["documents"]):
+            out.append(f"    {where}")
+        if "text" in record:
+            out.append(f"    text: {json.dumps(record['text'][:300], ensure_ascii=False)}")
+    return "\n".join(out)
+
+
+def hits_table(lines: list[str], hits: list[dict[str, Any]]) -> str:
+    """Readable table of the inverse lookup's hits."""
+    rows = [
+        [
+            str(h["iteration"]),
+            str(h["dp_rank"]),
+            str(h["microbatch"]),
+            str(h["sample_index"]),
+            str(h["dataset_sample"]),
+            f"{h['offset']}+{h['count']}",
+            "skipped" if h["skipped"] else "",
+        ]
+        for h in hits
+    ]
+    header = ["iteration", "dp", "mb", "sample", "dataset_sample", "tokens", ""]
+    return "\n".join([*lines, *(table(header, rows) if rows else [])])
+
+
+def document_record(
+    path: str,
+    document: int,
+    tokens: np.ndarray,
+    decode: Callable[[list[int]], str] | None,
+    source: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A blocklist entry: where the document is, a content hash that survives reordering, and
+    its raw record (``source``: file, line, byte, id; None without a provenance sidecar), which
+    ``megatron-ext blocklist apply`` removes from the shards."""
+    record: dict[str, Any] = {
+        "dataset_path": path,
+        "document": document,
+        "num_tokens": len(tokens),
+        "token_sha1": token_sha1(tokens),
+        "source": source,
+    }
+    if decode is not None:
+        record["text"] = decode(tokens.tolist())
+    return record
+
+
+def describe_source(source: dict[str, Any]) -> str:
+    """``FILE:LINE (id X)``: a raw record as people read it."""
+    where = f"{source['file']}:{source['line']}"
+    return where if source.get("id") is None else f"{where} (id {source['id']})"
+
+
+def source_line(documents: list[dict[str, Any]]) -> str | None:
+    """``from: FILE:LINE (id X), ...`` for a sample's documents with a known raw record."""
+    known = [d["source"] for d in documents if d.get("source")]
+    return "from: " + ", ".join(map(describe_source, known)) if known else None
+
+
+def spans_of(records: list[dict[str, Any]]) -> set[tuple[int, str, int]]:
+    """(blend member, dataset path, document) of every document the records read."""
+    return {
+        (r["dataset"], r["dataset_path"], d["document"]) for r in records for d in r["documents"]
+    }
+
+
+def write_atomic(path: str | os.PathLike[str], lines: Iterable[str]) -> None:
+    """Write text lines to ``path`` atomically (all or nothing, see
+    :mod:`megatron_ext.common.io`)."""
+    atomic_write(path, "".join(line + "\n" for line in lines))
+
+
+def jsonl(records: Iterable[dict[str, Any]]) -> Iterable[str]:
+    """JSON Lines, compact."""
+    return (json.dumps(r, separators=(",", ":"), ensure_ascii=False) for r in records)
+
 
 LAYOUT_FLAGS = ("--micro-batch-size", "--global-batch-size", "--data-parallel-size")
 DATA_FLAGS = ("--data-path", "--train-data-path", "--data-args-path", "--per-split-data-args-path")
@@ -82,7 +239,7 @@ class Session:
         self.args = args
         self.checkpoint = checkpoint
         self.remaps = [tuple(item.split("=", 1)) for item in options.data_root]
-        self.tokenizer: Any = text_tokenizer(args, self.remaps) if options.text else None
+        self.tokenizer: Any = tokenizer_from_args(args, self.remaps) if options.text else None
         # Explicit layout flags assert the layout: the history is then not consulted.
         self.history: History | None = None
         if checkpoint is not None and not (
@@ -216,7 +373,7 @@ class Session:
         except CacheMissing:
             if not self.options.rebuild_caches:
                 raise
-        from megatron_ext.lookup.rebuild import rebuild_caches
+        from megatron_ext.lookup.config import rebuild_caches
 
         rebuild_caches(self.config, phase, self.options.cache_dir)
         return open_index()
@@ -237,33 +394,18 @@ class Session:
 def batch_records(
     session: Session, batch: Batch, microbatch: int | None = None, dp_rank: int | None = None
 ) -> tuple[TrainIndex, list[dict[str, Any]]]:
-    """The samples of one iteration (optionally one micro-batch / DP rank), as records.
-
-    The whole path from a batch to its tokens, top to bottom (the module docstring's levels):
-    each step is one call into the module of its concept (named in the comment), which calls
-    only further down.
-    """
+    """The samples of one iteration (optionally one micro-batch / DP rank), as records."""
     schedule, topology = session.config.schedule, session.config.topology
-    # Opening (indices, which asks caches): the phase's caches, found by description, mapped.
     index = session.index(session.phase(batch.phase))
-    # Sample position (position): the stream positions each (micro-batch, DP rank) slot read.
     microbatches = [microbatch] if microbatch is not None else range(batch.num_microbatches)
     ranks = [dp_rank] if dp_rank is not None else range(schedule.data_parallel_size)
     slots = [(m, r) for m in microbatches for r in ranks]
     per_slot = [schedule.positions(batch, m, r) for m, r in slots]
-    # The sampler (cyclic): stream positions -> global sample indices.
     indices = session.sampler_indices(index, np.concatenate(per_slot)).tolist()
-    # The blend level (indices): the pages the batch reads, requested at once (cold caches)...
-    index.prefetch(np.asarray(indices, dtype=np.int64))
-    # ...and global sample -> (dataset, sample within that GPTDataset).
-    members, within = index.route(np.asarray(indices, dtype=np.int64))
     pad_id, decode = session.pad_id(), session.decode()
+    samples = index.resolve(indices, pad_id)
     records = []
-    for k, (m, r) in enumerate(slot for slot, p in zip(slots, per_slot) for _ in p):
-        # The dataset level (dataset, through indices): its documents, checked against today's
-        # .idx, and its tokens (formats).
-        sample = index.sample(indices[k], int(members[k]), int(within[k]), pad_id)
-        # Rendering (render): one record, as --json, --out and the table show it.
+    for sample, (m, r) in zip(samples, (slot for slot, p in zip(slots, per_slot) for _ in p)):
         records.append(
             sample_record(
                 sample,
@@ -273,7 +415,6 @@ def batch_records(
                 skipped=batch.skipped,
                 readers=topology.readers(r),
                 text=None if decode is None else decode(sample.tokens.tolist()),
-                # Provenance (dataset: the sidecar beside the pair): each document's raw record.
                 sources=index.sources(sample),
             )
         )
@@ -304,3 +445,25 @@ def _history(
     # An explicit --sample-log names the run's sample log; else the run's --sample-log-dir.
     logs = [options.sample_log or getattr(args, "sample_log_dir", None)]
     return read_history(save_dir, logs, load)
+
+
+def emit_blocklist(
+    session: Session, index: TrainIndex, documents: set[tuple[int, str, int]]
+) -> None:
+    """Write ``documents`` ((blend member, dataset path, document)) to ``--emit-blocklist``."""
+    decode, target = session.decode(), session.options.emit_blocklist
+    records = []
+    for member, path, document in sorted(documents):
+        mid = index.mids[member]
+        tokens = mid.read_document(document)
+        records.append(document_record(path, document, tokens, decode, mid.source(document)))
+    write_atomic(target, jsonl(records))
+    note = "each names its raw record (`megatron-ext blocklist apply` removes them)"
+    missing = [r for r in records if r["source"] is None]
+    if missing:
+        datasets = ", ".join(sorted({r["dataset_path"] for r in missing}))
+        note = (
+            f"{len(missing)} name no raw record: no provenance sidecar beside {datasets} "
+            "(`megatron-ext provenance rebuild` writes one)"
+        )
+    print(f"wrote {len(records)} document(s) to {target}; {note}", file=sys.stderr)

@@ -1,16 +1,8 @@
-"""The GPT model provider of the overlay's own, for megatron-core 0.17 and 0.18.
-
-megatron-core 0.19 builds the GPT model itself from a config container
-(``gpt_config_from_args``, ``megatron.training.models``) and calls its ``pre_wrap_hooks`` on
-the built chunks. 0.17 and 0.18 ship neither the GPT config nor a model provider (Megatron-LM's
-``pretrain_gpt.py`` brings its own, which the wheel does not ship), and 0.18's
-``ModelConfig.pre_wrap_hooks`` exist but its GPT path never calls them. So on those versions
-``pretrain`` gets :func:`model_provider`: Megatron-LM core_v0.18's ``gpt_builder`` for the
-standard path (local or Transformer Engine layer spec, MoE block spec), which calls
-``on_model_built`` itself on the built, unwrapped chunks, the moment the last one exists
-(registry ``model-pre-wrap-hooks``, variant 0.17.1/0.18.2);
-:meth:`~megatron_ext.common.features.FeatureSet.check_model_built` makes the hook's absence loud on
-every version.
+"""The overlay's own GPT model provider, for megatron-core 0.17 and 0.18 (registry
+``model-pre-wrap-hooks``): 0.19 builds the model from its config container and calls
+``pre_wrap_hooks``; 0.17/0.18 ship no GPT builder (0.18's ``pre_wrap_hooks`` are never called
+on the GPT path). This is Megatron-LM core_v0.18's ``gpt_builder`` for the standard path, and
+it calls ``on_model_built`` itself once this rank's last chunk is built.
 """
 
 from __future__ import annotations
@@ -24,7 +16,8 @@ from megatron.training.arguments import core_transformer_config_from_args
 
 from megatron_ext.common.errors import StartupError
 from megatron_ext.common.features import FeatureSet
-from megatron_ext.loop import gpt_step, hooks
+from megatron_ext.loop import gpt_step
+from megatron_ext.registry import hooks
 
 # Megatron-LM's builder options this provider does not implement: refused, not ignored.
 UNSUPPORTED = {
@@ -82,9 +75,8 @@ def model_provider(
     config: Any = None,
     pg_collection: Any = None,
 ) -> GPTModel:
-    """One GPT chunk, as ``get_model`` asks for it; after the last chunk of this rank, the
-    features' ``on_model_built`` on all of them (before mixed precision and DDP:
-    :func:`megatron_ext.loop.hooks.chunk_built`)."""
+    """One GPT chunk, as ``get_model`` asks for it; after this rank's last one,
+    ``on_model_built`` on all of them (:func:`megatron_ext.registry.hooks.chunk_built`)."""
     args = get_args()
     print_rank_0("building GPT model ...")
     if config is None:

@@ -1,17 +1,8 @@
-"""Megatron adapter for GPT pretraining: batch, loss, forward step and dataset provider.
-
-Semantics follow Megatron-LM's ``pretrain_gpt.py`` at core_v0.19.0 (which the wheel does not
-ship) for the standard pretraining path: TP rank 0 reads the batch and broadcasts it,
-the loss is token-summed with a token count, NaN/Inf go through the rerun state machine and
-``--check-for-spiky-loss`` is honoured. SFT, FIM, packed sequences, hybrid CP, ModelOpt and
-cached-logit distillation are refused at start-up (use Megatron-LM's own script for them).
-
-The entry point binds the run's :class:`~megatron_ext.common.features.FeatureSet` into what it hands
-Megatron (:func:`bind`): the forward step has ``on_batch`` called (in :func:`get_batch`) and
-``on_loss`` (in :func:`loss_func`), the dataset provider ``on_train_dataset``, on the
-features that override them, through the same functions of :mod:`megatron_ext.loop.hooks` a
-script of the user's own calls (:mod:`megatron_ext.fork`). This module knows no feature's keys
-or flags.
+"""The overlay's GPT step for Megatron: batch, loss, forward step and dataset provider, as
+Megatron-LM's ``pretrain_gpt.py`` (core_v0.19.0, not shipped in the wheel) does the standard
+pretraining path; SFT, FIM, packed sequences, hybrid CP, ModelOpt and cached-logit
+distillation are refused at start-up. :func:`bind` binds the run's FeatureSet: the features'
+hooks are called through :mod:`megatron_ext.registry.hooks`, as a script of the user's own does.
 """
 
 from __future__ import annotations
@@ -33,7 +24,7 @@ from megatron.training import get_args, get_timers, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 from megatron_ext.common.features import FeatureSet, LossInputs, MicroBatch
-from megatron_ext.loop import hooks
+from megatron_ext.registry import hooks
 
 # Megatron-LM pretrain_gpt.py: a loss 10x the max of the first losses is "spiky".
 SPIKY_LOSS_FACTOR = 10
@@ -73,13 +64,8 @@ def check_supported(args: Any) -> None:
 
 
 def check_layout(args: Any) -> None:
-    """Refuse, before distributed init, layouts Megatron's local layer spec cannot build.
-
-    Without Transformer Engine (``--transformer-impl local``) Megatron asserts deep inside
-    model construction, on every rank, after the whole start-up: sequence parallelism needs a
-    norm that supports it (torch's does not; Apex's FusedLayerNorm does) and context
-    parallelism needs TEDotProductAttention.
-    """
+    """Refuse, before distributed init, what Megatron would assert deep in model construction
+    on every rank: layouts its local layer spec cannot build, and the CPU runner's limits."""
     if args.async_save and getattr(torch.cuda, "_megatron_ext_cpu_harness", False):
         raise SystemExit(
             "pretrain_gpt_ext.py: --async-save is refused on the CPU runner: Megatron's "
@@ -135,9 +121,8 @@ def get_batch(
     vp_stage: int | None = None,
     broadcast: Callable[..., dict[str, Any]] | None = None,
 ) -> dict[str, Any] | None:
-    """Read on TP rank 0 (features see the batch there: ``on_batch``), broadcast over TP,
-    slice for CP (``broadcast``: the installed megatron-core's form, registry
-    ``batch-on-this-rank``; :func:`broadcast_batch` when not given)."""
+    """Read on TP rank 0 (``on_batch`` sees it there), broadcast over TP, slice for CP
+    (``broadcast``: the installed version's form of ``batch-on-this-rank``)."""
     if not is_first_or_last_pipeline_stage(vp_stage):
         return None
     tp_rank = mpu.get_tensor_model_parallel_rank()
@@ -189,9 +174,8 @@ def broadcast_batch_is_sft(batch: dict[str, Any], args: Any, tp_rank: int) -> di
 
 
 def broadcast_batch_from_iterator(batch: dict[str, Any], args: Any, tp_rank: int) -> dict[str, Any]:
-    """megatron-core 0.17: ``megatron.training.utils.get_batch_on_this_tp_rank`` reads the
-    batch from an iterator itself (TP rank 0) and takes no flags; it is handed the batch the
-    features already saw, with only the keys present (it reads absent ones as None)."""
+    """megatron-core 0.17: its helper reads an iterator itself (TP rank 0): it is handed one
+    over the batch the features saw, with only the keys present."""
     from megatron.core.utils import get_batch_on_this_cp_rank
     from megatron.training.utils import get_batch_on_this_tp_rank
 
@@ -207,11 +191,8 @@ def loss_func(
     micro_batch: MicroBatch,
     output_tensor: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-summed loss, token count and the ``lm loss`` report, as Megatron expects.
-
-    Features add report entries (``on_loss``, :func:`megatron_ext.loop.hooks.loss_report`);
-    z-loss replaces ``lm loss`` by the pure CE.
-    """
+    """Token-summed loss, token count and the ``lm loss`` report, with the features' entries
+    (``on_loss``)."""
     args = features.args
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
@@ -269,8 +250,8 @@ def forward_step(
 
 
 def micro_batch_of(features: FeatureSet, model: Any) -> MicroBatch:
-    """The micro-batch ``model`` is about to run, as the features see it: the iteration as
-    Megatron logs it (1-indexed), training or evaluation, this rank's DP rank."""
+    """The micro-batch ``model`` is about to run: the iteration as Megatron logs it (1-indexed),
+    training or evaluation, this rank's DP rank."""
     return MicroBatch(
         iteration=features.args.curr_iteration + 1,
         training=model.training,
@@ -333,9 +314,7 @@ def train_valid_test_datasets_provider(
 def bind(
     features: FeatureSet, broadcast: Callable[..., dict[str, Any]] = broadcast_batch
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """(forward step, dataset provider) for ``pretrain``, calling ``features``' hooks;
-    ``broadcast`` is the installed megatron-core's batch broadcast (registry
-    ``batch-on-this-rank``)."""
+    """(forward step, dataset provider) for ``pretrain``, calling ``features``' hooks."""
     build = partial(train_valid_test_datasets_provider, features.args)
     provider = partial(hooks.datasets, features, build)
     provider.is_distributed = True  # type: ignore[attr-defined]  # every rank calls it

@@ -1,13 +1,7 @@
-"""Where Megatron's training loop meets the features: flags, installation and binding.
-
-The feature list is :func:`all_features` (order matters: it is the hook order, e.g.
-telemetry fills the step record before the spike detector reads it). :func:`install`
-validates and installs the enabled features into one :class:`FeatureSet`, then applies,
-bound to it, the registry's patches they use: a feature's own patches (bound to that
-feature) and the ``hook-*`` patches whose hook an installed feature overrides (bound to the
-set; their wrappers are in :mod:`megatron_ext.loop.hooks`). A run without megatron-ext flags
-keeps Megatron's functions untouched. The entry point hands the same set to its own hook
-callers (:func:`attach`, :mod:`megatron_ext.loop.gpt_step`).
+"""Where Megatron's training loop meets the features: their flags, and :func:`install`, which
+installs the enabled ones into one FeatureSet and applies, bound to it, the registry's patches
+they use (a feature's own, bound to the feature; the ``hook-*`` ones whose hook an installed
+feature overrides, bound to the set). A run without megatron-ext flags leaves Megatron as it is.
 """
 
 from __future__ import annotations
@@ -20,12 +14,11 @@ from megatron_ext.data.adapter import DataCheckFeature
 from megatron_ext.fsdp.adapter import TorchFsdpFeature
 from megatron_ext.hang.adapter import FLAGS as HANG_FLAGS
 from megatron_ext.hang.adapter import HangFeature
-from megatron_ext.loop import hooks
+from megatron_ext.registry import hooks
 from megatron_ext.registry import table as registry
 from megatron_ext.runlock.adapter import RunLockFeature
 from megatron_ext.sample_log.adapter import SampleLogFeature
-from megatron_ext.spikes.adapter import DrillFeature, SpikeFeature
-from megatron_ext.spikes.skip_list import SkipListFeature
+from megatron_ext.spikes.adapter import DrillFeature, SkipListFeature, SpikeFeature
 from megatron_ext.spikes.update_skip import UpdateSkipFeature
 from megatron_ext.telemetry.adapter import TelemetryFeature
 from megatron_ext.telemetry.attention_logit import AttentionLogitFeature
@@ -34,10 +27,10 @@ from megatron_ext.zloss.adapter import ZLossFeature
 
 
 def all_features() -> list[Feature]:
-    """One instance of every feature, in hook order."""
-    # The run lock comes first: rank 0 holds --save before any feature writes there. The
-    # spike detector comes last: on a rollback decision it ends the process in after_step,
-    # once the others have written this iteration's records.
+    """One instance of every feature, in hook order (e.g. telemetry fills the step record
+    before the spike detector reads it)."""
+    # The run lock first: rank 0 holds --save before any feature writes there. The spike
+    # detector last: a rollback ends the process in after_step, once the others have written.
     return [
         RunLockFeature(),
         HangFeature(),
@@ -88,15 +81,9 @@ def used_flags(args: Any, exempt: frozenset[str] = frozenset()) -> list[str]:
 
 
 def refuse_under_megatron_fsdp(args: Any) -> None:
-    """Refuse the megatron-ext flags set in ``args`` when Megatron-FSDP wraps the model.
-
-    Why all of them: Megatron-FSDP does not start on the CPU runner, so CI cannot check any
-    feature there, and on a run made to start (einops, the runner's device made ``cuda:0``,
-    ``--no-gradient-reduce-div-fusion``) the telemetry stopped at set-up (Megatron-FSDP builds
-    a DistributedOptimizer, not the ChainedOptimizer it reads, and has no DDP buckets) and
-    z-loss at the first loss (its per-token loss does not come back through Megatron-FSDP's
-    forward unchanged). A flag is refused until a run checks it; torch FSDP2 is checked.
-    """
+    """Refuse the megatron-ext flags set in ``args`` when Megatron-FSDP wraps the model: it
+    does not start on the CPU runner, so no feature is checked there, and on a run made to start
+    telemetry and z-loss failed (no ChainedOptimizer or DDP buckets; a changed loss tensor)."""
     if not getattr(args, "use_megatron_fsdp", False):
         return
     if used := used_flags(args, WRAPPER_FREE):
@@ -110,10 +97,7 @@ def refuse_under_megatron_fsdp(args: Any) -> None:
 
 
 def refuse_inprocess_restart(args: Any) -> None:
-    """Megatron's ``--inprocess-restart`` (nvidia-resiliency-ext's in-process wrapper) with
-    megatron-ext's features: not verified. A second pass through ``pretrain`` would keep the
-    features' state, and the wrapper would retry the spike detector's exit from the same
-    checkpoint, without the rollback."""
+    """Refuse Megatron's ``--inprocess-restart`` with megatron-ext's features (not verified)."""
     if getattr(args, "inprocess_restart", False) and (used := used_flags(args)):
         raise FeatureError(
             f"{', '.join(used)} with --inprocess-restart: not verified (a second pass through "
@@ -141,16 +125,14 @@ def install(args: Any, features: list[Feature] | None = None) -> FeatureSet:
 
 
 def apply_patches_of(feature: Feature) -> None:
-    """Apply the registry's patches of an installed ``feature`` that it asks for, bound to
-    it."""
+    """Apply the registry's patches of an installed ``feature`` that it asks for, bound to it."""
     for patch in registry.FEATURE_PATCHES:
         if type(feature) is patch.feature and feature.needs_patch(patch.name):
             patch.apply(feature)
 
 
 def attach(config: Any, features: FeatureSet) -> None:
-    """Register ``on_model_built`` in the run's config container: megatron-core's public
-    ``pre_wrap_hooks`` run on the built model chunks before any wrapping (registry
-    assumption ``model-pre-wrap-hooks``), so no Megatron function is replaced."""
+    """Register ``on_model_built`` in the config container's public ``pre_wrap_hooks``
+    (registry ``model-pre-wrap-hooks``): no Megatron function is replaced."""
     if features.using(Feature.on_model_built):
         config.model.pre_wrap_hooks.append(hooks.pre_wrap_hook(features))

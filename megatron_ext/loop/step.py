@@ -1,11 +1,7 @@
 """A training script's part of a run: what the entry point's runners hand Megatron's
-``pretrain`` besides the arguments (:mod:`megatron_ext.loop.entry`).
-
-Why a value of its own: the overlay's ``pretrain_gpt_ext.py`` (its GPT step,
-:func:`megatron_ext.loop.entry.overlay_step`) and a script of the user's own
-(:mod:`megatron_ext.fork`) start through the same runners, which call each megatron-core's
-``pretrain`` its own way (registry ``entry-point``); only this part differs. No Megatron
-import here: a script builds its step before the start-up checks the megatron-core version.
+``pretrain`` besides the arguments; the overlay's GPT step and a script of the user's own
+(:mod:`megatron_ext.fork`) differ only here. No Megatron import: a script builds its step
+before the start-up checks the megatron-core version.
 """
 
 from __future__ import annotations
@@ -22,16 +18,10 @@ Bind = Callable[[FeatureSet, Callable[..., dict[str, Any]]], tuple[Callable[...,
 
 @dataclass(frozen=True)
 class Step:
-    """The script's functions and options, bound to the features once they are installed.
-
-    ``bind`` gives the forward step and dataset provider Megatron calls (the dataset provider
-    calling ``on_train_dataset``); ``check`` refuses, with the parsed args and before
-    distributed init, what the script cannot train; ``model_provider`` is called as
-    ``model_provider(features, pre_process=..., ...)`` for every model chunk and calls
-    ``on_model_built`` itself; None: the overlay's GPT model (megatron-core 0.19: Megatron's
-    builder from the args, whose ``pre_wrap_hooks`` call ``on_model_built``).
-    ``extra_args_provider`` adds the script's own flags (the overlay adds its group after).
-    """
+    """The script's functions and options. ``bind`` gives the forward step and dataset provider
+    Megatron calls; ``check`` refuses, before distributed init, what the script cannot train;
+    ``model_provider(features, ...)`` is called per model chunk and calls ``on_model_built``
+    (None: the overlay's GPT model); ``extra_args_provider`` adds the script's own flags."""
 
     bind: Bind
     check: Callable[[Any], None]

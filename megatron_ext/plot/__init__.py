@@ -1,3 +1,2 @@
 """``megatron-ext plot`` (:mod:`.draw`): reads the signals log once into per-pixel-column
-envelopes (:mod:`.stream`, :mod:`.envelope`, per-source columns in :mod:`.sources`) and draws
-the panels (:mod:`.axes`). A command: it may import any layer."""
+envelopes (:mod:`.stream`) and draws the panels. A command: it may import any layer."""

@@ -5,32 +5,17 @@
     megatron-ext plot --signals FILE.jsonl --attempts 2,3 --out spike.png
     megatron-ext plot --signals-dir DIR --spike-large-rel 0.5    # what those thresholds flag
 
-Panels: LM loss, grad norm (pre-clip), params norm; the max attention logit and log Z of the
-output softmax when the run recorded them (the figure names the flags otherwise); the loss of
-each data source with the stage changes marked (:mod:`megatron_ext.plot.sources`). Steps
-whose update ``--spike-skip-update`` withheld are diamonds under the loss, counted in the
-legend. With ``--attempts all``
-(the default) every attempt (launch, requeue, rollback) is its own coloured line, so a replay
-after a rollback is seen next to what it replaced; ``latest`` plots one line, what the run
-finally trained (the last attempt, and before its restart the attempt it resumed from, and so
-on back; records past a later restart were rolled back). Marks:
-
-- **what the tracker did**: the spike ledger's events (spike, recovered, divergence, rollback)
-  of each attempt that ran ``--spike-detect``; the incident plans of ``megatron-ext skiplist``
-  (found with the checkpoints: ``--ckpt-dir``, default the ``--save`` the ledger recorded): the
-  rollback target of each incident (dashed line) and its skip window (shaded);
-- **what a detector would flag**, for attempts without a ledger, or for every attempt when a
-  ``--spike-*`` flag is given: a replay of the training-time detector
-  (:class:`megatron_ext.spikes.detector.SpikeDetector`, primed after a restart as the tracker
-  primes itself) with the thresholds the run recorded in its ledger, overridden by the flags
-  given (defaults when nothing was recorded).
-
-The log is read once, in blocks (:mod:`megatron_ext.plot.stream`): memory does not
-grow with it. Each line keeps, per pixel column, its first, lowest, highest and last point
-(:mod:`megatron_ext.plot.envelope`), so no spike is averaged away; a log shorter than the
-column count is drawn point for point. Non-finite values (NaN/Inf) are drawn as crosses on the
-panel's top edge, since they have no height, and break the line. Exit status: 0 written, 1
-refused (the message says why), 2 usage error.
+Panels: LM loss, grad norm (pre-clip), params norm; the max attention logit and log Z when
+recorded (the figure names the flags otherwise); each data source's loss, stage changes marked.
+``--attempts all`` (default): one line per attempt; ``latest``: what the run finally trained.
+Marks: the spike ledger's events of attempts that ran ``--spike-detect`` and the incident plans
+of ``megatron-ext skiplist`` (rollback target dashed, skip window shaded; found with
+``--ckpt-dir``, default the ledger's ``--save``); for attempts without a ledger, or for all when
+a ``--spike-*`` flag is given, a replay of the detector with the run's recorded thresholds
+overridden by the flags. Each line keeps per pixel column its first, lowest, highest and last
+point, so no spike is averaged away; NaN/Inf are crosses on the top edge, withheld updates
+diamonds under the loss, unlogged iterations hatched. Exit status: 0 written, 1 refused, 2
+usage error.
 """
 
 from __future__ import annotations
@@ -39,6 +24,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 # A bare Figure on an Agg canvas, not pyplot: no display needed on cluster nodes, and no global
 # backend switch or figure registry in a process that imports this module.
@@ -47,22 +33,28 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
 from megatron_ext.common.files import SIGNALS_FILE, SIGNALS_PLOT_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.common.gap_log import Gap
 from megatron_ext.common.io import atomic_write
 from megatron_ext.common.records.ledger import Ledger, read_incidents, read_ledger
-from megatron_ext.common.records.signals_seek import SignalsLog
+from megatron_ext.common.records.signals import SignalsLog
 from megatron_ext.common.records.spike_config import (
     SpikeConfig,
     add_detector_args,
     config_from_args,
     flags_given,
 )
-from megatron_ext.plot import sources as plot_sources
-from megatron_ext.plot.axes import draw_update_skips, log_axis
-from megatron_ext.plot.envelope import COLUMNS
-from megatron_ext.plot.stream import MARKERS, Series, Stats, plan_series, stream
+from megatron_ext.plot.stream import (
+    COLUMNS,
+    MARKERS,
+    Series,
+    Stats,
+    plan_series,
+    stage_changes,
+    stream,
+)
 from megatron_ext.spikes.detector import SpikeEvent
 
 # (record field, panel title, the flag that records it: None for what every run records; a
@@ -80,6 +72,67 @@ PANELS: tuple[tuple[str, str, str | None], ...] = (
 )
 MARKED_PANELS = {"lm_loss", "grad_norm"}  # what the detector reads; other panels get the line
 MAX_LISTED = 20  # candidates printed; a run stuck at NaN has one per iteration
+
+
+# Round log-axis labels: matplotlib labels only powers of ten, and a healthy grad norm stays
+# within one decade; the 1-2-5 series first, then 1, 1.5, 2, 3, 5, 7, then even spacing.
+MIN_LABELS = 4
+SERIES = ((1.0, 2.0, 5.0), (1.0, 1.5, 2.0, 3.0, 5.0, 7.0))
+
+
+def log_ticks(low: float, high: float) -> list[float]:
+    """Round tick values in ``[low, high]`` (both > 0), at least :data:`MIN_LABELS` of them
+    when the range allows; empty past two decades (matplotlib's powers of ten then do)."""
+    if high / low >= 100:
+        return []
+    for mantissas in SERIES:
+        ticks = [
+            round(m * 10.0**exponent, 12)
+            for exponent in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+            for m in mantissas
+        ]
+        ticks = [t for t in ticks if low <= t <= high]
+        if len(ticks) >= MIN_LABELS:
+            return ticks
+    ticks = MaxNLocator(nbins=MIN_LABELS + 1).tick_values(low, high)
+    return [round(float(t), 12) for t in ticks if low <= t <= high and t > 0]
+
+
+def log_axis(axis: Any, low: float, high: float) -> None:
+    """A log y axis over the data's ``low..high`` with the ticks of :func:`log_ticks`."""
+    axis.set_yscale("log")
+    ticks = log_ticks(low, high)
+    if ticks:
+        axis.yaxis.set_major_locator(FixedLocator(ticks))
+        axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.yaxis.set_minor_locator(NullLocator())
+
+
+def draw_update_skips(axis: Any, series: list, colours: list[str]) -> int:
+    """Each line's withheld updates as diamonds on the panel's bottom edge (one per envelope
+    column, like the non-finite values); the count over every line."""
+    total = 0
+    for index, line in enumerate(series):
+        total += line.update_skips
+        if not line.skipped_at:
+            continue
+        iterations = [int(i) for part in line.skipped_at for i in part]
+        _edge_marks(axis, iterations, 0.03, "D", 5, colours[index % len(colours)])
+    return total
+
+
+def _edge_marks(axis: Any, xs: Any, height: float, marker: str, size: int, colour: str) -> None:
+    """Marks at ``height`` of the panel (axes coordinates): values with no height."""
+    axis.plot(
+        xs,
+        [height] * len(xs),
+        linestyle="none",
+        marker=marker,
+        markersize=size,
+        color=colour,
+        transform=axis.get_xaxis_transform(),
+        clip_on=False,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,14 +186,9 @@ def build_series(
     replay: bool = False,
     columns: int = COLUMNS,
 ) -> tuple[list[Series], Stats]:
-    """The lines to draw and their marks, from one pass over the log at ``path`` (raises
-    ValueError on a bad spec or a log out of the writer's order).
-
-    An attempt whose ledger holds a config line ran the tracker: its marks are the ledger's
-    events, unless ``replay``. Otherwise the detector is replayed with ``config`` over the
-    attempt's records, primed as the tracker primes itself after a restart (see
-    :mod:`megatron_ext.plot.stream`). Only marks inside the attempt are kept.
-    """
+    """The lines to draw and their marks, from one pass over the log at ``path`` (ValueError
+    on a bad spec or a log out of order): the ledger's events for an attempt that ran the
+    tracker, unless ``replay``; else a replay of the detector with ``config``."""
     with SignalsLog(path) as log:
         lines = plan_series(log, attempts, config, ledger or Ledger(), replay, columns)
         return lines, stream(log, lines)
@@ -177,13 +225,92 @@ def _draw_gaps(axes: list, gaps: list[tuple[int, dict]]) -> None:
                 axis.axvspan(first - 0.5, last + 0.5, color="red", alpha=0.12, hatch="//", lw=0)
 
 
+def _not_recorded(axis, text: str = "not recorded") -> None:
+    axis.text(
+        0.5, 0.5, text, transform=axis.transAxes, ha="center", va="center", fontsize=11, color="0.4"
+    )
+    axis.set_yticks([])
+
+
+def _draw_marks(axis, name: str, line: Series, colour: str) -> None:
+    """The line's spike and divergence candidates (dotted) and event marks, one of a kind per
+    envelope column (all of them at demo scale)."""
+    envelope, values, drawn = line.envelopes[name], line.marks.get(name, {}), set()
+    for event in line.candidates:
+        column = (event.iteration - envelope.start) // envelope.width
+        if event.kind in ("spike", "divergence") and ("|", column) not in drawn:
+            drawn.add(("|", column))
+            axis.axvline(event.iteration, color=colour, linestyle=":", linewidth=1.0)
+        value = values.get(event.iteration)
+        if name in MARKED_PANELS and _finite(value) and (event.kind, column) not in drawn:
+            drawn.add((event.kind, column))
+            axis.plot(
+                [event.iteration],
+                [value],
+                linestyle="none",
+                markersize=9,
+                color=colour,
+                marker=MARKERS[event.kind],
+                markeredgecolor="black",
+            )
+
+
+def _draw_panel(axis, name: str, series: list[Series], colours: list[str]) -> None:
+    """One panel: each line's envelope, its non-finite values on the top edge, its marks."""
+    lowest, highest = [], []
+    for index, line in enumerate(series):
+        colour = colours[index % len(colours)]
+        envelope = line.envelopes[name]
+        xs, ys = envelope.points()  # NaN: a gap
+        if (low := envelope.finite_min()) is not None:
+            lowest.append(low)
+            highest.append(envelope.finite_max())
+        axis.plot(xs, ys, color=colour, linewidth=1.0, label=line.label)
+        bad = envelope.bad()
+        if len(bad):  # an empty line in axes coordinates collapses the constrained layout
+            _edge_marks(axis, bad, 0.97, "x", 8, colour)
+        _draw_marks(axis, name, line, colour)
+    if name == "grad_norm" and lowest and min(lowest) > 0:
+        log_axis(axis, min(lowest), max(highest))  # spikes are orders of magnitude
+
+
+def _handles(axis, series: list[Series], skips: int, gaps: list, plans: list) -> list:
+    """The figure legend: the lines, the kinds of marks shown, and what else is drawn."""
+    shown = {e.kind for line in series for e in line.candidates} | {"spike", "divergence"}
+    tracker = any(line.source == "ledger" for line in series)
+
+    def marker(label: str, **style) -> Line2D:
+        return Line2D([], [], linestyle="none", color="0.5", label=label, **style)
+
+    handles = axis.get_legend_handles_labels()[0] + [
+        marker(
+            kind if tracker or kind in ("recovered", "rollback") else f"{kind} candidate",
+            marker=MARKERS[kind],
+            markeredgecolor="black",
+        )
+        for kind in MARKERS
+        if kind in shown
+    ]
+    handles.append(marker("NaN/Inf (top edge)", marker="x"))
+    if skips:
+        handles.append(marker(f"update withheld ({skips}, loss panel's bottom edge)", marker="D"))
+    if gaps:
+        handles.append(Patch(color="red", alpha=0.12, hatch="//", label="not logged (gap)"))
+    if plans:
+        handles += [
+            Line2D([], [], color="black", linestyle="--", label="rollback target"),
+            Patch(color="0.6", alpha=0.25, label="skipped iterations"),
+        ]
+    return handles
+
+
 def render(
     series: list[Series],
     title: str,
     plans: list[dict] | None = None,
     gaps: list[tuple[int, dict]] | None = None,
 ) -> Figure:
-    """The four-panel figure (drawn on an Agg canvas; :func:`save_png` writes it); ``gaps``:
+    """The panels' figure (drawn on an Agg canvas; :func:`save_png` writes it); ``gaps``:
     the log's gap lines (attempt, gap), iterations whose records a write failure kept out."""
     by_source = any(line.sources is not None and line.sources.envelopes for line in series)
     recorded = {n for n, _, _ in PANELS if any(line.envelopes[n].recorded for line in series)}
@@ -199,92 +326,13 @@ def render(
         axis.set_title(panel_title, loc="left", fontsize=10)
         axis.grid(True, alpha=0.3)
         if name not in recorded:
-            axis.text(
-                0.5,
-                0.5,
-                "not recorded",
-                transform=axis.transAxes,
-                ha="center",
-                va="center",
-                fontsize=11,
-                color="0.4",
-            )
-            axis.set_yticks([])
-        lowest, highest = [], []
-        for index, line in enumerate(series):
-            colour = colours[index % len(colours)]
-            envelope = line.envelopes[name]
-            xs, ys = envelope.points()  # NaN: a gap
-            if (low := envelope.finite_min()) is not None:
-                lowest.append(low)
-                highest.append(envelope.finite_max())
-            axis.plot(xs, ys, color=colour, linewidth=1.0, label=line.label)
-            bad = envelope.bad()
-            if len(bad):  # an empty line in axes coordinates collapses the constrained layout
-                axis.plot(
-                    bad,
-                    [0.97] * len(bad),
-                    linestyle="none",
-                    marker="x",
-                    color=colour,
-                    markersize=8,
-                    transform=axis.get_xaxis_transform(),
-                    clip_on=False,
-                )
-            values = line.marks.get(name, {})
-            drawn = set()  # one mark of a kind per envelope column (all of them at demo scale)
-            for event in line.candidates:
-                column = (event.iteration - envelope.start) // envelope.width
-                if event.kind in ("spike", "divergence") and ("|", column) not in drawn:
-                    drawn.add(("|", column))
-                    axis.axvline(event.iteration, color=colour, linestyle=":", linewidth=1.0)
-                value = values.get(event.iteration)
-                if name in MARKED_PANELS and _finite(value) and (event.kind, column) not in drawn:
-                    drawn.add((event.kind, column))
-                    axis.plot(
-                        [event.iteration],
-                        [value],
-                        linestyle="none",
-                        marker=MARKERS[event.kind],
-                        markersize=9,
-                        color=colour,
-                        markeredgecolor="black",
-                    )
-        if name == "grad_norm" and lowest and min(lowest) > 0:
-            # Spikes are orders of magnitude; the baseline stays legible.
-            log_axis(axis, min(lowest), max(highest))
+            _not_recorded(axis)
+        _draw_panel(axis, name, series, colours)
     skips = draw_update_skips(axes[0], series, colours)
     if by_source:
-        plot_sources.draw(axes[-1], series, colours)
+        _draw_sources(axes[-1], series, colours)
     axes[-1].set_xlabel("iteration")
-    shown = {e.kind for line in series for e in line.candidates} | {"spike", "divergence"}
-    tracker = any(line.source == "ledger" for line in series)
-    handles = axes[0].get_legend_handles_labels()[0] + [
-        Line2D(
-            [],
-            [],
-            linestyle="none",
-            marker=MARKERS[kind],
-            color="0.5",
-            markeredgecolor="black",
-            label=kind if tracker or kind in ("recovered", "rollback") else f"{kind} candidate",
-        )
-        for kind in MARKERS
-        if kind in shown
-    ]
-    handles.append(
-        Line2D([], [], linestyle="none", marker="x", color="0.5", label="NaN/Inf (top edge)")
-    )
-    if skips:
-        label = f"update withheld ({skips}, loss panel's bottom edge)"
-        handles.append(Line2D([], [], linestyle="none", marker="D", color="0.5", label=label))
-    if gaps:
-        handles.append(Patch(color="red", alpha=0.12, hatch="//", label="not logged (gap)"))
-    if plans:
-        handles += [
-            Line2D([], [], color="black", linestyle="--", label="rollback target"),
-            Patch(color="0.6", alpha=0.25, label="skipped iterations"),
-        ]
+    handles = _handles(axes[0], series, skips, gaps or [], plans or [])
     figure.legend(
         handles=handles, loc="outside lower center", ncols=min(len(handles), 6), fontsize=9
     )
@@ -293,6 +341,37 @@ def render(
         title += "\nnot recorded: " + "; ".join(missing)
     figure.suptitle(title, x=0.01, ha="left", fontsize=11)
     return figure
+
+
+def _draw_sources(axis, lines: list, colours: list[str]) -> None:
+    """The panel: each member of each line, stage changes as dash-dotted lines."""
+    axis.set_title("LM loss by data source", loc="left", fontsize=10)
+    axis.grid(True, alpha=0.3)
+    drawn = False
+    for index, line in enumerate(lines):
+        sources = line.sources
+        if sources is None:
+            continue
+        for number, (name, envelope) in enumerate(sorted(sources.envelopes.items())):
+            xs, ys = envelope.points()
+            label = name if len(lines) == 1 else f"{line.label}: {name}"
+            colour = colours[(index + number) % len(colours)]
+            axis.plot(xs, ys, color=colour, linewidth=1.0, label=label)
+            drawn = True
+        for first, label in stage_changes(line.pieces, sources.mixtures):
+            axis.axvline(first, color="0.3", linestyle="-.", linewidth=1.0)
+            axis.annotate(
+                label,
+                xy=(first, 0.98),
+                xycoords=axis.get_xaxis_transform(),
+                fontsize=8,
+                va="top",
+                ha="left",
+            )
+    if drawn:
+        axis.legend(loc="upper right", fontsize=8)
+    else:
+        _not_recorded(axis, "not recorded (a blend run with --signals-dir records it)")
 
 
 def save_png(figure: Figure, out: Path) -> None:

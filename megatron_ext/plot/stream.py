@@ -1,29 +1,21 @@
 """One pass over the signals log into the lines ``megatron-ext plot`` draws, in bounded memory.
 
-Why: the old plot built a record object per line and a list per panel (3.1 GiB at 1 M
-iterations, killed at 14 GiB at 5 M). Here the log is read once, in blocks, into columns
-(:mod:`megatron_ext.common.records.signals_columns`), and each line keeps a decimated envelope per
-panel (:mod:`megatron_ext.plot.envelope`); memory is bounded by the column count, not by
-the log.
-
-What a line is, from the attempts' segments (:class:`SignalsLog`, found by bisection first):
-
-- ``--attempts all`` / ``N[,M]``: each attempt's own records;
-- ``latest``: what the run finally trained: the last attempt's records, before its first
-  iteration those of the attempt it resumed from, and so on back (an attempt's records past a
-  later attempt's restart were rolled back and are not shown);
-- marks: the tracker's ledger events, or a replay of the detector
-  (:mod:`megatron_ext.spikes.fast_replay`: the same events, without observing the records that
-  the arrays show are quiet). An attempt that starts mid-run is primed exactly as the
-  training-time tracker primes itself on a restart (the last ``warmup + window`` iterations it
-  continued from, read by seeking), so a replayed spike right after a rollback is caught as
-  training would have caught it;
-- the iterations whose update ``--spike-skip-update`` withheld (``update_skipped``), counted
-  and kept one per envelope column, as the non-finite values are.
+The log is read once, in blocks, as columns (:func:`~megatron_ext.common.records.signals.
+parse_block`). A line is an attempt's records (``--attempts all`` / ``N[,M]``) or, for
+``latest``, what the run finally trained (the last attempt, before its first iteration the
+attempt it resumed from, and so on back). Its marks are the ledger's events, or a replay of
+the detector (:mod:`megatron_ext.spikes.fast_replay`) primed as the tracker primes itself on a
+restart. Each line keeps, per panel and per blend member, an :class:`Envelope`: per pixel
+column the first, lowest, highest and last point (M4 aggregation: the same pixels as every
+point, in memory bounded by the column count) and the first non-finite value, drawn as a break;
+a column one iteration wide keeps every point. A piece of a line whose token shares differ from
+the previous piece's by more than :data:`STAGE_SHIFT` (or whose members differ) starts a new
+stage of the mixture. Withheld updates (``update_skipped``) are kept one per column.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from collections.abc import Iterator
@@ -34,15 +26,166 @@ import numpy as np
 
 from megatron_ext.common.io import from_json
 from megatron_ext.common.records.ledger import Ledger
-from megatron_ext.common.records.signals_columns import COLUMNS as FIELDS
-from megatron_ext.common.records.signals_columns import Block, parse_block
-from megatron_ext.common.records.signals_seek import BLOCK, OrderError, Segment, SignalsLog, report
-from megatron_ext.common.records.signals_sources import concat
+from megatron_ext.common.records.signals import (
+    BLOCK,
+    Block,
+    OrderError,
+    Segment,
+    SignalsLog,
+    parse_block,
+    report,
+)
+from megatron_ext.common.records.signals import COLUMNS as FIELDS
 from megatron_ext.common.records.spike_config import SpikeConfig
-from megatron_ext.plot.envelope import COLUMNS, Envelope, column_width
-from megatron_ext.plot.sources import SourceLines
 from megatron_ext.spikes.detector import SpikeDetector, SpikeEvent, primed
 from megatron_ext.spikes.fast_replay import FastReplay
+
+COLUMNS = 2400  # per x range: twice the figure's width in pixels
+
+
+def column_width(first: int, last: int, columns: int = COLUMNS) -> int:
+    """Iterations per column over ``first..last`` (1: every point kept)."""
+    return max(1, math.ceil((last - first + 1) / columns))
+
+
+class Envelope:
+    """One line's columns; feed :meth:`add` points in increasing iteration order."""
+
+    def __init__(self, start: int, width: int) -> None:
+        self.start, self.width = start, width
+        self.recorded = 0  # points with a value (finite or not)
+        self._bins: list[np.ndarray] = []
+        self._xs: list[np.ndarray] = []  # (columns, 4): first, min, max, last
+        self._ys: list[np.ndarray] = []
+        self._bad: list[np.ndarray] = []  # first non-finite iteration per column
+
+    def add(self, x: np.ndarray, y: np.ndarray, present: np.ndarray) -> None:
+        """Points ``x`` (iterations, increasing), ``y``; ``present``: False where not recorded."""
+        x, y = x[present], y[present]
+        self.recorded += len(x)
+        finite = np.isfinite(y)
+        if not finite.all():
+            bad = x[~finite]
+            bins = (bad - self.start) // self.width
+            self._bad.append(bad[np.r_[True, bins[1:] != bins[:-1]]])
+            x, y = x[finite], y[finite]
+        if not len(x):
+            return
+        bins = (x - self.start) // self.width
+        starts = np.flatnonzero(np.r_[True, bins[1:] != bins[:-1]])
+        ends = np.r_[starts[1:], len(x)] - 1
+        order = np.lexsort((y, bins))  # bins are sorted: each column keeps its index range
+        index = np.stack([starts, order[starts], order[ends], ends], axis=1)
+        self._bins.append(bins[starts])
+        self._xs.append(x[index])
+        self._ys.append(y[index])
+
+    def finite_min(self) -> float | None:
+        """The lowest finite value (kept exactly: it is some column's minimum)."""
+        return float(min(y[:, 1].min() for y in self._ys)) if self._ys else None
+
+    def finite_max(self) -> float | None:
+        """The highest finite value (some column's maximum)."""
+        return float(max(y[:, 2].max() for y in self._ys)) if self._ys else None
+
+    def bad(self) -> np.ndarray:
+        """Iterations of the non-finite values kept (one per column)."""
+        if not self._bad:
+            return np.array([], dtype=np.int64)
+        bad = np.concatenate(self._bad)
+        bins = (bad - self.start) // self.width
+        return bad[np.r_[True, bins[1:] != bins[:-1]]]
+
+    def points(self) -> tuple[np.ndarray, np.ndarray]:
+        """The line to draw: x and y in order, NaN where a non-finite value breaks it."""
+        columns: dict[int, list[tuple[int, float]]] = {}
+        if self._bins:
+            bins = np.concatenate(self._bins).tolist()
+            xs, ys = np.concatenate(self._xs).tolist(), np.concatenate(self._ys).tolist()
+            for column, x, y in zip(bins, xs, ys):
+                points = list(zip(x, y))
+                if column in columns:  # a column split over two blocks
+                    kept = columns[column]
+                    points = [kept[0], *points[1:3], *kept[1:3], points[3]]
+                    low = min(points[1:5], key=lambda p: p[1])
+                    high = max(points[1:5], key=lambda p: p[1])
+                    points = [points[0], low, high, points[5]]
+                columns[column] = points
+        for x in self.bad().tolist():
+            columns.setdefault((x - self.start) // self.width, []).append((x, math.nan))
+        line: list[tuple[int, float]] = []
+        for column in sorted(columns):
+            seen = set()
+            for x, y in sorted(columns[column], key=lambda p: p[0]):
+                if x not in seen:
+                    seen.add(x)
+                    line.append((x, y))
+        if not line:
+            return np.array([], dtype=np.int64), np.array([], dtype=np.float64)
+        x, y = zip(*line)
+        return np.array(x), np.array(y)
+
+
+STAGE_SHIFT = 0.1  # half the L1 distance of two mixtures' token shares that is a new stage
+
+
+@dataclass
+class SourceLines:
+    """A line's per-member envelopes and, per piece (attempt), the tokens of each member."""
+
+    start: int
+    width: int
+    envelopes: dict[str, Envelope] = field(default_factory=dict)
+    mixtures: dict[int, dict[str, int]] = field(default_factory=dict)  # attempt -> tokens
+
+    def add(self, block: Block, rows: np.ndarray) -> None:
+        sources = block.sources
+        if sources is None:
+            return
+        iterations = block.values["iteration"][rows]
+        attempts = block.values["attempt"][rows]
+        has_tokens, tokens = sources.has_tokens[rows], sources.tokens[rows]
+        for attempt in np.unique(attempts).tolist():
+            mine = attempts == attempt
+            totals = np.where(has_tokens[mine], tokens[mine], 0).sum(axis=0).tolist()
+            named = has_tokens[mine].any(axis=0).tolist()
+            mixture = self.mixtures.setdefault(attempt, {})
+            for name, total, seen in zip(sources.names, totals, named):
+                if seen:
+                    mixture[name] = mixture.get(name, 0) + total
+        for index, name in enumerate(sources.names):
+            has = sources.has_loss[rows, index]
+            if has.any():
+                envelope = self.envelopes.setdefault(name, Envelope(self.start, self.width))
+                envelope.add(iterations, sources.losses[rows, index], has)
+
+
+def shares(tokens: dict[str, int]) -> dict[str, float]:
+    total = sum(tokens.values())
+    return {n: t / total for n, t in tokens.items()} if total else {}
+
+
+def stage_changes(
+    pieces: list[tuple[int, int, int]], mixtures: dict[int, dict[str, int]]
+) -> list[tuple[int, str]]:
+    """(first iteration, "stage: name share, ...") where a piece's mixture differs from the
+    previous piece's; the first piece is the first stage (not marked)."""
+    changes, previous = [], None
+    for attempt, first, _ in pieces:
+        mixture = shares(mixtures.get(attempt, {}))
+        if not mixture:
+            continue
+        if previous is not None:
+            names = set(mixture) | set(previous)
+            shift = sum(abs(mixture.get(n, 0.0) - previous.get(n, 0.0)) for n in names) / 2
+            if shift > STAGE_SHIFT or {n for n, s in mixture.items() if s} != {
+                n for n, s in previous.items() if s
+            }:
+                label = ", ".join(f"{n} {s:.0%}" for n, s in sorted(mixture.items()))
+                changes.append((first, f"stage: {label}"))
+        previous = mixture
+    return changes
+
 
 PANEL_FIELDS = ("lm_loss", "grad_norm", "params_norm", "max_attention_logit", "log_z")
 MARKED_FIELDS = {"lm_loss": "loss", "grad_norm": "grad_norm"}  # panel -> event field
@@ -183,14 +326,25 @@ def _feed(line: Series, block: Block, rows: np.ndarray, wanted: np.ndarray) -> N
         bins = (skipped - line.envelopes["lm_loss"].start) // line.envelopes["lm_loss"].width
         line.skipped_at.append(skipped[np.r_[True, bins[1:] != bins[:-1]]])
     if line.detector is not None:
-        for event in line.detector.feed(block, rows):
-            if event.kind in ("spike", "divergence"):
-                line.candidates.append(event)
-                for name, key in MARKED_FIELDS.items():
-                    value = getattr(event, key)
-                    if value is not None:
-                        line.marks.setdefault(name, {})[event.iteration] = value
-        return
+        _replayed(line, line.detector.feed(block, rows))
+    else:
+        _tracked(line, block, rows, wanted)
+
+
+def _replayed(line: Series, events: list[SpikeEvent]) -> None:
+    """A replay's spike and divergence events, as candidates and marks."""
+    for event in events:
+        if event.kind in ("spike", "divergence"):
+            line.candidates.append(event)
+            for name, key in MARKED_FIELDS.items():
+                value = getattr(event, key)
+                if value is not None:
+                    line.marks.setdefault(name, {})[event.iteration] = value
+
+
+def _tracked(line: Series, block: Block, rows: np.ndarray, wanted: np.ndarray) -> None:
+    """The values at the ledger's events' iterations (``wanted``), as marks."""
+    it = block.values["iteration"][rows]
     attempts = block.values["attempt"][rows]
     for index in np.flatnonzero(np.isin(it, wanted)).tolist():
         line.hit.add((int(it[index]), int(attempts[index])))
@@ -252,33 +406,15 @@ def _blocks(log: SignalsLog, segment: Segment, stats: Stats, names: set[str]) ->
                 )
             previous = int(it[-1])
             stats.count(segment.attempt, int(it[0]), int(it[-1]), len(it))
-        merged = _join(carry, block) if carry is not None else block
+        merged = Block.concat([carry, block]) if carry is not None else block
         if not len(merged):
             continue
         keep = np.r_[merged.values["iteration"][1:] != merged.values["iteration"][:-1], True]
         keep[-1] = False  # held back: the next block may repeat its iteration
-        yield _take(merged, np.flatnonzero(keep))
-        carry = _take(merged, np.array([len(merged) - 1]))
+        yield merged.take(np.flatnonzero(keep))
+        carry = merged.take(np.array([len(merged) - 1]))
     if carry is not None:
         yield carry
-
-
-def _take(block: Block, rows: np.ndarray) -> Block:
-    taken = Block(
-        {k: v[rows] for k, v in block.values.items()},
-        {k: v[rows] for k, v in block.present.items()},
-    )
-    if block.sources is not None:
-        taken.sources = block.sources.take(rows)
-    return taken
-
-
-def _join(first: Block, second: Block) -> Block:
-    return Block(
-        {k: np.concatenate([v, second.values[k]]) for k, v in first.values.items()},
-        {k: np.concatenate([v, second.present[k]]) for k, v in first.present.items()},
-        sources=concat(first.sources, second.sources, (len(first), len(second))),
-    )
 
 
 def stream(log: SignalsLog, lines: list[Series]) -> Stats:

@@ -1,26 +1,189 @@
-"""The registry's table of Megatron logic the overlay copies
-(:mod:`megatron_ext.registry.copy_check`).
-
-Part of the one manifest of upstream dependencies (:mod:`megatron_ext.registry.table` imports it and
-``megatron-ext patches`` lists it); a table of its own to keep registry.py within its size.
-Every copy here is the lookup's (scope "tools"): the lookup verifies them when it runs, and
-training start-up skips them, so a tool's copy never blocks a training job.
+"""Megatron logic the overlay copies instead of calling, and the check that the copy is still
+right: the lookup imports no Megatron (milliseconds, no torch), so it re-implements a few pieces
+(sampler order, micro-batch calculator, dataset caches, tokenizer description, data-flag rules).
+Each :class:`Copy` records, per megatron-core line, the digest of its targets' code as verified
+(:class:`Source`); :meth:`Copy.verify` reads the installed source with :mod:`ast` (no import;
+comments, docstrings and formatting do not count) and refuses when it differs. Scope
+``"tools"``: checked by the tool when it runs, never at training start-up.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import re
 import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
+from megatron_ext.common import versions
+from megatron_ext.common.errors import Refusal
 from megatron_ext.common.versions import ALL, V17, V18, V19
-from megatron_ext.registry.copy_check import Copy, Source, digest, installed_version
+from megatron_ext.registry.patching import installed_version
+
+Scope = Literal["tools", "training"]
+
+
+class CopyChanged(Refusal, RuntimeError):
+    """The installed megatron-core's code differs from what a copy was verified against."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A copy's targets as verified on ``verified_on``: their code's digest there."""
+
+    verified_on: tuple[str, ...]
+    digest: str
+    targets: tuple[str, ...] | None = None  # None: the entry's own
+    note: str = ""  # what differs on these versions, and how the copy follows it
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Megatron code (``module:qualname`` targets) that megatron-ext re-implements."""
+
+    name: str
+    targets: tuple[str, ...]
+    reason: str
+    used_by: tuple[str, ...]  # the megatron-ext modules holding the copy
+    sources: tuple[Source, ...]
+    scope: Scope = "tools"
+
+    def covers(self) -> tuple[str, ...]:
+        return tuple(v for source in self.sources for v in source.verified_on)
+
+    def source_for(self, version: str | None = None) -> Source:
+        """The verified form for ``version`` (installed when None)."""
+        found = installed_version() if version is None else version
+        proxy = versions.nearest_verified(found)
+        for source in self.sources:
+            if proxy in source.verified_on:
+                return source
+        raise CopyChanged(
+            f"megatron-ext copy {self.name!r}: never verified on megatron-core {proxy} "
+            f"(verified on {', '.join(self.covers())})"
+        )
+
+    def verify(self) -> None:
+        """Refuse unless the installed megatron-core's targets have the verified code."""
+        source = self.source_for()
+        targets = source.targets or self.targets
+        try:
+            found = digest(targets)
+        except LookupError as exc:
+            found = f"missing ({exc})"
+        if found != source.digest:
+            raise CopyChanged(
+                f"megatron-ext copy {self.name!r} (in {', '.join(self.used_by)}): the code of "
+                f"{', '.join(targets)} in the installed megatron-core {installed_version()} is "
+                f"not the code the copy was verified against on {', '.join(source.verified_on)} "
+                f"(digest {found}, verified {source.digest}). The copy may now give wrong "
+                "answers: re-verify it against this megatron-core (`megatron-ext patches` lists "
+                "every entry), or install a verified version."
+            )
+
+
+@functools.cache
+def _module_source(module: str) -> tuple[str, str]:
+    """(path, text) of a megatron module's source, found on disk without importing megatron."""
+    top, _, rest = module.partition(".")
+    spec = importlib.util.find_spec(top)  # a top-level lookup imports nothing
+    if spec is None or not spec.submodule_search_locations:
+        raise LookupError(f"{top} is not installed")
+    for root in spec.submodule_search_locations:
+        base = Path(root, *rest.split(".")) if rest else Path(root)
+        for path in (base.with_suffix(".py"), base / "__init__.py"):
+            if path.is_file():
+                return str(path), path.read_text(encoding="utf-8")
+    raise LookupError(f"no source for {module}")
+
+
+_TOP_LEVEL = re.compile(r"^[A-Za-z_@]", re.MULTILINE)
+
+
+def _top_level(module: str, name: str) -> list[ast.stmt]:
+    """The module's statements that may define ``name``: only its top-level block is parsed
+    (arguments.py and training.py are thousands of lines; parsing them whole costs seconds),
+    the whole module when the block does not parse on its own."""
+    path, text = _module_source(module)
+    header = re.compile(
+        rf"^(?:@.*\n)*(?:(?:async\s+)?def|class)\s+{re.escape(name)}\b|^{re.escape(name)}\s*[:=]",
+        re.MULTILINE,
+    )
+    found = header.search(text)
+    if found is not None:
+        line_end = text.find("\n", found.end())
+        following = _TOP_LEVEL.search(text, line_end + 1) if line_end >= 0 else None
+        block = text[found.start() : following.start() if following else len(text)]
+        with contextlib.suppress(SyntaxError):
+            return ast.parse(block, path).body
+    return ast.parse(text, path).body
+
+
+def _node(target: str) -> ast.AST:
+    module, _, qualname = target.partition(":")
+    first, *rest = qualname.split(".")
+    scope: list[ast.stmt] = _top_level(module, first)
+    node: ast.AST | None = None
+    for part in (first, *rest):
+        node = next((n for n in scope if _defines(n, part)), None)
+        if node is None:
+            raise LookupError(f"{target}: no {part!r}")
+        scope = getattr(node, "body", [])
+    assert node is not None
+    return node
+
+
+def _defines(node: ast.stmt, name: str) -> bool:
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return node.name == name
+    if isinstance(node, ast.Assign):
+        return any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+    if isinstance(node, ast.AnnAssign):
+        return isinstance(node.target, ast.Name) and node.target.id == name
+    return False
+
+
+def _code_only(node: ast.AST) -> str:
+    """The node's AST without docstrings (positions and comments are never in a dump)."""
+    # Edits the tree in place: each call parses its own (_top_level caches no tree).
+    for child in ast.walk(node):
+        body = getattr(child, "body", None)
+        if (
+            isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Module)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            child.body = body[1:] or [ast.Pass()]
+    return ast.dump(node, annotate_fields=False)
+
+
+def digest(targets: tuple[str, ...]) -> str:
+    """The digest of the installed code of ``targets`` (what :class:`Source` records)."""
+    text = "\n".join(_code_only(_node(target)) for target in targets)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def verify(copies: tuple[Copy, ...], scope: Scope | None = None) -> None:
+    """Verify ``copies`` (only those of ``scope`` when given)."""
+    for entry in copies:
+        if scope is None or entry.scope == scope:
+            entry.verify()
+
 
 _TRAINING = "megatron.training.training"
 _DATASETS = "megatron.core.datasets"
 _CALCULATOR = "megatron.core.num_microbatches_calculator"
 _LOOKUP = "megatron_ext.lookup"
 
-# tests/unit/lookup/ prove each copy equals the Megatron objects it mirrors on the installed
-# version; `python -m megatron_ext.registry.copies` prints the installed version's digests.
+# tests/unit/lookup/ prove each copy equals what it mirrors; `python -m
+# megatron_ext.registry.copies` prints the installed version's digests.
 COPIES: tuple[Copy, ...] = (
     Copy(
         name="lookup-sampler",
@@ -28,7 +191,7 @@ COPIES: tuple[Copy, ...] = (
             "megatron.training.datasets.data_samplers:MegatronPretrainingSampler",
             "megatron.training.datasets.data_samplers:MegatronPretrainingRandomSampler",
         ),
-        used_by=(f"{_LOOKUP}.position", f"{_LOOKUP}.cyclic"),
+        used_by=(f"{_LOOKUP}.schedule",),
         reason="Which DP rank and micro-batch read which sample: the single sampler's slices "
         "of the consumed-samples stream, the cyclic sampler's per-epoch permutation.",
         sources=(Source(ALL, "e3397d1e7ca1e1eb"),),
@@ -40,7 +203,7 @@ COPIES: tuple[Copy, ...] = (
             f"{_CALCULATOR}:ConstantNumMicroBatchesCalculator",
             f"{_CALCULATOR}:StepBatchsizeNumMicroBatchesCalculator",
         ),
-        used_by=(f"{_LOOKUP}.position", f"{_LOOKUP}.config"),
+        used_by=(f"{_LOOKUP}.schedule", f"{_LOOKUP}.config"),
         reason="Each iteration's global batch: constant (rounded down with "
         "--decrease-batch-size-if-needed), or --step-batch-size-schedule's thresholds in "
         "tokens; --rampup-batch-size ignored from 0.18 on.",
@@ -62,7 +225,7 @@ COPIES: tuple[Copy, ...] = (
     Copy(
         name="lookup-rampup",
         targets=(f"{_CALCULATOR}:RampupBatchsizeNumMicroBatchesCalculator",),
-        used_by=(f"{_LOOKUP}.position",),
+        used_by=(f"{_LOOKUP}.schedule",),
         reason="megatron-core 0.17 ramps the batch up by consumed samples (float steps); "
         "the lookup follows it for runs its checkpoint args show 0.17 trained.",
         sources=(
@@ -95,7 +258,7 @@ COPIES: tuple[Copy, ...] = (
             f"{_DATASETS}.blended_dataset:BlendedDataset.__init__",
             f"{_DATASETS}.blended_megatron_dataset_builder:_get_size_per_split_per_dataset",
         ),
-        used_by=(f"{_LOOKUP}.caches", f"{_LOOKUP}.indices"),
+        used_by=(f"{_LOOKUP}.data",),
         reason="The caches are found by their description.txt (fields, md5 in the file "
         "names, blend member sizes with the surplus) and checked by their epochs and counts.",
         sources=(
@@ -115,7 +278,7 @@ COPIES: tuple[Copy, ...] = (
             f"{_DATASETS}.gpt_dataset:GPTDataset._query_document_sample_shuffle_indices",
             f"{_DATASETS}.blended_dataset:BlendedDataset.__getitem__",
         ),
-        used_by=(f"{_LOOKUP}.indices", f"{_LOOKUP}.dataset"),
+        used_by=(f"{_LOOKUP}.data",),
         reason="A global sample -> blend member -> shuffled sample -> documents and token "
         "spans (with the extra label token), pad tokens mapped to 0.",
         sources=(
@@ -129,7 +292,7 @@ COPIES: tuple[Copy, ...] = (
             "megatron.core.tokenizers.utils.build_tokenizer:build_tokenizer",
             "megatron.core.tokenizers.text.text_tokenizer:MegatronTokenizerText.unique_identifiers",
         ),
-        used_by=(f"{_LOOKUP}.tokenizer",),
+        used_by=(f"{_LOOKUP}.config",),
         reason="--text rebuilds the run's tokenizer from its args and matches the caches by "
         "the tokenizer's identifiers: renamed args and added identifiers per version.",
         sources=(
@@ -144,18 +307,6 @@ COPIES: tuple[Copy, ...] = (
         ),
     ),
     Copy(
-        name="lookup-megatron-flags",
-        targets=("megatron.training.arguments:add_megatron_arguments",),
-        used_by=(f"{_LOOKUP}.flagspec",),
-        reason="The lookup parses a run's flags with this parser rebuilt from "
-        "megatron_flags/<version>.json, generated from it (tests compare every action).",
-        sources=(
-            Source(V19, "393bea44dcc11bcc"),
-            Source(V18, "f586bf8183fc6c46"),
-            Source(V17, "34a834e3a3e637db"),
-        ),
-    ),
-    Copy(
         name="lookup-indexed-dataset-format",
         targets=(
             f"{_DATASETS}.indexed_dataset:_INDEX_HEADER",
@@ -164,7 +315,7 @@ COPIES: tuple[Copy, ...] = (
             f"{_DATASETS}.indexed_dataset:IndexedDataset.get",
         ),
         used_by=(
-            f"{_LOOKUP}.formats",
+            f"{_LOOKUP}.data",
             "megatron_ext.common.records.pair",
             "megatron_ext.data.checks",
             "megatron_ext.data.provenance",
@@ -174,35 +325,6 @@ COPIES: tuple[Copy, ...] = (
         "header, version 1, dtype code, counts, then the three arrays; tokens as "
         "IndexedDataset.get slices them.",
         sources=(Source(ALL, "63a03efdcae6fc7f"),),
-    ),
-    Copy(
-        name="lookup-data-flag-rules",
-        targets=(
-            f"{_DATASETS}.utils:get_blend_from_list",
-            "megatron.training.utils.common_utils:get_blend_and_blend_per_split",
-            f"{_DATASETS}.blended_megatron_dataset_config:parse_and_normalize_split",
-            f"{_DATASETS}.blended_megatron_dataset_config:convert_split_vector_to_split_matrix",
-        ),
-        used_by=(f"{_LOOKUP}.formats",),
-        reason="--data-path weights/prefixes, which data flag wins, --split -> the train "
-        "split's [begin, end).",
-        sources=(
-            Source(V19, "819a174565fabc15"),
-            Source(V18, "16a0b5e543c7d348", note="The same code as 0.17's (0.19 changed it)."),
-            Source(
-                V17,
-                "16a0b5e543c7d348",
-                targets=(
-                    f"{_DATASETS}.utils:get_blend_from_list",
-                    "megatron.training.utils:get_blend_and_blend_per_split",
-                    f"{_DATASETS}.blended_megatron_dataset_config:parse_and_normalize_split",
-                    f"{_DATASETS}.blended_megatron_dataset_config:"
-                    "convert_split_vector_to_split_matrix",
-                ),
-                note="megatron.training.utils is a module (0.18: a package, the function in "
-                "its common_utils).",
-            ),
-        ),
     ),
 )
 

@@ -1,9 +1,6 @@
-"""Wrappers that fix upstream megatron-core bugs (declared in :mod:`megatron_ext.registry.table`).
-
-Each registry entry states the symptom, who hits it and why the fix is safe; ``megatron-ext
-patches`` lists them. They apply whenever ``pretrain_gpt_ext.py`` runs, because they fix
-behaviour that plain Megatron gets wrong with the pip wheel, not features.
-"""
+"""The wrappers of the registry's own patches (:mod:`megatron_ext.registry.table` says why
+each exists): the upstream bug fixes every run gets, the classic entry point's parsed args
+(0.17) and the CPU runner's ``allow_no_cuda``."""
 
 from __future__ import annotations
 
@@ -76,12 +73,8 @@ def copy_state_safely(original: Callable[..., None]) -> Callable[..., None]:
 
 def start_results_queue(method: str) -> None:
     """Create torch_dist's write-results queue (upstream reuses the one it finds), its Manager
-    deaf to SIGTERM and started by ``method``; nothing if the queue exists.
-
-    Upstream starts it with ``spawn``, so the Manager is a fresh interpreter that imports
-    torch when it unpickles the first write results: seconds of CPU per rank, once per job.
-    The CPU harness starts it by ``fork`` before any thread exists (``megatron_ext/cpu/run.py``),
-    where those seconds are most of a tiny run's first save."""
+    deaf to SIGTERM and started by ``method``; nothing if the queue exists. The CPU runner
+    starts it by ``fork`` (no torch import in the Manager) while it has one thread."""
     import multiprocessing
     from multiprocessing.managers import SyncManager
 
@@ -112,3 +105,29 @@ def docstring_help_is_text(original: Callable[..., dict]) -> Callable[..., dict]
         return kwargs
 
     return _build_argparse_kwargs_from_field
+
+
+def with_parsed_args(original: Callable[..., Any], bound: Any) -> Callable[..., Any]:
+    """Classic ``initialize_megatron`` on the entry point's parsed args (``bound.args``: it
+    validates them and makes them the global args), then ``bound.initialized()``."""
+
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+        kwargs["parsed_args"] = bound.args
+        result = original(*args, **kwargs)
+        bound.initialized()
+        return result
+
+    return initialize_megatron
+
+
+def allows_no_cuda(
+    original: Callable[..., Any], count: Callable[[str], None]
+) -> Callable[..., Any]:
+    """The CPU runner's ``initialize_megatron``: ``allow_no_cuda=True``, counted by ``count``."""
+
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+        count("initialize_megatron(allow_no_cuda)")
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    return initialize_megatron

@@ -1,28 +1,10 @@
-"""The mechanism behind the registry of every touch of Megatron internals.
-
-Two kinds of entries, both declared in :mod:`megatron_ext.registry.table`:
-
-- a :class:`Patch` replaces a Megatron attribute (``module:attr`` or ``module:Class.attr``)
-  with a wrapper. It names why, the megatron-core version it was verified on and the
-  target's exact signature; :func:`verify` fails loudly when the target moved or its
-  signature changed, :func:`apply` is idempotent.
-- an :class:`Assumption` is a private Megatron name the overlay reads without replacing it
-  (a bucket's ``grad_data``, a module-level queue). Its check looks at the installed code
-  (attribute names that the class's ``__init__`` assigns, a module attribute, a private
-  function's signature), so a refactor upstream stops the run at start-up instead of
-  silently mis-measuring.
-
-Per-version variants: an entry's own fields (target, signature, wrapper, assigned names) are
-the ones verified on the versions in its ``verified_on``; ``variants`` holds a
-:class:`Variant` for each other line of megatron-core, with the exact versions it was
-verified on and only the fields that differ there. :meth:`Patch.selected` /
-:meth:`Assumption.selected` is the entry as it applies to the installed megatron-core (its
-:func:`~megatron_ext.common.versions.nearest_verified` version); verify, apply and
-``megatron-ext patches`` go through it. Every entry covers every version in
-:data:`~megatron_ext.common.versions.VERIFIED` (tests/unit/test_registry.py checks).
-
-:func:`check_version` refuses a megatron-core outside the supported range
-(:mod:`megatron_ext.common.versions`) and warns for one that is not an exact verified version.
+"""The registry's mechanism: a :class:`Patch` replaces a Megatron attribute with a wrapper, an
+:class:`Assumption` is a private name read without replacing it. Each names its target
+(``module:qualname``, resolved only when verified or applied), why, and the megatron-core
+versions it was verified on, with a :class:`Variant` for each other line of megatron-core;
+:meth:`~_Versioned.selected` is the form for the installed version. Verification fails loudly
+when a target moved or changed shape; applying is idempotent. :func:`check_version` refuses a
+megatron-core outside the supported range.
 """
 
 from __future__ import annotations
@@ -31,6 +13,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Self
@@ -40,22 +23,20 @@ from megatron_ext.common.errors import Refusal, StartupError
 
 _MARK = "__megatron_ext_patch__"
 
-Kind = Literal["bugfix", "feature", "hook", "entry"]
+Kind = Literal["bugfix", "feature", "hook", "entry", "cpu"]
 
 
 class PatchTargetError(Refusal, RuntimeError):
-    """A registered target is missing or changed shape: the overlay must not start (exit 1,
-    as ``megatron-ext patches`` and the entry point end)."""
+    """A registered target is missing or changed shape: the overlay must not start (exit 1)."""
 
 
 def resolve(target: str) -> tuple[Any, str]:
     """``"pkg.module:Class.attr"`` -> (the object holding the attribute, its name)."""
     module_name, _, qual = target.partition(":")
-    owner: Any = importlib.import_module(module_name)
-    *path, attr = qual.split(".")
-    for part in path:
-        owner = getattr(owner, part)
-    return owner, attr
+    holder, _, attr = qual.rpartition(".")
+    if not holder:
+        return importlib.import_module(module_name), attr
+    return pkgutil.resolve_name(f"{module_name}:{holder}"), attr
 
 
 def _signature_of(fn: Any) -> str:
@@ -69,20 +50,25 @@ def _original(value: Any) -> Any:
     return getattr(value, _MARK, (None, value, None))[1]
 
 
+def _innermost(value: Any) -> Any:
+    """What every registry patch stacked on ``value`` was installed over."""
+    while hasattr(value, _MARK):
+        value = _original(value)
+    return value
+
+
 def _target_error(
     name: str, target: str, verified_on: tuple[str, ...], what: str
 ) -> PatchTargetError:
     return PatchTargetError(
         f"megatron-ext {name!r}: {target} {what} (verified on megatron-core "
-        f"{', '.join(verified_on)}, "
-        f"installed {installed_version()}). Re-verify it against the installed megatron-core "
-        "before running; `megatron-ext patches` lists every entry."
+        f"{', '.join(verified_on)}, installed {installed_version()}). Re-verify it against the "
+        "installed megatron-core before running; `megatron-ext patches` lists every entry."
     )
 
 
 def _existing(name: str, target: str, verified_on: tuple[str, ...]) -> tuple[str, Any]:
-    """``target``'s attribute name and current value, or the start-up refusal saying it is
-    gone."""
+    """``target``'s attribute name and current value, or the refusal saying it is gone."""
     try:
         owner, attr = resolve(target)
         return attr, getattr(owner, attr)
@@ -102,24 +88,21 @@ def _check_signature(
 
 @dataclass(frozen=True)
 class Variant:
-    """An entry as it is on other megatron-core versions: the exact versions it was verified
-    on, the fields that differ there (None: the entry's own) and ``note``, what changed
-    upstream and how the overlay meets it. ``available=False``: the feature cannot work on
-    those versions (the note says why); nothing is verified there, and applying the patch
-    is a start-up refusal naming the version."""
+    """An entry's form on other versions: the fields that differ there (None: the entry's own)
+    and ``note``, what changed upstream. ``available=False``: the feature cannot work there;
+    nothing is verified, and applying the patch is a start-up refusal naming the version."""
 
     verified_on: tuple[str, ...]
     note: str
     available: bool = True
     target: str | None = None
     signature: str | None = None
-    wrap: Callable[..., Any] | None = None
     assigned: tuple[str, ...] | None = None
     names: tuple[str, ...] | None = None
     also_bound_in: tuple[str, ...] | None = None
 
 
-_VARIANT_FIELDS = ("target", "signature", "wrap", "assigned", "names", "also_bound_in")
+_VARIANT_FIELDS = ("target", "signature", "assigned", "names", "also_bound_in")
 
 
 class _Versioned:
@@ -135,8 +118,8 @@ class _Versioned:
         return tuple(sorted(found, key=versions.parse))
 
     def variant_for(self, version: str | None = None) -> Variant | None:
-        """The variant for ``version`` (installed when None); None when the entry's own
-        fields apply. Raises :class:`PatchTargetError` when no form was verified there."""
+        """The variant for ``version`` (installed when None); None when the entry's own fields
+        apply. Raises :class:`PatchTargetError` when no form was verified there."""
         proxy = versions.nearest_verified(installed_version() if version is None else version)
         if proxy in self.verified_on:
             return None
@@ -148,9 +131,14 @@ class _Versioned:
             f"(verified on {', '.join(self.covers())}); `megatron-ext patches` lists every entry."
         )
 
+    def unavailable(self) -> Variant | None:
+        """The installed version's variant when it says the entry cannot work there."""
+        variant = self.variant_for() if self.variants else None
+        return variant if variant is not None and not variant.available else None
+
     def selected(self, version: str | None = None) -> Self:
-        """This entry as it applies to ``version`` (installed when None): the variant's
-        fields over the entry's, ``verified_on`` the variant's, no further variants."""
+        """This entry as it applies to ``version`` (installed when None): the variant's fields
+        over the entry's, ``verified_on`` the variant's, no further variants."""
         variant = self.variant_for(version)
         if variant is None:
             return self if not self.variants else replace(self, variants=())  # type: ignore[type-var]
@@ -166,17 +154,11 @@ class _Versioned:
 class Patch(_Versioned):
     """One runtime replacement of a Megatron attribute.
 
-    ``wrap`` is the wrapper itself (an imported function, so a reader and an IDE go from the
-    registry straight to it): called with the original, and with what the patch is applied
-    with (``apply(bound)``: the feature, or the installed feature set, whose state the
-    replacement reads; nothing for a bug fix), it returns the replacement. ``target`` stays a
-    ``module:qualname`` string, resolved only when verified or applied, so that a target
-    Megatron moved is reported as a readable start-up refusal instead of an ImportError while
-    the registry is imported. ``also_bound_in`` lists modules that did ``from target_module
-    import name`` and hold their own reference that must be rebound too. ``hook`` is the
-    :class:`~megatron_ext.common.features.Feature` hook a ``kind="hook"`` patch dispatches to;
-    ``feature`` the feature class a ``kind="feature"`` patch belongs to. ``verified_on`` are
-    the versions these fields were verified on, ``variants`` the other versions' forms.
+    ``wrap(original)`` (or ``wrap(original, bound)``, with what :meth:`apply` is given: the
+    feature or feature set the replacement reads) returns the replacement. ``also_bound_in``
+    lists modules holding their own ``from target_module import name`` reference, rebound too.
+    ``hook`` is the Feature hook a ``kind="hook"`` patch dispatches to, ``feature`` the class a
+    ``kind="feature"`` patch belongs to.
     """
 
     name: str
@@ -193,19 +175,16 @@ class Patch(_Versioned):
 
     def verify(self) -> None:
         """Raise :class:`PatchTargetError` unless the installed version's form of the target
-        exists with its signature (nothing, where the variant says it is not available)."""
+        exists with its signature (nothing to check where the variant is unavailable)."""
         if self.variants:
-            variant = self.variant_for()
-            if variant is not None and not variant.available:
-                return None
-            return self.selected().verify()
+            return None if self.unavailable() else self.selected().verify()
         attr, current = _existing(self.name, self.target, self.verified_on)
         _check_signature(
-            self.name, self.target, self.verified_on, _original(current), self.signature
+            self.name, self.target, self.verified_on, _innermost(current), self.signature
         )
         for module_name in self.also_bound_in:
             module = importlib.import_module(module_name)
-            if _original(getattr(module, attr, None)) is not _original(current):
+            if _innermost(getattr(module, attr, None)) is not _innermost(current):
                 raise _target_error(
                     self.name,
                     f"{module_name}.{attr}",
@@ -215,10 +194,7 @@ class Patch(_Versioned):
 
     def _marker(self) -> tuple[str | None, Any, Any]:
         if self.variants:
-            variant = self.variant_for()
-            if variant is not None and not variant.available:
-                return (None, None, None)
-            return self.selected()._marker()
+            return (None, None, None) if self.unavailable() else self.selected()._marker()
         owner, attr = resolve(self.target)
         return getattr(getattr(owner, attr), _MARK, (None, None, None))
 
@@ -229,8 +205,7 @@ class Patch(_Versioned):
         """Install, with ``bound`` handed to the wrapper; applying again with the same
         ``bound`` is a no-op, with another one (a new run in the same process) rebinds."""
         if self.variants:
-            variant = self.variant_for()
-            if variant is not None and not variant.available:
+            if variant := self.unavailable():
                 raise StartupError(
                     f"{self.name} is not available on megatron-core {installed_version()}: "
                     f"{variant.note} Install a version it was verified on "
@@ -256,10 +231,10 @@ class Patch(_Versioned):
 
     def remove(self) -> None:
         """Restore the original (tests use this to prove a patch is what made a difference)."""
-        if self.variants:
-            return None if not self.is_applied() else self.selected().remove()
         if not self.is_applied():
             return
+        if self.variants:
+            return self.selected().remove()
         owner, attr = resolve(self.target)
         original = _original(getattr(owner, attr))
         setattr(owner, attr, original)
@@ -269,9 +244,8 @@ class Patch(_Versioned):
 
 @dataclass(frozen=True)
 class HookCall:
-    """A feature hook the entry point's own functions call, with no patch of Megatron:
-    Megatron calls ``called_from`` (handed to it by ``pretrain_gpt_ext.py``), which calls
-    ``hook`` on every installed feature that overrides it."""
+    """A feature hook the training script's side calls (no patch): Megatron calls
+    ``called_from``, which calls ``hook`` on every installed feature overriding it."""
 
     hook: Callable[..., Any]
     called_from: Callable[..., Any]
@@ -284,22 +258,10 @@ class HookCall:
 
 @dataclass(frozen=True)
 class Assumption(_Versioned):
-    """A private Megatron name the overlay relies on without replacing it.
-
-    ``target`` is a class, module attribute or function (``module:qualname``), or a module
-    (``module``, no colon) with ``names``. The check:
-
-    - ``assigned``: attribute names the class's ``__init__`` must assign (``self.x = ...``,
-      read from its bytecode, so nothing is constructed); for a function, the names it
-      assigns on the objects it builds (``obj.x = ...`` or ``setattr(obj, 'x', ...)``);
-    - ``signature``: for a function, its exact signature;
-    - ``names``: for a module, the names the overlay imports from it (public API too: a name
-      that moved between versions is a start-up refusal naming it, not an ImportError);
-    - none of these: the target must exist.
-
-    ``wrap`` optionally names the overlay's function that calls the target in this form (a
-    variant gives each version's), for the code that picks it by version.
-    """
+    """A private Megatron name relied on without replacing it. ``target`` is a class, module
+    attribute or function (``module:qualname``), or a module (no colon) with ``names``. Checked:
+    ``assigned`` (names the class's ``__init__``, or the function, assigns, read from bytecode),
+    ``signature`` (a function's exact one), ``names`` (a module's); else that it exists."""
 
     name: str
     target: str
@@ -309,38 +271,34 @@ class Assumption(_Versioned):
     assigned: tuple[str, ...] = field(default=())
     signature: str | None = None
     names: tuple[str, ...] = field(default=())
-    wrap: Callable[..., Any] | None = None
     variants: tuple[Variant, ...] = field(default=())
 
     def verify(self) -> None:
         if self.variants:
-            variant = self.variant_for()
-            if variant is not None and not variant.available:
-                return None  # the feature relying on it refuses to start on this version
-            return self.selected().verify()
+            # Unavailable: the feature relying on it refuses to start on this version.
+            return None if self.unavailable() else self.selected().verify()
         if ":" not in self.target:
-            self._verify_names()
-            return
+            return self._verify_names()
         _, value = _existing(self.name, self.target, self.verified_on)
         if self.assigned:
-            function = inspect.isfunction(value)
-            # A decorated method (torch.no_grad) is read through to the function it wraps.
-            body = inspect.unwrap(value) if function else getattr(value, "__init__", None)
-            code = getattr(body, "__code__", None)
-            names = set(getattr(code, "co_names", ()))
-            if function:  # setattr(obj, "name", ...) keeps the name as a constant
-                names |= {c for c in getattr(code, "co_consts", ()) if isinstance(c, str)}
-            missing = [a for a in self.assigned if a not in names]
-            if missing:
-                where = "its body" if function else "__init__"
-                raise _target_error(
-                    self.name,
-                    self.target,
-                    self.verified_on,
-                    f"no longer assigns {missing} in {where}",
-                )
+            self._verify_assigned(value)
         if self.signature is not None:
             _check_signature(self.name, self.target, self.verified_on, value, self.signature)
+        return None
+
+    def _verify_assigned(self, value: Any) -> None:
+        function = inspect.isfunction(value)
+        # A decorated method (torch.no_grad) is read through to the function it wraps.
+        body = inspect.unwrap(value) if function else getattr(value, "__init__", None)
+        code = getattr(body, "__code__", None)
+        names = set(getattr(code, "co_names", ()))
+        if function:  # setattr(obj, "name", ...) keeps the name as a constant
+            names |= {c for c in getattr(code, "co_consts", ()) if isinstance(c, str)}
+        if missing := [a for a in self.assigned if a not in names]:
+            where = "its body" if function else "__init__"
+            raise _target_error(
+                self.name, self.target, self.verified_on, f"no longer assigns {missing} in {where}"
+            )
 
     def _verify_names(self) -> None:
         try:
@@ -376,9 +334,8 @@ class UnsupportedMegatronCore(StartupError):
 
 
 def check_version(warn: Callable[[str], None] = print, found: str | None = None) -> bool:
-    """Refuse a megatron-core outside the supported range (:mod:`megatron_ext.common.versions`;
-    an override lets it run, warned); warn, through ``warn``, for one that is not an exact
-    verified version. True when the installed version is a verified one."""
+    """Refuse a megatron-core outside the supported range (an override lets it run, warned);
+    warn for one that is not an exact verified version. True when it is a verified one."""
     found = installed_version() if found is None else found
     try:
         warning = versions.check(found)

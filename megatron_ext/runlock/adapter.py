@@ -1,16 +1,10 @@
 """The run lock in training: global rank 0 holds ``--save`` before anything is written.
 
-:class:`RunLockFeature` is the first feature installed (``loop.all_features``), so on rank 0
-the lease is taken in ``install``, after the flags are validated and before distributed
-initialisation, the skip list, the signals or sample logs or any checkpoint are written. One
-process per job takes it (global rank 0, on whichever node it runs); the other ranks write
-only after rank 0 has joined the process group, which it does only when holding the lease.
-
-Under the supervisor the lease is the supervisor's (its token is in the environment); rank 0
-then heartbeats a child file and watches the supervisor: when the supervisor is dead, the
-training is stopped with SIGTERM, so Megatron's ``--exit-signal-handler`` (which the
-supervisor always passes) saves and exits instead of training on unnoticed. A training whose
-own lease was taken over (``--force-run-lock`` elsewhere) stops at once without saving.
+The first feature installed: rank 0 takes the lease in ``install``, before distributed init;
+the other ranks write only after rank 0 joined the process group. Under the supervisor the
+lease is the supervisor's (its token in the environment) and a dead supervisor stops the
+training with SIGTERM (save and exit); a training whose own lease was taken over
+(``--force-run-lock`` elsewhere) exits at once without saving.
 """
 
 from __future__ import annotations
@@ -67,19 +61,13 @@ class RunLockFeature(Feature):
 
     def _lost(self, message: str) -> None:
         assert self.lease is not None
-        if self.lease.inherited_from is not None:
-            print(
-                f"megatron-ext: ERROR: {message}; stopping the training (SIGTERM: save and "
-                "exit) so that it does not go on unnoticed",
-                file=sys.stderr,
-                flush=True,
-            )
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        print(
-            f"megatron-ext: ERROR: {message}; another writer owns this run directory now, "
-            "so this training exits without saving",
-            file=sys.stderr,
-            flush=True,
+        supervised = self.lease.inherited_from is not None
+        then = (
+            "stopping the training (SIGTERM: save and exit) so that it does not go on unnoticed"
+            if supervised
+            else "another writer owns this run directory now, so this training exits without saving"
         )
-        os._exit(3)
+        print(f"megatron-ext: ERROR: {message}; {then}", file=sys.stderr, flush=True)
+        if not supervised:
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -1,21 +1,12 @@
 """The sample-log feature in Megatron: ``--sample-log-dir``.
 
-Hooks, on the rank that reads the data and computes the loss (TP rank 0 of the last stage):
-
-- ``on_train_dataset``: every train sample carries its global index (:class:`SampleIdDataset`);
-- ``on_setup`` (global rank 0 only): the attempt's layout line in ``layout.jsonl`` (the
-  checkpoint is loaded by then, so the resume iteration and consumed samples are known);
-
-- ``on_batch``: the micro-batch's global sample ids and token SHA-1s, taken from the batch as
-  the data iterator produced it (host memory, before it moves to the GPU; drill corruption
-  included, since that is what was trained on);
-- ``on_loss``: the micro-batch's token-summed training loss and lm loss (without the z-loss
-  term, see :data:`megatron_ext.common.features.LM_LOSS_PER_TOKEN`) and each sample's token-summed
-  training loss and tokens, kept as device tensors;
-- ``after_step``: one host transfer for the whole iteration, then one record per micro-batch
-  (each sample's loss averaged over its tokens). No host sync per micro-batch. Under context
-  parallelism every CP rank reads the batch and holds part of each sequence: the sums are
-  added over the CP group (one all-reduce per iteration) and CP rank 0 writes.
+On the rank that reads the data and computes the loss (TP rank 0 of the last stage): every
+train sample carries its global index (:class:`SampleIdDataset`); ``on_batch`` takes each
+micro-batch's sample ids and token SHA-1s from the host batch as trained (drill corruption
+included); ``on_loss`` keeps its losses as device tensors; ``after_step`` makes one host
+transfer per iteration and writes one record per micro-batch. Under context parallelism the
+sums are added over the CP group and CP rank 0 writes. Global rank 0 appends the attempt's
+layout line at ``on_setup``.
 """
 
 from __future__ import annotations
@@ -51,11 +42,8 @@ _NOTE = "sample_log"  # key of this feature's note in MicroBatch.extras
 
 
 class SampleIdDataset(torch.utils.data.Dataset):
-    """Adds the global sample index to each sample so the sample log can say what was trained on.
-
-    Attribute access falls through to the wrapped dataset, so Megatron's data loader sees the
-    same ``split``/``index_split`` and length; the extra key is ignored by Megatron's batch code.
-    """
+    """Adds the global sample index to each sample; attributes fall through to the wrapped
+    dataset, and Megatron's batch code ignores the extra key."""
 
     def __init__(self, dataset: torch.utils.data.Dataset) -> None:
         self.dataset = dataset
@@ -92,8 +80,6 @@ class SampleLogFeature(Feature):
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
             "--sample-log-dir",
-            type=str,
-            default=None,
             help="Append, per DP rank, one JSON line per trained micro-batch: its global "
             "sample ids, a SHA-1 of each sample's tokens, the local token-summed loss and each "
             "sample's token-averaged loss (samples-dp{rank}.jsonl). Proves resume/skip "
@@ -141,15 +127,8 @@ class SampleLogFeature(Feature):
         lm_loss = loss if lm_per_token is None else (lm_per_token.float() * mask).sum()
         # A new tensor: Megatron's schedule divides the returned loss in place right after this.
         # Sums, not means: under CP this rank holds part of each sequence (after_step adds).
-        scalars = torch.cat(
-            [
-                loss.view(1),
-                inputs.num_tokens.detach().float().view(1),
-                lm_loss.view(1),
-                (per_token * mask).sum(dim=1),
-                mask.sum(dim=1),
-            ]
-        )
+        totals = [loss.view(1), inputs.num_tokens.detach().float().view(1), lm_loss.view(1)]
+        scalars = torch.cat([*totals, (per_token * mask).sum(dim=1), mask.sum(dim=1)])
         self.pending.append((inputs.micro_batch, ids, digests, scalars))
         return {}
 

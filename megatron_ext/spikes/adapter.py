@@ -1,24 +1,19 @@
-"""The spike features in Megatron: the online detector, the skip lists and the drill.
-
-- :class:`SpikeFeature` (``--spike-detect``, thresholds, ``--spike-ledger``,
-  ``--spike-exit-code``): after each step the detector runs on the last rank over the signals
-  record; its decision (healthy / spike in progress / rollback) is broadcast to every rank
-  (one int). While a spike is in progress no checkpoint is written (``on_checkpoint``
-  vetoes the save), so the last healthy checkpoint stays the rollback target. On a rollback
-  decision every rank exits with ``--spike-exit-code`` (default 42), which the launchers'
-  supervisor turns into: plan (``megatron-ext skiplist``) -> apply -> restart.
-- the skip lists: :mod:`megatron_ext.spikes.skip_list`.
-- :class:`DrillFeature` (``--drill-corrupt-batch``, ``--drill-corruption``): a reproducible bad
-  batch on one DP rank (garbage tokens, or real documents mis-encoded).
+"""The spike features in Megatron: the online detector (no checkpoint while a spike is in
+progress, exit ``--spike-exit-code`` on a rollback decision), the skip list kept with the
+checkpoints, and the drill that corrupts one DP rank's batch reproducibly (docs/incidents.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
+import re
 import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,29 +30,19 @@ from megatron_ext.common.features import (
     is_writing_rank,
     writing_rank,
 )
-from megatron_ext.common.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
+from megatron_ext.common.files import SIGNALS_FILE, SKIPPED_ITERATIONS_FILE, SPIKE_LEDGER_FILE
 from megatron_ext.common.gap_log import GapLog
+from megatron_ext.common.io import atomic_write
 from megatron_ext.common.records.ledger import config_record
-from megatron_ext.common.records.signals import SignalRecord
-from megatron_ext.common.records.signals_seek import history_before
+from megatron_ext.common.records.signals import SignalRecord, history_before
+from megatron_ext.common.records.skip_ranges import WINDOWS_BATCH_FLAG, WINDOWS_FLAG, persisted_text
 from megatron_ext.common.records.sources import member_names, train_blend
 from megatron_ext.common.records.spike_config import add_detector_args, config_from_args
 from megatron_ext.common.validation import check_directory, check_exit_code
 from megatron_ext.spikes.detector import SpikeDetector, SpikeEvent, primed
-from megatron_ext.spikes.drill import (
-    CORRUPTIONS,
-    CorruptionSpec,
-    garbage_batch,
-    misencode,
-    parse_spec,
-)
 from megatron_ext.spikes.precursors import PrecursorMonitor, PrecursorWarning, WarnConfig
 
 _DECISIONS = ("healthy", "watching", "rollback")  # broadcast as the index
-
-
-def _is_writer() -> bool:
-    return is_writing_rank(dist.get_rank(), dist.get_world_size())
 
 
 class SpikeFeature(Feature):
@@ -80,9 +65,8 @@ class SpikeFeature(Feature):
         group.add_argument(
             "--spike-detect",
             action="store_true",
-            help="Run the streaming spike detector on the signals log; on an "
-            "unrecovered spike or divergence, stop saving checkpoints and exit "
-            "with --spike-exit-code. Needs --signals-dir.",
+            help="Detect loss spikes from the signals log (needs --signals-dir); an unrecovered "
+            "one stops checkpoints and exits with --spike-exit-code.",
         )
         add_detector_args(group)
         group.add_argument(
@@ -95,16 +79,14 @@ class SpikeFeature(Feature):
             "--no-spike-warn",
             dest="spike_warn",
             action="store_false",
-            help="Do not warn of divergence precursors (a sustained rise of the grad norm, "
-            "the max attention logit or |log Z|; ledger kind 'warning', no rollback), which "
-            "--spike-detect does by default.",
+            help="Do not log divergence precursor warnings (rising grad norm, max attention "
+            "logit or |log Z|), on by default with --spike-detect.",
         )
         group.add_argument(
             "--spike-exit-code",
             type=int,
             default=exit_codes.SPIKE_ROLLBACK,
-            help="Exit code that asks the launcher for a rollback "
-            f"(default {exit_codes.SPIKE_ROLLBACK}).",
+            help=f"Exit code that asks for a rollback (default {exit_codes.SPIKE_ROLLBACK}).",
         )
 
     def enabled(self, args: Any) -> bool:
@@ -131,18 +113,13 @@ class SpikeFeature(Feature):
             self.detector = SpikeDetector(config_from_args(args))
             config = WarnConfig.following(self.detector.config)
             self.precursors = PrecursorMonitor(config) if args.spike_warn else None
-            # A full disk must not stop training: the detector runs on in memory, and a
-            # rollback request that could not be logged is not confirmed, so the supervisor
-            # stops instead of rolling back blind.
+            # A full disk must not stop training (GapLog); an unlogged request is unconfirmed.
             self.ledger = GapLog(
                 args.spike_ledger or Path(args.signals_dir) / SPIKE_LEDGER_FILE, "spike ledger"
             )
 
     def _prime(self, first_iteration: int) -> None:
-        """After a restart, rebuild the baseline from the history this run continues from
-        (latest attempt per iteration, before the first iteration of this run), so a replayed
-        spike right after a rollback is caught without a new warm-up. Read by seeking: the
-        ``warmup + window`` records it needs, not a 1 M-iteration log."""
+        """After a restart, rebuild the baselines from the history this run continues from."""
         self.primed = True
         assert self.detector is not None
         config = self.detector.config
@@ -164,25 +141,7 @@ class SpikeFeature(Feature):
                 self._prime(record.iteration)
             signals = record.signals
             if signals is not None and signals.iteration == record.iteration:
-                assert self.ledger is not None
-                if not self.recorded:
-                    self.recorded = True
-                    self.ledger.append(
-                        config_record(
-                            record.iteration,
-                            signals.attempt,
-                            self.detector.config,
-                            self.args.save,
-                            self.args.sample_log_dir,
-                        ),
-                        record.iteration,
-                    )
-                self.last_signals = signals
-                events = self.detector.observe(signals)
-                warnings = [] if self.precursors is None else self.precursors.observe(signals)
-                if not events and self.detector.state == "healthy":  # a precursor precedes
-                    self._warn(warnings)
-                self._record(events)
+                self._observe(self.detector, signals)
             code = _DECISIONS.index(self.detector.state)
         decision = torch.tensor([code], dtype=torch.int64, device=collective_device())
         dist.broadcast(decision, src=writing_rank(dist.get_world_size()))
@@ -190,50 +149,56 @@ class SpikeFeature(Feature):
         if self.decision == "rollback":
             sys.exit(self._rolling_back(record.iteration))
 
+    def _observe(self, detector: SpikeDetector, signals: SignalRecord) -> None:
+        """The writer: this attempt's config line first, then the step's events and warnings."""
+        assert self.ledger is not None
+        if not self.recorded:
+            self.recorded = True
+            a = self.args
+            line = config_record(
+                signals.iteration, signals.attempt, detector.config, a.save, a.sample_log_dir
+            )
+            self.ledger.append(line, signals.iteration)
+        self.last_signals = signals
+        events = detector.observe(signals)
+        warnings = [] if self.precursors is None else self.precursors.observe(signals)
+        if not events and detector.state == "healthy":  # a precursor precedes; no veto
+            for warning in warnings:
+                self._say(warning, f"iteration {warning.iteration}: {warning.classification}")
+        self._record(events)
+
     def _record(self, events: list[SpikeEvent]) -> None:
         """Append the detector's events to the ledger and say each on the console."""
-        assert self.ledger is not None
         for event in events:
-            self.ledger.append(event.as_json(), event.iteration)
             source = f", culprit source {event.culprit_source}" if event.culprit_source else ""
-            print(
-                f"megatron-ext spike detector: {event.kind} at iteration {event.iteration} "
-                f"(onset {event.onset}, culprit DP rank {event.culprit_dp_rank}{source}): "
-                f"{event.classification}",
-                flush=True,
+            self._say(
+                event,
+                f"{event.kind} at iteration {event.iteration} (onset {event.onset}, culprit DP "
+                f"rank {event.culprit_dp_rank}{source}): {event.classification}",
             )
 
-    def _warn(self, warnings: list[PrecursorWarning]) -> None:
-        """Ledger and console; nothing else changes (no veto, no rollback)."""
+    def _say(self, entry: SpikeEvent | PrecursorWarning, text: str) -> None:
         assert self.ledger is not None
-        for warning in warnings:
-            self.ledger.append(warning.as_json(), warning.iteration)
-            print(
-                f"megatron-ext spike detector: iteration {warning.iteration}: "
-                f"{warning.classification}",
-                flush=True,
-            )
+        self.ledger.append(entry.as_json(), entry.iteration)
+        print(f"megatron-ext spike detector: {text}", flush=True)
 
     def _rolling_back(self, iteration: int) -> int:
         """Every rank: stop for a rollback; returns the exit code to end with."""
         self.decision = "rollback"
-        if _is_writer():
+        if is_writing_rank(dist.get_rank(), dist.get_world_size()):
             print(
                 f"megatron-ext: rollback requested at iteration {iteration}; exiting with code "
                 f"{self.args.spike_exit_code} without saving a checkpoint",
                 flush=True,
             )
-        # Every rank exits with the spike code, but the first to go ends its node's torchrun,
-        # whose peers then SIGTERM their workers: one still tearing down would report 143 and
-        # its node would not say "rollback". From here a TERM changes nothing (no checkpoint
-        # is saved), so it is ignored; torchrun's SIGKILL still bounds a teardown that hangs.
+        # torchrun SIGTERMs a node's other workers when the first exits; one still tearing down
+        # would report 143, not the spike code. Its SIGKILL still bounds a hung teardown.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return self.args.spike_exit_code
 
     def rerun_reproduced(self, iteration: int, culprits: list[int]) -> int:
-        """Megatron's in-place rerun reproduced a rejected result (NaN/Inf) at ``iteration``
-        on the DP ranks ``culprits`` (:mod:`megatron_ext.spikes.rerun`): a divergence,
-        recorded as the detector records one; every rank returns the exit code to end with."""
+        """Megatron's in-place rerun reproduced a NaN/Inf on DP ranks ``culprits``: record a
+        divergence; returns the exit code to end with."""
         last = self.last_signals
         if self.detector is not None and last is not None:
             nan_step = SignalRecord(
@@ -258,8 +223,7 @@ class SpikeFeature(Feature):
         return self._rolling_back(iteration)
 
     def nonfinite_seen(self, iteration: int, message: str) -> None:
-        """``--rerun-mode disabled`` would raise on this rank; say once per iteration that the
-        detector takes it (:mod:`megatron_ext.spikes.rerun`)."""
+        """``--rerun-mode disabled`` would raise here; say once that the detector takes it."""
         if iteration not in self.nonfinite_reported:
             self.nonfinite_reported.add(iteration)
             print(
@@ -278,6 +242,181 @@ class SpikeFeature(Feature):
                 flush=True,
             )
         return False
+
+
+NONFINITE_CHECKS = (torch.isnan, torch.isinf)
+
+
+def reproducible_result_rolls_back(
+    original: Callable[[Any], tuple[bool, bool, int]], feature: SpikeFeature
+) -> Callable[[Any], tuple[bool, bool, int]]:
+    """Under ``--rerun-mode validate_results`` a reproduced NaN/Inf is a rollback request, not
+    Megatron's checkpoint and exit 16 (which loops on the same GPU: Megatron-LM #5281)."""
+
+    def should_checkpoint_and_exit(self: Any) -> tuple[bool, bool, int]:
+        from megatron.core.rerun_state_machine import RerunState
+
+        will_rerun = self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT
+        verdict = original(self)
+        if not will_rerun:
+            return verdict
+        return False, True, feature.rerun_reproduced(self.current_iteration, _culprits(self))
+
+    return should_checkpoint_and_exit
+
+
+def _culprits(machine: Any) -> list[int]:
+    """The DP ranks whose own validation rejected the result (one all-reduce, at the incident)."""
+    from megatron.core import parallel_state
+
+    mine = parallel_state.get_data_parallel_rank() if machine.failed_validation_call else -1
+    ranks = torch.full((dist.get_world_size(),), -1, dtype=torch.int64, device=collective_device())
+    ranks[dist.get_rank()] = mine
+    dist.all_reduce(ranks, op=dist.ReduceOp.MAX)
+    return sorted({int(r) for r in ranks.tolist() if r >= 0})
+
+
+def nonfinite_goes_to_the_detector(
+    original: Callable[..., None], feature: SpikeFeature
+) -> Callable[..., None]:
+    def validate_result(
+        self: Any,
+        result: Any,
+        rejection_func: Callable[[Any], Any],
+        message: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        """Under ``--rerun-mode disabled``, a NaN/Inf is left to the detector, not raised."""
+        from megatron.core.rerun_state_machine import RerunMode
+
+        if self.mode == RerunMode.DISABLED and rejection_func in NONFINITE_CHECKS:
+            if rejection_func(result):
+                feature.nonfinite_seen(self.current_iteration, message)
+            return None
+        return original(self, result, rejection_func, message, *args, **kwargs)
+
+    return validate_result
+
+
+class SkipListFeature(Feature):
+    """Skip lists from files and ranges; the applied list is kept with the checkpoints."""
+
+    name = "skip_list"
+
+    def add_args(self, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--iterations-to-skip-file",
+            type=str,
+            default=None,
+            help="File of iterations or A-B ranges to skip, one per line (repeatable); merged "
+            f"with --iterations-to-skip and LOAD/{SKIPPED_ITERATIONS_FILE}, kept in SAVE.",
+        )
+        # Set by pretrain_gpt_ext.py (records.skip_ranges.resolve_argv), not by people.
+        group.add_argument(WINDOWS_FLAG, nargs="*", default=[], help=argparse.SUPPRESS)
+        group.add_argument(WINDOWS_BATCH_FLAG, type=int, default=None, help=argparse.SUPPRESS)
+
+    def __init__(self) -> None:
+        self.args: Any = None
+
+    def enabled(self, args: Any) -> bool:
+        return bool(args.save and args.iterations_to_skip)
+
+    def validate(self, args: Any) -> None:
+        """Sample windows placed at the checkpoint's global batch must match Megatron's."""
+        placed_at = args.skip_windows_global_batch
+        if placed_at is not None and placed_at != args.global_batch_size:
+            raise FeatureError(
+                f"the skip windows were placed at global batch {placed_at} (the checkpoint's; "
+                f"--global-batch-size was not given), but Megatron uses {args.global_batch_size}: "
+                f"give --global-batch-size {args.global_batch_size} so they are placed at it"
+            )
+
+    def install(self, args: Any) -> None:
+        """Rank 0 keeps the applied skip list next to the checkpoints."""
+        self.args = args
+        if args.rank == 0:
+            atomic_write(
+                Path(args.save) / SKIPPED_ITERATIONS_FILE,
+                persisted_text(list(args.iterations_to_skip), args.skip_sample_windows),
+            )
+
+    def missed_final_save(self, iteration: int) -> bool:
+        """Megatron saved nothing at the last ``iteration``: skipped and an interval multiple."""
+        interval = self.args.save_interval
+        skipped = iteration in set(self.args.iterations_to_skip)
+        return bool(interval) and iteration % interval == 0 and skipped
+
+
+def save_after_a_skipped_end(
+    original: Callable[..., Any], feature: SkipListFeature
+) -> Callable[..., Any]:
+    """Wrap Megatron's ``train`` (registry ``skip-list-final-checkpoint``)."""
+
+    def train(*args: Any, **kwargs: Any) -> Any:
+        iteration, flops = original(*args, **kwargs)
+        if feature.missed_final_save(iteration):
+            from megatron.training import training
+
+            a = inspect.signature(original).bind(*args, **kwargs).arguments
+            if dist.get_rank() == 0:
+                print(
+                    f"megatron-ext: iteration {iteration}, the last, was skipped; saving the "
+                    "final checkpoint Megatron's loop leaves out after a skip",
+                    flush=True,
+                )
+            training.save_checkpoint_and_time(
+                iteration,
+                a["model"],
+                a["optimizer"],
+                a["opt_param_scheduler"],
+                flops,
+                a["checkpointing_context"],
+                train_data_iterator=a["train_data_iterator"],
+            )
+        return iteration, flops
+
+    return train
+
+
+_SPEC = re.compile(r"^(\d+)(?:-(\d+))?:(\d+|\*)$")
+CORRUPTIONS = ("garbage", "mis-encoded")
+
+
+@dataclass(frozen=True)
+class CorruptionSpec:
+    first: int
+    last: int
+    dp_rank: int | None  # None: every DP rank (``*``)
+
+    def hits(self, iteration: int, dp_rank: int) -> bool:
+        return self.first <= iteration <= self.last and self.dp_rank in (None, dp_rank)
+
+
+def parse_spec(text: str) -> CorruptionSpec:
+    """``"40:1"`` or ``"40-45:1"`` (1-indexed iterations, inclusive) on DP rank 1; ``"40:*"``
+    on every DP rank."""
+    match = _SPEC.match(text.strip())
+    if not match:
+        raise ValueError(
+            f"--drill-corrupt-batch {text!r}: expected START[-END]:DP_RANK (or :* for every "
+            "rank), e.g. 40-45:1"
+        )
+    first, last = int(match[1]), int(match[2] or match[1])
+    rank = None if match[3] == "*" else int(match[3])
+    if first < 1 or last < first:
+        raise ValueError(f"--drill-corrupt-batch {text!r}: need 1 <= START <= END")
+    return CorruptionSpec(first, last, rank)
+
+
+def garbage_batch(
+    tokens: torch.Tensor, iteration: int, dp_rank: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform random tokens and their next-token labels, seeded by (iteration, rank)."""
+    generator = torch.Generator().manual_seed(1_000_003 * iteration + dp_rank)
+    batch, length = tokens.shape
+    sequence = torch.randint(0, vocab_size, (batch, length + 1), generator=generator)
+    return sequence[:, :-1].to(tokens.dtype), sequence[:, 1:].to(tokens.dtype)
 
 
 def _train_members(args: Any) -> list[str]:
@@ -309,16 +448,15 @@ class DrillFeature(Feature):
             type=str,
             default=None,
             metavar="NAME",
-            help="Drill only: corrupt only the samples of this train blend member (its name "
-            "in lm_loss_by_dataset: the --data-path prefix's basename when unambiguous).",
+            help="Drill only: corrupt only this train blend member's samples (its name in "
+            "lm_loss_by_dataset).",
         )
         group.add_argument(
             "--drill-corruption",
             choices=CORRUPTIONS,
             default="garbage",
-            help="Drill only: garbage = uniform random tokens; mis-encoded = the rank's real "
-            "documents with every token id t read as V-1-t (a wrong code page). "
-            "Default %(default)s.",
+            help="Drill only: garbage (random tokens) or mis-encoded (real tokens t read as "
+            "V-1-t). Default %(default)s.",
         )
 
     def enabled(self, args: Any) -> bool:
@@ -344,22 +482,14 @@ class DrillFeature(Feature):
 
     def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None:
         assert self.spec is not None
-        if not (
-            micro_batch.training and self.spec.hits(micro_batch.iteration, micro_batch.dp_rank)
-        ):
+        mb = micro_batch
+        if not (mb.training and self.spec.hits(mb.iteration, mb.dp_rank)):
             return
-        # padded_vocab_size is set by Megatron's initialisation, after install.
-        if self.args.drill_corruption == "mis-encoded":
-            tokens, labels = misencode(
-                batch["tokens"], batch["labels"], self.args.padded_vocab_size
-            )
+        vocab = self.args.padded_vocab_size  # set by Megatron's initialisation, after install
+        if self.args.drill_corruption == "mis-encoded":  # a wrong code page: t -> V-1-t
+            tokens, labels = vocab - 1 - batch["tokens"], vocab - 1 - batch["labels"]
         else:
-            tokens, labels = garbage_batch(
-                batch["tokens"],
-                micro_batch.iteration,
-                micro_batch.dp_rank,
-                self.args.padded_vocab_size,
-            )
+            tokens, labels = garbage_batch(batch["tokens"], mb.iteration, mb.dp_rank, vocab)
         if self.source is not None:  # only that member's rows (a 1-member run has no ids)
             ids = micro_batch.dataset_ids
             rows = torch.ones(len(tokens), dtype=torch.bool) if ids is None else ids == self.source

@@ -1,37 +1,17 @@
 """Streaming loss-spike detector over the per-step signals (no Megatron imports).
 
-Rules, chosen on real curves (``benchmarks/detector.py``, README "Spike detector"):
-
-- **Baselines**: rolling median and MAD of the loss, of the worst DP rank's *excess* over the
-  DP average (``max_local_loss - lm_loss``: one rank's own trouble, which a rise of every rank
-  leaves unchanged) and the median grad norm, over the last ``window`` *healthy* iterations;
-  armed after ``warmup``.
-- **Large jump** (flagged on the loss alone): the loss above both ``median·(1+large_rel)``
-  and ``median + large_mad_k·σ`` (σ = 1.4826·MAD). The same test on the excess (its relative
-  part scaled by the loss median) flags a bad batch on one rank that the DP average dilutes.
-- **Moderate jump** (above ``median·(1+loss_rel)`` and ``median + mad_k·σ``): flagged only when
-  something corroborates it: the grad norm ≥ ``grad_factor`` × its median, a skipped
-  iteration, or the excess above its own moderate threshold. Uncorroborated, it is
-  "elevated": kept out of the baseline, and a rollback after ``patience`` such iterations.
-- **Skipped iterations** (``skipped_iter``, a loss-scale drop, a withheld update): trouble, never
-  baseline (an fp16 skip re-prints the last grad norm); ``skip_streak`` in a row flag alone.
-- **Divergence**: a non-finite loss or grad norm: rollback at once.
-- **Per-source** (blend records with ``lm_loss_by_dataset``; ``SpikeConfig.per_source``): each
-  member has its own baseline (:mod:`megatron_ext.spikes.sources`) and the average is judged
-  mixture-adjusted, so a changed mixture alone flags nothing; a member's own large jump flags
-  (a small-share bad source), its moderate jump corroborates a moderate jump of the average,
-  and the event names it (``culprit_source``); recovery also waits for that member.
-- A flag starts an incident ("watching": no checkpoint is written); its onset is the first
-  iteration of the rise that led to it. It **recovers** when the loss and the excess are back
-  under their (frozen) moderate thresholds, the grad norm under ``grad_factor`` × its median
-  and the step not skipped; otherwise, ``patience`` iterations after the flag: **rollback**.
-
-Per iteration the work is a bisect into three fixed-size sorted windows (O(log window)); a MAD
-is only computed when a value is already above its relative threshold.
+Rolling median/MAD baselines of the loss, of the worst DP rank's excess over the DP average,
+of the grad norm and (blends) of each member's own loss, learned on healthy iterations only; a
+large jump flags alone, a moderate one when corroborated; a flag starts an incident that
+recovers or, after ``patience`` iterations, asks for a rollback. The rules and why:
+docs/incidents.md "Spike detector", chosen on real curves (BENCHMARKS.md "detector"). The
+per-step cost is a bisect into fixed-size sorted windows; a MAD is only computed when a value
+is already above its relative threshold.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -40,10 +20,117 @@ from typing import Any, Literal
 from megatron_ext.common.io import json_safe
 from megatron_ext.common.records.signals import SignalRecord
 from megatron_ext.common.records.spike_config import SpikeConfig
-from megatron_ext.spikes.sources import SourceBaselines
-from megatron_ext.spikes.windows import RollingWindow
 
 EventKind = Literal["spike", "recovered", "divergence", "rollback"]
+MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
+
+
+class RollingWindow:
+    """Fixed-size window with O(log n) median (sorted mirror of a deque)."""
+
+    __slots__ = ("_order", "size", "values")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._order: deque[float] = deque()
+        self.values: list[float] = []  # sorted; read directly on the per-step path
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def push(self, value: float) -> None:
+        order, ordered = self._order, self.values
+        order.append(value)
+        bisect.insort(ordered, value)
+        if len(ordered) > self.size:
+            del ordered[bisect.bisect_left(ordered, order.popleft())]
+
+    def median(self) -> float:
+        s = self.values
+        n = len(s)
+        return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+    def mad(self) -> float:
+        med = self.median()
+        deviations = sorted(abs(v - med) for v in self.values)
+        n = len(deviations)
+        return deviations[n // 2] if n % 2 else 0.5 * (deviations[n // 2 - 1] + deviations[n // 2])
+
+    def above(self, value: float, rel: float, k: float, scale: float | None = None) -> bool:
+        """``value`` above both ``median + rel·scale`` (scale: the median itself unless given)
+        and ``median + k·σ``; the cheap test first."""
+        median = self.median()
+        if value <= median + abs(median if scale is None else scale) * rel:
+            return False
+        return value > median + k * MAD_TO_SIGMA * self.mad()
+
+    def threshold(self, rel: float, k: float, scale: float | None = None) -> float:
+        median = self.median()
+        relative = median + abs(median if scale is None else scale) * rel
+        return max(relative, median + k * MAD_TO_SIGMA * self.mad())
+
+
+class SourceBaselines:
+    """One :class:`RollingWindow` per blend member's own loss, by name (members come and go
+    with stages). The average is judged mixture-adjusted: aggregate median + Σ share·(member
+    loss − member median), so a changed mixture alone moves nothing."""
+
+    def __init__(self, window: int) -> None:
+        self.size = window
+        self.windows: dict[str, RollingWindow] = {}
+
+    def _armed(self, name: str) -> RollingWindow | None:
+        window = self.windows.get(name)
+        return window if window is not None and len(window) >= self.size // 2 else None
+
+    def adjusted(self, record: SignalRecord, aggregate_median: float) -> float | None:
+        """The mixture-adjusted average, or None when the record has no per-source losses or
+        no member of it has a baseline yet (a member without one counts as on it)."""
+        losses, tokens = record.lm_loss_by_dataset, record.tokens_by_dataset
+        total = sum(tokens.get(n, 0) for n in losses)
+        if not losses or total <= 0:
+            return None
+        moved, judged = 0.0, False
+        for name, loss in losses.items():
+            window = self._armed(name)
+            if window is not None:
+                moved += tokens.get(name, 0) / total * (loss - window.median())
+                judged = True
+        return aggregate_median + moved if judged else None
+
+    def rising(self, record: SignalRecord, rel: float) -> bool:
+        """Any member above ``median·(1+rel)`` (the cheap test, every step)."""
+        for name, loss in record.lm_loss_by_dataset.items():
+            window = self._armed(name)
+            if window is not None and loss > window.median() * (1 + rel):
+                return True
+        return False
+
+    def jump(self, record: SignalRecord, rel: float, k: float) -> str | None:
+        """The member above both its relative and its MAD threshold, the one furthest above
+        its median when several are; None when none is."""
+        worst, name = 0.0, None
+        for member, loss in record.lm_loss_by_dataset.items():
+            window = self._armed(member)
+            if window is None or not window.above(loss, rel, k):
+                continue
+            rise = loss / window.median() - 1 if window.median() else float("inf")
+            if name is None or rise > worst:
+                worst, name = rise, member
+        return name
+
+    def threshold(self, name: str, rel: float, k: float) -> float | None:
+        window = self._armed(name)
+        return window.threshold(rel, k) if window is not None else None
+
+    def median(self, name: str) -> float | None:
+        window = self._armed(name)
+        return window.median() if window is not None else None
+
+    def learn(self, record: SignalRecord) -> None:
+        for name, loss in record.lm_loss_by_dataset.items():
+            if loss == loss and abs(loss) != float("inf"):  # finite only
+                self.windows.setdefault(name, RollingWindow(self.size)).push(loss)
 
 
 @dataclass
@@ -64,8 +151,8 @@ class SpikeEvent:
     attempt: int = 0
     max_local_loss: float | None = None
     max_local_baseline: float | None = None
-    # The blend member whose own loss jumped (per-source baselines), its loss and median,
-    # and the mixture-adjusted average the thresholds were applied to.
+    # The blend member whose own loss jumped, its loss and median, and the mixture-adjusted
+    # average the thresholds were applied to.
     culprit_source: str | None = None
     source_loss: float | None = None
     source_baseline: float | None = None
@@ -74,10 +161,6 @@ class SpikeEvent:
 
     def as_json(self) -> dict[str, Any]:
         return json_safe(self)
-
-
-def _finite(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)
 
 
 @dataclass(slots=True)
@@ -94,9 +177,8 @@ class _Step:
 
 def primed(config: SpikeConfig, history: list[SignalRecord]) -> SpikeDetector:
     """A detector armed as the training-time tracker arms itself after a restart: fed the
-    last ``warmup + window`` iterations the run continues from, so a replayed spike right
-    after a rollback is caught without a new warm-up; a clean start if that history ends
-    mid-incident (the incident was the previous attempt's to decide)."""
+    last ``warmup + window`` iterations the run continues from; a clean start if that history
+    ends mid-incident (the incident was the previous attempt's to decide)."""
     detector = SpikeDetector(config)
     for record in history[-(config.warmup + config.window) :]:
         detector.observe(record)
@@ -107,8 +189,8 @@ def primed(config: SpikeConfig, history: list[SignalRecord]) -> SpikeDetector:
 class SpikeDetector:
     """Feed :meth:`observe` one :class:`SignalRecord` per iteration; it returns ledger events.
 
-    ``state`` is ``"healthy"`` or ``"watching"`` (a spike is in progress: checkpoints must not
-    be written, so the last healthy one stays the rollback target) or ``"rollback"``.
+    ``state`` is ``"healthy"``, ``"watching"`` (a spike is in progress: no checkpoint may be
+    written, so the last healthy one stays the rollback target) or ``"rollback"``.
     """
 
     def __init__(self, config: SpikeConfig) -> None:
@@ -162,31 +244,17 @@ class SpikeDetector:
         return loss, None if skipped else record.grad_norm, excess, skipped
 
     def observe(self, record: SignalRecord) -> list[SpikeEvent]:
-        """Update with one iteration and return the events it caused (usually none).
-
-        Runs every training step, so the common case (healthy, nothing rising) is kept flat:
-        a few attribute reads, two medians and three bisects, no objects made.
-        """
+        """Update with one iteration and return the events it caused (usually none). The
+        common case (healthy, nothing rising) is kept flat: no objects made."""
         self.recent.append(record)
         self.seen += 1
         loss, grad, excess, skipped = self._read(record)
         if self.state == "rollback":
             return []
         if not (math.isfinite(loss) and (grad is None or math.isfinite(grad))):
-            event = self._event(
-                "divergence",
-                _Step(record, loss, grad, excess, skipped),
-                "non-finite loss or grad norm",
-            )
-            if self.incident is not None:
-                event.onset = self.incident.onset
-            return self._escalate(event)
-        if not self._armed:
-            self._armed = self.armed()
-            if not self._armed:
-                if not skipped:
-                    self._learn(record, loss, grad, excess)
-                return []
+            return self._diverged(_Step(record, loss, grad, excess, skipped))
+        if not self._armed and not self._arm(_Step(record, loss, grad, excess, skipped)):
+            return []
         median = self.loss.median()
         by_source = self._blend(record)
         if by_source:  # judge the average the batch would have had under the baseline's mix
@@ -209,6 +277,19 @@ class SpikeDetector:
                 self._learn(record, loss, grad, excess)
             return []
         return self._rising(_Step(record, loss, grad, excess, skipped), rising, one_rank)
+
+    def _arm(self, step: _Step) -> bool:
+        """Whether the detector is armed now; until it is, every healthy step is learned."""
+        self._armed = self.armed()
+        if not self._armed and not step.skipped:
+            self._learn(step.record, step.loss, step.grad, step.excess)
+        return self._armed
+
+    def _diverged(self, step: _Step) -> list[SpikeEvent]:
+        event = self._event("divergence", step, "non-finite loss or grad norm")
+        if self.incident is not None:
+            event.onset = self.incident.onset
+        return self._escalate(event)
 
     def _rising(self, step: _Step, rising: bool, one_rank: bool) -> list[SpikeEvent]:
         """A healthy run's loss (or one rank's excess) over its relative threshold, or a skip
@@ -243,17 +324,27 @@ class SpikeDetector:
 
     def _flag_reason(self, step: _Step, one_rank: bool) -> str | None:
         """Why this iteration starts an incident, or None."""
+        why = self._large_jump(step, one_rank)
+        if why is None and self.skips >= self.config.skip_streak:
+            why = f"{self.skips} consecutive skipped iterations"
+        return why or self._corroborated(step, one_rank)
+
+    def _large_jump(self, step: _Step, one_rank: bool) -> str | None:
+        """A jump that flags alone: of the loss, of one source or of one rank's excess."""
         c = self.config
-        scale = self.loss.median()
         if self.loss.above(step.loss, c.large_rel, c.large_mad_k):
             return "large loss jump"
         step.source = self._source_jump(step, c.large_rel, c.large_mad_k)
         if step.source is not None:  # a bad source with a small share: the average hides it
             return f"large loss jump of source {step.source}"
+        scale = self.loss.median()
         if one_rank and self.excess.above(step.excess, c.large_rel, c.large_mad_k, scale):  # type: ignore[arg-type]
             return "large jump of one DP rank's loss over the average"
-        if self.skips >= c.skip_streak:
-            return f"{self.skips} consecutive skipped iterations"
+        return None
+
+    def _corroborated(self, step: _Step, one_rank: bool) -> str | None:
+        """A moderate loss jump with something that corroborates it, or None."""
+        c = self.config
         if not self.loss.above(step.loss, c.loss_rel, c.mad_k):
             return None
         step.source = self._source_jump(step, c.loss_rel, c.mad_k)
@@ -263,6 +354,7 @@ class SpikeDetector:
             return "loss jump corroborated by grad norm"
         if step.skipped:
             return "loss jump on a skipped iteration (overflow / loss-scale drop)"
+        scale = self.loss.median()
         if one_rank and self.excess.above(step.excess, c.loss_rel, c.mad_k, scale):  # type: ignore[arg-type]
             return "loss jump corroborated by one DP rank's loss over the average"
         return None
@@ -371,27 +463,20 @@ class SpikeDetector:
         )
 
 
+_SUMMARY = (
+    "iteration", "lm_loss", "grad_norm", "max_local_loss", "max_loss_dp_rank",
+    "lm_loss_by_dataset", "update_ratio", "lr", "skipped_iter",
+)  # fmt: skip
+
+
 def _summary(record: SignalRecord) -> dict[str, Any]:
     """The few signals an on-call engineer reads first, per iteration."""
-    return {
-        "iteration": record.iteration,
-        "lm_loss": record.lm_loss,
-        "grad_norm": record.grad_norm,
-        "max_local_loss": record.max_local_loss,
-        "max_loss_dp_rank": record.max_loss_dp_rank,
-        "lm_loss_by_dataset": record.lm_loss_by_dataset,
-        "update_ratio": record.update_ratio,
-        "lr": record.lr,
-        "skipped_iter": record.skipped_iter,
-    }
+    return {name: getattr(record, name) for name in _SUMMARY}
 
 
 def replay(records: list[SignalRecord], config: SpikeConfig) -> list[SpikeEvent]:
-    """Offline: every event the detector emits over ``records``.
-
-    Unlike training, the replay keeps going after a rollback decision (:meth:`resume`), so a
-    plot or a benchmark sees every incident in the log.
-    """
+    """Offline: every event over ``records``, going on after a rollback decision
+    (:meth:`~SpikeDetector.resume`) so that a plot or a benchmark sees every incident."""
     detector, events = SpikeDetector(config), []
     for record in records:
         events += detector.observe(record)

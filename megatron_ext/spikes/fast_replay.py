@@ -1,34 +1,14 @@
-"""The spike detector replayed over a long log without a Python call per quiet record.
+"""The spike detector replayed over a long log without a Python call per quiet record
+(``megatron-ext plot``): exactly the events of :func:`~megatron_ext.spikes.detector.replay`.
 
-Why: ``megatron-ext plot`` replays :class:`~megatron_ext.spikes.detector.SpikeDetector` over
-every record of a log without a ledger (a default run), and ``observe`` with the record it
-needs cost a third of a 1 M-iteration plot. Most records change nothing but the baselines:
-healthy, nothing rising, learned. Which ones those are is known from arrays alone, a block
-at a time, once the detector's windows are known to be the last ``window`` records'.
-
-How, exactly the events of :func:`~megatron_ext.spikes.detector.replay`:
-
-- **live**: each record goes through ``observe`` (then ``resume`` after a rollback, as a
-  replay does). A record is *learned* when it raised nothing and left the detector healthy with
-  no rise in progress. After ``R = max(window, context)`` learned records in a row whose
-  *pattern* (which fields are recorded, the single source's name) did not change, the
-  detector's windows are those records' values, as the arrays assume: **skipping** begins.
-- **skipping**: a record is *quiet* when the arrays show it changes nothing but the baselines:
-  finite loss and grad norm, no skip of any kind (``skipped_iter``, ``update_skipped``, a
-  loss-scale drop), not a blend record, the same pattern as the previous record, and below the
-  rising tests (loss over the median of the last ``window`` losses by ``loss_rel``, the worst
-  rank's excess likewise; a bound by the window's minimum first, the median itself only where
-  the bound does not decide). Quiet records are not observed; at the first record that is
-  not, the detector takes the stretch's last ``R`` records through its own learning path
-  (``_read`` and ``_learn``, the steps ``observe`` takes for a quiet record; within a stretch
-  every field is in every record or in none, so they hold all the windows keep), counts the
-  rest as seen, and goes live.
-- **checked once**: the first time skipping would begin, the next ``R`` quiet records are
-  observed live *and* fast-forwarded on a copy; if the two detectors' states differ (a
-  detector whose quiet path does more than this module knows), the replay stays live to the
-  end, exact and as slow as before.
-
-No Megatron imports here.
+A record is *quiet* when the arrays show it changes nothing but the baselines: finite, no skip
+of any kind, not a blend record, the same fields recorded as the previous one, and below the
+rising tests (a bound by the window's minimum first, the median only where it does not
+decide). Records go live through ``observe`` until ``R = max(window, context)`` learned ones in
+a row make the detector's windows those records' values; then quiet records are skipped, and
+at the next loud one the detector takes the stretch's last ``R`` through its own ``_read`` and
+``_learn``. The first skip is done both ways and the states compared: a detector whose quiet
+path does more stays live to the end. No Megatron imports.
 """
 
 from __future__ import annotations
@@ -40,8 +20,7 @@ from collections import deque
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from megatron_ext.common.records.signals import SignalRecord
-from megatron_ext.common.records.signals_columns import Block, replay_records
+from megatron_ext.common.records.signals import Block, SignalRecord, replay_records
 from megatron_ext.spikes.detector import SpikeDetector, SpikeEvent
 
 Chunk = tuple[Block, np.ndarray]  # rows of a block, in order

@@ -1,34 +1,12 @@
 """Early warning: divergence precursors in the signals, before the loss moves (no Megatron
 imports).
 
-Seed 000 (chapters 二, 五) and Wortsman et al. (2023): a divergence shows hundreds of steps
-ahead as a steady climb of the max attention logit (attention-logit growth), a drift of the
-output softmax normaliser log Z (output-logit divergence) or a slowly rising grad norm, while a
-transient spike has no precursor. The spike detector reacts to the loss; this monitor watches
-those three signals for a *sustained* rise and warns: a ledger event (kind ``warning``) and a
-console line, never a rollback and never a checkpoint veto. The incident report then gives the
-warning's lead time over the onset.
-
-Rule, per signal, on a transformed value ``v`` (the log of the grad norm and of the attention
-logit, so a rise is a ratio; log Z as it is, in nats):
-
-- ``m`` is the median of the last ``recent`` values (one bad step cannot move it);
-- the reference is the lowest ``m`` over the ``horizon`` before those values among the points
-  whose loss the current loss has not improved on (its median within ``improving`` of the
-  loss median then; log Z: the ``m`` furthest from the current one on the other side, as its
-  drift can go either way), so a rise is measured from where the signal was, not from a
-  baseline that follows it up. Learning itself grows the attention logits and log Z (a small
-  model's max logit climbs from ~0.2 to thousands while its loss halves); a climb that bought
-  the loss nothing is the precursor. Taking the lowest point of the whole horizon and then
-  asking whether the loss improved since (the rule before) missed the commonest organic
-  shape: the loss learns, then stalls while the signal keeps climbing from a point already
-  past the signal's minimum;
-- ``m`` must stand ``rise`` above the reference for ``persist`` consecutive steps, and the last
-  ``recent`` values must trend the same way (Spearman rank correlation with time ≥
-  ``trend``): a plateau after a jump is not a precursor, a climb is.
-
-One warning per signal per episode; the signal re-arms once ``m`` is back within half the rise
-of its reference.
+Per signal (log grad norm, log max attention logit, log Z), the median ``m`` of the last
+``recent`` values is compared with a reference over the ``horizon`` before them, chosen among
+the points the loss has not improved on since (learning itself grows these signals); ``m``
+``rise`` past it for ``persist`` steps with a rank trend ≥ ``trend`` warns: a ledger
+``warning`` and a console line, never a rollback. One warning per episode; re-armed once back
+within half the rise. Rule and reasons: docs/instabilities.md "Early warning".
 """
 
 from __future__ import annotations
@@ -61,9 +39,7 @@ class Precursor:
         return math.log(raw) if self.log else raw
 
 
-# Grad norm x2; the attention logit x1.5 and past ATTENTION_LOGIT_LIMIT (seed 000 ch. 2 §4:
-# bf16 softmax saturates around 100; Megatron's --qk-clip-threshold defaults to 100: healthy
-# small runs climb steadily from ~0.2 to tens early on); log Z 2 nats. README "Early warning".
+# Grad norm x2; the attention logit x1.5 and past where bf16 softmax saturates; log Z 5 nats.
 PRECURSORS = (
     Precursor("grad_norm", math.log(2.0), log=True),
     Precursor("max_attention_logit", math.log(1.5), log=True, floor=ATTENTION_LOGIT_LIMIT),
@@ -73,8 +49,7 @@ PRECURSORS = (
 
 @dataclass(frozen=True)
 class WarnConfig:
-    """Windows of the rule (module docstring); the rises are per signal (:data:`PRECURSORS`).
-    The defaults are :meth:`following` the detector's defaults."""
+    """Windows of the rule (module docstring); the defaults follow the detector's defaults."""
 
     recent: int = 20
     persist: int = 10
@@ -85,15 +60,9 @@ class WarnConfig:
 
     @classmethod
     def following(cls, detector: SpikeConfig) -> WarnConfig:
-        """Windows scaled with the detector's (``--spike-window``, ``--spike-warmup``): a run
-        short and steep enough to need a small detector window needs short precursors too."""
+        """Windows scaled with the detector's (``--spike-window``, ``--spike-warmup``)."""
         window = detector.window
-        return cls(
-            recent=max(3, window // 5),
-            persist=max(2, window // 10),
-            horizon=5 * window,
-            warmup=detector.warmup,
-        )
+        return cls(max(3, window // 5), max(2, window // 10), 5 * window, warmup=detector.warmup)
 
 
 @dataclass
@@ -118,10 +87,10 @@ class _Track:
     medians: deque[tuple[int, float, float]]  # (iteration, m, loss median then), the horizon
     above: int = 0
     warned: bool = False
-    reference: float | None = None
 
 
-def _spearman(values: list[float]) -> float:
+def rank_trend(values: list[float]) -> float:
+    """Spearman rank correlation with time (0 for a constant)."""
     if len(set(values)) < 2:
         return 0.0
     return statistics.correlation(range(len(values)), values, method="ranked")
@@ -150,12 +119,8 @@ class PrecursorMonitor:
             self.losses.append(record.lm_loss)
         if len(self.losses) < self.config.recent:
             return []
-        warnings = []
-        for precursor in PRECURSORS:
-            warning = self._step(precursor, self.tracks[precursor.field], record)
-            if warning is not None:
-                warnings.append(warning)
-        return warnings
+        steps = (self._step(p, self.tracks[p.field], record) for p in PRECURSORS)
+        return [warning for warning in steps if warning is not None]
 
     def _step(self, p: Precursor, track: _Track, record: SignalRecord) -> PrecursorWarning | None:
         value = p.value(record)
@@ -182,7 +147,7 @@ class PrecursorMonitor:
         if p.two_sided and flat and max(flat) - m > m - reference:
             reference = max(flat)
         drift = m - reference
-        trend = _spearman(list(track.values))
+        trend = rank_trend(list(track.values))
         level = math.exp(m) if p.log else m
         rising = (
             bool(flat)
@@ -198,19 +163,13 @@ class PrecursorMonitor:
         track.warned = True
         value, ref = (math.exp(m), math.exp(reference)) if p.log else (m, reference)
         change = f"{math.exp(drift):.2f}x" if p.log else f"{drift:+.2f} nats"
-        return PrecursorWarning(
-            iteration=record.iteration,
-            attempt=record.attempt,
-            signal=p.field,
-            value=value,
-            reference=ref,
-            classification=(
-                f"early warning: {p.field} {'rising' if drift > 0 else 'falling'} for "
-                f"{c.persist}+ steps: median of the last {c.recent} {value:.4g} vs "
-                f"{ref:.4g} within the last {c.horizon} ({change}, trend "
-                f"{trend:.2f}); a divergence precursor, no rollback"
-            ),
+        why = (
+            f"early warning: {p.field} {'rising' if drift > 0 else 'falling'} for "
+            f"{c.persist}+ steps: median of the last {c.recent} {value:.4g} vs "
+            f"{ref:.4g} within the last {c.horizon} ({change}, trend "
+            f"{trend:.2f}); a divergence precursor, no rollback"
         )
+        return PrecursorWarning(record.iteration, record.attempt, p.field, value, ref, why)
 
 
 def replay(records: list[SignalRecord], config: WarnConfig | None = None) -> list[PrecursorWarning]:

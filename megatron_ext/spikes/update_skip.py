@@ -1,29 +1,14 @@
-"""``--spike-skip-update``: withhold the optimizer update of a step whose grad norm is far above
-its robust baseline (:mod:`megatron_ext.spikes.update_gate`), inside Megatron's step.
-
-How it meets Megatron: megatron-core 0.18+ ``ChainedOptimizer.step`` computes the grad norm
-(its one host sync), then skips the update when the norm exceeds each part's
-``OptimizerConfig.grad_norm_skip_threshold`` (a static number, infinite by default; registry
-assumption ``optimizer-grad-norm-skip-threshold``). Before every norm (``before_grad_norm``)
-this feature sets that threshold to the gate's, which depends only on earlier steps, so every
-rank (they all see the same global norm) decides alike and Megatron's own comparison does the
-rest: no patch, no collective, no sync. A withheld step goes down Megatron's overflow path
-(``update_successful`` False): no parameter, optimizer-state or learning-rate-schedule change,
-``skipped_iter`` 1 and Megatron's "number of skipped iterations" counts it; the signals log
-marks it ``update_skipped`` and the spike detector takes it as a skipped iteration (a streak of
-``--spike-skip-streak`` is an incident that ends in a rollback if it does not recover).
-megatron-core 0.17 has no threshold to set: the flag is refused there.
-
-The loss is not part of the decision: Megatron reduces the loss over data-parallel ranks after
-the optimizer step, so no rank knows the step's loss before the update without a collective.
-After a restart the gate is primed, like the detector, from the signals history the run
-continues from: the writing rank reads it and broadcasts the healthy norms once, at set-up.
+"""``--spike-skip-update``: withhold the update of a step whose grad norm is far above its
+robust baseline, by setting megatron-core 0.18+'s ``grad_norm_skip_threshold`` from earlier
+steps only (every rank decides alike, no sync). docs/instabilities.md "Adaptive update skip".
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +24,55 @@ from megatron_ext.common.features import (
     writing_rank,
 )
 from megatron_ext.common.files import SIGNALS_FILE
-from megatron_ext.common.records.signals_seek import history_before
-from megatron_ext.spikes.update_gate import GateConfig, UpdateGate
+from megatron_ext.common.records.signals import history_before
+from megatron_ext.spikes.detector import RollingWindow
 
 
-def _has_threshold() -> bool:
-    """Whether this megatron-core's optimizer config has the threshold the skip sets."""
-    from megatron.core.optimizer import OptimizerConfig
+@dataclass(frozen=True)
+class GateConfig:
+    factor: float = 2.0  # withhold above factor × median ...
+    mad_k: float = 6.0  # ... and above median + mad_k robust sigmas
+    window: int = 100
+    warmup: int = 100
 
-    return "grad_norm_skip_threshold" in getattr(OptimizerConfig, "__dataclass_fields__", {})
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.factor) and self.factor > 1):
+            raise ValueError(f"--spike-skip-update-factor must be > 1, got {self.factor}")
+        if not (math.isfinite(self.mad_k) and self.mad_k > 0):
+            raise ValueError(f"--spike-skip-update-mad-k must be > 0, got {self.mad_k}")
+
+
+class UpdateGate:
+    """Feed :meth:`learn` each step's grad norm; :meth:`threshold` is the next step's limit
+    (withheld or overflowed steps never enter the window)."""
+
+    def __init__(self, config: GateConfig) -> None:
+        self.config = config
+        self.norms = RollingWindow(config.window)
+        self.seen = 0  # steps observed (healthy or not), for the warm-up
+
+    def armed(self) -> bool:
+        """As the detector: after ``warmup`` steps, with at least half a window of norms."""
+        return self.seen >= self.config.warmup and len(self.norms) >= self.config.window // 2
+
+    def threshold(self) -> float:
+        """The grad norm above which the next update is withheld (inf while not armed)."""
+        if not self.armed():
+            return math.inf
+        c = self.config
+        return self.norms.threshold(c.factor - 1.0, c.mad_k)
+
+    def learn(self, grad_norm: float | None, skipped: bool) -> None:
+        """One step: its norm enters the baseline only if applied and finite."""
+        self.seen += 1
+        if not skipped and grad_norm is not None and math.isfinite(grad_norm):
+            self.norms.push(grad_norm)
+
+    def prime(self, seen: int, norms: Iterable[float]) -> None:
+        """After a restart: the healthy norms of the history the run continues from."""
+        self.seen = seen
+        for norm in norms:
+            self.norms.push(norm)
 
 
 class UpdateSkipFeature(Feature):
@@ -69,36 +94,29 @@ class UpdateSkipFeature(Feature):
         group.add_argument(
             "--spike-skip-update",
             action="store_true",
-            help="Withhold the optimizer update of a step whose grad norm is above both "
-            "--spike-skip-update-factor x its median and median + --spike-skip-update-mad-k "
-            "robust sigmas over the last --spike-window healthy steps (after --spike-warmup). "
-            "No extra sync. Needs --spike-detect (a streak of withheld steps is an incident) "
-            "and megatron-core >= 0.18.",
+            help="Withhold the update of a step whose grad norm is far above its median over "
+            "the last --spike-window healthy steps. Needs --spike-detect, megatron-core >= 0.18.",
         )
         group.add_argument(
             "--spike-skip-update-factor",
             type=float,
             default=defaults.factor,
-            help=f"Grad norm / its median above which an update may be withheld "
-            f"(default {defaults.factor}).",
+            help=f"Withhold above this x the median grad norm (default {defaults.factor}).",
         )
         group.add_argument(
             "--spike-skip-update-mad-k",
             type=float,
             default=defaults.mad_k,
-            help=f"Robust sigmas (1.4826 x MAD) above the median grad norm above which an "
-            f"update may be withheld (default {defaults.mad_k}).",
+            help=f"... and above median + this many robust sigmas (default {defaults.mad_k}).",
         )
 
     def enabled(self, args: Any) -> bool:
         return bool(args.spike_skip_update)
 
     def _config(self, args: Any) -> GateConfig:
+        a = args
         return GateConfig(
-            factor=args.spike_skip_update_factor,
-            mad_k=args.spike_skip_update_mad_k,
-            window=args.spike_window,
-            warmup=args.spike_warmup,
+            a.spike_skip_update_factor, a.spike_skip_update_mad_k, a.spike_window, a.spike_warmup
         )
 
     def validate(self, args: Any) -> None:
@@ -111,7 +129,9 @@ class UpdateSkipFeature(Feature):
                 "--spike-skip-update needs --spike-detect: a streak of withheld updates must "
                 "become an incident (and a rollback), which the detector decides"
             )
-        if not _has_threshold():
+        from megatron.core.optimizer import OptimizerConfig
+
+        if "grad_norm_skip_threshold" not in getattr(OptimizerConfig, "__dataclass_fields__", {}):
             raise FeatureError(
                 "--spike-skip-update needs megatron-core >= 0.18: it sets the optimizer's "
                 "grad_norm_skip_threshold, which 0.17 does not have. Upgrade megatron-core or "
@@ -130,8 +150,8 @@ class UpdateSkipFeature(Feature):
         self._prime(int(getattr(self.args, "iteration", 0) or 0) + 1)
 
     def _prime(self, first_iteration: int) -> None:
-        """The writing rank reads the history this run continues from; one broadcast gives
-        every rank the same healthy norms (a fresh run: nothing to read, a warm-up)."""
+        """The writing rank reads the history this run continues from and broadcasts its
+        healthy norms."""
         assert self.gate is not None
         config = self.gate.config
         world = dist.get_world_size()

@@ -1,9 +1,5 @@
-"""The command one attempt runs: training arguments, the per-rank wrapper, torchrun / srun.
-
-Also the facts the supervisor reads from the training arguments (signals dir, ledger, spike
-exit code, tracker file), parsed with argparse as Megatron would, and Slurm host-list
-expansion for the rendezvous host when ``scontrol`` cannot do it.
-"""
+"""The command one attempt runs: training arguments, the per-rank wrapper, torchrun / srun;
+the facts the supervisor reads from the training arguments; Slurm host-list expansion."""
 
 from __future__ import annotations
 
@@ -21,17 +17,12 @@ from megatron_ext.common.records.hangs import HANG_DIR_ENV
 from megatron_ext.common.validation import check_exit_code
 from megatron_ext.supervise.knobs import TRAINING_ENV, Config, KnobError
 
-# Under torchrun every worker runs in this wrapper: it records the worker's own exit code
-# (torchrun turns any failure into 1) and the node it ran on in
-# $MEGATRON_EXT_EXIT_CODE_DIR/rank-$RANK.rc, and its TERM trap keeps the wrapper alive while
-# the worker saves on SIGTERM. The node name is read from the kernel, not $HOSTNAME: Slurm
-# exports the batch host's HOSTNAME and srun passes it to the tasks on every node.
-# Then it SIGKILLs whatever the worker left in its process group (torchrun makes the wrapper
-# a group leader): a worker killed by SIGKILL orphans its data-loader workers and the
-# checkpoint writer's Manager (deaf to SIGTERM), which keep the node's task output open, so
-# srun learned of the failure only when slurmstepd gave up on that output, 60 s later.
-# No "$$" here: torchrun passes worker arguments through string.Template.safe_substitute
-# (its ${local_rank} macro), which turns "$$" into "$"; $BASHPID is the same pid here.
+# Every torchrun worker runs in this wrapper. It records the worker's own exit code (torchrun
+# says 1 for any failure) and node (from the kernel: Slurm passes the batch host's $HOSTNAME
+# to every task) in $MEGATRON_EXT_EXIT_CODE_DIR/rank-$RANK.rc; its TERM trap outlives the
+# worker's save. Then it SIGKILLs what the worker left in its process group (data-loader
+# workers, the checkpoint writer's Manager), which would keep srun waiting on the node's
+# output. $BASHPID, not "$$": torchrun's string.Template turns "$$" into "$".
 RANK_WRAPPER = (
     'trap : TERM INT HUP; "$@"; rc=$?; d=${MEGATRON_EXT_EXIT_CODE_DIR:-}; '
     'if [ -n "$d" ]; then h=?; read -r h </proc/sys/kernel/hostname || :; '
@@ -88,12 +79,8 @@ def training_facts(user_args: list[str]) -> TrainingFacts:
 
 
 def user_args(config: Config, cli_args: list[str]) -> list[str]:
-    return [
-        *config.words("MODEL_ARGS"),
-        *config.words("DATA_ARGS"),
-        *config.words("EXTRA_ARGS"),
-        *cli_args,
-    ]
+    data = [*config.words("MODEL_ARGS"), *config.words("DATA_ARGS")]
+    return [*data, *config.words("EXTRA_ARGS"), *cli_args]
 
 
 def train_args(config: Config, cli_args: list[str]) -> list[str]:
@@ -104,13 +91,8 @@ def train_args(config: Config, cli_args: list[str]) -> list[str]:
     return [
         *config.words("MODEL_ARGS"),
         *config.words("DATA_ARGS"),
-        "--save",
-        ckpt,
-        "--load",
-        ckpt,
-        "--exit-signal-handler",
-        "--result-rejected-tracker-filename",
-        config["TRACKER_FILE"],
+        *("--save", ckpt, "--load", ckpt, "--exit-signal-handler"),
+        *("--result-rejected-tracker-filename", config["TRACKER_FILE"]),
         *config.words("EXTRA_ARGS"),
         *cli_args,
     ]
@@ -144,16 +126,8 @@ def local_command(config: Config, env: list[str], worker: list[str]) -> list[str
     if config["LAUNCHER"] != "torchrun":
         return [*env, *worker]
     return [
-        *env,
-        *config.words("TORCHRUN"),
-        "--standalone",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        config["GPUS_PER_NODE"],
-        "--max-restarts",
-        "0",
-        *worker,
+        *(*env, *config.words("TORCHRUN"), "--standalone", "--nnodes", "1"),
+        *("--nproc-per-node", config["GPUS_PER_NODE"], "--max-restarts", "0", *worker),
     ]
 
 
@@ -164,34 +138,18 @@ def slurm_command(
     if not nnodes.isdigit() or int(nnodes) == 0:
         raise KnobError(f"SLURM_NNODES must be a positive integer, got {nnodes!r}")
     command = [
-        "srun",
-        f"--nodes={nnodes}",
-        f"--ntasks={nnodes}",
-        "--ntasks-per-node=1",
-        "--kill-on-bad-exit=1",
-        *config.words("SRUN_ARGS"),
-        *env,
+        *("srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1"),
+        *("--kill-on-bad-exit=1", *config.words("SRUN_ARGS"), *env),
     ]
     if config["LAUNCHER"] != "torchrun":
         return [*command, *worker]
     master = config["MASTER_ADDR"] or first_host(slurm["SLURM_JOB_NODELIST"])
     rdzv_id = f"{slurm.get('SLURM_JOB_ID', '0')}-{slurm.get('SLURM_RESTART_COUNT', '0')}-{attempt}"
     return [
-        *command,
-        *config.words("TORCHRUN"),
-        "--nnodes",
-        nnodes,
-        "--nproc-per-node",
-        config["GPUS_PER_NODE"],
-        "--rdzv-id",
-        rdzv_id,
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"{master}:{config['MASTER_PORT']}",
-        "--max-restarts",
-        "0",
-        *worker,
+        *(*command, *config.words("TORCHRUN"), "--nnodes", nnodes),
+        *("--nproc-per-node", config["GPUS_PER_NODE"], "--rdzv-id", rdzv_id),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{config['MASTER_PORT']}"),
+        *("--max-restarts", "0", *worker),
     ]
 
 
@@ -203,7 +161,7 @@ def expand_hostlist(nodelist: str) -> list[str]:
     ``gpu[001-003,010],cpu1`` -> gpu001 gpu002 gpu003 gpu010 cpu1; ``r[1-2]-n[7-8]`` -> 4 hosts.
     """
     hosts: list[str] = []
-    for entry in _split_top_level(nodelist):
+    for entry in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):  # split at top-level commas
         expanded = [""]
         for literal, bracket in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", entry):
             expanded = [h + literal for h in expanded]
@@ -215,18 +173,6 @@ def expand_hostlist(nodelist: str) -> list[str]:
     return hosts
 
 
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, current = [], 0, ""
-    for char in text:
-        depth += (char == "[") - (char == "]")
-        if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    return [p for p in (*parts, current) if p]
-
-
 def _bracket(inner: str, nodelist: str) -> list[str]:
     names = []
     for item in inner.split(","):
@@ -234,16 +180,14 @@ def _bracket(inner: str, nodelist: str) -> list[str]:
         if not match:
             raise KnobError(f"cannot expand {item!r} in SLURM_JOB_NODELIST={nodelist!r}")
         start, end = match[1], match[2] or match[1]
-        width = len(start)
-        names += [str(n).zfill(width) for n in range(int(start), int(end) + 1)]
+        names += [str(n).zfill(len(start)) for n in range(int(start), int(end) + 1)]
     return names
 
 
 def first_host(nodelist: str) -> str:
-    """The rendezvous host: ``scontrol show hostnames`` when it works, else our expansion
-    (e.g. --dry-run on a machine with Slurm's tools but no Slurm configuration). scontrol is
-    not asked when SLURM_CONF names a file that does not exist: Slurm 22.05 then retries for
-    60 s before failing."""
+    """The rendezvous host: ``scontrol show hostnames`` when it works, else our expansion (e.g.
+    --dry-run without a Slurm configuration; a missing SLURM_CONF would make scontrol retry
+    for 60 s)."""
     conf = os.environ.get("SLURM_CONF")
     if conf and not Path(conf).is_file():
         return expand_hostlist(nodelist)[0]

@@ -1,14 +1,13 @@
 """The launchers' knobs: every environment variable, its default and meaning, declared once.
 
-Both launchers (``launch/run_single_node.sh``, ``launch/pretrain_gpt_ext.sbatch``) hand their
-environment to ``megatron-ext supervise``; this table is what it reads, what ``--help``
-prints, and the only place a default lives. Scheduler-specific defaults are spelled
-``local``/``slurm`` in :class:`Knob`.
+Both launchers hand their environment to ``megatron-ext supervise``; :data:`KNOBS` is what it
+reads, what ``--help`` prints, and the only place a default lives.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 from collections.abc import Mapping
@@ -39,114 +38,82 @@ class Knob:
         return self.slurm if scheduler == "slurm" and self.slurm is not None else self.local
 
 
-KNOBS: tuple[Knob, ...] = (
-    Knob(
-        "CKPT_DIR",
-        "checkpoint directory, --save and --load (shared filesystem under Slurm)",
-        "$PWD/checkpoints",
-        kind="path",
-    ),
-    Knob("MODEL_ARGS", "Megatron model flags (shell words; quote paths with spaces)", kind="words"),
-    Knob("DATA_ARGS", "Megatron data flags (shell words)", kind="words"),
-    Knob(
-        "EXTRA_ARGS", "more training flags (shell words); script arguments come last", kind="words"
-    ),
-    Knob(
-        "PYTHON",
-        "Python interpreter of the training workers (a path, may contain spaces)",
-        "python",
-    ),
-    Knob(
-        "LAUNCHER",
-        "torchrun | python (one process per node, for CPU tests and debugging)",
-        "torchrun",
-        kind="choice",
-    ),
-    Knob("TORCHRUN", "torchrun command (shell words)", "torchrun", kind="words"),
-    Knob("TRAIN_SCRIPT", "training script", "$MEGATRON_EXT_ROOT/pretrain_gpt_ext.py", kind="path"),
-    Knob(
-        "GPUS_PER_NODE", "processes (GPUs) per node", "8", "$SLURM_GPUS_ON_NODE or 8", kind="uint"
-    ),
-    Knob(
-        "MASTER_ADDR", "rendezvous host (Slurm: first host of SLURM_JOB_NODELIST)", "", "first host"
-    ),
-    Knob("MASTER_PORT", "rendezvous port (Slurm)", "29500", kind="uint"),
-    Knob("SRUN_ARGS", "extra srun options (shell words)", "", "--cpu-bind=none", kind="words"),
-    Knob(
-        "MAX_RESTARTS",
-        "restart budget for exit 16, a SIGKILLed worker, preemption and early exits that "
-        "saved no progress, counting SLURM_RESTART_COUNT (less the requeues after an early "
-        "exit that did) and relaunches in this allocation",
-        "10",
-        "100",
-        kind="uint",
-    ),
-    Knob(
-        "RESTART_MODE",
-        "inplace (relaunch here) | requeue (scontrol requeue) for exit 16 and early exits",
-        "inplace",
-        "requeue",
-        kind="choice",
-    ),
-    Knob("MAX_ROLLBACKS", "spike rollbacks per allocation", "5", kind="uint"),
-    Knob(
-        "MEGATRON_EXT_ON_SPIKE",
-        "command run (bash -c) on a rollback request instead of "
-        "`megatron-ext skiplist --apply`; exit 0 = relaunch. It sees MEGATRON_EXT_CKPT_DIR, "
-        "MEGATRON_EXT_SIGNALS_DIR, MEGATRON_EXT_TRACKER_FILE, MEGATRON_EXT_ROLLBACK, "
-        "MEGATRON_EXT_MAX_ROLLBACKS, MEGATRON_EXT_TRAIN_EXIT_CODE",
-    ),
-    Knob(
-        "SKIPLIST_ARGS",
-        "extra `megatron-ext skiplist` flags for the default spike hook (shell words)",
-        kind="words",
-    ),
-    Knob(
-        "TRACKER_FILE",
-        "Megatron's result-rejected tracker file",
-        f"$CKPT_DIR/{RESULT_REJECTED_TRACKER_FILE}",
-        kind="path",
-    ),
-    Knob(
-        "LAUNCH_STATE_DIR",
-        "per-rank exit codes of each attempt (shared filesystem)",
-        f"$CKPT_DIR/{LAUNCH_STATE_DIR}",
-        kind="path",
-    ),
-    Knob(
-        cuda_connections.ENV,
-        "CUDA hardware queues: auto = 1 (TP/CP/SP kernels in issue order), "
-        f"{cuda_connections.FSDP_DEFAULT} with {' or '.join(cuda_connections.FSDP_FLAGS)} "
-        "(Megatron refuses 1 there)",
-        AUTO,
-    ),
-    Knob("NCCL_IB_TIMEOUT", "InfiniBand verbs timeout (4.096 us * 2^N)", "22"),
-    Knob("TORCH_NCCL_ASYNC_ERROR_HANDLING", "abort on NCCL errors and timeouts", "1"),
-    Knob("OMP_NUM_THREADS", "CPU threads per worker", "8"),
-    Knob(
-        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
-        "seconds torchrun gives workers to save after SIGTERM before SIGKILL",
-        "270",
-        kind="uint",
-    ),
-    Knob(
-        "EXTRA_ENV", "more NAME=VALUE pairs for the training processes (shell words)", kind="words"
-    ),
-    Knob(
-        "FORCE_RUN_LOCK",
-        "1 = take over CKPT_DIR's run lock although its holder looks alive (only for a holder "
-        "known to be dead: its node is gone)",
-        "0",
-        kind="bool",
-    ),
-    Knob(
-        "DRY_RUN",
-        "1 = --dry-run: print the command of the first attempt and exit",
-        "0",
-        kind="bool",
-    ),
-)
+# One knob an entry: "NAME KIND = LOCAL DEFAULT | SLURM DEFAULT", then its help, indented.
+_TABLE = f"""
+CKPT_DIR path = $PWD/checkpoints
+    checkpoint directory, --save and --load (shared filesystem under Slurm)
+MODEL_ARGS words
+    Megatron model flags (shell words; quote paths with spaces)
+DATA_ARGS words
+    Megatron data flags (shell words)
+EXTRA_ARGS words
+    more training flags (shell words); script arguments come last
+PYTHON text = python
+    Python interpreter of the training workers (a path, may contain spaces)
+LAUNCHER choice = torchrun
+    torchrun | python (one process per node, for CPU tests and debugging)
+TORCHRUN words = torchrun
+    torchrun command (shell words)
+TRAIN_SCRIPT path = $MEGATRON_EXT_ROOT/pretrain_gpt_ext.py
+    training script
+GPUS_PER_NODE uint = 8 | $SLURM_GPUS_ON_NODE or 8
+    processes (GPUs) per node
+MASTER_ADDR text = | first host
+    rendezvous host (Slurm: first host of SLURM_JOB_NODELIST)
+MASTER_PORT uint = 29500
+    rendezvous port (Slurm)
+SRUN_ARGS words = | --cpu-bind=none
+    extra srun options (shell words)
+MAX_RESTARTS uint = 10 | 100
+    restart budget for exit 16, a SIGKILLed worker, preemption and early exits that saved no
+    progress, counting SLURM_RESTART_COUNT (less the requeues after an early exit that did)
+    and relaunches in this allocation
+RESTART_MODE choice = inplace | requeue
+    inplace (relaunch here) | requeue (scontrol requeue) for exit 16 and early exits
+MAX_ROLLBACKS uint = 5
+    spike rollbacks per allocation
+MEGATRON_EXT_ON_SPIKE text
+    command run (bash -c) on a rollback request instead of `megatron-ext skiplist --apply`;
+    exit 0 = relaunch. It sees MEGATRON_EXT_CKPT_DIR, MEGATRON_EXT_SIGNALS_DIR,
+    MEGATRON_EXT_TRACKER_FILE, MEGATRON_EXT_ROLLBACK, MEGATRON_EXT_MAX_ROLLBACKS,
+    MEGATRON_EXT_TRAIN_EXIT_CODE
+SKIPLIST_ARGS words
+    extra `megatron-ext skiplist` flags for the default spike hook (shell words)
+TRACKER_FILE path = $CKPT_DIR/{RESULT_REJECTED_TRACKER_FILE}
+    Megatron's result-rejected tracker file
+LAUNCH_STATE_DIR path = $CKPT_DIR/{LAUNCH_STATE_DIR}
+    per-rank exit codes of each attempt (shared filesystem)
+{cuda_connections.ENV} text = {AUTO}
+    CUDA hardware queues: auto = 1 (TP/CP/SP kernels in issue order),
+    {cuda_connections.FSDP_DEFAULT} with {" or ".join(cuda_connections.FSDP_FLAGS)}
+    (Megatron refuses 1 there)
+NCCL_IB_TIMEOUT text = 22
+    InfiniBand verbs timeout (4.096 us * 2^N)
+TORCH_NCCL_ASYNC_ERROR_HANDLING text = 1
+    abort on NCCL errors and timeouts
+OMP_NUM_THREADS text = 8
+    CPU threads per worker
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT uint = 270
+    seconds torchrun gives workers to save after SIGTERM before SIGKILL
+EXTRA_ENV words
+    more NAME=VALUE pairs for the training processes (shell words)
+FORCE_RUN_LOCK bool = 0
+    1 = take over CKPT_DIR's run lock although its holder looks alive (only for a holder
+    known to be dead: its node is gone)
+DRY_RUN bool = 0
+    1 = --dry-run: print the command of the first attempt and exit
+"""
 
+
+def _knob(entry: str) -> Knob:
+    head, *text = entry.splitlines()
+    spec, _, defaults = head.partition("=")
+    name, kind = spec.split()
+    local, _, slurm = (part.strip() for part in defaults.partition("|"))
+    return Knob(name, " ".join(line.strip() for line in text), local, slurm or None, kind)
+
+
+KNOBS: tuple[Knob, ...] = tuple(_knob(e) for e in re.split(r"\n(?=\S)", _TABLE.strip()))
 # Exported to the training processes, in this order (visible in --dry-run).
 TRAINING_ENV = (
     "CUDA_DEVICE_MAX_CONNECTIONS",
@@ -155,6 +122,7 @@ TRAINING_ENV = (
     "OMP_NUM_THREADS",
 )
 CHOICES = {"LAUNCHER": ("torchrun", "python"), "RESTART_MODE": ("requeue", "inplace")}
+BOOLEANS = ("", "0", "1", "true", "false", "yes", "no")
 
 
 @dataclass(frozen=True)
@@ -208,25 +176,29 @@ def load(env: Mapping[str, str], scheduler: str, root: Path, cwd: Path) -> Confi
     return Config(scheduler, root, values)
 
 
+def _problem(knob: Knob, value: str) -> str | None:
+    """What is wrong with one knob's value, by its kind (None: nothing)."""
+    if knob.kind == "choice" and value not in CHOICES[knob.name]:
+        allowed = " or ".join(repr(a) for a in CHOICES[knob.name])
+        return f"{knob.name} must be {allowed}, got {value!r}"
+    if knob.kind == "uint" and not value.isdigit():
+        return f"{knob.name} must be a non-negative integer, got {value!r}"
+    if knob.kind == "bool" and value.lower() not in BOOLEANS:
+        return f"{knob.name} must be 0 or 1, got {value!r}"
+    if knob.kind == "words":
+        try:
+            shlex.split(value)
+        except ValueError as exc:
+            return f"{knob.name}: {exc} in {value!r}"
+    return None
+
+
 def _validate(values: dict[str, str]) -> None:
-    for name, allowed in CHOICES.items():
-        if values[name] not in allowed:
-            raise KnobError(
-                f"{name} must be {' or '.join(repr(a) for a in allowed)}, got {values[name]!r}"
-            )
-    for knob in KNOBS:
-        if knob.kind == "uint" and not values[knob.name].isdigit():
-            raise KnobError(
-                f"{knob.name} must be a non-negative integer, got {values[knob.name]!r}"
-            )
-        if knob.kind == "words":
-            try:
-                shlex.split(values[knob.name])
-            except ValueError as exc:
-                raise KnobError(f"{knob.name}: {exc} in {values[knob.name]!r}") from None
-    for name in ("DRY_RUN", "FORCE_RUN_LOCK"):
-        if values[name].lower() not in ("", "0", "1", "true", "false", "yes", "no"):
-            raise KnobError(f"{name} must be 0 or 1, got {values[name]!r}")
+    for kinds in (("choice",), ("uint", "words"), ("bool",)):
+        for knob in KNOBS:
+            problem = _problem(knob, values[knob.name]) if knob.kind in kinds else None
+            if problem:
+                raise KnobError(problem)
     if int(values["GPUS_PER_NODE"]) < 1:
         raise KnobError("GPUS_PER_NODE must be at least 1")
     for pair in shlex.split(values["EXTRA_ENV"]):

@@ -1,39 +1,12 @@
-"""What the launcher does after a training attempt ends: the exit-code policy, as data.
+"""What the supervisor does after a training attempt ends: the exit-code policy, as data.
 
-Pure functions (no I/O): from the launcher's exit status, what each rank reported, the spike
-ledger and the budgets, :func:`decide` returns one :class:`Decision`. The runner carries it
-out; tests exercise every row without starting anything.
+Pure functions (no I/O): from how the attempt ended and the budgets, :func:`decide` returns
+one :class:`Decision` (the table: ``megatron_ext.supervise.cli.EXIT_CODES``, printed by
+``--help``). The runner carries it out; tests exercise every row without starting anything.
 
-==========  ===========================================  =====================================
-code        meaning                                      action
-==========  ===========================================  =====================================
-0           training finished: the training recorded     exit 0
-            that ``pretrain`` returned
-0           stopped early (--exit-duration-in-mins,      relaunch or requeue, uncharged while
-            --exit-interval, a stop signal to the        the checkpoint advanced (else
-            workers): saved, then exit 0                 MAX_RESTARTS); never "finished"
-16          EXIT_CODE_RESUME_TO_DISAMBIGUATE (Megatron)  restart from the last checkpoint:
-                                                         requeue or relaunch (MAX_RESTARTS)
-17          EXIT_CODE_FAILED_ON_RESULT_VALIDATION        stop with 17, report the tracker file
-43          megatron-ext's hang watchdog: a rank made    restart from the last checkpoint
-            no progress within its bound; every rank     (MAX_RESTARTS); stop with 43 when
-            dumped its stacks (hang report)              it hung at the same iteration and
-                                                         place as the previous attempt
-spike code  megatron-ext rollback request (default 42,   run the spike hook (plan + apply),
-            --spike-exit-code), confirmed by the ledger  relaunch (MAX_ROLLBACKS)
-137         a worker killed by SIGKILL while its rank    restart from the last checkpoint:
-            wrapper lived: the out-of-memory killer,     requeue or relaunch (MAX_RESTARTS)
-            an operator, a failing node
-other       a crash, or a spike code the ledger does     stop with that code
-            not confirm
-==========  ===========================================  =====================================
-
-Why 137 restarts: torchrun and Slurm end a rank's wrapper together with its worker (SIGKILL to
-the process group, or every process of the step), so a worker that died of SIGKILL while its
-wrapper lived to record it was killed from outside the job. Its peers then fail too (a
-collective loses its partner: exit 1, or 143 when torchrun or srun stops them); those codes
-are consequences, so a kill outranks them. A crash that happens to coincide with one is
-restarted too and fails again, bounded by MAX_RESTARTS.
+A worker that died of SIGKILL (137) while its rank wrapper lived to record it was killed from
+outside the job (torchrun and Slurm end a wrapper together with its worker): the OOM killer,
+an operator, a failing node. It is restarted, and outranks its peers' consequent failures.
 """
 
 from __future__ import annotations
@@ -115,6 +88,17 @@ class Budget:
     max_rollbacks: int
     requeue: bool  # RESTART_MODE=requeue (else relaunch in place)
 
+    @property
+    def spent(self) -> str | None:
+        """How the restart budget was spent, when it was (None: restarts are left)."""
+        if self.restarts_done < self.max_restarts:
+            return None
+        return f"{self.restarts_done} restarts so far, MAX_RESTARTS={self.max_restarts}"
+
+    @property
+    def next_restart(self) -> str:
+        return f"restart {self.restarts_done + 1}/{self.max_restarts}"
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -126,19 +110,10 @@ class Decision:
 
 
 def decide(outcome: Outcome, budget: Budget) -> Decision:
-    """The row of the table above that applies to ``outcome``."""
+    """The row of the exit-code table that applies to ``outcome``."""
     code = outcome.effective()
-    if code == 0 and outcome.ledger_confirms:
-        return Decision(
-            "stop",
-            1,
-            "training exited 0 but the spike ledger gained a rollback request during the "
-            "attempt: a rollback is never a success; check --spike-exit-code, then run "
-            "`megatron-ext skiplist --apply` and relaunch",
-        )
     if code == 0:
         return _after_clean_exit(outcome, budget)
-    killed = outcome.killed() if code == exit_codes.KILLED else []
     if code == exit_codes.HUNG and outcome.hang_repeats:
         return Decision(
             "stop",
@@ -146,28 +121,9 @@ def decide(outcome: Outcome, budget: Budget) -> Decision:
             f"{outcome.hang}: the same hang as the previous attempt (same iteration, same "
             "place), so a restart would hang again; read the stacks in the hang report",
         )
-    if code in (exit_codes.RESUME_TO_DISAMBIGUATE, exit_codes.HUNG) or killed:
-        cause = ""
-        if killed:
-            cause = (
-                f"{', '.join(killed)} killed by SIGKILL (the out-of-memory killer, an operator "
-                "or a failing node; see the node's kernel log); "
-            )
-        elif code == exit_codes.HUNG:
-            cause = f"{outcome.hang or 'a rank made no progress'}; "
-        if budget.restarts_done >= budget.max_restarts:
-            return Decision(
-                "stop",
-                code,
-                f"{cause}restart budget exhausted ({budget.restarts_done} "
-                f"restarts so far, MAX_RESTARTS={budget.max_restarts}); giving up",
-            )
-        return Decision(
-            "restart",
-            code,
-            f"{cause}restart {budget.restarts_done + 1}/{budget.max_restarts}",
-            requeue=budget.requeue,
-        )
+    cause = _restart_cause(outcome, code)
+    if cause is not None:
+        return _restart(code, cause, budget)
     if code == exit_codes.FAILED_ON_RESULT_VALIDATION:
         return Decision(
             "stop",
@@ -176,30 +132,66 @@ def decide(outcome: Outcome, budget: Budget) -> Decision:
             "machine and the failure was reproducible or hardware-suspect",
         )
     if code == outcome.spike_code:
-        if outcome.ledger_confirms is False:
-            return Decision(
-                "stop",
-                code,
-                f"training exited {code} (the spike exit code) but "
-                "the spike ledger holds no new rollback request, so this is not a "
-                "rollback request; treating it as a failure",
-            )
-        if budget.rollbacks_done >= budget.max_rollbacks:
-            return Decision(
-                "stop",
-                code,
-                f"rollback budget exhausted ({budget.rollbacks_done} "
-                f"rollbacks, MAX_ROLLBACKS={budget.max_rollbacks})",
-            )
-        return Decision(
-            "rollback", code, f"rollback {budget.rollbacks_done + 1}/{budget.max_rollbacks}"
-        )
+        return _rollback(code, outcome.ledger_confirms, budget)
     return Decision("stop", code, f"training failed with exit code {code}; stopping")
+
+
+def _restart_cause(outcome: Outcome, code: int) -> str | None:
+    """Why ``code`` restarts (16, a hang, a SIGKILLed worker), as the reason's start; None
+    when it does not."""
+    killed = outcome.killed() if code == exit_codes.KILLED else []
+    if killed:
+        return (
+            f"{', '.join(killed)} killed by SIGKILL (the out-of-memory killer, an operator "
+            "or a failing node; see the node's kernel log); "
+        )
+    if code == exit_codes.HUNG:
+        return f"{outcome.hang or 'a rank made no progress'}; "
+    return "" if code == exit_codes.RESUME_TO_DISAMBIGUATE else None
+
+
+def _restart(code: int, cause: str, budget: Budget) -> Decision:
+    """Restart from the last checkpoint within MAX_RESTARTS (16, a hang, a SIGKILLed worker)."""
+    if budget.spent:
+        return Decision(
+            "stop", code, f"{cause}restart budget exhausted ({budget.spent}); giving up"
+        )
+    return Decision("restart", code, f"{cause}{budget.next_restart}", requeue=budget.requeue)
+
+
+def _rollback(code: int, ledger_confirms: bool | None, budget: Budget) -> Decision:
+    """The spike exit code: a rollback when the ledger confirms it, within MAX_ROLLBACKS."""
+    if ledger_confirms is False:
+        return Decision(
+            "stop",
+            code,
+            f"training exited {code} (the spike exit code) but "
+            "the spike ledger holds no new rollback request, so this is not a "
+            "rollback request; treating it as a failure",
+        )
+    if budget.rollbacks_done >= budget.max_rollbacks:
+        return Decision(
+            "stop",
+            code,
+            f"rollback budget exhausted ({budget.rollbacks_done} "
+            f"rollbacks, MAX_ROLLBACKS={budget.max_rollbacks})",
+        )
+    return Decision(
+        "rollback", code, f"rollback {budget.rollbacks_done + 1}/{budget.max_rollbacks}"
+    )
 
 
 def _after_clean_exit(outcome: Outcome, budget: Budget) -> Decision:
     """Exit 0: finished only when the training said ``pretrain`` returned; an early exit
     resumes (for free while it saved progress, else within the restart budget)."""
+    if outcome.ledger_confirms:
+        return Decision(
+            "stop",
+            1,
+            "training exited 0 but the spike ledger gained a rollback request during the "
+            "attempt: a rollback is never a success; check --spike-exit-code, then run "
+            "`megatron-ext skiplist --apply` and relaunch",
+        )
     ended = outcome.ended
     if ended is None:
         return Decision(
@@ -216,21 +208,15 @@ def _after_clean_exit(outcome: Outcome, budget: Budget) -> Decision:
     stopped = f"training stopped early after {ended.reason}, with {where}"
     if outcome.progressed():
         return Decision("restart", 0, f"{stopped}; resuming", requeue=budget.requeue, charged=False)
-    if budget.restarts_done >= budget.max_restarts:
+    stopped += " and no progress since the last attempt"
+    if budget.spent:
         return Decision(
             "stop",
             exit_codes.STOPPED_EARLY,
-            f"{stopped} and no progress since the last attempt; restart budget exhausted "
-            f"({budget.restarts_done} restarts so far, MAX_RESTARTS={budget.max_restarts}); "
-            "the training is NOT complete: resume by running or submitting the same command",
+            f"{stopped}; restart budget exhausted ({budget.spent}); the training is NOT "
+            "complete: resume by running or submitting the same command",
         )
-    return Decision(
-        "restart",
-        0,
-        f"{stopped} and no progress since the last attempt; restart "
-        f"{budget.restarts_done + 1}/{budget.max_restarts}",
-        requeue=budget.requeue,
-    )
+    return Decision("restart", 0, f"{stopped}; {budget.next_restart}", requeue=budget.requeue)
 
 
 def after_stop_signal(signal_name: str, code: int, budget: Budget, signal_number: int) -> Decision:
@@ -239,14 +225,9 @@ def after_stop_signal(signal_name: str, code: int, budget: Budget, signal_number
     if code == exit_codes.FAILED_ON_RESULT_VALIDATION:
         return decide(Outcome(code, (), exit_codes.SPIKE_ROLLBACK), budget)
     if signal_name == "USR1" and budget.requeue:
-        if budget.restarts_done >= budget.max_restarts:
-            return Decision(
-                "stop",
-                128 + signal_number,
-                f"not requeueing: "
-                f"{budget.restarts_done} restarts so far, MAX_RESTARTS="
-                f"{budget.max_restarts}; resubmit by hand to resume",
-            )
+        if budget.spent:
+            reason = f"not requeueing: {budget.spent}; resubmit by hand to resume"
+            return Decision("stop", 128 + signal_number, reason)
         return Decision("restart", 0, "time limit / preemption warning SIGUSR1", requeue=True)
     return Decision(
         "stop",

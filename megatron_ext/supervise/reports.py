@@ -1,7 +1,6 @@
-"""What the supervisor reports of an attempt that failed: a hang (exit 43: the report in the log
-and beside the spike incidents, ``CKPT_DIR/megatron_ext_incidents/hang-TAG.{json,md}``, and
-whether it repeats the previous attempt's hang, same iteration and place, which stops the job)
-and a failed result validation (exit 17)."""
+"""What the supervisor reports of a failed attempt: a hang (exit 43: the report in the log and
+in ``CKPT_DIR/megatron_ext_incidents/hang-TAG.{json,md}``, and whether it repeats the previous
+attempt's hang) and a failed result validation (exit 17)."""
 
 from __future__ import annotations
 
@@ -56,7 +55,7 @@ def validation_failure(
     say(
         "ERROR: training exited 17 (EXIT_CODE_FAILED_ON_RESULT_VALIDATION): a "
         "result validation failed in Megatron's rerun state machine and the failure was "
-        "reproducible or hardware-suspect. Not retrying on the same nodes.",
+        "reproducible or hardware-suspect. Not retrying on the same nodes."
     )
     say(f"result-rejected tracker file: {tracker}")
     if tracker.is_file() and tracker.stat().st_size:
@@ -72,5 +71,5 @@ def validation_failure(
         say(f"this job ran on: {slurm['SLURM_JOB_NODELIST']}")
     say(
         f"inspect the log and tracker file; to continue from {ckpt_dir}, "
-        "resubmit excluding the suspect node (sbatch --exclude=NODE ...)",
+        "resubmit excluding the suspect node (sbatch --exclude=NODE ...)"
     )

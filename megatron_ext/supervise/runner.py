@@ -1,13 +1,10 @@
 """The supervisor: run training attempts and act on how each one ended.
 
-The launchers are scheduler glue around ``megatron-ext supervise`` (:mod:`.cli`): they find the
-repository and exec it with ``--scheduler local`` or ``--scheduler slurm``. Per attempt it
-builds the command
-(:mod:`.commands`), runs it with the stop signals forwarded (SIGUSR1/TERM/INT/HUP: the
-training saves and exits), collects what each rank reported, and carries out the
-:mod:`.policy` decision: finish, restart (relaunch here or ``scontrol requeue``), roll back
-(the spike hook, then relaunch) or stop. Its log lines go to stderr as
-``[megatron-ext <scheduler>] ...``; ``--dry-run`` prints the first attempt's command.
+Per attempt it builds the command (:mod:`.commands`), runs it with the stop signals forwarded
+(SIGUSR1/TERM/INT/HUP: the training saves and exits), collects what each rank reported, and
+carries out the :mod:`.policy` decision: finish, restart (relaunch here or ``scontrol
+requeue``), roll back (the spike hook, then relaunch) or stop. Log lines go to stderr as
+``[megatron-ext <scheduler>] ...``.
 """
 
 from __future__ import annotations
@@ -24,9 +21,14 @@ from typing import NoReturn
 
 from megatron_ext.common import attempt_end, exit_codes
 from megatron_ext.common import run_lock as runlock
-from megatron_ext.common.files import ATTEMPT_END_FILE
-from megatron_ext.common.io import read_jsonl
-from megatron_ext.supervise import commands, knobs, policy, progress, reports
+from megatron_ext.common.files import (
+    ATTEMPT_END_FILE,
+    UNCHARGED_REQUEUES_FILE,
+    TrackerError,
+    read_checkpoint_tracker,
+)
+from megatron_ext.common.io import atomic_write, read_jsonl
+from megatron_ext.supervise import commands, knobs, policy, reports
 from megatron_ext.supervise.commands import TrainingFacts
 from megatron_ext.supervise.knobs import Config, KnobError
 from megatron_ext.supervise.policy import Budget, Decision, Outcome
@@ -39,6 +41,25 @@ NAMES = {"local": "single-node", "slurm": "sbatch"}
 def log(config_or_name: Config | str, message: str) -> None:
     name = config_or_name if isinstance(config_or_name, str) else NAMES[config_or_name.scheduler]
     print(f"[megatron-ext {name}] {message}", file=sys.stderr, flush=True)
+
+
+def tracker(ckpt_dir: Path) -> int | None:
+    """The newest checkpoint's iteration (None: none, or a damaged tracker, which the next
+    attempt's start-up reports)."""
+    try:
+        return read_checkpoint_tracker(ckpt_dir)
+    except TrackerError:
+        return None
+
+
+def uncharged_requeues(launch_state: Path) -> int:
+    """Requeues after an early exit that saved progress, so far in this job: Slurm counts them
+    in SLURM_RESTART_COUNT, but they are no failure to charge to MAX_RESTARTS."""
+    try:
+        text = (launch_state / UNCHARGED_REQUEUES_FILE).read_text().strip()
+    except FileNotFoundError:
+        return 0
+    return int(text) if text.isdigit() else 0
 
 
 @dataclass
@@ -69,6 +90,9 @@ class Supervisor:
                 "SLURM_JOB_NODELIST is not set: submit with sbatch (or fake the "
                 "SLURM_* variables for --dry-run)"
             )
+
+    def say(self, message: str) -> None:
+        log(self.config, message)
 
     # -- commands -------------------------------------------------------------------------
     def attempt_tag(self, attempt: int) -> str:
@@ -108,15 +132,11 @@ class Supervisor:
         name = signal.Signals(number).name.removeprefix("SIG")
         if self.state.stop_signal is None:
             self.state.stop_signal = name
-            log(
-                self.config,
-                f"received SIG{name}: asking the training to save a checkpoint and exit",
-            )
+            self.say(f"received SIG{name}: asking the training to save a checkpoint and exit")
         else:
-            log(
-                self.config,
+            self.say(
                 f"received SIG{name} (already stopping after "
-                f"SIG{self.state.stop_signal}); still waiting",
+                f"SIG{self.state.stop_signal}); still waiting"
             )
         self._forward()
 
@@ -133,13 +153,10 @@ class Supervisor:
         # of the job's steps instead (torchrun forwards it and waits for the save).
         job = self.state.slurm.get("SLURM_JOB_ID")
         if job and shutil.which("scancel"):
-            log(self.config, f"+ {commands.quote(['scancel', '--signal=TERM', job])}")
+            self.say(f"+ {commands.quote(['scancel', '--signal=TERM', job])}")
             subprocess.run(["scancel", "--signal=TERM", job], check=False)
         else:
-            log(
-                self.config,
-                "ERROR: scancel or SLURM_JOB_ID missing: cannot ask the training to save",
-            )
+            self.say("ERROR: scancel or SLURM_JOB_ID missing: cannot ask the training to save")
 
     def run_attempt(self, attempt: int) -> Outcome:
         rc_dir = self.rc_dir(attempt)
@@ -149,12 +166,9 @@ class Supervisor:
         before = self._rollback_requests()
         shutil.rmtree(self.hang_dir(attempt), ignore_errors=True)
         self.attempt_end_file().unlink(missing_ok=True)
-        tracker_before = progress.tracker(self.config.ckpt_dir)
+        tracker_before = tracker(self.config.ckpt_dir)
         command = self.command(attempt)
-        log(
-            self.config,
-            f"attempt {attempt}: launching training (checkpoints: {self.config.ckpt_dir})",
-        )
+        self.say(f"attempt {attempt}: launching training (checkpoints: {self.config.ckpt_dir})")
         print(f"+ {commands.quote(command)}", file=sys.stderr, flush=True)
         self.state.forwarded = False
         # Its launcher gets SIGTERM when the supervisor dies, even by SIGKILL (the training
@@ -171,7 +185,7 @@ class Supervisor:
         hang = None
         if exit_codes.HUNG in codes:
             where = (self.hang_dir(attempt), self.config.ckpt_dir, self.attempt_tag(attempt))
-            hang = reports.hang(*where, attempt, codes, lambda m: log(self.config, m))
+            hang = reports.hang(*where, attempt, codes, self.say)
         outcome = Outcome(
             launcher_rc,
             codes,
@@ -179,18 +193,17 @@ class Supervisor:
             None if after is None else after > (before or 0),
             workers,
             attempt_end.read(self.attempt_end_file()),
-            (tracker_before, progress.tracker(self.config.ckpt_dir)),
+            (tracker_before, tracker(self.config.ckpt_dir)),
             *(hang or (None, False)),
         )
         if launcher_rc != 0 and codes:
             # Which rank on which node ended how: a partial failure names its node here.
             exits = ", ".join(f"{w} exited {c}" for w, c in zip(workers, codes))
-            log(self.config, f"attempt {attempt}: {exits}")
+            self.say(f"attempt {attempt}: {exits}")
         if outcome.effective() != launcher_rc:
-            log(
-                self.config,
+            self.say(
                 f"launcher exited {launcher_rc}; training workers reported exit "
-                f"code {outcome.effective()}",
+                f"code {outcome.effective()}"
             )
         return outcome
 
@@ -223,8 +236,7 @@ class Supervisor:
         config = self.config
         restarts = int(self.state.slurm.get("SLURM_RESTART_COUNT") or 0)
         return Budget(
-            max(0, restarts - progress.uncharged_requeues(self.launch_state))
-            + self.state.inplace_restarts,
+            max(0, restarts - uncharged_requeues(self.launch_state)) + self.state.inplace_restarts,
             config.number("MAX_RESTARTS"),
             self.state.rollbacks,
             config.number("MAX_ROLLBACKS"),
@@ -244,7 +256,7 @@ class Supervisor:
         atexit.register(lease.release)
 
         def lost(message: str) -> None:
-            log(config, f"ERROR: {message}; stopping (the training stops with its supervisor)")
+            self.say(f"ERROR: {message}; stopping (the training stops with its supervisor)")
             os._exit(2)
 
         lease.watch(lost)
@@ -252,11 +264,7 @@ class Supervisor:
     def main(self) -> NoReturn:
         config = self.config
         self.take_run_lock()
-        for path in (
-            config.ckpt_dir,
-            self.launch_state,
-            Path(self.tracker_file).parent,
-        ):
+        for path in (config.ckpt_dir, self.launch_state, Path(self.tracker_file).parent):
             path.mkdir(parents=True, exist_ok=True)
         for name in STOP_SIGNALS:
             signal.signal(getattr(signal, f"SIG{name}"), self._on_signal)
@@ -266,7 +274,7 @@ class Supervisor:
             code = outcome.effective()
             if self.state.stop_signal is not None:
                 name = self.state.stop_signal
-                log(config, f"training stopped after SIG{name} (effective exit code {code})")
+                self.say(f"training stopped after SIG{name} (effective exit code {code})")
                 decision = policy.after_stop_signal(
                     name, code, self.budget(), int(getattr(signal, f"SIG{name}"))
                 )
@@ -278,78 +286,73 @@ class Supervisor:
         """Carry out one decision; returns only to relaunch."""
         config = self.config
         if decision.action == "finish":
-            log(config, decision.reason)
+            self.say(decision.reason)
             sys.exit(0)
         if code == exit_codes.RESUME_TO_DISAMBIGUATE:
-            log(
-                config,
+            self.say(
                 "training exited 16 (EXIT_CODE_RESUME_TO_DISAMBIGUATE): Megatron's "
                 "rerun state machine needs a restart from the last checkpoint to disambiguate "
-                "a result",
+                "a result"
             )
         if decision.action == "restart":
             if decision.requeue:
                 if not decision.charged:
-                    progress.count_uncharged_requeue(self.launch_state)
+                    # Atomically: the requeue may kill the supervisor right after.
+                    count = uncharged_requeues(self.launch_state) + 1
+                    atomic_write(self.launch_state / UNCHARGED_REQUEUES_FILE, f"{count}\n")
                 self.requeue(decision)
             self.state.inplace_restarts += decision.charged
-            log(config, f"relaunching in place from the last checkpoint ({decision.reason})")
+            self.say(f"relaunching in place from the last checkpoint ({decision.reason})")
             return
         if decision.action == "rollback":
             self.rollback(decision)
             return
         if code == exit_codes.FAILED_ON_RESULT_VALIDATION:
             reports.validation_failure(
-                Path(self.tracker_file), config.ckpt_dir, self.state.slurm, lambda m: log(config, m)
+                Path(self.tracker_file), config.ckpt_dir, self.state.slurm, self.say
             )
         signalled = self.state.stop_signal is not None and decision.exit_code > 128
-        log(config, decision.reason if signalled else f"ERROR: {decision.reason}")
+        self.say(decision.reason if signalled else f"ERROR: {decision.reason}")
         if code in (exit_codes.RESUME_TO_DISAMBIGUATE, exit_codes.KILLED) or signalled:
-            log(
-                config,
-                f"resume from {config.ckpt_dir} by running or submitting the same command again",
+            self.say(
+                f"resume from {config.ckpt_dir} by running or submitting the same command again"
             )
         sys.exit(decision.exit_code)
 
     def requeue(self, decision: Decision) -> NoReturn:
         job = self.state.slurm.get("SLURM_JOB_ID")
         if not job:
-            log(
-                self.config,
-                f"cannot requeue ({decision.reason}): not inside a Slurm job (SLURM_JOB_ID unset)",
+            self.say(
+                f"cannot requeue ({decision.reason}): not inside a Slurm job (SLURM_JOB_ID unset)"
             )
         else:
-            log(
-                self.config,
+            self.say(
                 f"requeueing Slurm job {job} ({decision.reason}); it will resume "
-                f"from {self.config.ckpt_dir}",
+                f"from {self.config.ckpt_dir}"
             )
-            log(self.config, f"+ {commands.quote(['scontrol', 'requeue', job])}")
+            self.say(f"+ {commands.quote(['scontrol', 'requeue', job])}")
             if subprocess.run(["scontrol", "requeue", job], check=False).returncode == 0:
                 sys.exit(0)
-            log(self.config, f"scontrol requeue {job} failed")
+            self.say(f"scontrol requeue {job} failed")
         code = decision.exit_code or 128 + signal.SIGUSR1
-        log(
-            self.config,
+        self.say(
             f"ERROR: giving up with exit {code}: resubmit the job to resume from "
-            f"{self.config.ckpt_dir}",
+            f"{self.config.ckpt_dir}"
         )
         sys.exit(code)
 
     def rollback(self, decision: Decision) -> None:
         config, code = self.config, decision.exit_code
-        log(
-            config,
-            f"training exited {code}: megatron-ext detected a loss spike and requests a rollback",
+        self.say(
+            f"training exited {code}: megatron-ext detected a loss spike and requests a rollback"
         )
         hook = config["MEGATRON_EXT_ON_SPIKE"]
         if not hook and not self.facts.signals_dir:
-            log(
-                config,
+            self.say(
                 f"ERROR: MEGATRON_EXT_ON_SPIKE is not set and the run has no "
                 f"--signals-dir, so there is no rollback hook to run; stopping with exit {code}. "
                 "Train with --signals-dir DIR --spike-detect (default hook: megatron-ext "
-                "skiplist --apply) or set MEGATRON_EXT_ON_SPIKE to your own command.",
+                "skiplist --apply) or set MEGATRON_EXT_ON_SPIKE to your own command."
             )
             sys.exit(code)
         self.state.rollbacks += 1
@@ -366,23 +369,20 @@ class Supervisor:
             command = ["bash", "-c", hook]
         else:
             command = [
-                sys.executable,
-                "-m",
-                "megatron_ext.cli",
-                "skiplist",
-                "--apply",
-                "--ckpt-dir",
-                str(config.ckpt_dir),
-                "--signals-dir",
-                self.facts.signals_dir or "",
-                "--tracker-file",
-                self.tracker_file,
+                *(sys.executable, "-m", "megatron_ext.cli", "skiplist", "--apply"),
+                *(
+                    "--ckpt-dir",
+                    str(config.ckpt_dir),
+                    "--signals-dir",
+                    self.facts.signals_dir or "",
+                ),
+                *("--tracker-file", self.tracker_file),
                 *(["--ledger", str(self.facts.ledger)] if self.facts.ledger else []),
                 *config.words("SKIPLIST_ARGS"),
             ]
-        log(config, f"running spike hook ({decision.reason}): {commands.quote(command)}")
+        self.say(f"running spike hook ({decision.reason}): {commands.quote(command)}")
         hook_rc = subprocess.run(command, env=env, stdin=subprocess.DEVNULL).returncode
         if hook_rc != 0:
-            log(config, f"ERROR: spike hook failed with exit {hook_rc}; stopping with exit {code}")
+            self.say(f"ERROR: spike hook failed with exit {hook_rc}; stopping with exit {code}")
             sys.exit(code)
-        log(config, "spike hook done; relaunching from the last checkpoint")
+        self.say("spike hook done; relaunching from the last checkpoint")

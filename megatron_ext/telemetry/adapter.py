@@ -1,26 +1,12 @@
 """The telemetry feature in Megatron: per-bucket grad norms and the per-step signals log.
 
-Flags: ``--log-bucket-grad-norms``, ``--signals-dir DIR``, ``--signals-update-ratio``. Hooks:
-
-- ``on_setup``: keeps the DDP model chunks and the optimizer, and lays out this rank's bucket
-  views (whole bucket under DDP, own shard under the distributed optimizer);
-- ``before_grad_norm``: computes the squared bucket norms and launches one all-reduce per
-  grad-stats group (no host sync; the values are read after Megatron's own ``.item()`` on the
-  norm);
-- ``on_loss``: accumulates this rank's token-summed lm loss (worst DP rank) and, on the
-  rank that read the batch, each blend member's loss and tokens (:mod:`.sources`);
-- ``after_step``: builds the iteration's :class:`SignalRecord` (put on the step record for
-  the spike detector), logs bucket norms to console/TensorBoard/W&B and checks Σ bucket²
-  against Megatron's grad norm².
-
-Reductions follow Megatron's grad norm: each chained optimizer reduces its parameters' norm
-over its own grad-stats group (TP x PP for dense parameters under DDP; expert TP x EP x PP
-for MoE experts; the whole distributed-optimizer instance with ``--use-distributed-optimizer``)
-and the chain adds the squares. Dense and expert buckets are reduced over those groups, so
-expert buckets are counted once per expert-parallel rank, not once per expert-DP replica.
-Under torch FSDP2 a bucket is a ``fully_shard`` unit and every sum adds the data-parallel
-shards first (:mod:`.sharded`); under context parallelism a rank's loss covers its part of
-each sequence, so the worst DP rank's loss adds the CP ranks' sums first.
+Flags ``--log-bucket-grad-norms``, ``--signals-dir``, ``--signals-update-ratio``. ``on_setup``
+lays out this rank's buckets (:mod:`.bucket_layout`; FSDP2 units, :mod:`.sharded`);
+``before_grad_norm`` launches the squared bucket norms' all-reduces (read after Megatron's own
+``.item()`` on the norm); ``on_loss`` sums this rank's lm loss and, per blend member, its loss
+and tokens (:mod:`.sources`); ``after_step`` builds the :class:`SignalRecord`, logs the bucket
+norms and checks Σ bucket² against Megatron's grad norm². Under context parallelism the worst
+DP rank's loss adds the CP ranks' sums first.
 """
 
 from __future__ import annotations
@@ -48,18 +34,17 @@ from megatron_ext.common.features import (
     StepRecord,
     is_writing_rank,
 )
-from megatron_ext.common.records.signals import SignalRecord
-from megatron_ext.common.records.signals_writer import SignalsWriter
+from megatron_ext.common.records.signals import SignalRecord, SignalsWriter
 from megatron_ext.common.records.sources import member_names, train_blend
 from megatron_ext.common.validation import check_directory
 from megatron_ext.telemetry.bucket_layout import (
+    BucketNormer,
     Reduction,
     assign_slots,
     bucket_views,
     grad_stats_groups,
     params_by_group,
 )
-from megatron_ext.telemetry.bucket_norms import BucketNormer
 from megatron_ext.telemetry.sharded import (
     UnitNormer,
     fsdp_units,
@@ -78,18 +63,15 @@ def _is_writer() -> bool:
 
 
 def train_members(args: Any) -> list[str]:
-    """The names of the train split's blend members (``--data-path``, or ``--train-data-path``
-    / a per-split blend); none with mock data. Taken from this launch's flags, so a resume
-    under another blend (a new stage) names its own members."""
+    """The names of this launch's train blend members (none with mock data), so a resume
+    under another blend (a new stage) names its own."""
     return member_names(train_blend(*get_blend_and_blend_per_split(args)))
 
 
 def _counted(param: torch.Tensor, optimizer: Any) -> bool:
-    """Whether Megatron's grad norm counts ``param`` on this rank (its own filter, with the
-    groups get_megatron_optimizer sets on each part: assumption ``optimizer-tp-groups``).
-    megatron-core 0.17/0.18 set no ``expert_tp_group`` and their filter takes none (every
-    parameter's duplicates over ``tp_group``, variant of ``expert-param-mark``): it is passed
-    only where the optimizer has one."""
+    """Whether Megatron's grad norm counts ``param`` on this rank: its own filter with the
+    optimizer part's groups (assumption ``optimizer-tp-groups``; ``expert_tp_group`` only
+    where the part has one, as before megatron-core 0.19)."""
     try:
         groups = {"tp_group": optimizer.tp_group}
     except AttributeError as exc:
@@ -103,11 +85,9 @@ def _counted(param: torch.Tensor, optimizer: Any) -> bool:
 
 
 def step_lr(reported: float | None, now: list[float], before: list[float] | None) -> float | None:
-    """The learning rate the step used. Megatron reports its logging group's lr after the
-    scheduler stepped (the next iteration's, as its console shows it); that group is the first
-    whose lr ``now`` is the reported one, and ``before`` holds each group's lr as the step ran
-    (taken before the grad norm). No ``before`` (an overflow skip, no update): the schedule
-    stood still and the reported lr is the one."""
+    """The learning rate the step used. Megatron reports the next iteration's lr of its
+    logging group, the first whose lr ``now`` is the reported one; ``before`` holds each
+    group's lr as the step ran (None: an overflow skip, the schedule stood still)."""
     if reported is None or before is None:
         return reported
     for current, used in zip(now, before):
@@ -140,18 +120,17 @@ class TelemetryFeature(Feature):
         group.add_argument(
             "--log-bucket-grad-norms",
             action="store_true",
-            help="Log the L2 norm of every DDP gradient bucket's reduced, "
-            "pre-clip gradient each step (console at --log-interval, "
-            "TensorBoard key bucket-grad-norm/<name>, W&B, signals log).",
+            help="Log the L2 norm of every DDP gradient bucket's reduced, pre-clip gradient "
+            "each step (console at --log-interval, TensorBoard key bucket-grad-norm/<name>, "
+            "W&B, signals log).",
         )
         group.add_argument(
             "--signals-dir",
             type=str,
             default=None,
-            help="Append one JSON line per iteration to DIR/signals.jsonl "
-            "(written by the last rank every step): losses, worst DP rank, "
-            "grad/bucket/params norms, lr, loss scale, zeros, flags, job id "
-            "and attempt.",
+            help="Append one JSON line per iteration to DIR/signals.jsonl (written by the "
+            "last rank every step): losses, worst DP rank, grad/bucket/params norms, lr, loss "
+            "scale, zeros, flags, job id and attempt.",
         )
         group.add_argument(
             "--no-signals-by-dataset",
@@ -164,9 +143,8 @@ class TelemetryFeature(Feature):
         group.add_argument(
             "--signals-update-ratio",
             action="store_true",
-            help="Also record ||Δθ||/||θ|| per step. Keeps an fp32 copy of "
-            "this rank's optimizer parameters (1/DP of them with the "
-            "distributed optimizer), hence opt-in.",
+            help="Also record ||Δθ||/||θ|| per step. Keeps an fp32 copy of this rank's "
+            "optimizer parameters (1/DP of them with the distributed optimizer), hence opt-in.",
         )
 
     def enabled(self, args: Any) -> bool:
@@ -186,7 +164,6 @@ class TelemetryFeature(Feature):
         if args.signals_dir and args.signals_by_dataset:
             self.members = train_members(args)
 
-    # -- on_setup -----------------------------------------------------------------------
     def on_setup(self, model: list[Any], optimizer: Any) -> None:
         from megatron.core.optimizer.optimizer import ChainedOptimizer
 
@@ -205,9 +182,7 @@ class TelemetryFeature(Feature):
             self.sources = SourceAccumulator(self.members, device)
 
     def _layout_buckets(self) -> None:
-        """Bucket views and reduction slots (:mod:`megatron_ext.telemetry.bucket_layout`),
-        with Megatron's filters and this rank's pipeline stage and expert-parallel rank; under
-        torch FSDP2 a bucket is a ``fully_shard`` unit (:mod:`megatron_ext.telemetry.sharded`)."""
+        """Bucket views (FSDP2: ``fully_shard`` units) and their reduction slots."""
         part = self.optimizer.chained_optimizers[0]  # every part carries the same TP groups
         groups = grad_stats_groups(self.optimizer.chained_optimizers, bool(self.args.num_experts))
         if is_fully_sharded(self.model):
@@ -225,9 +200,8 @@ class TelemetryFeature(Feature):
             expert_rank=mpu.get_expert_model_parallel_rank(),
         )
 
-    # -- before_grad_norm ---------------------------------------------------------------
     def before_grad_norm(self, optimizer: Any) -> None:
-        """Grads are reduced and not yet clipped."""
+        """Grads are reduced and not yet clipped: launch the bucket norms' all-reduces."""
         if optimizer is not self.optimizer:
             return
         self.step_lrs = [group["lr"] for group in optimizer.param_groups]
@@ -250,10 +224,8 @@ class TelemetryFeature(Feature):
         """This rank's counted optimizer parameters per grad-stats group."""
         return params_by_group(self.optimizer.chained_optimizers, _counted)
 
-    # -- on_loss ------------------------------------------------------------------------
     def on_loss(self, inputs: LossInputs) -> dict[str, Any]:
-        """Accumulate this rank's token-summed lm loss of the iteration (no sync): the loss
-        ``lm loss`` averages, without a z-loss term, so the two can be compared."""
+        """Accumulate this rank's token-summed lm loss (pure CE, as ``lm loss``; no sync)."""
         if inputs.micro_batch.training and self.args.signals_dir:
             per_token = inputs.micro_batch.extras.get(LM_LOSS_PER_TOKEN)
             loss = inputs.loss.detach().float()
@@ -265,14 +237,6 @@ class TelemetryFeature(Feature):
                 lm = per_token if per_token is not None else inputs.per_token
                 self.sources.add(lm.detach(), inputs.mask, inputs.micro_batch.dataset_ids)
         return {}
-
-    # -- after_step ---------------------------------------------------------------------
-    def _update_ratio(self) -> float | None:
-        """||Δθ|| / ||θ|| since the snapshot (:func:`.sharded.update_ratio`)."""
-        if self.snapshot is None:
-            return None
-        ratio, self.snapshot = update_ratio(self._params(), self.snapshot), None
-        return ratio
 
     def _worst_rank(self) -> tuple[float | None, int | None]:
         if not mpu.is_pipeline_last_stage() or not torch.is_tensor(self.loss_tokens):
@@ -301,7 +265,8 @@ class TelemetryFeature(Feature):
         if self.sources is not None:  # the last stage; TP ranks > 0 add zeros
             group = mpu.get_tensor_and_data_parallel_group(with_context_parallel=True)
             by_dataset = self.sources.reduce(group)
-        update_ratio = self._update_ratio()
+        ratio = None if self.snapshot is None else update_ratio(self._params(), self.snapshot)
+        self.snapshot = None
         params_norm = record.params_norm
         if self.args.signals_dir and params_norm is None:  # the patched one (FSDP2: global)
             params_norm = megatron_training.calc_params_l2_norm(self.model)
@@ -329,7 +294,7 @@ class TelemetryFeature(Feature):
             lm_loss_by_dataset=by_dataset[0],
             tokens_by_dataset=by_dataset[1],
             params_norm=params_norm,
-            update_ratio=update_ratio,
+            update_ratio=ratio,
             lr=step_lr(
                 record.learning_rate,
                 [group["lr"] for group in self.optimizer.param_groups],
@@ -361,25 +326,21 @@ class TelemetryFeature(Feature):
             )
 
     def _log_buckets(self, iteration: int, buckets: dict[str, float]) -> None:
-        if not buckets:
-            return
-        writer, wandb = get_tensorboard_writer(), get_wandb_writer()
-        for name, value in buckets.items():
-            if writer is not None:
-                writer.add_scalar(f"bucket-grad-norm/{name}", value, iteration)
-        if wandb is not None:
-            wandb.log({f"bucket-grad-norm/{n}": v for n, v in buckets.items()}, iteration)
-        if iteration % self.args.log_interval == 0:
-            shown = " | ".join(f"{n}: {v:.4g}" for n, v in buckets.items())
-            print(f" iteration {iteration:8d} | bucket grad norms | {shown}", flush=True)
+        scalars = {f"bucket-grad-norm/{n}": v for n, v in buckets.items()}
+        shown = " | ".join(f"{n}: {v:.4g}" for n, v in buckets.items())
+        self._log(iteration, scalars, f"bucket grad norms | {shown}")
 
     def _log_sources(
         self, iteration: int, losses: dict[str, float], tokens: dict[str, int]
     ) -> None:
-        if not tokens:
-            return
         scalars = {f"lm-loss-by-dataset/{n}": v for n, v in losses.items()}
         scalars |= {f"tokens-by-dataset/{n}": float(v) for n, v in tokens.items()}
+        self._log(iteration, scalars, f"lm loss by dataset | {format_sources(losses, tokens)}")
+
+    def _log(self, iteration: int, scalars: dict[str, float], line: str) -> None:
+        """Scalars to TensorBoard and W&B, and ``line`` to the console at --log-interval."""
+        if not scalars:
+            return
         writer, wandb = get_tensorboard_writer(), get_wandb_writer()
         if writer is not None:
             for key, value in scalars.items():
@@ -387,5 +348,4 @@ class TelemetryFeature(Feature):
         if wandb is not None:
             wandb.log(scalars, iteration)
         if iteration % self.args.log_interval == 0:
-            shown = format_sources(losses, tokens)
-            print(f" iteration {iteration:8d} | lm loss by dataset | {shown}", flush=True)
+            print(f" iteration {iteration:8d} | {line}", flush=True)

@@ -1,14 +1,10 @@
 """``--signals-attention-logit``: the max attention logit per step from the local attention.
 
-Why: attention-logit growth is one of the two instabilities Wortsman et al. (2023) reproduce in
-small models at high learning rates (the one qk-layernorm fixes), and its max logit climbs for
-hundreds of steps before the loss blows up. Megatron's ``--log-max-attention-logit`` reads that
-maximum from Transformer Engine's attention (TE >= 2.9 only); the local implementation
-(``--transformer-impl local``, the CPU harness, runs without TE) gives none. Here a forward
-pre-hook on each local ``DotProductAttention``'s softmax module (registry assumptions
-``local-attention-softmax`` and ``-mask``) takes the max of the scores it is handed, scaled and
-masked as that softmax will, over training forwards only; the step's maximum is reduced over
-every rank (one 1-element all-reduce per step) into the same ``max_attention_logit`` signal.
+Attention-logit growth (the instability qk-layernorm fixes) climbs for hundreds of steps before
+the loss blows up. Megatron's ``--log-max-attention-logit`` needs Transformer Engine >= 2.9;
+for ``--transformer-impl local`` a forward pre-hook on each ``DotProductAttention``'s softmax
+(registry ``local-attention-softmax`` and ``-mask``) takes the max of its scaled, masked scores
+in training forwards, reduced over every rank into ``max_attention_logit``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,18 @@
-"""Which gradient ranges make each DDP bucket, and which slots each grad-stats group reduces
-(no Megatron imports: the DDP and optimizer objects are read through their attributes, and
-Megatron's parameter filters are passed in by the adapter).
+"""Per-bucket gradient norms: which gradient ranges make each DDP bucket, their fused norm, and
+which slots each grad-stats group reduces. No Megatron imports (the adapter passes Megatron's
+parameter filters in).
 
-Why a layout at all: Σ bucket² must equal Megatron's grad-norm², so a bucket is measured over
-exactly what Megatron's norm counts on this rank (the bucket's own distributed-optimizer shard,
-no tensor-parallel duplicates, no shared embedding copy), and the squares are reduced over the
-group Megatron reduces that kind of parameter's norm over (its grad-stats group: TP x PP for
-dense parameters under DDP, expert TP x EP x PP for MoE experts, the whole distributed-optimizer
-instance with ``--use-distributed-optimizer``). Each group gets one all-reduce of a slot vector
-in which every owner of a distinct set of buckets (a pipeline stage; for experts, a stage and
-an expert-parallel rank) has its own slots, so ranks that share an owner's buckets (TP peers,
-optimizer shards, expert-DP replicas under DDP) sum their parts into the same slots.
+Σ bucket² must equal Megatron's grad-norm², so a bucket is measured over exactly what
+Megatron's norm counts on this rank (its distributed-optimizer shard, no TP duplicates, no
+shared embedding copy) and reduced over the group Megatron reduces that parameter's norm over.
+Each group gets one all-reduce of a slot vector in which every owner of distinct buckets (a
+pipeline stage; for experts, a stage and an EP rank) has its own slots, so ranks sharing an
+owner's buckets (TP peers, optimizer shards, expert-DP replicas) sum into the same slots.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -22,46 +20,107 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.telemetry.bucket_norms import (
-    BucketView,
-    bucket_name,
-    clip_range,
-    global_layer_name,
-    layer_paths,
-)
-
 # Megatron's filter of what its grad norm counts on this rank, for one parameter.
 Counted = Callable[[torch.Tensor], bool]
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class BucketView:
+    """The gradient views of one bucket that this rank's share of the global norm counts."""
+
+    name: str
+    segments: tuple[torch.Tensor, ...]
 
 
 @dataclass
 class Reduction:
-    """Bucket slots all-reduced over one grad-stats group: every owner's buckets, in order.
-
-    ``parts`` places this rank's buckets: (first local bucket, count, first slot).
-    """
+    """Bucket slots all-reduced over one grad-stats group: every owner's buckets, in order;
+    ``parts`` places this rank's buckets as (first local bucket, count, first slot)."""
 
     group: Any
     names: list[str]
     parts: list[tuple[int, int, int]]
 
 
+def bucket_name(index: int, param_names: list[str]) -> str:
+    """A stable label, the same on every DP rank and restart: index, layer span and first/last
+    parameter, e.g. ``b0:layers0-1[decoder.layers.1.mlp.linear_fc2.weight..output_layer.weight]``.
+    """
+    short = [n.removeprefix("module.").removeprefix("module.") for n in param_names]
+    layers = sorted({int(m.group(1)) for n in short if (m := _LAYER.search(n))})
+    span = f"layers{layers[0]}-{layers[-1]}" if layers else "no-layers"
+    return f"b{index}:{span}[{short[0]}..{short[-1]}]"
+
+
+def layer_paths(modules: Iterable[tuple[str, Any]]) -> dict[str, str]:
+    """Stage-local layer module paths -> global ones, from ``named_modules()``: a layer is a
+    module at ``...layers.<i>`` with an int ``layer_number`` (1-based, offset included)."""
+    paths = {}
+    for name, module in modules:
+        head, _, index = name.rpartition(".")
+        number = getattr(module, "layer_number", None)
+        if head.endswith("layers") and index.isdigit() and isinstance(number, int):
+            paths[name] = f"{head}.{number - 1}"
+    return paths
+
+
+def global_layer_name(name: str, layer_paths: dict[str, str]) -> str:
+    """``name`` with its stage-local layer path (``named_parameters()`` numbers layers per
+    pipeline stage and virtual chunk) replaced by the global one."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        local = ".".join(parts[:end])
+        if local in layer_paths:
+            return layer_paths[local] + name[len(local) :]
+    return name
+
+
+def clip_range(start: int, end: int, lo: int, hi: int) -> tuple[int, int] | None:
+    """Intersect ``[start, end)`` with the shard ``[lo, hi)``; ``None`` when disjoint."""
+    a, b = max(start, lo), min(end, hi)
+    return (a, b) if a < b else None
+
+
+class BucketNormer:
+    """Every bucket's squared norm with one fused ``_foreach_norm`` per step (fp32 per
+    segment, fp64 sums, as Megatron's norm; no gradient copy). The segment → bucket index is
+    built once: a host-to-device copy per step would synchronise the GPU."""
+
+    def __init__(self, views: list[BucketView]) -> None:
+        self.count = len(views)
+        self.segments = [s for v in views for s in v.segments]
+        device = self.segments[0].device if self.segments else torch.device("cpu")
+        self.owner = torch.tensor(
+            [i for i, v in enumerate(views) for _ in v.segments], dtype=torch.long, device=device
+        )
+
+    def __call__(self) -> torch.Tensor:
+        totals = torch.zeros(self.count, dtype=torch.float64, device=self.owner.device)
+        if not self.segments:
+            return totals
+        per_segment = torch.stack(torch._foreach_norm(self.segments)).double().square()
+        return totals.index_add_(0, self.owner, per_segment)
+
+
+def squared_norms(views: list[BucketView]) -> torch.Tensor:
+    """One-shot form of :class:`BucketNormer`."""
+    return BucketNormer(views)()
+
+
 def is_expert(param: torch.Tensor) -> bool:
-    """Megatron marks expert-parallel parameters ``allreduce=False`` (reduced over expert DP);
-    the optimizer copies the mark onto its main parameters."""
+    """Megatron marks expert-parallel parameters ``allreduce=False`` (the optimizer copies the
+    mark onto its main parameters)."""
     return not getattr(param, "allreduce", True)
 
 
 def bucket_views(
     chunks: Iterable[Any], counted: Counted, not_shared: Counted
 ) -> dict[bool, list[BucketView]]:
-    """This rank's dense (False) and expert (True) bucket views of the DDP model ``chunks``,
-    named with global layer numbers.
-
-    ``counted`` is Megatron's grad-norm filter for a parameter on this rank; ``not_shared``
-    its shared-copy filter alone (a bucket holding only a shared copy is left out: its
-    gradient is counted where the original lives).
-    """
+    """This rank's dense (False) and expert (True) bucket views of the DDP model ``chunks``.
+    ``counted``: Megatron's grad-norm filter; ``not_shared``: its shared-copy filter alone (a
+    bucket of only a shared copy is left out: it is counted where the original lives)."""
     views: dict[bool, list[BucketView]] = {False: [], True: []}
     for chunk in chunks:
         paths = layer_paths(chunk.named_modules())
@@ -108,12 +167,7 @@ def grad_stats_groups(optimizers: Iterable[Any], has_experts: bool) -> dict[bool
 def gather_slots(
     names: list[str], owner: tuple[int, ...], label: str, group: Any
 ) -> tuple[list[str], int]:
-    """Every owner's bucket names over ``group`` and where this rank's start.
-
-    An owner is what holds a distinct set of buckets (a pipeline stage; for experts, a
-    stage and an expert-parallel rank). Ranks of one owner (TP peers, distributed-optimizer
-    shards, expert-DP replicas under DDP) share its slots: the all-reduce sums their parts.
-    """
+    """Every owner's bucket names over ``group`` and where this rank's owner starts."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (owner, label, names), group=group)
     by_owner: dict[tuple[int, ...], tuple[str, list[str]]] = {}
@@ -158,8 +212,7 @@ def assign_slots(
 def params_by_group(
     optimizers: Iterable[Any], counted: Callable[[torch.Tensor, Any], bool]
 ) -> list[tuple[Any, list[torch.Tensor]]]:
-    """This rank's optimizer (main) parameters that the global norms count once, per
-    grad-stats group (dense and expert parameters may reduce over different groups);
+    """This rank's counted optimizer (main) parameters per grad-stats group;
     ``counted(param, optimizer_part)`` is Megatron's grad-norm filter."""
     sets: list[tuple[Any, list[torch.Tensor]]] = []
     for opt in optimizers:

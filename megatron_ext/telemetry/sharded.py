@@ -1,22 +1,16 @@
-"""Bucket norms and the update ratio over sharded parameters (torch FSDP2), no Megatron imports.
+"""Bucket norms and the update ratio under torch FSDP2, no Megatron imports.
 
-Why a bucket is an FSDP unit: under ``--use-torch-fsdp2`` there are no DDP buckets; Megatron
-hands each TransformerLayer, the embedding and the root module (what remains: final norm,
-output layer) to torch's ``fully_shard`` (registry assumption ``fsdp2-units``), and each such
-unit all-gathers and reduce-scatters as one, the role a DDP bucket plays. A unit's norm is over
-the local shards of its gradients that Megatron's grad norm counts on this rank (no
-tensor-parallel duplicates), summed over the shards' mesh group
-(:mod:`megatron_ext.common.dtensors`)
-and then, like a DDP bucket, over the grad-stats group: Σ unit² = grad-norm². Gradients are
-read every step (FSDP2 gives a parameter a new sharded ``.grad`` after ``zero_grad``); names
-carry global layer numbers as DDP buckets' do. Under DDP and the distributed optimizer every
-function here reduces to the plain per-tensor sums (no DTensor, no shard group).
+Under ``--use-torch-fsdp2`` there are no DDP buckets: each ``fully_shard`` unit (a layer, the
+embedding, the root; registry assumption ``fsdp2-units``) all-gathers and reduce-scatters as
+one, so it plays the bucket. A unit's norm is over the local shards of its counted gradients,
+summed over the shards' mesh group (:mod:`megatron_ext.common.dtensors`) and then over the
+grad-stats group: Σ unit² = grad-norm². Under DDP every function here is the plain sum.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -24,14 +18,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from megatron_ext.common import dtensors
-from megatron_ext.telemetry.bucket_norms import (
+from megatron_ext.telemetry.bucket_layout import (
     BucketView,
+    Counted,
     bucket_name,
     global_layer_name,
     layer_paths,
 )
-
-Counted = Callable[[torch.Tensor], bool]
 
 
 def is_fully_sharded(chunks: Iterable[Any]) -> bool:
@@ -41,9 +34,8 @@ def is_fully_sharded(chunks: Iterable[Any]) -> bool:
 
 class UnitNormer:
     """Each FSDP unit's squared gradient norm, summed over the shard group (one fused
-    ``_foreach_norm`` in fp32 and one all-reduce per step); same interface as
-    :class:`~megatron_ext.telemetry.bucket_norms.BucketNormer`. Parameters whose shard here is
-    empty (a dimension smaller than the mesh) add nothing and are left out once."""
+    ``_foreach_norm`` and one all-reduce per step), as :class:`.bucket_layout.BucketNormer`.
+    FSDP2 gives a parameter a new ``.grad`` after ``zero_grad``: gradients are read each call."""
 
     def __init__(
         self, units: list[list[torch.Tensor]], counted: Counted, holders: dict[int, torch.Tensor]
@@ -75,9 +67,8 @@ class UnitNormer:
 
 
 def main_params(parts: Iterable[Any]) -> dict[int, torch.Tensor]:
-    """Model parameter id -> its fp32 main parameter, for the chained optimizer ``parts`` that
-    keep one (Megatron's Float16Optimizer under --bf16, registry ``float16-main-params``): the
-    main parameter's gradient is the one Megatron's norm reads, and it frees the model's."""
+    """Model parameter id -> its fp32 main parameter where a part keeps one (Float16Optimizer,
+    registry ``float16-main-params``): its gradient is the one Megatron's norm reads."""
     return {
         id(model): main
         for part in parts
@@ -91,13 +82,9 @@ def main_params(parts: Iterable[Any]) -> dict[int, torch.Tensor]:
 def fsdp_units(
     chunks: Iterable[Any], counted: Counted, parts: Iterable[Any]
 ) -> tuple[list[BucketView], UnitNormer]:
-    """One named view per FSDP unit holding parameters (in module order), and their normer
-    (over the gradients of the optimizer ``parts``' main parameters where they keep them).
-
-    A parameter belongs to the innermost ``fully_shard`` module above it. A unit is listed
-    whatever ``counted`` says of its parameters (TP ranks must name the same units); its
-    counted gradients are what its norm adds.
-    """
+    """One named view per FSDP unit holding parameters (in module order), and their normer.
+    A parameter belongs to the innermost ``fully_shard`` module above it; a unit is listed
+    whatever ``counted`` says (TP ranks must name the same units)."""
     units: list[list[torch.Tensor]] = []
     views: list[BucketView] = []
     for chunk in chunks:
@@ -124,9 +111,8 @@ def snapshot(sets: list[tuple[Any, list[torch.Tensor]]]) -> list[list[torch.Tens
 def update_ratio(
     sets: list[tuple[Any, list[torch.Tensor]]], before: list[list[torch.Tensor]]
 ) -> float | None:
-    """||Δθ|| / ||θ|| over the whole model: per set (its grad-stats group, its counted
-    parameters) fused per-tensor norms of this rank's part, added over the shard group and
-    then over the set's group."""
+    """||Δθ|| / ||θ|| over the whole model: per (grad-stats group, counted parameters) set,
+    fused norms of this rank's part, summed over the shard group and then the set's group."""
     delta = norm = 0.0
     for (group, params), old in zip(sets, before):
         current = [dtensors.local(p.detach()).float() for p in params]

@@ -1,14 +1,9 @@
 """Per-source loss and tokens of each global batch: which member of the blend moved the loss.
 
-Why: a pretraining run is a blend (web, code, math, ...), often in stages. The averaged
-``lm loss`` moves when the mixture changes, and a bad source with a small share hides in it
-(the spike-diagnosis material's 分域 loss). megatron-core's ``BlendedDataset`` returns each
-sample's ``dataset_id``; the GPT step carries it on the :class:`MicroBatch`, and this
-accumulator sums, per member, the pure-CE loss and the loss-mask tokens of every micro-batch
-on device (``index_add_``, no host sync). The iteration's one reduction (a ``[2K]`` float64
-all-reduce) and its read happen where Megatron's own logging has already synchronised.
-
-No Megatron imports here (the adapter hands in the blend's prefixes and the process group).
+A small-share bad source hides in the averaged ``lm loss``. Each micro-batch's pure-CE loss and
+loss-mask tokens are summed per blend member (megatron-core's ``dataset_id``) on device, with
+no host sync; the iteration's one ``[2K]`` all-reduce happens after Megatron's own logging
+synchronised. No Megatron imports.
 """
 
 from __future__ import annotations
@@ -24,14 +19,12 @@ class SourceAccumulator:
 
     def __init__(self, names: list[str], device: torch.device | str) -> None:
         self.names = names
-        # rows: [loss sum per member, tokens per member]; float64 so sums of many micro-batches
-        # of fp32 losses add up as Megatron's own reduction does, and token counts stay exact.
+        # rows: [loss sum, tokens] per member; float64 so token counts stay exact.
         self.sums = torch.zeros(2, len(names), dtype=torch.float64, device=device)
 
     def add(self, per_token: torch.Tensor, mask: torch.Tensor, dataset_ids: Any) -> None:
-        """One micro-batch: ``per_token`` ``[b, s]`` pure-CE loss, ``mask`` its flattened loss
-        mask, ``dataset_ids`` ``[b]`` member indices (None: every sample is member 0, a run
-        whose data is one dataset, which Megatron does not wrap in a BlendedDataset)."""
+        """One micro-batch: ``[b, s]`` pure-CE loss, its flat loss mask, ``[b]`` member indices
+        (None: one dataset, which Megatron does not wrap in a BlendedDataset)."""
         rows = per_token.shape[0]
         weights = mask.reshape(rows, -1).to(torch.float64)
         loss = (per_token.reshape(rows, -1).to(torch.float64) * weights).sum(dim=1)
@@ -54,10 +47,8 @@ class SourceAccumulator:
         self.sums[1].index_add_(0, index, weights.sum(dim=1))
 
     def reduce(self, group: Any) -> tuple[dict[str, float], dict[str, int]]:
-        """Sum over ``group`` (every rank that read distinct data on this stage), read the
-        totals (the caller's step has synchronised already) and start the next iteration.
-
-        Returns (loss by member, for members with tokens; tokens by member, every member)."""
+        """Sum over ``group`` (the ranks that read distinct data), read and reset: (loss by
+        member with tokens, tokens by member)."""
         if dist.is_initialized():
             dist.all_reduce(self.sums, group=group)
         loss_sums, tokens = self.sums.tolist()

@@ -1,27 +1,10 @@
-"""The weight-decay feature in Megatron: the multipliers of :mod:`megatron_ext.weight_decay.core`.
+"""The weight-decay feature in Megatron: the multipliers of :mod:`.core` (docs/weight-decay.md).
 
-Two registered patches, applied only when a flag is set (otherwise Megatron runs untouched):
-
-* ``weight-decay-overrides`` wraps ``get_megatron_optimizer_config`` and adds one
-  ``ParamKey`` → ``ParamGroupOverride(wd_mult=M)`` per multiplier to the overrides Megatron
-  built; each key matches exactly the parameters the policy gives ``M`` and that no Megatron
-  override already gives a ``wd_mult`` (so Megatron's 1-D/bias rule keeps winning and
-  Megatron's own conflict check never fires). ``pretrain_cfg_container_from_args`` calls the
-  function too (importing it at call time) and only keeps the optimizer config.
-* ``weight-decay-map`` wraps the ``get_megatron_optimizer`` that ``setup_model_and_optimizer``
-  calls, to print on rank 0, once the parameter groups exist, one line per parameter of every
-  pipeline stage: its multiplier and the rule that decided it.
-
-A GLOB that matches no parameter is refused in ``on_model_built``: right after the model chunks
-are built, before mixed-precision and DDP wrapping and the optimizer, the earliest point the
-names exist. (Before distributed init they do not: megatron-core's ``GPTModel`` takes its
-tensor/pipeline/context-parallel process groups at construction, and the layer numbering in
-the names is per pipeline stage, so a meta-device model cannot be built without the groups.)
-
-The resume check (:func:`megatron_ext.weight_decay.core.check_resume`) runs in ``validate``
-for every run that loads a checkpoint with its optimizer, flags or not, so dropping the flags
-on a resume is caught too. It reads the checkpoint's saved arguments the way Megatron's
-``--use-checkpoint-args`` does, before anything is built.
+With a flag set, ``weight-decay-overrides`` adds one ``wd_mult`` ``ParamKey`` per multiplier to
+the overrides ``get_megatron_optimizer_config`` builds, and ``weight-decay-map`` prints every
+stage's parameter → multiplier map once the optimizer exists. A GLOB matching nothing is
+refused in ``on_model_built``, the earliest point the names exist. The resume check runs in
+``validate`` for every run, flags or not, so dropping them on a resume is caught too.
 """
 
 from __future__ import annotations
@@ -112,8 +95,7 @@ class WeightDecayFeature(Feature):
         return True
 
     def _policy_of(self, args: Any) -> WeightDecayPolicy:
-        """The run's policy, derived from its args once (validate and install get the same
-        args; the patched functions and hooks read ``self.policy``)."""
+        """The run's policy, derived from its args once."""
         if self.policy is None or self.args is not args:
             self.args, self.policy = args, policy_from_args(args)
         return self.policy
@@ -123,8 +105,7 @@ class WeightDecayFeature(Feature):
         check_resume_compatible(args, self._policy_of(args))
 
     def install(self, args: Any) -> None:
-        """Warn about ineffective settings; the installer then applies the two patches,
-        bound to this instance, when a flag is set (:meth:`needs_patch`)."""
+        """Warn about ineffective settings (the patches follow when a flag is set)."""
         policy = self._policy_of(args)
         if not policy.active:
             return
@@ -162,8 +143,7 @@ class WeightDecayFeature(Feature):
 
 
 def policy_from_args(args: Any) -> WeightDecayPolicy:
-    """The policy a Megatron args namespace describes (a checkpoint's saved args included;
-    those predating megatron-ext have no flags)."""
+    """The policy of a Megatron args namespace (a checkpoint's saved args included)."""
     return policy_from_values(
         getattr(args, "embedding_weight_decay_mult", None),
         getattr(args, "output_layer_weight_decay_mult", None),
@@ -207,16 +187,16 @@ def _decides(
     param: torch.nn.Parameter,
     name: str,
 ) -> bool:
-    """Whether ``mult`` is this parameter's multiplier; never where a Megatron key already
-    sets ``wd_mult`` (Megatron's rule wins, and two values would be a merge conflict)."""
+    """Whether ``mult`` is this parameter's multiplier; never where a Megatron key sets
+    ``wd_mult`` (Megatron's rule wins; two values would be a merge conflict)."""
     if any(key.matches(param, name) for key in megatron_wd_keys):
         return False
     return policy.resolve(name).mult == mult
 
 
 def extend_overrides(config_overrides: dict, policy: WeightDecayPolicy) -> dict:
-    """Megatron's overrides plus one ``wd_mult`` key per multiplier other than 1.0 (1.0 is
-    Megatron's default; an explicit 1.0 group would duplicate its group identifier)."""
+    """Megatron's overrides plus one ``wd_mult`` key per multiplier other than 1.0 (the
+    default; an explicit 1.0 group would duplicate Megatron's group identifier)."""
     from megatron.core.optimizer import ParamKey, ParamWithNamePredicate
 
     megatron_wd_keys = [key for key, value in config_overrides.items() if "wd_mult" in value]
@@ -247,8 +227,8 @@ def with_overrides(
 def _param_entries(
     model_chunks: list[Any], config_overrides: dict, policy: WeightDecayPolicy, usage: GlobUsage
 ) -> list[tuple[int, str, float, str, str]]:
-    """(chunk, name, wd_mult, decided by, other overrides) for this rank's parameters,
-    evaluated with the same keys and merge Megatron's ``_get_param_groups`` uses."""
+    """(chunk, name, wd_mult, decided by, other overrides) of this rank's parameters, with
+    the keys and merge Megatron's ``_get_param_groups`` uses."""
     from megatron.core.optimizer_param_scheduler import combine_param_group_overrides
 
     entries = []
@@ -284,10 +264,8 @@ def report_param_groups(
     model_chunks: list[Any], config_overrides: dict, weight_decay: float, policy: WeightDecayPolicy
 ) -> None:
     """Print every stage's parameter → multiplier map on rank 0; raise on unmatched GLOBs.
-
-    One all_gather_object over the world, to which one rank per pipeline stage (TP and DP
-    rank 0) contributes its map and GLOB counts; every rank then reaches the same verdict.
-    """
+    One rank per stage contributes to one all_gather_object, so every rank reaches the same
+    verdict."""
     from megatron.core import parallel_state as mpu
 
     payload = None

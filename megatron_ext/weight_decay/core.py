@@ -1,60 +1,9 @@
 """Per-parameter weight-decay multipliers: which parameter decays how much, and why.
 
-Flags (adapter: :mod:`megatron_ext.weight_decay.adapter`)::
-
-    --embedding-weight-decay-mult M       input embedding (OLMo 2 trains embeddings with M=0)
-    --output-layer-weight-decay-mult M    untied output layer
-    --weight-decay-override GLOB=M        any parameter by name; repeatable
-
-A parameter's decoupled decay per step is ``lr * weight_decay * wd_mult * param`` (AdamW; SGD
-adds ``weight_decay * wd_mult * param`` to the gradient). The multipliers reach Megatron as
-``config_overrides`` (``ParamKey`` → ``ParamGroupOverride(wd_mult=M)``) where
-``get_megatron_optimizer_config`` builds them, so every parameter with the same multiplier
-lands in one optimizer param group and Megatron's scheduler applies it.
-
-Precedence, first that applies wins:
-
-1. Megatron's own multipliers. Megatron gives ``wd_mult=0`` to 1-D parameters (norms) and
-   biases (``--apply-wd-to-qk-layernorm`` exempts q/k layernorms from that rule). Those
-   parameters keep Megatron's value whatever the flags say: the flags only change parameters
-   Megatron decays.
-2. The **last** ``--weight-decay-override`` whose GLOB matches (command-line order, so a later
-   flag refines an earlier, broader one).
-3. ``--embedding-weight-decay-mult`` for every parameter of the input embedding module
-   (``embedding.*``: word embeddings and, with learned absolute positions,
-   ``embedding.position_embeddings.weight``); ``--output-layer-weight-decay-mult`` for
-   ``output_layer.weight``. Globs win over these because a name is more specific than a role.
-4. ``1.0``.
-
-Names. GLOBs are ``fnmatch`` patterns matched against the model's parameter names with
-Megatron's wrapper prefixes (``module.``, from DDP and the fp16/bf16 wrapper) removed, e.g.
-``decoder.layers.0.self_attention.linear_qkv.weight``. Layer indices are those of
-``named_parameters()``, i.e. local to a pipeline stage and virtual chunk; the start-up map
-prints every name with its stage. A GLOB that matches no parameter on any rank is an error
-(a typo would otherwise train silently with the default); one that matches but decides no
-parameter (all matches exempt or overridden by a later flag) is reported as a warning.
-
-Tied embeddings (Megatron's default; ``--untie-embeddings-and-output-weights`` unties them).
-The embedding and the output layer are one parameter, ``embedding.word_embeddings.weight``;
-``--embedding-weight-decay-mult`` applies to it and ``--output-layer-weight-decay-mult`` is
-ignored, with a warning when it differs from the embedding's multiplier.
-
-Pipeline parallelism. With tied weights and more than one stage, the last stage holds a copy
-of the embedding as ``output_layer.weight`` whose gradient is all-reduced with the first
-stage's. The copy is resolved under the embedding's name, so both copies always get the same
-multiplier and stay identical (a GLOB naming ``output_layer.weight`` does not split them; it
-is reported). Untied, ``output_layer.weight`` is its own parameter on the last stage.
-
-Multi-token prediction. The MTP stage's embedding copy is named
-``embedding.word_embeddings.weight`` like the original and gets the same multiplier, so the
-copies stay in sync. MTP's own layers (``mtp.layers.*``) are ordinary weights (GLOBs apply).
-
-Resume. The flags are saved with the checkpoint (Megatron stores the whole argument namespace
-in it). Resuming with different effective flags (including dropping them) is refused with a
-message that lists both settings, because Megatron pairs saved and current optimizer param
-groups by their settings (``wd_mult`` ...), not by which parameters they hold, so a changed
-grouping either fails deep inside the load or silently keeps training under other multipliers.
-``--no-load-optim`` and ``--finetune`` start a fresh optimizer and are not checked.
+The policy of ``--embedding-weight-decay-mult``, ``--output-layer-weight-decay-mult`` and
+``--weight-decay-override GLOB=MULT``: precedence (Megatron's 1-D/bias rule, then the last
+matching GLOB, then the embedding/output-layer flags, then 1.0), tied-embedding names, GLOB
+usage counts and the resume check (docs/weight-decay.md). No Megatron imports.
 """
 
 from __future__ import annotations
@@ -147,11 +96,7 @@ class WeightDecayPolicy:
     @property
     def active(self) -> bool:
         """Whether any flag is set (otherwise Megatron runs untouched)."""
-        return (
-            self.embedding_mult is not None
-            or self.output_layer_mult is not None
-            or bool(self.overrides)
-        )
+        return bool(self.overrides) or (self.embedding_mult, self.output_layer_mult) != (None, None)
 
     def _effective_output_mult(self) -> float | None:
         return None if self.tied else self.output_layer_mult
@@ -162,7 +107,7 @@ class WeightDecayPolicy:
         return EMBEDDING_WEIGHT if self.tied and name == OUTPUT_LAYER_WEIGHT else name
 
     def resolve(self, name: str) -> Decision:
-        """Multiplier for a parameter Megatron decays (precedence in the module docstring)."""
+        """Multiplier for a parameter Megatron decays (precedence: docs/weight-decay.md)."""
         seen = self.name_seen_by_rules(name)
         tied_note = f" (tied copy of {EMBEDDING_WEIGHT})" if seen != strip_wrappers(name) else ""
         for override in reversed(self.overrides):
@@ -177,11 +122,8 @@ class WeightDecayPolicy:
 
     def multipliers(self) -> set[float]:
         """Every multiplier the flags can hand out."""
-        found = {o.mult for o in self.overrides}
-        for mult in (self.embedding_mult, self._effective_output_mult()):
-            if mult is not None:
-                found.add(mult)
-        return found
+        roles = (self.embedding_mult, self._effective_output_mult())
+        return {o.mult for o in self.overrides} | {m for m in roles if m is not None}
 
     def warnings(self) -> list[str]:
         """Settings that are legal but do not do what they seem to (tied weights)."""
@@ -210,12 +152,12 @@ class WeightDecayPolicy:
     def comparable(self) -> tuple:
         """What must be equal between a checkpoint and its resume: unset == 1.0; an output
         multiplier is irrelevant when tied; override order matters (last match wins)."""
-
-        def norm(mult: float | None) -> float:
-            return 1.0 if mult is None else mult
-
-        output = 1.0 if self.tied else norm(self.output_layer_mult)
-        return norm(self.embedding_mult), output, self.overrides
+        output = None if self.tied else self.output_layer_mult
+        return (
+            1.0 if self.embedding_mult is None else self.embedding_mult,
+            1.0 if output is None else output,
+            self.overrides,
+        )
 
     def describe(self) -> str:
         """The flags as they would be typed."""
@@ -235,16 +177,12 @@ def policy_from_values(
     tied: bool,
 ) -> WeightDecayPolicy:
     """Validate raw flag values into a policy (raises :class:`WeightDecayConfigError`)."""
-    return WeightDecayPolicy(
-        embedding_mult=None
-        if embedding_mult is None
-        else check_mult(embedding_mult, EMBEDDING_FLAG),
-        output_layer_mult=None
-        if output_layer_mult is None
-        else check_mult(output_layer_mult, OUTPUT_LAYER_FLAG),
-        overrides=tuple(parse_override(text) for text in overrides or ()),
-        tied=tied,
+    embedding, output = (
+        None if mult is None else check_mult(mult, flag)
+        for mult, flag in ((embedding_mult, EMBEDDING_FLAG), (output_layer_mult, OUTPUT_LAYER_FLAG))
     )
+    overrides_ = tuple(parse_override(text) for text in overrides or ())
+    return WeightDecayPolicy(embedding, output, overrides_, tied)
 
 
 def check_resume(saved: WeightDecayPolicy, current: WeightDecayPolicy, checkpoint: str) -> None:

@@ -1,6 +1,6 @@
 """Output-layer z-loss (PaLM, OLMo 2/3): ``CE + c·log²Z`` in one vocab-parallel pass.
 
-``core`` holds the kernel (no Megatron import); ``adapter`` the ``--z-loss-coeff`` feature.
+``core`` holds the kernels (no Megatron import); ``adapter`` the ``--z-loss-coeff`` feature.
 """
 
 from megatron_ext.zloss.core import (

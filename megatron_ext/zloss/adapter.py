@@ -1,30 +1,14 @@
-"""The z-loss feature (:mod:`megatron_ext.zloss.core`) in Megatron: ``--z-loss-coeff``, and
-the fused output layer + loss (:mod:`megatron_ext.zloss.fused`; the part at the end):
-``--fused-output-loss``.
+"""The z-loss feature in Megatron: ``--z-loss-coeff``, ``--log-output-z`` and
+``--fused-output-loss`` (docs/z-loss.md).
 
-With a coefficient ``c > 0`` the ``zloss-output-layer`` patch replaces
-``LanguageModule.compute_language_model_loss`` (what ``GPTModel`` calls for the main head and
-for every MTP head) by the one-pass ``CE + c·log²Z``. With ``c = 0`` (the default) nothing is
-patched and the run is plain Megatron.
-
-MTP heads: Megatron computes their losses through the same method, so each MTP head's loss is
-also ``CE + c·log²Z`` per token (they share the output layer, and their normalisers drift the
-same way), scaled by ``--mtp-loss-scaling-factor`` like their CE. Megatron's ``mtp_k loss``
-logs therefore include the head's ``c·log²Z``; ``lm loss`` and ``z loss`` are the main head's.
-
-Logging: the patched method returns the training loss, but ``lm loss`` must stay pure cross
-entropy (comparable with runs without z-loss) and ``z loss`` must be logged. Every call keeps
-its detached per-token CE and log²Z next to the loss tensor it returned; the loss function
-(``on_loss``) picks the terms of the tensor it was handed, which is the main head's, and fails
-loudly if it was handed a tensor this method did not return. It also puts that per-token CE
-on the micro-batch, so that the worst-DP-rank loss and the sample log measure what ``lm loss``
-measures, not the training loss.
-
-``--log-output-z`` (a signal, any coefficient): the same one-pass kernel also gives the signed
-mean ``log Z`` per step (``log z`` in Megatron's log and TensorBoard, ``log_z`` in the signals
-log), the precursor of an output-logit divergence (Wortsman et al. 2023): at ``c = 0`` the
-patched method's loss and gradient are Megatron's cross entropy bit for bit
-(tests/unit/zloss/test_z_off_exact.py), so turning the signal on changes no number.
+``zloss-output-layer`` replaces ``LanguageModule.compute_language_model_loss`` (main and MTP
+heads) by the one-pass ``CE + c·log²Z`` of :mod:`.core`, or, under
+``--cross-entropy-loss-fusion`` (native), by Megatron's fused cross entropy composed with the
+z term (:class:`_FusedCrossEntropyWithZ`); ``fused-output-loss`` makes the
+chunked ``fused_output_loss`` ``GPTModel._postprocess``'s output processor. Each call keeps its
+detached per-token CE, log²Z and log Z beside the loss it returned, so ``on_loss`` reports
+``lm loss`` as pure CE, ``z loss`` and ``log z``. At ``c = 0`` nothing is patched unless
+``--log-output-z`` asks, and then the loss is Megatron's bit for bit.
 """
 
 from __future__ import annotations
@@ -33,21 +17,24 @@ import argparse
 import functools
 import inspect
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from megatron.core.fusions import fused_cross_entropy as megatron_fused
 from megatron.core.inference import utils as inference_utils
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel.utils import VocabUtility
 
 from megatron_ext.common.features import LM_LOSS_PER_TOKEN, Feature, FeatureError, LossInputs
-from megatron_ext.zloss.core import cross_entropy_and_z_loss
-from megatron_ext.zloss.fused import fused_output_loss
+from megatron_ext.zloss.core import ZLossTerms, cross_entropy_and_z_loss, fused_output_loss
 
 
 class ZLossFeature(Feature):
-    """``--z-loss-coeff``: the loss patch and the ``lm loss`` / ``z loss`` report entries."""
+    """The loss patches and the ``lm loss`` / ``z loss`` / ``log z`` report entries."""
 
     name = "zloss"
 
@@ -55,8 +42,8 @@ class ZLossFeature(Feature):
         self.coeff = 0.0
         self.chunk_tokens: int | None = None  # --fused-output-loss-chunk-tokens (None: auto)
         self.dummy_wgrad = True  # as Megatron's fused linear, unless installed without overlap
-        # (training loss returned, per-token CE, per-token log²Z) of the calls since the last
-        # loss function; MTP heads' calls come first, the main head's last.
+        # (loss returned, per-token CE, log²Z, log Z) of the calls since the last loss
+        # function; MTP heads' calls come first, the main head's last.
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.log_z = False  # --log-output-z
 
@@ -104,17 +91,8 @@ class ZLossFeature(Feature):
             raise FeatureError(f"--z-loss-coeff must be a finite number >= 0, got {coeff}.")
         if args.fused_output_loss:
             _validate_fused(args)
-        if (coeff != 0 or args.log_output_z) and args.cross_entropy_loss_fusion:
-            raise FeatureError(
-                "--z-loss-coeff and --log-output-z cannot be combined with "
-                "--cross-entropy-loss-fusion: they replace Megatron's cross entropy with the "
-                "overlay's one-pass CE + z kernel, so the fused cross entropy would be silently "
-                "ignored. Drop --cross-entropy-loss-fusion."
-            )
 
     def install(self, args: Any) -> None:
-        """Keep the coefficient; the installer then applies ``zloss-output-layer`` bound to
-        this instance."""
         self.coeff = float(args.z_loss_coeff)
         self.chunk_tokens = args.fused_output_loss_chunk_tokens or None
         self.fused = bool(args.fused_output_loss)
@@ -122,10 +100,10 @@ class ZLossFeature(Feature):
         # DDP marks a parameter ready for its bucket's all-reduce in its .grad hook, so with
         # overlapped reduction the weight needs a (dummy) .grad even when main_grad has it.
         self.dummy_wgrad = bool(getattr(args, "overlap_grad_reduce", False))
+        if self.tracks() and args.cross_entropy_loss_fusion:
+            _say_which_cross_entropy(getattr(args, "cross_entropy_fusion_impl", "native"))
 
     def needs_patch(self, name: str) -> bool:
-        """``zloss-output-layer`` with a coefficient or ``--log-output-z`` (the MTP heads'
-        loss, and the main head's without fusion); ``fused-output-loss`` with its flag."""
         return {"zloss-output-layer": self.tracks(), "fused-output-loss": self.fused}[name]
 
     def tracks(self) -> bool:
@@ -133,12 +111,8 @@ class ZLossFeature(Feature):
         return self.coeff != 0 or self.log_z
 
     def on_loss(self, inputs: LossInputs) -> dict[str, torch.Tensor]:
-        """``lm loss`` (pure CE) and ``z loss`` (mean log²Z) report entries; the per-token CE
-        goes on the micro-batch (:data:`LM_LOSS_PER_TOKEN`).
-
-        Same ``[masked sum, token count]`` form as the loss function's own ``lm loss``, so
-        Megatron averages them over micro-batches and data-parallel ranks exactly as the CE.
-        """
+        """``lm loss`` (pure CE), ``z loss`` and ``log z`` as ``[masked sum, token count]``,
+        averaged by Megatron exactly as the CE; the per-token CE goes on the micro-batch."""
         if not self.tracks():  # --fused-output-loss alone: the loss is the pure CE already
             return {}
         pending, self.pending = self.pending, []
@@ -191,6 +165,73 @@ def _validate_fused(args: Any) -> None:
             )
 
 
+def _say_which_cross_entropy(impl: str) -> None:
+    """One start-up line (rank 0) where ``--cross-entropy-fusion-impl te`` is not what runs."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if impl == "te" and rank == 0:
+        print(
+            "megatron-ext z-loss: --cross-entropy-fusion-impl te (Transformer Engine's fused "
+            "cross entropy) gives no log Z, so the language-model loss runs the overlay's "
+            "one-pass vocab-parallel CE + z kernel instead (docs/z-loss.md).",
+            flush=True,
+        )
+
+
+class _FusedCrossEntropyWithZ(torch.autograd.Function):
+    """Megatron's ``fused_vocab_parallel_cross_entropy`` from its own fused pieces, also
+    returning CE, log²Z and log Z: the z gradient ``2c·log Z·softmax`` is folded into the
+    softmax's division, so the backward is Megatron's (bf16 gradient) and nothing is added."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, coeff: float, tp_group: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits, logits_max = megatron_fused.calculate_logits_max(logits)
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
+        vocab_start, vocab_end = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            logits.size(-1), tp_group.rank(), tp_group.size()
+        )
+        target_mask, masked_target_1d, stats, exp_logits = (
+            megatron_fused.calculate_predicted_logits(
+                logits, target, logits_max, vocab_start, vocab_end
+            )
+        )
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
+        predicted, sum_exp = torch.split(stats, stats.size(0) // 2)
+        log_sum_exp = torch.log(sum_exp)
+        log_z = log_sum_exp + logits_max
+        z_loss = log_z * log_z
+        if coeff == 0.0:  # Megatron's loss and softmax, bit for bit
+            softmax, loss = megatron_fused.calculate_cross_entropy_loss(exp_logits, stats)
+            cross_entropy = loss.clone()
+        else:  # softmax·(1 + 2c·log Z): divide by sum_exp / (1 + 2c·log Z)
+            denominator = sum_exp / (1.0 + 2.0 * coeff * log_z)
+            softmax, _ = megatron_fused.calculate_cross_entropy_loss(
+                exp_logits, torch.cat((predicted, denominator))
+            )
+            cross_entropy = log_sum_exp - predicted
+            loss = cross_entropy + coeff * z_loss
+        ctx.save_for_backward(softmax, target_mask, masked_target_1d)
+        ctx.mark_non_differentiable(cross_entropy, z_loss, log_z)
+        return loss, cross_entropy, z_loss, log_z
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_loss: torch.Tensor, *_: Any
+    ) -> tuple[torch.Tensor, None, None, None]:
+        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        grad = megatron_fused.calculate_gradients(softmax, grad_loss, target_mask, masked_target_1d)
+        return grad, None, None, None
+
+
+def fused_cross_entropy_and_z_loss(
+    logits: torch.Tensor, target: torch.Tensor, z_loss_coeff: float, tp_group: Any
+) -> ZLossTerms:
+    """:func:`cross_entropy_and_z_loss`'s terms by Megatron's fused cross entropy
+    (``--cross-entropy-loss-fusion``, native): fp32 logits are overwritten, as there."""
+    return ZLossTerms(*_FusedCrossEntropyWithZ.apply(logits, target, float(z_loss_coeff), tp_group))
+
+
 def with_z_loss(
     _megatron_loss: Callable[..., torch.Tensor], feature: ZLossFeature
 ) -> Callable[..., torch.Tensor]:
@@ -199,18 +240,17 @@ def with_z_loss(
     def compute_language_model_loss(
         self: Any, labels: torch.Tensor, logits: torch.Tensor
     ) -> torch.Tensor:
-        """Per-token ``CE + c·log²Z`` as ``[b, s]``, remembering its CE and log²Z.
-
-        Like Megatron's cross entropy this uses the logits as its working buffer: nothing
-        reads them after the loss.
-        """
-        terms = cross_entropy_and_z_loss(
-            logits,
-            labels.transpose(0, 1).contiguous(),
-            feature.coeff,
-            self.tp_group,
-            overwrite_logits=True,
-        )
+        """Per-token ``CE + c·log²Z`` as ``[b, s]``, keeping its terms; the logits are the
+        working buffer, as in Megatron's CE. Megatron's fused CE where it is the native one;
+        otherwise (unfused, or TE's) the overlay's one-pass kernel."""
+        target = labels.transpose(0, 1).contiguous()
+        config = self.config
+        if config.cross_entropy_loss_fusion and config.cross_entropy_fusion_impl == "native":
+            terms = fused_cross_entropy_and_z_loss(logits, target, feature.coeff, self.tp_group)
+        else:
+            terms = cross_entropy_and_z_loss(
+                logits, target, feature.coeff, self.tp_group, overwrite_logits=True
+            )
         loss = terms.loss.transpose(0, 1).contiguous()
         feature.pending.append(_kept(loss, terms))
         return loss
@@ -219,40 +259,12 @@ def with_z_loss(
 
 
 def _kept(loss: torch.Tensor, terms: Any) -> tuple[torch.Tensor, ...]:
-    """What a loss call leaves for :meth:`ZLossFeature.on_loss`: the ``[b, s]`` loss it
-    returned and its per-token CE, log²Z and log Z, ``[b, s]`` too."""
+    """What a loss call leaves for :meth:`ZLossFeature.on_loss`: its ``[b, s]`` loss and
+    per-token CE, log²Z and log Z."""
     return (loss, *(t.transpose(0, 1) for t in (terms.cross_entropy, terms.z_loss, terms.log_z)))
 
 
-# -- --fused-output-loss ----------------------------------------------------------------------
-# ``--fused-output-loss`` in Megatron: the main head's logits are never materialised.
-#
-# Patch point. megatron-core 0.19.2's ``GPTModel._postprocess`` computes
-# ``logits = output_layer(hidden, weight=...)`` and then ``compute_language_model_loss(labels,
-# logits)``; the logits exist before any loss method is called, so patching the loss method
-# (as the z-loss does) is too late, and replacing ``ColumnParallelLinear.forward`` would touch
-# every column-parallel layer. ``_postprocess`` has a public hook instead: an
-# ``output_processor`` keyword that, when given, is handed the hidden states, the output layer,
-# the output weight (the embedding when tied, also at PP>1), the labels and the loss mask, and
-# whose return value is the model's output, in place of the output layer and the loss. The
-# ``fused-output-loss`` patch only fills that keyword (when labels are given, outside
-# inference, and nobody else passed one) with :func:`fused_output_processor`; everything else in
-# ``_postprocess`` (MTP, the schedule, the pre/post-process split) is Megatron's.
-#
-# What stays on the plain path: inference and evaluation without labels (logits are the
-# output), and MTP heads (Megatron's ``process_mtp_loss`` computes their logits itself and also
-# takes their argmax for its acceptance counts). They run before the main head and are
-# unchanged; the main head's ``[s·b, V/tp]`` logits, the dominant buffer, are fused away.
-#
-# Gradients reach the weight as the output layer's own linear function delivers them: the
-# input gradient all-reduced over TP (or, with sequence parallelism, the hidden states are
-# gathered with Megatron's ``gather_from_sequence_parallel_region`` whose backward
-# reduce-scatters). Under Megatron DDP the weight gradient goes into ``main_grad`` during the
-# forward, chunk by chunk, scaled by what the schedule will send (:func:`schedule_grad_scale`),
-# with the ``grad_added_to_main_grad`` mark of Megatron's fused linear (and its dummy ``.grad``
-# only with --overlap-grad-reduce); so no weight-sized gradient buffer waits for the backward
-# (at V/tp 32k, hidden 4096, fp32: 512 MiB). Without DDP (a bare module) it is returned as
-# ``.grad``.
+# -- --fused-output-loss: the main head's logits are never materialised -----------------------
 
 
 def fused_output_processor(
@@ -266,12 +278,9 @@ def fused_output_processor(
     config: Any,
     **_: Any,
 ) -> torch.Tensor:
-    """GPTModel's ``output_processor``: the main head's ``[b, s]`` per-token loss, fused.
-
-    Returns what ``compute_language_model_loss`` would (``CE + c·log²Z`` per token) and,
-    with a z-loss, leaves its CE and log²Z for the z-loss feature's report, like the patched
-    loss method does.
-    """
+    """GPTModel's ``output_processor``: the main head's ``[b, s]`` per-token loss (what
+    ``compute_language_model_loss`` returns), fused; its terms are kept as that method keeps
+    them. Under Megatron DDP the weight gradient goes to ``main_grad`` in the forward."""
     # The output layer's forward is not called, so run its forward pre-hooks as the call
     # would: with --overlap-param-gather, Megatron DDP's hook finishes this layer's param
     # all-gather there and starts the next bucket's (skipped, the next gather asserts).
@@ -307,13 +316,9 @@ def fused_output_processor(
 
 
 def schedule_grad_scale(config: Any, loss_mask: torch.Tensor) -> torch.Tensor:
-    """The gradient Megatron's schedule will send each token's loss, per unit of its mask:
-    the entry point's loss function returns ``(Σ loss · mask, token count, report)``, and
-    megatron-core's ``forward_step_calc_loss`` divides that sum by the token count (at least 1)
-    and by the micro-batch count unless ``calculate_per_token_loss``; ``backward_step`` then
-    multiplies it by ``grad_scale_func``'s loss scale (registry assumption
-    ``schedule-loss-scaling``). The same operations in the same order, so the same float; the
-    fused backward checks the gradient it receives against it."""
+    """The gradient Megatron's schedule will send each token's loss per unit of mask: loss
+    scale / micro-batches / tokens, with megatron-core's operations in its order, so the same
+    float (registry assumption ``schedule-loss-scaling``); the fused backward checks it."""
     scale = torch.ones((), device=loss_mask.device)
     if config.grad_scale_func is not None:
         scale = config.grad_scale_func(scale).reshape(())
@@ -324,9 +329,8 @@ def schedule_grad_scale(config: Any, loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _inference_mode_active() -> bool:
-    """Megatron's process-wide inference mode (registry ``inference-mode``): megatron-core
-    0.18 added ``InferenceMode``; on 0.17 an inference call is told by its
-    ``inference_context`` alone."""
+    """Megatron's process-wide inference mode (registry ``inference-mode``; none before
+    megatron-core 0.18, where ``inference_context`` alone tells)."""
     mode = getattr(inference_utils, "InferenceMode", None)
     return bool(mode is not None and mode.is_active())
 
@@ -334,14 +338,13 @@ def _inference_mode_active() -> bool:
 def with_fused_output_loss(
     postprocess: Callable[..., Any], feature: ZLossFeature
 ) -> Callable[..., Any]:
-    """Wrapper of the ``fused-output-loss`` patch on ``GPTModel._postprocess``, bound to the
-    installed z-loss feature."""
+    """Wrapper of the ``fused-output-loss`` patch on ``GPTModel._postprocess``."""
     processor = functools.partial(fused_output_processor, feature)
     signature = inspect.signature(postprocess)
 
     def _postprocess(*args: Any, **kwargs: Any) -> Any:
-        """Megatron's, with :func:`fused_output_processor` as its output processor when a
-        loss is computed (labels given, not inference, no other processor)."""
+        """Megatron's, with the fused processor when a loss is computed (labels, not
+        inference, no other processor)."""
         call = signature.bind(*args, **kwargs)
         given = call.arguments
         if (

@@ -1,19 +1,14 @@
-"""Output-layer z-loss fused into a vocab-parallel cross entropy (PaLM, OLMo 2/3).
+"""Output-layer z-loss kernels (PaLM, OLMo 2/3): per token ``CE + c·log²Z``, no Megatron
+import at load time (docs/z-loss.md).
 
-The z-loss adds ``c * log(Z)**2`` per token, ``Z = sum_j exp(logit_j)`` being the softmax
-normaliser of the output logits, so that ``log Z`` stays near 0 and the logits cannot drift
-upwards (bf16 softmax precision loss, loss spikes). Computing it next to Megatron's cross
-entropy costs a second pass over the logits, a second logits-sized saved buffer and, under
-tensor parallelism, extra collectives; and because Megatron's cross entropy overwrites its
-input logits, a z term computed after it silently reads garbage.
-
-Here both terms come out of one pass: the cross entropy already all-reduces the per-token max
-and sum of exponentials over the tensor-parallel group, and ``log Z = log(sum_exp) + max``.
-The z gradient ``2c * log Z * softmax`` is folded into the softmax the cross entropy saves for
-backward, so the saved tensors are exactly the cross entropy's. The arithmetic reproduces
-Megatron's ``_VocabParallelCrossEntropy`` operation by operation, so with ``c = 0`` values and
-gradients equal Megatron's bit for bit. This module imports no Megatron at load time; it looks
-up Megatron's tensor-parallel group, when Megatron is there, if the caller passes none.
+:func:`cross_entropy_and_z_loss` works on vocab-parallel logits in one pass: ``log Z`` comes
+from the cross entropy's own all-reduces and the z gradient ``2c·log Z·softmax`` is folded into
+the saved softmax, so nothing is added; the arithmetic is Megatron's
+``_VocabParallelCrossEntropy`` operation by operation, bit for bit at ``c = 0``.
+:func:`fused_output_loss` also does the output layer's matmul, ``chunk_tokens`` at a time, so
+the ``[s·b, V/tp]`` logits never exist; it computes the gradients in the forward (Liger
+style), which needs the incoming gradient to be ``s · token_weights`` for one scalar ``s``
+(Megatron's ``Σ loss · mask`` always is), checked in the backward without a host sync.
 """
 
 from __future__ import annotations
@@ -23,16 +18,19 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["ZLossTerms", "cross_entropy_and_z_loss", "vocab_parallel_cross_entropy_with_z_loss"]
+__all__ = [
+    "ZLossTerms",
+    "cross_entropy_and_z_loss",
+    "default_chunk_tokens",
+    "fused_output_loss",
+    "vocab_parallel_cross_entropy_with_z_loss",
+]
 
 
 class ZLossTerms(NamedTuple):
-    """Per-token ``[s, b]`` float32 terms of one call.
-
-    ``loss`` (differentiable) is ``cross_entropy + coeff * z_loss``; ``cross_entropy``,
-    ``z_loss`` (= log²Z, unscaled) and ``log_z`` (signed: an output-logit divergence drifts
-    it away from 0, which log²Z cannot tell from noise around 0) are detached, for logging.
-    """
+    """Per-token float32 terms shaped like the target: ``loss = cross_entropy + coeff · z_loss``
+    (differentiable); ``cross_entropy``, ``z_loss`` (log²Z) and the signed ``log_z`` are
+    detached, for logging."""
 
     loss: torch.Tensor
     cross_entropy: torch.Tensor
@@ -41,11 +39,7 @@ class ZLossTerms(NamedTuple):
 
 
 def _default_tp_group() -> dist.ProcessGroup | None:
-    """Megatron's tensor-parallel group when Megatron set one up, else none (full vocabulary).
-
-    Matches the default of Megatron's ``vocab_parallel_cross_entropy`` inside Megatron
-    programs, and lets the function run standalone on unsharded logits.
-    """
+    """Megatron's tensor-parallel group when Megatron set one up, else none (full vocabulary)."""
     try:
         from megatron.core import parallel_state
     except ImportError:  # the core is usable without Megatron, on unsharded logits
@@ -70,9 +64,8 @@ class _CrossEntropyWithZLoss(torch.autograd.Function):
         rank = 0 if tp_group is None else dist.get_rank(tp_group)
         world = 1 if tp_group is None else dist.get_world_size(tp_group)
 
-        # The fp32 buffer that becomes exp(logits - max), then the scaled softmax: a copy for
-        # bf16/fp16 logits (as in Megatron's CE); fp32 logits are used in place only when the
-        # caller allows it, since the public function must keep its input.
+        # The fp32 buffer that becomes exp(logits - max), then the scaled softmax; fp32
+        # logits are used in place only when the caller allows it.
         if logits.dtype != torch.float32:
             work = logits.to(torch.float32, memory_format=torch.contiguous_format)
             in_place = True
@@ -140,12 +133,8 @@ def cross_entropy_and_z_loss(
     *,
     overwrite_logits: bool = False,
 ) -> ZLossTerms:
-    """All three per-token terms; see :func:`vocab_parallel_cross_entropy_with_z_loss`.
-
-    ``overwrite_logits=True`` lets fp32 logits be used as the working buffer, as Megatron's
-    cross entropy does (the training path owns its logits, so this saves one logits-sized
-    buffer); the logits are garbage afterwards.
-    """
+    """All three per-token terms (:func:`vocab_parallel_cross_entropy_with_z_loss`).
+    ``overwrite_logits=True`` uses fp32 logits as the working buffer, as Megatron's CE does."""
     if tp_group is None:
         tp_group = _default_tp_group()
     return ZLossTerms(
@@ -163,43 +152,10 @@ def vocab_parallel_cross_entropy_with_z_loss(
     *,
     label_smoothing: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Per-token cross entropy plus output z-loss on vocab-parallel logits, in one pass.
-
-    Maths, per token with logits :math:`x` over the full vocabulary, target :math:`t`,
-    :math:`\log Z = \log \sum_j e^{x_j}` and :math:`p = \mathrm{softmax}(x)`:
-
-    .. math::
-        \mathrm{loss} = (\log Z - x_t) + c\,(\log Z)^2, \qquad
-        \frac{\partial\,\mathrm{loss}}{\partial x} = p\,(1 + 2c \log Z) - \mathrm{onehot}(t).
-
-    Computed stably as :math:`\log Z = \log \sum_j e^{x_j - m} + m` with :math:`m = \max_j x_j`,
-    in float32 whatever the logits' dtype (as Megatron's cross entropy).
-
-    Tensor-parallel contract: ``logits`` is ``[s, b, V/tp]``, rank ``r`` of ``tp_group``
-    holding vocabulary ids ``[r·V/tp, (r+1)·V/tp)`` (Megatron's ``ColumnParallelLinear``
-    output layer); ``target`` is ``[s, b]`` global vocabulary ids, the same on every rank.
-    Every rank of ``tp_group`` must call together; the results are identical on all of them.
-    The collectives are Megatron cross entropy's own three all-reduces (MAX of the max, SUM
-    of the target logit, SUM of the exponentials), none added. ``tp_group=None`` means
-    Megatron's tensor-parallel group when Megatron's parallel state is initialised, otherwise
-    unsharded logits (no communication).
-
-    With ``z_loss_coeff=0`` the loss and its gradient equal Megatron's
-    ``vocab_parallel_cross_entropy`` bit for bit. Unlike it, ``logits`` is never modified.
-    Backward saves one float32 logits-sized buffer plus O(tokens), like Megatron's, and
-    consumes it: the graph can be backpropagated once.
-
-    Args:
-        logits: ``[s, b, V/tp]`` logits (fp32, bf16 or fp16).
-        target: ``[s, b]`` integer target ids.
-        z_loss_coeff: ``c`` (PaLM 1e-4, OLMo 2/3 1e-5); 0 gives plain cross entropy.
-        tp_group: the tensor-parallel group the vocabulary is split over.
-        label_smoothing: not supported; any value but 0 raises :class:`ValueError`.
-
-    Returns:
-        ``(loss, z_loss)``, both ``[s, b]`` float32: ``loss`` = CE + c·log²Z (differentiable),
-        ``z_loss`` = log²Z (detached, for logging). Mask and average them as the CE.
-    """
+    """Per-token ``(CE + c·log²Z, log²Z)`` of ``[s, b, V/tp]`` vocab-parallel logits (rank
+    ``r`` holds ids ``[r·V/tp, (r+1)·V/tp)``) and ``[s, b]`` global targets; every rank of
+    ``tp_group`` calls together. ``logits`` is kept; the graph backpropagates once.
+    Gradient: ``softmax·(1 + 2c·log Z) - onehot``. Label smoothing is refused."""
     if label_smoothing != 0.0:
         raise ValueError(
             "vocab_parallel_cross_entropy_with_z_loss does not support label smoothing: "
@@ -209,3 +165,269 @@ def vocab_parallel_cross_entropy_with_z_loss(
         )
     terms = cross_entropy_and_z_loss(logits, target, z_loss_coeff, tp_group)
     return terms.loss, terms.z_loss
+
+
+# Auto chunk: this many fp32 logits per chunk (128 MiB), clamped to [64, 4096] tokens.
+CHUNK_ELEMENTS = 2**25
+
+
+def default_chunk_tokens(vocab_per_rank: int) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits are ~128 MiB: large enough for
+    efficient matmuls, small next to the unfused ``[s·b, V/tp]`` buffers."""
+    tokens = 1 << max(0, (CHUNK_ELEMENTS // max(1, vocab_per_rank)).bit_length() - 1)
+    return min(4096, max(64, tokens))
+
+
+def _chunk_terms(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int,
+    coeff: float,
+    logit_scale: float,
+    tp_group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, ...]:
+    """One chunk: ``(work, local target, outside, sum_exp, log Z, CE, log²Z, loss)``; ``work``
+    holds ``exp(logits - max)`` in fp32 (the caller turns it into the gradient)."""
+    logits = torch.matmul(hidden, weight.t())
+    if logit_scale != 1.0:  # MuP output multiplier, applied as Megatron applies it
+        logits = logits * logit_scale
+    work = logits.float() if logits.dtype != torch.float32 else logits
+    del logits
+    logits_max = torch.max(work, dim=-1)[0]
+    if tp_group is not None:
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
+    work.sub_(logits_max.unsqueeze(-1))
+    outside = (labels < vocab_start) | (labels >= vocab_start + work.size(-1))
+    local = torch.where(outside, 0, labels - vocab_start)
+    predicted = work.gather(1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    work.exp_()
+    stats = torch.stack([predicted, work.sum(dim=-1)])
+    if tp_group is not None:  # target logit and sum of exponentials in one all-reduce
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
+    predicted, sum_exp = stats[0], stats[1]
+    log_sum_exp = torch.log(sum_exp)
+    cross_entropy = log_sum_exp - predicted
+    log_z = log_sum_exp + logits_max
+    z_loss = log_z * log_z
+    loss = cross_entropy + coeff * z_loss if coeff != 0.0 else cross_entropy.clone()
+    return work, local, outside, sum_exp, log_z, cross_entropy, z_loss, loss
+
+
+# Rows of the vocabulary per weight-gradient product when it is not accumulated in place
+# (bf16 products added to an fp32 buffer): the product's transient stays ~1/8 of the weight.
+PRODUCT_SLICES = 8
+
+
+def _add_weight_gradient(
+    grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor
+) -> None:
+    """``grad_weight += grad_logitsᵀ · hidden``: in place where the dtypes agree (one addmm),
+    else a vocabulary slice at a time (a bf16 product into an fp32 accumulator), so that no
+    weight-sized product is ever allocated."""
+    if grad_weight.dtype == grad_logits.dtype == hidden.dtype:
+        grad_weight.addmm_(grad_logits.t(), hidden)
+        return
+    rows = -(-grad_weight.size(0) // PRODUCT_SLICES)
+    for first in range(0, grad_weight.size(0), rows):
+        last = min(grad_weight.size(0), first + rows)
+        grad_weight[first:last].add_(torch.matmul(grad_logits[:, first:last].t(), hidden))
+
+
+class _FusedOutputLoss(torch.autograd.Function):
+    """Forward: per-chunk loss and (when grads are needed) both gradients: unscaled, or, with
+    ``grad_scale``, already scaled and the weight's in ``main_grad``. Backward: check the
+    incoming per-token gradient against the scale (read from it, or the given one), and apply
+    it where the forward could not."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        token_weights: torch.Tensor,
+        options: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        group = options["tp_group"]
+        world = 1 if group is None else dist.get_world_size(group)
+        reduce_group = group if world > 1 else None
+        vocab_start = (0 if group is None else dist.get_rank(group)) * weight.size(0)
+        coeff, scale, chunk = options["coeff"], options["logit_scale"], options["chunk_tokens"]
+        tokens = hidden.size(0)
+        loss, cross_entropy, z_loss, log_zs = (
+            torch.empty(tokens, dtype=torch.float32, device=hidden.device) for _ in range(4)
+        )
+        grads = options["needs_grad"]
+        # Megatron's scale known in forward: the weight gradient goes to main_grad chunk by
+        # chunk, and no weight-sized buffer waits for the backward.
+        into_main_grad = grads and options["grad_scale"] is not None
+        if grads:
+            grad_hidden = torch.empty_like(hidden)
+            grad_weight = (
+                weight.main_grad
+                if into_main_grad
+                else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            )
+            per_token = token_weights * scale  # the logit multiplier is in every logit's grad
+            if into_main_grad:
+                per_token = per_token * options["grad_scale"]
+        for start in range(0, tokens, chunk):
+            end = min(tokens, start + chunk)
+            h = hidden[start:end]
+            work, local, outside, sum_exp, log_z, ce, z, chunk_loss = _chunk_terms(
+                h, weight, labels[start:end], vocab_start, coeff, scale, reduce_group
+            )
+            loss[start:end], cross_entropy[start:end], z_loss[start:end] = chunk_loss, ce, z
+            log_zs[start:end] = log_z
+            if not grads:
+                del work  # before the next chunk's logits exist: one chunk buffer at a time
+                continue
+            # dloss/dlogits = softmax·(1 + 2c·log Z) - onehot, weighted per token (the mask).
+            factor = 1.0 if coeff == 0.0 else 1.0 + 2.0 * coeff * log_z
+            weights = per_token[start:end]
+            work.mul_((weights * factor / sum_exp).unsqueeze(-1))  # one pass: softmax, weighted
+            rows = torch.arange(end - start, device=work.device)
+            work[rows, local] -= torch.where(outside, 0.0, weights)
+            grad_logits = work.to(hidden.dtype) if hidden.dtype != torch.float32 else work
+            del work
+            torch.matmul(grad_logits, weight, out=grad_hidden[start:end])
+            _add_weight_gradient(grad_weight, grad_logits, h)
+            del grad_logits
+        if grads:
+            # The backward checks the incoming gradient against the scale used here (given) or
+            # applies it (read there); only the deferred weight gradient is kept for it.
+            expected = options["grad_scale"] if into_main_grad else None
+            ctx.save_for_backward(
+                grad_hidden, token_weights, expected, None if into_main_grad else grad_weight
+            )
+            ctx.weight = weight
+            ctx.options = options
+        ctx.mark_non_differentiable(cross_entropy, z_loss, log_zs)
+        return loss, cross_entropy, z_loss, log_zs
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_loss: torch.Tensor, *_: Any
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        grad_hidden, token_weights, given, grad_weight = ctx.saved_tensors
+        options, weight = ctx.options, ctx.weight
+        grad_loss = grad_loss.reshape(-1)
+        if given is None:  # g = s·w: s read at the heaviest-weighted token (0: all weights 0)
+            heaviest = torch.argmax(token_weights.abs()).view(1)  # index_select: no host sync
+            weight_there = token_weights.index_select(0, heaviest)
+            scale = torch.where(
+                weight_there != 0, grad_loss.index_select(0, heaviest) / weight_there, 0.0
+            )
+        else:  # the scale the forward already applied
+            scale = given.reshape(1)
+        expected = token_weights * scale
+        if grad_loss.device.type != "meta":  # meta: shapes only (the benchmark's bytes)
+            torch._assert_async(
+                torch.all((grad_loss - expected).abs() <= 1e-6 * expected.abs()),
+                _MISMATCH if given is None else _MISPREDICTED,
+            )
+        group = options["tp_group"]
+        if given is None:
+            grad_hidden.mul_(scale.to(grad_hidden.dtype))
+        if options["reduce_grad_input"] and group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(grad_hidden, group=group)
+        if given is None:
+            grad_weight.mul_(scale)
+            if not options["accumulate_into_main_grad"]:
+                return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+            # Megatron's gradient-accumulation fusion: wgrad goes to main_grad directly.
+            weight.main_grad.add_(grad_weight)
+        # The weight gradient is in main_grad (added in the forward, or just now).
+        wgrad = _added_to_main_grad(weight, options["dummy_wgrad"])
+        return grad_hidden, wgrad, None, None, None
+
+
+_MISMATCH = (
+    "--fused-output-loss: the incoming gradient of the per-token loss is not the loss mask "
+    "times one scalar, which the fused output layer requires (Megatron's loss sums loss * "
+    "mask); use the plain output layer for this loss."
+)
+_MISPREDICTED = (
+    "--fused-output-loss: the incoming gradient of the per-token loss is not the loss mask "
+    "times the scale the forward expected (Megatron's loss scale / (micro-batches x tokens)), "
+    "and the weight gradient was already added to main_grad with that scale; megatron-core's "
+    "schedule scales the loss differently from what the overlay verified (see `megatron-ext "
+    "patches`, assumption schedule-loss-scaling)."
+)
+
+
+def _added_to_main_grad(weight: torch.Tensor, dummy: bool) -> torch.Tensor | None:
+    """The weight's ``.grad`` once its gradient is in ``main_grad``, as Megatron's fused linear
+    does: the ``grad_added_to_main_grad`` mark, and a dummy ``.grad`` only where DDP's hook
+    must mark the weight ready (not for a weight shared with an embedding on this stage,
+    whose own gradient runs the hook)."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    if not dummy or getattr(weight, "zero_out_wgrad", False):
+        return None
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+def fused_output_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    token_weights: torch.Tensor,
+    *,
+    z_loss_coeff: float = 0.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_tokens: int | None = None,
+    logit_scale: float = 1.0,
+    reduce_grad_input: bool = True,
+    accumulate_into_main_grad: bool = False,
+    grad_scale: torch.Tensor | None = None,
+    dummy_wgrad: bool = True,
+) -> ZLossTerms:
+    """Per-token ``CE + c·log²Z`` of ``logits = logit_scale · hidden · weightᵀ``, chunked.
+
+    ``hidden`` ``[s, b, h]`` or ``[tokens, h]`` (the full sequence on every TP rank);
+    ``weight`` ``[V/tp, h]`` (rank ``r`` of ``tp_group`` holds ids ``[r·V/tp, (r+1)·V/tp)``);
+    ``labels`` global ids and ``token_weights`` (the loss mask) shaped alike. The gradient must
+    be ``token_weights`` times one scalar. ``reduce_grad_input``: all-reduce the input gradient
+    over TP (``ColumnParallelLinear`` without sequence parallelism).
+    ``accumulate_into_main_grad``: add the weight gradient to ``weight.main_grad`` (Megatron's
+    gradient-accumulation fusion); with ``grad_scale`` (the scalar the backward will send,
+    known in forward) it is added chunk by chunk during the forward and the backward checks
+    the scalar. ``dummy_wgrad``: still return a dummy ``.grad`` then (DDP's hook marks the
+    weight ready for an overlapped all-reduce only when it gets one).
+    """
+    flat_hidden = hidden.reshape(-1, hidden.size(-1))
+    if labels.numel() != flat_hidden.size(0) or token_weights.shape != labels.shape:
+        raise ValueError(
+            f"fused_output_loss: hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)} "
+            f"and token_weights {tuple(token_weights.shape)} do not describe the same tokens"
+        )
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(weight.size(0))
+    if chunk_tokens < 1:
+        raise ValueError(f"fused_output_loss: chunk_tokens must be >= 1, got {chunk_tokens}")
+    options = {
+        "tp_group": tp_group,
+        "coeff": float(z_loss_coeff),
+        "logit_scale": float(logit_scale),
+        "chunk_tokens": int(chunk_tokens),
+        "needs_grad": torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
+        "reduce_grad_input": reduce_grad_input,
+        "accumulate_into_main_grad": accumulate_into_main_grad,
+        "dummy_wgrad": dummy_wgrad,
+        "grad_scale": (
+            grad_scale.reshape(()).float()
+            if grad_scale is not None and accumulate_into_main_grad
+            else None
+        ),
+    }
+    terms = _FusedOutputLoss.apply(
+        flat_hidden,
+        weight,
+        labels.reshape(-1),
+        token_weights.reshape(-1).float(),
+        options,
+    )
+    return ZLossTerms(*(term.view(labels.shape) for term in terms))

@@ -63,9 +63,17 @@ def _features(work: Path) -> list[str]:
     ]
 
 
-def _supervised(work: Path, data: list[str], tokenizer: str) -> Run:
+def _supervised(
+    work: Path,
+    data: list[str],
+    tokenizer: str,
+    script: Path = EXAMPLE,
+    ranks: int = 2,
+    layout: tuple[str, ...] = (),
+) -> Run:
     """``launch/run_single_node.sh`` (the supervisor) with the CPU runner's ``--bridge-script``
-    as its training script: attempts, spike hook (``skiplist --apply``), relaunch."""
+    as its training script: attempts, spike hook (``skiplist --apply``), relaunch. ``script``
+    and ``layout``: tests/bridge/layout_script.py and its flags, on ``ranks`` ranks."""
     python = sys.executable
     env = dict(
         os.environ,
@@ -74,13 +82,13 @@ def _supervised(work: Path, data: list[str], tokenizer: str) -> Run:
         PYTHON=python,
         TORCHRUN=f"{python} -m torch.distributed.run",
         TRAIN_SCRIPT=str(RUNNER),
-        GPUS_PER_NODE="2",
+        GPUS_PER_NODE=str(ranks),
         MASTER_PORT=str(free_port()),
         OMP_NUM_THREADS="1",
         TORCH_ELASTIC_SHUTDOWN_TIMEOUT="60",
         MODEL_ARGS=" ".join(
             [
-                *("--bridge-script", str(EXAMPLE), "--data-path", *data),
+                *("--bridge-script", str(script), *layout, "--data-path", *data),
                 *("--tokenizer", tokenizer, "--work", str(work)),
                 *("--train-iters", str(TRAIN_ITERS), "--save-interval", "5"),
                 *("--global-batch-size", str(GLOBAL_BATCH)),
@@ -102,7 +110,7 @@ def _supervised(work: Path, data: list[str], tokenizer: str) -> Run:
             start_new_session=True,
         )
         try:
-            proc.wait(timeout=400)
+            proc.wait(timeout=600)
         except subprocess.TimeoutExpired:
             kill_tree(proc.pid)
             raise

@@ -7,7 +7,8 @@ checks of its topology:
 
 - ``ws1``: world size 1, checkpoint every 10;
 - ``tp2``: TP=2, no z-loss (also the z-loss comparison's plain arm);
-- ``tp2_zloss``: TP=2 with ``--z-loss-coeff 1e-4``;
+- ``tp2_zloss``: TP=2 with ``--z-loss-coeff 1e-4 --log-output-z`` under Megatron's fused
+  cross entropy (``--cross-entropy-loss-fusion``);
 - ``drill_ddp`` / ``drill_distopt``: DP=2 runs U (uninterrupted), K (SIGKILLed right after
   its iteration-10 checkpoint), R (resumes K) and S (resumes a copy of K with iterations 13
   and 14 skipped), with DDP or the distributed optimizer, each launched on first use (the
@@ -78,6 +79,8 @@ def tp2_zloss(tmp_path_factory, data_args) -> Run:
                 "2",
                 "--z-loss-coeff",
                 "1e-4",
+                "--log-output-z",
+                "--cross-entropy-loss-fusion",  # composed with Megatron's fused CE
                 "--signals-dir",
                 str(work / "signals"),
             ],

@@ -3,12 +3,16 @@ DP=2, a two-prefix blend), including a resume that skips iterations."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_ext.lookup import cli, flagspec
+from megatron_ext.common import versions
+from megatron_ext.lookup import cli
 from tests.support.harness import TINY_TRAINING, checkpoint_args, launch
 
 SKIPS = (13, 14)
@@ -136,7 +140,7 @@ def test_lookup_equals_the_sample_log_under_a_rampup(tmp_path, data_args) -> Non
         training=training,
     )
     assert run.returncode == 0, run.log[-4000:]
-    ramps = flagspec.installed_version().startswith("0.17.")  # the harness trains with it
+    ramps = versions.installed().startswith("0.17.")  # the harness trains with it
     expected = RAMPED if ramps else [16] * 5
     saved = checkpoint_args(ckpt, len(expected))
     assert ("step_batch_size_schedule" not in vars(saved)) == ramps  # what the lookup reads
@@ -162,3 +166,35 @@ def test_lookup_equals_the_sample_log_under_a_rampup(tmp_path, data_args) -> Non
     last = len(expected)
     argv = ["--from-checkpoint", str(ckpt), "--iteration", str(last), "--sample-log"]
     assert cli.main([*argv, str(run.samples)]) == 0
+
+
+@pytest.mark.timeout(900)
+def test_the_sample_log_answer_equals_the_index_answer_without_megatron(trained) -> None:
+    """``--from-sample-log`` on a trained checkpoint: a process that imports neither Megatron
+    nor torch gives the same samples and token SHA-1s as the index path, every iteration."""
+    _, resumed = trained
+    ckpt = resumed.workdir / "ckpt"
+    code = (
+        "import io, json, sys, contextlib\n"
+        "from megatron_ext import cli\n"
+        "answers = {}\n"
+        f"for it in {[i for i in range(11, 21) if i not in SKIPS]}:\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out):\n"
+        f"        rc = cli.main(['lookup', '--from-checkpoint', {str(ckpt)!r}, '--iteration',"
+        " str(it), '--from-sample-log', '--json'])\n"
+        "    assert rc == 0, it\n"
+        "    answers[it] = json.loads(out.getvalue())['samples']\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'torch'))\n"
+        "print(json.dumps({'heavy': heavy[:10], 'answers': answers}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["heavy"] == []
+    session = _session(ckpt)
+    keys = ("iteration", "dp_rank", "microbatch", "sample_index", "token_sha1")
+    for iteration, logged in report["answers"].items():
+        _, answer = cli.batch_records(session, session.config.schedule.batch(int(iteration)))
+        expected = [{k: r[k] for k in keys} for r in answer]
+        assert [{k: r[k] for k in keys} for r in logged] == expected, iteration

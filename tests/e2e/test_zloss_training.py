@@ -1,5 +1,6 @@
-"""The real training loop (CPU harness, TP=2) with and without ``--z-loss-coeff``: z loss is
-logged, ``lm loss`` stays the pure cross entropy, and what is trained is CE + c·log²Z."""
+"""The real training loop (CPU harness, TP=2) with and without ``--z-loss-coeff`` (with
+``--log-output-z``, under ``--cross-entropy-loss-fusion``): z loss and log z are logged,
+``lm loss`` stays the pure cross entropy, and what is trained is CE + c·log²Z."""
 
 from __future__ import annotations
 
@@ -26,13 +27,15 @@ def _per_iteration(run: Run, key: str) -> dict[int, float]:
 
 def test_training_with_z_loss_logs_it_and_keeps_lm_loss_pure_ce(tp2: Run, tp2_zloss: Run) -> None:
     plain, with_z = tp2, tp2_zloss
+    assert re.search(r"cross_entropy_loss_fusion \.+ True", with_z.log)  # composed, not refused
     signals = with_z.workdir / "signals"
     lm_plain, lm_z = _per_iteration(plain, "lm loss"), _per_iteration(with_z, "lm loss")
-    z = _per_iteration(with_z, "z loss")
-    assert sorted(lm_plain) == sorted(lm_z) == sorted(z) == list(range(1, 21))
+    z, log_z = _per_iteration(with_z, "z loss"), _per_iteration(with_z, "log z")
+    assert sorted(lm_plain) == sorted(lm_z) == sorted(z) == sorted(log_z) == list(range(1, 21))
     assert not _per_iteration(plain, "z loss")
     assert all(value > 0 for value in z.values())
     assert lm_z[1] == lm_plain[1], "same weights and batch: the CE must be identical"
+    assert log_z[1] ** 2 == pytest.approx(z[1], rel=0.5), "log z: the signed mean of log Z"
     assert lm_z != lm_plain, "the z term must change the training dynamics"
     # The signals log gets the z loss too. Megatron's console accumulator is not reset after
     # the first iteration, so its iteration-2 figure is the mean of iterations 1 and 2.

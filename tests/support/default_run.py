@@ -14,8 +14,7 @@ import json
 from collections.abc import Iterator
 
 from megatron_ext.common.io import json_safe
-from megatron_ext.common.records.signals import SignalRecord
-from megatron_ext.common.records.signals_columns import APPENDED
+from megatron_ext.common.records.signals import APPENDED, SignalRecord
 
 RECORD = (
     '{"iteration":20,"attempt":1,"job_id":"local","wall_time":1796312583.9025152,'

@@ -25,15 +25,13 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "megatron_ext"
 # The only modules allowed to import Megatron at load time, besides the feature adapters: the
 # GPT step and model that the entry point hands to Megatron's loop, the entry point's wiring
-# and the installer, the registry's tables (they import the wrappers they name) and the report.
+# and the installer, and the registry's table (it imports the wrappers it names).
 MEGATRON_FACING = {
     "megatron_ext.loop.gpt_step",
     "megatron_ext.loop.gpt_model",
     "megatron_ext.loop.entry",
     "megatron_ext.loop.install",
     "megatron_ext.registry.table",
-    "megatron_ext.registry.entry",
-    "megatron_ext.registry.report",
 }
 
 
@@ -121,9 +119,9 @@ def test_readme_feature_table_points_to_one_folder_per_feature() -> None:
 
 # The layers, highest first, by folder of megatron_ext/ ("." holds the top-level modules, which
 # are all commands; pretrain_gpt_ext.py and tools/ count as commands too). Every folder is in
-# exactly one layer, README's layer table lists the same folders (both checked below), and an
-# import goes to its own layer or a lower one. In the layers marked ISOLATED, a folder may not
-# import another folder of its layer.
+# exactly one layer, docs/architecture.md's layer table lists the same folders (both checked
+# below), and an import goes to its own layer or a lower one. In the layers marked ISOLATED, a
+# folder may not import another folder of its layer.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("commands", (".", "cpu", "plot", "supervise")),
     ("integrations", ("fork", "bridge")),
@@ -249,7 +247,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_import_graph_sees_every_kind_of_import() -> None:
     graph = _import_graph()
     adapter = graph["megatron_ext.spikes.adapter"]
-    assert "megatron_ext.common.records.signals_seek" in adapter  # module
+    assert "megatron_ext.common.records.signals" in adapter  # module
     assert "megatron_ext.incidents.cli" in graph["megatron_ext.demo"]  # inside a function
     assert "tools.gpu_context" in graph["tools.gpu_rungs"]  # TYPE_CHECKING, by bare name
     assert "megatron_ext.incidents.transaction" in graph["megatron_ext.incidents.cli"]  # from pkg
@@ -285,11 +283,11 @@ def test_every_folder_is_in_one_layer() -> None:
     assert folders | {"."} == set(placed), set(placed) ^ (folders | {"."})
 
 
-def test_readme_layer_table_is_the_tests_layer_table() -> None:
-    """README's table names, row by row, the folders this test layers (top-level modules as
-    `name.py`, all commands)."""
-    readme = (REPO / "README.md").read_text()
-    table = readme.split("| layer | folders | imports |", 1)[1].split("\n\n", 1)[0]
+def test_docs_layer_table_is_the_tests_layer_table() -> None:
+    """docs/architecture.md's table names, row by row, the folders this test layers (top-level
+    modules as `name.py`, all commands)."""
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    table = doc.split("| layer | folders | imports |", 1)[1].split("\n\n", 1)[0]
     rows = {
         cells[0]: cells[1]
         for line in table.splitlines()[2:]
@@ -364,8 +362,8 @@ def _patched_code() -> list[Any]:
     hook each feature overrides."""
     from megatron_ext.common.features import HOOKS
     from megatron_ext.fork import overlay
-    from megatron_ext.loop import hooks
     from megatron_ext.loop.install import all_features
+    from megatron_ext.registry import hooks
     from megatron_ext.registry import table as registry
 
     functions: list[Any] = [p.wrap for p in registry.PATCHES]
@@ -522,6 +520,7 @@ def test_nothing_but_the_cpu_runner_imports_megatron_ext_cpu() -> None:
 def test_the_cpu_runner_is_importable_from_the_package() -> None:
     """The demo and ``train --cpu`` launch a file that ships with the package."""
     import importlib
+    import tomllib
 
     from setuptools import find_packages
 
@@ -532,5 +531,7 @@ def test_the_cpu_runner_is_importable_from_the_package() -> None:
     assert Path(run.__file__).resolve() == CPU_RUNNER
     assert callable(shims.install)
     assert not getattr(sys.modules["torch"].cuda, "_megatron_ext_cpu_harness", False)
-    assert 'include=["megatron_ext", "megatron_ext.*"]' in (REPO / "setup.py").read_text()
-    assert CPU in find_packages(str(REPO), include=["megatron_ext", "megatron_ext.*"])
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert include == ["megatron_ext", "megatron_ext.*"]
+    assert CPU in find_packages(str(REPO), include=include)

@@ -1,6 +1,6 @@
-"""The registry's copies of Megatron logic (megatron_ext/registry/copy_check.py and
-copies.py): each verifies against the installed megatron-core (every CI tier runs this on its
-version), a changed copy is refused naming it, and a tool's copy never blocks training start-up.
+"""The registry's copies of Megatron logic (megatron_ext/registry/copies.py): each verifies
+against the installed megatron-core (every CI tier runs this on its version), a changed copy
+is refused naming it, and a tool's copy never blocks training start-up.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import pytest
 
 from megatron_ext.common.versions import VERIFIED
 from megatron_ext.lookup import cli
-from megatron_ext.registry import copy_check as copies
+from megatron_ext.registry import copies
 from megatron_ext.registry import table as registry
-from megatron_ext.registry.copies import COPIES
-from megatron_ext.registry.copy_check import Copy, CopyChanged, Source
+from megatron_ext.registry.copies import COPIES, Copy, CopyChanged, Source
 
 # The compatibility tier runs this module on every supported megatron-core (tests/compat).
 pytestmark = pytest.mark.compat
@@ -104,7 +103,7 @@ def test_the_check_imports_neither_megatron_nor_torch() -> None:
     """The lookup runs the check on every start: it reads source files, imports nothing."""
     code = (
         "import sys\n"
-        "from megatron_ext.registry import copy_check as copies\n"
+        "from megatron_ext.registry import copies\n"
         "from megatron_ext.registry.copies import COPIES\n"
         "copies.verify(COPIES)\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'torch'))\n"

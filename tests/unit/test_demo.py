@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 
-from megatron_ext import demo, launch_console
+from megatron_ext import demo
 from megatron_ext.common.checkpoint_state import COMMON_STATE_KEY
 from megatron_ext.common.files import (
     CHECKPOINT_METADATA_FILE,
@@ -34,7 +34,7 @@ def test_the_filter_drops_megatrons_argument_dump_and_memory_report() -> None:
         "  logits_load_ignore_errors ....................... False",
         "[Rank 0] (before save_checkpoint for iteration 5) memory (MB) | allocated: 0.00",
     ]
-    assert [line for line in shown + hidden if launch_console.shown(line)] == shown
+    assert [line for line in shown + hidden if demo.shown(line)] == shown
 
 
 def test_a_refusal_is_shown_alone_and_torchrun_s_report_kept_in_the_log() -> None:
@@ -53,7 +53,7 @@ def test_a_refusal_is_shown_alone_and_torchrun_s_report_kept_in_the_log() -> Non
     ]
     lines = [" iteration        1/      40 | lm loss: 6.8", refusal, *launcher]
     log = io.StringIO()
-    assert list(launch_console.console([f"{line}\n" for line in lines], log)) == lines[:2]
+    assert list(demo.console([f"{line}\n" for line in lines], log)) == lines[:2]
     assert log.getvalue() == "".join(f"{line}\n" for line in lines)
 
 

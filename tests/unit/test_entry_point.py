@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.lookup.flagspec import megatron_parser
+from megatron_ext.lookup.config import megatron_parser
 from megatron_ext.registry import table as registry
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,11 +19,9 @@ from megatron_ext import cli
 from megatron_ext.common.files import incident_stem
 from megatron_ext.common.io import JsonlAppender, atomic_write_json
 from megatron_ext.common.records.ledger import config_record, read_ledger
-from megatron_ext.common.records.signals import SignalRecord
-from megatron_ext.common.records.signals_writer import SignalsWriter
+from megatron_ext.common.records.signals import SignalRecord, SignalsWriter
 from megatron_ext.common.records.spike_config import SpikeConfig
-from megatron_ext.plot.axes import log_ticks
-from megatron_ext.plot.draw import build_series, main, render
+from megatron_ext.plot.draw import build_series, log_ticks, main, render
 
 CONFIG = SpikeConfig(window=10, warmup=10, patience=5)
 DETECTOR_FLAGS = ["--spike-window", "10", "--spike-warmup", "10", "--spike-patience", "5"]
@@ -302,7 +300,7 @@ def _blend_log(directory: Path) -> Path:
 def test_the_per_source_panel_has_a_line_per_source_and_marks_the_stage_change(
     tmp_path: Path,
 ) -> None:
-    from megatron_ext.plot.sources import stage_changes
+    from megatron_ext.plot.stream import stage_changes
 
     path = _blend_log(tmp_path)
     (line,) = build_series(path, "latest", CONFIG)[0]

@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.common.records import signals_sources
+from megatron_ext.common.records import signals
 from megatron_ext.common.records.ledger import Ledger
-from megatron_ext.common.records.signals import SignalRecord, read_signals
-from megatron_ext.common.records.signals_seek import SignalsLog
-from megatron_ext.common.records.signals_writer import SignalsWriter
+from megatron_ext.common.records.signals import (
+    SignalRecord,
+    SignalsLog,
+    SignalsWriter,
+    read_signals,
+)
 from megatron_ext.common.records.spike_config import SpikeConfig
 from megatron_ext.plot import stream as plot_stream
 from megatron_ext.plot.draw import build_series, render
@@ -151,7 +154,7 @@ def test_a_default_run_s_log_costs_no_python_call_per_line(
     """The issue's 38 s: two json.loads per line for the per-source fields and a detector
     call per record. On logs 4x apart the detector observes the same few records, no line
     goes through json.loads, and the replay's events are the full replay's."""
-    monkeypatch.setattr(signals_sources, "_keyed", None)  # the json.loads path: not taken
+    monkeypatch.setattr(signals, "_json_block", None)  # the json.loads path: not taken
     observed = {}
     for length in (8000, 32000):
         path = _default_run_log(tmp_path / str(length), length)

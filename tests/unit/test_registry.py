@@ -194,7 +194,7 @@ def test_patches_command_lists_every_touch_and_the_hooks_users() -> None:
         "hook after_step, used by: hang, update_skip, attention_logit, telemetry, sample_log, "
         "spikes" in out
     )
-    assert "on_batch: called from megatron_ext.loop.hooks.read_batch" in out
+    assert "on_batch: called from megatron_ext.registry.hooks.read_batch" in out
     assert (
         "relies on: megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucket "
         "assigns grad_data, params_list, param_to_index" in out
@@ -214,7 +214,7 @@ def test_every_entry_has_a_form_verified_on_every_supported_version() -> None:
 
 
 def test_the_entry_point_runs_the_variant_of_the_installed_version() -> None:
-    """The runner, batch helper and model-provider hook picked for this megatron-core."""
+    """The runner and batch helper picked for this megatron-core; one for every form."""
     from megatron_ext.loop import entry, gpt_step
 
     by_line = {
@@ -223,9 +223,12 @@ def test_the_entry_point_runs_the_variant_of_the_installed_version() -> None:
         "0.17": (entry.run_classic, gpt_step.broadcast_batch_from_iterator),
     }
     line = ".".join(patching.installed_version().split(".")[:2])
-    run = registry.assumption("entry-point").selected().wrap
-    broadcast = registry.assumption("batch-on-this-rank").selected().wrap
+    run = entry.for_installed(entry.RUNNERS, "entry-point")
+    broadcast = entry.for_installed(entry.BROADCASTS, "batch-on-this-rank")
     assert (run, broadcast) == by_line[line]
+    for forms, name in ((entry.RUNNERS, "entry-point"), (entry.BROADCASTS, "batch-on-this-rank")):
+        found = registry.assumption(name)
+        assert set(forms) == {found.verified_on, *(v.verified_on for v in found.variants)}
     classic = registry.CLASSIC_INIT.variant_for()
     assert (classic is None) == (line == "0.17"), "the classic-args patch is 0.17's only"
 
@@ -259,4 +262,23 @@ def test_every_megatron_name_the_training_side_imports_is_in_the_manifest() -> N
         for form in (entry, *entry.variants):
             declared |= {(entry.target, name) for name in form.names or ()}
     missing = _training_side_megatron_imports() - declared
-    assert not missing, f"megatron imports not in registry/entry.py IMPORTS: {sorted(missing)}"
+    assert not missing, f"megatron imports not in registry/table.py IMPORTS: {sorted(missing)}"
+
+
+def test_the_registry_imports_nothing_of_the_loop() -> None:
+    """One direction within the layer: the loop applies the registry's patches, the registry
+    (its wrappers included) never imports the loop."""
+    import ast
+    from pathlib import Path
+
+    upward = []
+    for path in Path(registry.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            upward += [f"{path.name}: {n}" for n in names if n.startswith("megatron_ext.loop")]
+    assert not upward, upward

@@ -85,7 +85,7 @@ def test_the_entry_point_refuses_0_16_1_before_importing_megatron() -> None:
 
 
 def test_patches_refuses_0_16_1_and_runs_with_the_override() -> None:
-    code = "from megatron_ext.registry import report\nraise SystemExit(report.main([]))\n"
+    code = "from megatron_ext import patches\nraise SystemExit(patches.main([]))\n"
     refused = _run(code)
     assert refused.returncode == 1
     assert "megatron-core 0.16.1 is not supported" in refused.stdout

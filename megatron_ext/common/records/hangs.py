@@ -1,12 +1,10 @@
 """Hang dumps: what a rank's watchdog writes when training stops making progress, and the
-report the supervisor builds from every rank's dump (no torch, no Megatron).
+report the supervisor builds from them (no torch, no Megatron).
 
-One attempt's dumps live in one folder (``MEGATRON_EXT_HANG_DIR``, set per attempt by the
-supervisor): ``request.json`` (the first rank to see a stall asks every rank to dump),
-``rank-R.json`` per rank and ``report.json``, which the next attempt's report compares with
-(a repeat). The hung rank is the one whose main thread is not waiting in a
-collective (its peers are); failing that, the one that stopped making progress first; a rank
-that wrote no dump (a stopped or D-state process) is named as silent.
+An attempt's folder (``MEGATRON_EXT_HANG_DIR``) holds ``request.json`` (the first rank to see
+a stall asks all to dump), ``rank-R.json`` per rank and ``report.json`` (the next attempt's
+report compares with it: a repeat). The hung rank is the one not waiting in a collective;
+failing that, the first to stop progressing; a rank without a dump is named silent.
 """
 
 from __future__ import annotations
@@ -66,7 +64,7 @@ class HangDump:
         return "unknown"
 
     def write(self, directory: str | Path) -> Path:
-        return atomic_write_json(dump_file(directory, self.rank), json_safe(asdict(self)))
+        return atomic_write_json(dump_file(directory, self.rank), self)
 
 
 def read_dumps(directory: str | Path, since: float = 0.0) -> list[HangDump]:

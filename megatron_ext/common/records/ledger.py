@@ -1,11 +1,9 @@
 """The spike ledger and the incident plans, as readers see them (no Megatron imports).
 
-The ledger (``SIGNALS_DIR/spikes.jsonl``, append-only) holds the detector's events (spike,
-recovered, divergence, rollback) and, once per attempt, a ``config`` line: the thresholds that
-attempt ran with, its ``--save`` directory and its ``--sample-log-dir``. Why the config is in
-the ledger: a plot or a report made weeks later must judge the run by the thresholds it had,
-not by today's defaults, and a restart may have changed them. The plans (``megatron-ext
-skiplist``) live with the checkpoints, ``CKPT/megatron_ext_incidents/incident-NNN.json``.
+The ledger (``SIGNALS_DIR/spikes.jsonl``) holds the detector's events and, per attempt, a
+``config`` line (thresholds, ``--save``, ``--sample-log-dir``), so a plot made weeks later
+judges the run by the thresholds it had. The plans (``megatron-ext skiplist``) are
+``CKPT/megatron_ext_incidents/incident-NNN.json``.
 """
 
 from __future__ import annotations

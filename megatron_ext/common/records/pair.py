@@ -1,39 +1,10 @@
-"""A ``.bin``/``.idx`` pair that no reader can see mixed or damaged: published in order,
-fingerprinted, checked whole.
+"""A ``.bin``/``.idx`` pair that no reader can see mixed or damaged (docs/data.md).
 
-Megatron opens ``PREFIX.idx`` and ``PREFIX.bin`` independently and trusts that they belong
-together; a new ``.bin`` beside an old ``.idx`` opens without complaint and returns wrong
-tokens. Two renames cannot replace both files at once, so :func:`publish` orders them so that
-no moment shows a mixed pair:
-
-1. the old ``.idx`` is removed (from now on Megatron refuses to open the prefix: no index);
-2. the new ``.bin`` is renamed into place (still no index);
-3. the new ``.idx`` is renamed into place (a complete new pair).
-
-A kill between the steps leaves a prefix without an ``.idx``: every reader fails loudly, and
-:func:`check_pair` says a preprocess was interrupted.
-
-Megatron also trusts the ``.idx`` itself: a truncated one dies in a numpy traceback, and one
-flipped pointer (same size) reads other tokens without a word. So :func:`check_pair`, which
-the overlay's readers (training start-up, lookup) run on every prefix, checks the ``.idx`` as
-``indexed_dataset._IndexReader`` lays it out (``MMIDIDX`` header, version 1, dtype code,
-sequence and document counts, then int32 lengths, int64 byte pointers, int64 document
-indices), in one vectorised pass of bounded memory: the file size is exactly what the counts
-need (plus a trailer below), lengths are non-negative, each pointer is where the lengths before
-it end (the first at 0), the last sequence ends at the ``.bin``'s size, and the document
-indices go from 0 up to the sequence count without stepping back. That holds for any tool's
-``.idx`` (Megatron's ``preprocess_data.py`` writes no trailer) and catches truncation and
-changed pointers without a fingerprint.
-
-``megatron-ext preprocess`` appends a trailer after the arrays (Megatron reads each array by
-the counts in its header, so trailing bytes are never read; registry assumption
-``idx-trailing-bytes``): the ``.bin`` size and a SHA-256 over blocks sampled across it (O(1)
-reads), so a pair put together by hand or by another tool is refused, and, since the second
-trailer version, the SHA-256 of the ``.idx``'s own header and arrays (hashed by a second
-thread while the arrays are checked), which also catches edits that keep the structure (a
-document boundary moved, a dtype code swapped for one of the same width). The trailer is told
-by its length after the arrays the header describes, so the first version (``.bin`` only),
-written by earlier preprocessings, is still read and checked. No Megatron import here.
+Megatron opens the two files independently: a new ``.bin`` beside an old ``.idx`` returns wrong
+tokens silently. :func:`publish` removes the old ``.idx``, then renames the ``.bin``, then the
+``.idx`` (a kill in between leaves no index); :func:`check_pair` checks the ``.idx`` as
+Megatron's ``_IndexReader`` lays it out, and the fingerprint trailer ``preprocess`` appends
+(registry ``idx-trailing-bytes``; trailer versions 1 and 2). No Megatron import here.
 """
 
 from __future__ import annotations
@@ -319,12 +290,9 @@ def check_pair(prefix: str) -> None:
 
 def index_identity(idx_path: str | os.PathLike[str], *, checked: bool) -> tuple[int, int, bytes]:
     """(sequences, bytes of header and arrays, their SHA-256): what identifies an ``.idx``
-    whatever its trailer (a provenance sidecar binds to it,
-    :mod:`megatron_ext.common.records.provenance`).
-
-    ``checked``: the pair has just passed :func:`check_pair` (or was just fingerprinted), so a
-    second-version trailer's recorded SHA-256 is the arrays' own and is used as is (O(1));
-    otherwise, or without such a trailer (any other tool's ``.idx``), the arrays are hashed."""
+    whatever its trailer (a provenance sidecar binds to it). ``checked``: the pair just passed
+    :func:`check_pair`, so a version-2 trailer's SHA-256 is used as is; else the arrays are
+    hashed."""
     with open(idx_path, "rb") as handle:
         layout = _layout(handle, idx_path)
     recorded = layout.trailer[2] if layout.trailer is not None else None

@@ -1,13 +1,10 @@
 """The provenance sidecar ``PREFIX.prov``: for every sequence of a ``.bin``/``.idx`` pair, the
-raw record it was tokenized from: its shard, line, byte offset and, when one was named, its id.
+raw record it was tokenized from (shard, line, byte offset, and its id when one was named).
 
-Why: after an incident the lookup names documents by their index in the ``.idx``; removing them
-from the corpus needs the shard, the line and the record's id, which Megatron's
-``preprocess_data.py`` drops. ``megatron-ext preprocess`` writes this file next to the pair it
-publishes, ``megatron-ext provenance rebuild`` writes it for a pair Megatron built; the lookup,
-the incident report and ``megatron-ext blocklist apply`` read it.
-
-Layout (little-endian; each section starts at a multiple of 8 bytes)::
+The lookup names documents by their ``.idx`` index; removing them from a corpus needs what
+Megatron's ``preprocess_data.py`` drops. ``preprocess`` and ``provenance rebuild`` write it; the
+lookup, the incident report and ``blocklist apply`` read it. Layout (little-endian, sections
+8-byte aligned; columns memory-mapped, so a lookup reads a few pages)::
 
     header  magic MXEXPROV, version, sequences, meta bytes, .idx body bytes, .idx SHA-256
     meta    UTF-8 JSON: the shards (absolute path, size, sampled fingerprint), the id key,
@@ -15,22 +12,12 @@ Layout (little-endian; each section starts at a multiple of 8 bytes)::
     shard   per sequence: its shard's index in meta["files"] (uint16; uint32 past 65,535)
     line    per sequence: the 1-based line of its record in the shard (uint64)
     byte    per sequence: that line's byte offset in the shard (uint64)
-    id_end  with ids: per sequence, where its id ends in the blob (uint64; it starts where the
-            previous one ends)
+    id_end  with ids: per sequence, where its id ends in the blob (uint64)
     blob    with ids: the ids, UTF-8, back to back
 
-Binary and columnar, not JSON per document and not an ``.npz``: 18 bytes per sequence plus its
-id, each column memory-mapped, so a lookup reads a few pages whatever the corpus size (an
-``.npz`` member cannot be mapped: it would be read whole, 0.9 GB at 50 M documents).
-
-Tied to the ``.idx`` it describes: the header records the ``.idx``'s sequence count, the size
-of its header and arrays and their SHA-256
-(:func:`~megatron_ext.common.records.pair.index_identity`,
-the value preprocess's trailer records), and :func:`open_sidecar` refuses a sidecar whose
-``.idx`` differs (the data was preprocessed again), a truncated one or another version: a stale
-sidecar names other records, and acting on it would delete the wrong data. Each shard's size
-and sampled fingerprint are recorded too, so a blocklist is never applied to a shard that
-changed since (its line numbers would name other records). No Megatron import.
+:func:`open_sidecar` refuses a sidecar whose ``.idx`` differs
+(:func:`~megatron_ext.common.records.pair.index_identity`), a truncated one or another
+version; each shard's size and fingerprint let a blocklist refuse a changed shard.
 """
 
 from __future__ import annotations
@@ -82,10 +69,8 @@ def write_sidecar(
     checked: bool,
 ) -> None:
     """Write the sidecar of ``idx_path`` atomically: ``columns`` (shard index, line, byte
-    offset per sequence) and, with ``id_key``, ``ids`` (end offsets, UTF-8 blob).
-
-    ``checked``: as :func:`~megatron_ext.common.records.pair.index_identity` (the pair was just
-    fingerprinted or checked)."""
+    offset per sequence), with ``id_key`` the ``ids`` (end offsets, UTF-8 blob); ``checked``:
+    as :func:`~megatron_ext.common.records.pair.index_identity`."""
     sequences, body, digest = index_identity(idx_path, checked=checked)
     if any(len(column) != sequences for column in columns) or (ids and len(ids[0]) != sequences):
         raise ProvenanceError(

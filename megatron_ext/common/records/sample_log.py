@@ -1,23 +1,9 @@
-"""Per-rank record of which global sample ids each micro-batch trained on, and their losses.
+"""Per-rank record of which global sample ids each micro-batch trained on, and their losses
+(append-only JSONL, no Megatron imports): what was in a batch, on which rank.
 
-Why: "what exactly was in that batch, on which rank?" must be answerable from facts written
-during training, and resume/skip correctness is proven by comparing these records between an
-interrupted and an uninterrupted run. Each sample's token-averaged loss lets an incident name
-the documents that drove a spike, not just the batch. The format is JSON Lines, append-only
-and flushed per record, so a kill -9 leaves at most one torn last line, which
-:func:`read_records` drops. No Megatron imports here.
-
-``attempts-dp{rank}.jsonl`` next to each rank's file has one line per writer (attempt): the
-byte offset where its records start, its first iteration, job, host, pid and start time. Each
-attempt appends its iterations in order, but a restart from an older checkpoint appends lower
-iterations again; with these offsets a reader bisects each attempt's sorted run for one
-iteration instead of parsing a log of millions of lines
-(:mod:`megatron_ext.common.records.sample_log_reader`).
-
-``layout.jsonl`` next to the per-rank files has one line per attempt: the DP size, micro and
-global batch sizes, skips, first iteration and consumed samples the attempt started with.
-Sample ids alone do not say which layout produced them; after a resize (DP=2 then DP=1) the
-lookup needs the layout in force at each iteration, also once old checkpoints are deleted.
+Beside each rank's file, ``attempts-dp{rank}.jsonl`` names where each attempt's records start
+(:mod:`~megatron_ext.common.records.sample_log_reader` bisects each run), and
+``layout.jsonl`` the DP size, batch sizes, skips and start point each attempt ran with.
 """
 
 from __future__ import annotations
@@ -33,7 +19,7 @@ from typing import Any
 
 from megatron_ext.common.files import LAYOUT_FILE, sample_log_attempts_file, sample_log_file
 from megatron_ext.common.gap_log import GapLog, is_gap
-from megatron_ext.common.io import JsonlAppender, from_json, read_jsonl
+from megatron_ext.common.io import JsonlAppender, from_json, read_jsonl, torn_tail
 
 
 @dataclass(frozen=True)
@@ -64,13 +50,8 @@ class SampleLog:
         self._indexed = False
 
     def write(self, record: SampleRecord) -> bool:
-        """Append one record, so it survives the process being killed; False when the write
-        failed (a full disk: warned, and named by a gap line once writing works again).
-
-        Before this writer's first record, its attempt line, so every record lies in a run
-        whose start the attempt index names. If the disk is full then, the line is left out
-        with a warning: the reader reads an attempt it cannot place line by line.
-        """
+        """Append one record (after this writer's attempt line, before its first record);
+        False when the write failed (warned, named by a gap line once writing works)."""
         if not self._indexed:
             self._indexed = True
             try:
@@ -98,21 +79,12 @@ class SampleLog:
 def _next_line_start(path: Path) -> int:
     """Where the next record will start: the end of ``path``, past the newline the writer
     adds first when a torn tail (kill -9) left the last line open."""
-    if not path.exists():
-        return 0
-    with open(path, "rb") as raw:
-        size = raw.seek(0, os.SEEK_END)
-        if size and (raw.seek(size - 1), raw.read(1))[1] != b"\n":
-            return size + 1
-    return size
+    return path.stat().st_size + torn_tail(path) if path.exists() else 0
 
 
 def read_records(path: str | os.PathLike[str]) -> Iterator[SampleRecord]:
-    """Yield records in file order; torn lines (kill -9) are skipped and reported.
-
-    A line that is valid JSON but not a sample record means the file is not what it claims
-    to be, and that is an error, never silently skipped.
-    """
+    """Yield records in file order; torn lines are skipped and reported, a JSON line that is
+    not a sample record is an error."""
     content = read_jsonl(path)
     for raw, number in zip(content.records, content.line_numbers):
         if is_gap(raw):
@@ -145,12 +117,9 @@ DATA_FIELDS = ("data_path", "split", "seed", "seq_length", "dataloader_type")
 
 
 def layout_record(args: Any, job_id: str, wall_time: float) -> dict[str, Any]:
-    """What an attempt's data layout is, from Megatron's args after the checkpoint load.
-
-    ``first_iteration`` is the first iteration the attempt trains (resume + 1) and
-    ``consumed_samples`` the ``consumed_train_samples`` it starts from, so the lookup can place
-    every later iteration exactly even after the checkpoints of this stretch are deleted.
-    """
+    """An attempt's data layout, from Megatron's args after the checkpoint load: with its first
+    iteration and consumed samples the lookup places every later iteration without the
+    checkpoints."""
     return {
         "first_iteration": int(args.iteration) + 1,
         "consumed_samples": int(args.consumed_train_samples),

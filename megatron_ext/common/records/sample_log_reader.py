@@ -1,28 +1,12 @@
 """Reading one iteration out of a sample log of millions of lines, without reading the rest.
 
-A DP=64 run of 100 k iterations leaves 64 files of ~400 MB; parsing every line to answer
-``lookup --sample-log`` for one batch took 23 minutes. Each rank's file is a sequence of
-attempts (a launch, a requeue, a restart after a rollback), and each attempt appends its
-records in (iteration, micro-batch) order. A restart from an older checkpoint appends lower
-iterations again later in the same file, so the file as a whole is not sorted, but each
-attempt's run is: ``attempts-dp{rank}.jsonl`` (written by :class:`~.core.SampleLog` before an
-attempt's first record) says where each run starts. :meth:`RankLog.iteration` bisects each
-run that can hold the iteration (a few 8 KiB reads each) and parses only that iteration's
-lines.
-
-What it does not trust:
-
-- a torn line (kill -9 mid-write) is skipped and reported, as :func:`~.core.read_records` does;
-- an attempt index that does not fit the file (an offset past the end or not at a line start:
-  a truncated or replaced log) is ignored, and so are records written before the index
-  existed (older versions): those parts are scanned line by line, with progress on stderr;
-- a run that turns out not to be sorted where it is read (the scan reads one line past the
-  iteration to see it), or whose last record is not its highest (two writers on one file), is
-  scanned line by line and split where its keys stop rising; those runs keep their attempt,
-  so the lookup can name two records of one micro-batch in one attempt (two writers).
-
-The counters ``bytes_read`` and ``records_parsed`` are what the tests check to prove that an
-answer did not come from reading everything.
+Each rank's file is a sequence of attempts, each sorted by (iteration, micro-batch) (a restart
+from an older checkpoint appends lower iterations again later). ``attempts-dp{rank}.jsonl``
+says where each attempt starts; :meth:`RankLog.iteration` bisects each run that can hold the
+iteration and parses only its lines. Torn lines are skipped and reported; an index that does
+not fit the file, and records before it (older versions), are scanned line by line; a run
+that is not sorted where it is read (two writers) is scanned and split where its keys stop
+rising. ``bytes_read`` and ``records_parsed`` let tests prove an answer read little.
 """
 
 from __future__ import annotations
@@ -175,12 +159,13 @@ class RankLog:
         starts: list[tuple[int, dict[str, Any]]] = []
         for info in lines:
             offset = info.get("offset")
-            if not isinstance(offset, int) or not 0 <= offset <= self.size:
-                return [Attempt(1, 0, self.size, False)]
-            if starts and offset < starts[-1][0]:
-                return [Attempt(1, 0, self.size, False)]
-            if offset > 0 and offset < self.size and self._read(offset - 1, 1) != b"\n":
-                return [Attempt(1, 0, self.size, False)]
+            if (
+                not isinstance(offset, int)
+                or not 0 <= offset <= self.size
+                or (starts and offset < starts[-1][0])
+                or (0 < offset < self.size and self._read(offset - 1, 1) != b"\n")
+            ):
+                return [Attempt(1, 0, self.size, False)]  # the index does not fit: scan
             starts.append((offset, info))
         attempts = []
         if not starts or starts[0][0] > 0:
@@ -264,11 +249,8 @@ class RankLog:
         ]
 
     def iteration(self, iteration: int) -> list[AttemptRecords]:
-        """The records of ``iteration``, grouped by the attempt that wrote them, in file order.
-
-        The last group holding a micro-batch is what the run finally trained on (a rollback
-        replays an iteration in a later attempt).
-        """
+        """The records of ``iteration``, grouped by the attempt that wrote them, in file order
+        (the last group holding a micro-batch is what the run finally trained on)."""
         out = []
         torn_before = self.torn_lines
         for attempt in self.attempts:

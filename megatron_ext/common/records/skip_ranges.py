@@ -1,23 +1,9 @@
 """Iteration ranges for ``--iterations-to-skip`` (no Megatron imports).
 
-Megatron takes a flat list of 1-indexed iterations. megatron-ext also accepts ranges
-(``137000-137400``, inclusive) and a file of them (``--iterations-to-skip-file``: one item per
-line, ``#`` comments), and persists the applied list next to the checkpoints so every later
-restart skips the same absolute iterations.
-
-A rollback's window is written as ``A-B samples S-T``: iterations A-B at the global batch it
-was planned at, standing for the consumed-sample indices S-T (0-based, inclusive). The samples
-are what must never be trained: at another ``--global-batch-size`` iterations A-B hold other
-samples. So at every start-up a window not yet fully consumed is placed again, from the
-checkpoint being loaded (its iteration and ``consumed_train_samples``), at the global batch in
-force: the covering iterations, announced when they differ from A-B.
-
-:func:`resolve_argv` is how the entry point reads them: with argparse (so
-``--iterations-to-skip-file=PATH`` and repeated flags count), the union of every source
-(flags, files, the list persisted in ``--load``), announced at start-up. Iterations at or
-before the checkpoint being loaded that its run did not skip were trained: they are named as
-such and left out (skipping them is impossible, and a list that claims them would make the
-checkpoint and the lookup say they were skipped).
+Megatron takes a flat list of iterations; megatron-ext also takes ranges (``137000-137400``),
+files of them, and a rollback's ``A-B samples S-T`` windows (placed again at the global batch
+in force, :mod:`~megatron_ext.common.records.skip_windows`). :func:`resolve_argv` gives the
+entry point the union of every source, less what the loaded checkpoint already trained.
 """
 
 from __future__ import annotations
@@ -26,6 +12,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from megatron_ext.common.files import SKIPPED_ITERATIONS_FILE
 from megatron_ext.common.records.skip_windows import (
@@ -36,10 +23,9 @@ from megatron_ext.common.records.skip_windows import (
     resume_point,
 )
 
+# Most iterations one start-up may skip: Megatron keeps the list flat (in args and every
+# checkpoint), and a skip list is for incidents (hundreds of iterations): more is a typo.
 MAX_SKIPPED = 100_000
-"""Most iterations one start-up may skip. Megatron keeps the list flat (``args``, every
-checkpoint, an ``in`` test per iteration): ``50-2000000`` cost 1.4 GB RSS and a 12 MB
-checkpoint. A skip list is for incidents (hundreds of iterations), so more is a typo."""
 
 
 def parse_range(text: str, where: str = "") -> tuple[int, int]:
@@ -142,13 +128,7 @@ def to_merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def to_ranges(iterations: list[int]) -> list[tuple[int, int]]:
     """Sorted, merged inclusive ranges."""
-    ranges: list[tuple[int, int]] = []
-    for i in sorted(set(iterations)):
-        if ranges and i == ranges[-1][1] + 1:
-            ranges[-1] = (ranges[-1][0], i)
-        else:
-            ranges.append((i, i))
-    return ranges
+    return to_merged([(i, i) for i in iterations])
 
 
 def format_ranges(iterations: list[int]) -> str:
@@ -257,25 +237,15 @@ def _skip_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def train_iters(argv: list[str]) -> int | None:
-    """``--train-iters`` as Megatron's parser will read it (None: trained by samples)."""
+def _flag(argv: list[str], flag: str, kind: type = str) -> Any:
+    """``flag`` as Megatron's parser will read it (the last one wins; None: not given)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--train-iters", type=int)
-    return parser.parse_known_args(argv)[0].train_iters
+    parser.add_argument(flag, type=kind, dest="value")
+    return parser.parse_known_args(argv)[0].value
 
 
 def load_dir(argv: list[str]) -> str | None:
-    """``--load`` as Megatron's parser will read it (either spelling, the last one wins)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--load")
-    return parser.parse_known_args(argv)[0].load
-
-
-def explicit_global_batch(argv: list[str]) -> int | None:
-    """``--global-batch-size`` as Megatron's parser will read it (None: not given)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--global-batch-size", type=int)
-    return parser.parse_known_args(argv)[0].global_batch_size
+    return _flag(argv, "--load")
 
 
 # Megatron-ext's own flags, added to Megatron's argv here and read by the skip-list feature:
@@ -286,18 +256,14 @@ WINDOWS_BATCH_FLAG = "--skip-windows-global-batch"
 
 
 def resolve_argv(argv: list[str]) -> tuple[list[str], SkipSources]:
-    """Parse the skip flags as argparse does (``--flag=value`` too, every occurrence), add the
-    list persisted in ``--load``, place its sample windows at the global batch in force, leave
-    out what the loaded checkpoint's run trained, and return Megatron's argv with one flat
-    ``--iterations-to-skip`` (the union) plus where each iteration came from.
-
-    Raises ``ValueError``/``OSError`` naming the bad item or file, or a changed global batch
-    Megatron would refuse (:func:`check_batch_change`).
-    """
+    """Megatron's argv with one flat ``--iterations-to-skip`` (the union of the flags, parsed
+    as argparse does, and the list persisted in ``--load``, its windows placed at the global
+    batch in force, less what the loaded checkpoint trained), and where each came from.
+    ``ValueError``/``OSError`` name a bad item or file, or a batch change Megatron refuses."""
     known, rest = _skip_parser().parse_known_args(argv)
-    sources, last = SkipSources(), train_iters(argv)
+    sources, last = SkipSources(), _flag(argv, "--train-iters", int)  # None: by samples
     resume = resume_point(argv)
-    batch = explicit_global_batch(argv)
+    batch = _flag(argv, "--global-batch-size", int)
     check_batch_change(argv, resume, batch)
     sources.global_batch = batch or (resume.global_batch if resume else None)
     flags = [

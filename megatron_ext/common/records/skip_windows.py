@@ -1,14 +1,10 @@
-"""Skip windows kept in samples, and the checkpoint a start-up resumes from (no Megatron
-imports).
+"""Skip windows kept in samples, and the checkpoint a start-up resumes from (no Megatron).
 
-A rollback skips a window of iterations planned at one global batch; what must stay out of
-training is the data, the consumed-sample indices those iterations held. Resumed at another
-``--global-batch-size``, the same iteration numbers hold other samples, so
-:func:`place` turns a window's samples into the iterations that hold them now, from the
-checkpoint being loaded (:func:`resume_point`: its iteration and ``consumed_train_samples``;
-Megatron's skipped iteration consumes its samples too, so this mapping holds across skips).
-:func:`check_batch_change` says in one line what Megatron's LR scheduler asserts on when the
-global batch changes.
+A rollback's window must keep its data out of training: its consumed-sample indices. At
+another ``--global-batch-size`` the same iteration numbers hold other samples, so
+:func:`place` maps a window's samples to the iterations that hold them now, from the
+checkpoint being loaded (:func:`resume_point`). :func:`check_batch_change` says in one line
+what Megatron's LR scheduler asserts on when the global batch changes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Blend members as the per-source records name them (no Megatron imports).
-
-Why here: the signals records (``lm_loss_by_dataset``), the spike ledger's culprit source and
-the drill's corrupted source all name a member of the run's train blend, and features do not
-import each other: one rule, in the record core, that each adapter applies to the blend
-Megatron's own ``get_blend_and_blend_per_split`` reads from the flags.
+"""Blend members as the per-source records name them (signals, the ledger's culprit, the
+drill's corrupted source): one rule in the record core, since features do not import each
+other, applied to the blend Megatron's ``get_blend_and_blend_per_split`` reads.
 """
 
 from __future__ import annotations

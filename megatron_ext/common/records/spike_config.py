@@ -1,15 +1,13 @@
-"""The spike detector's thresholds and their ``--spike-*`` flags (no Megatron imports).
-
-One definition shared by training (``--spike-detect``), ``megatron-ext plot`` (which defaults
-to the thresholds the run recorded in its ledger) and the benchmark. The defaults were chosen
-on real curves (``benchmarks/detector.py``; README "Spike detector" says why).
+"""The spike detector's thresholds and their ``--spike-*`` flags (no Megatron imports), shared
+by training, ``megatron-ext plot`` (the run's recorded thresholds by default) and the
+benchmarks; docs/incidents.md "Spike detector" says how the defaults were chosen.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 # The max attention logit past which bf16 softmax saturates (seed 000 ch. 2 §4; Megatron's
@@ -17,22 +15,37 @@ from typing import Any
 ATTENTION_LOGIT_LIMIT = 100.0
 
 
+def _flag(default: float, text: str) -> Any:
+    return field(default=default, metadata={"help": text})
+
+
 @dataclass(frozen=True)
 class SpikeConfig:
-    """Detector thresholds; the defaults and their reasons are in README ("Spike detector")."""
+    """Detector thresholds; the defaults and their reasons: docs/incidents.md "Spike detector"."""
 
-    window: int = 100  # healthy iterations in the rolling median / MAD
-    warmup: int = 100  # iterations before the detector arms
-    loss_rel: float = 0.10  # moderate jump: needs corroboration (grad, skip, worst rank)
-    mad_k: float = 6.0  # robust sigmas of a moderate jump
-    large_rel: float = 0.30  # large jump: escalates on the loss alone
-    large_mad_k: float = 12.0  # robust sigmas of a large jump
-    grad_factor: float = 2.0  # grad norm / its median that corroborates a moderate jump
-    skip_streak: int = 5  # consecutive skipped iterations that start an incident
-    patience: int = 50  # iterations a flagged spike may take to recover
+    # The thresholds with a --spike-* flag (its help) for training and plot alike.
+    window: int = _flag(100, "healthy iterations in the rolling median/MAD")
+    warmup: int = _flag(100, "iterations before the detector arms")
+    loss_rel: float = _flag(
+        0.10,
+        "moderate jump: relative loss rise over the median; flagged only when corroborated "
+        "(grad norm, skipped step, worst DP rank)",
+    )
+    mad_k: float = _flag(6.0, "moderate jump: robust sigmas (1.4826 x MAD) over the median")
+    large_rel: float = _flag(0.30, "large jump, flagged on the loss alone: relative rise")
+    large_mad_k: float = _flag(12.0, "large jump: robust sigmas over the median")
+    grad_factor: float = _flag(2.0, "grad norm / its median that corroborates a jump")
+    skip_streak: int = _flag(
+        5, "consecutive skipped iterations (overflow, loss-scale drop) that start an incident"
+    )
+    patience: int = _flag(
+        50,
+        "iterations a flagged spike may take to recover, and an uncorroborated "
+        "elevated loss may last, before a rollback",
+    )
     context: int = 20  # signal records kept in each ledger event
     # Per-source baselines (lm_loss_by_dataset): the average judged under the baseline's
-    # mixture, a member's own jump corroborates or flags (spikes/sources.py).
+    # mixture, a member's own jump corroborates or flags (spikes/detector.py).
     per_source: bool = True
 
     def __post_init__(self) -> None:
@@ -69,48 +82,20 @@ class SpikeConfig:
         return cls(**{k: v for k, v in values.items() if k in known})
 
 
-# (flag suffix, field, type, help). One table: training and plot get the same flags.
-_FLAGS: tuple[tuple[str, str, type, str], ...] = (
-    ("window", "window", int, "healthy iterations in the rolling median/MAD"),
-    ("warmup", "warmup", int, "iterations before the detector arms"),
-    (
-        "loss-rel",
-        "loss_rel",
-        float,
-        "moderate jump: relative loss rise over the median; flagged only when corroborated "
-        "(grad norm, skipped step, worst DP rank)",
-    ),
-    ("mad-k", "mad_k", float, "moderate jump: robust sigmas (1.4826 x MAD) over the median"),
-    ("large-rel", "large_rel", float, "large jump, flagged on the loss alone: relative rise"),
-    ("large-mad-k", "large_mad_k", float, "large jump: robust sigmas over the median"),
-    ("grad-factor", "grad_factor", float, "grad norm / its median that corroborates a jump"),
-    (
-        "skip-streak",
-        "skip_streak",
-        int,
-        "consecutive skipped iterations (overflow, loss-scale drop) that start an incident",
-    ),
-    (
-        "patience",
-        "patience",
-        int,
-        "iterations a flagged spike may take to recover, and an uncorroborated "
-        "elevated loss may last, before a rollback",
-    ),
-)
+def _flags() -> list[Any]:
+    return [f for f in fields(SpikeConfig) if "help" in f.metadata]
 
 
 def add_detector_args(group: argparse._ArgumentGroup, defaults: bool = True) -> None:
     """The ``--spike-*`` threshold flags. ``defaults=False`` (plot): unset flags stay None so
     the caller can fill them from the run's recorded config."""
-    d = SpikeConfig()
-    for suffix, name, kind, text in _FLAGS:
+    for f in _flags():
         group.add_argument(
-            f"--spike-{suffix}",
-            dest=f"spike_{name}",
-            type=kind,
-            default=getattr(d, name) if defaults else None,
-            help=f"{text} (default {getattr(d, name)}"
+            f"--spike-{f.name.replace('_', '-')}",
+            dest=f"spike_{f.name}",
+            type=type(f.default),
+            default=f.default if defaults else None,
+            help=f"{f.metadata['help']} (default {f.default}"
             + (")" if defaults else "; plot: the run's recorded value)"),
         )
 
@@ -120,12 +105,12 @@ def config_from_args(options: Any, base: SpikeConfig | None = None) -> SpikeConf
     value (raises ValueError if invalid)."""
     base = base or SpikeConfig()
     values = {}
-    for _, name, _, _ in _FLAGS:
-        given = getattr(options, f"spike_{name}", None)
-        values[name] = getattr(base, name) if given is None else given
+    for f in _flags():
+        given = getattr(options, f"spike_{f.name}", None)
+        values[f.name] = getattr(base, f.name) if given is None else given
     return SpikeConfig(**{**base.as_json(), **values})
 
 
 def flags_given(options: Any) -> bool:
     """Whether any ``--spike-*`` threshold flag was set (``add_detector_args(defaults=False)``)."""
-    return any(getattr(options, f"spike_{name}", None) is not None for _, name, _, _ in _FLAGS)
+    return any(getattr(options, f"spike_{f.name}", None) is not None for f in _flags())

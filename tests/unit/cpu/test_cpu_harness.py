@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -34,9 +36,12 @@ def test_shims_count_and_redirect_cuda_allocations() -> None:
         "t = torch.zeros(3, device='cuda')\nassert t.device.type == 'cpu'\n"
         "assert t.type() == 'torch.cuda.FloatTensor'\n"
         "print(shims.COUNTS['device=cuda'], shims.COUNTS['Tensor.type'])\n"
+        "from megatron_ext.registry import table\n"
+        "print(table.patch('cpu-initialize-without-cuda').is_applied())\n"
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["1", "1"]
+    # Megatron's own function is patched through the registry, like every other touch.
+    assert result.stdout.split() == ["1", "1", "True"]
 
 
 def test_harness_refuses_a_megatron_core_outside_the_range(tmp_path: Path) -> None:
@@ -47,3 +52,22 @@ def test_harness_refuses_a_megatron_core_outside_the_range(tmp_path: Path) -> No
     assert result.returncode != 0
     assert "megatron-core 0.16.1 is not supported" in result.stderr
     assert "0.17.1 to 0.19.2" in result.stderr
+
+
+def test_a_script_runs_with_its_folder_on_sys_path_as_python_script_py(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Megatron-LM's pretrain_gpt.py imports its siblings (gpt_builders, model_provider)."""
+    from megatron_ext.cpu import run
+
+    (tmp_path / "sibling_of_the_script.py").write_text("VALUE = 7\n")
+    script = tmp_path / "pretrain_own.py"
+    script.write_text(
+        "import sys\nfrom sibling_of_the_script import VALUE\n"
+        "open(sys.argv[1], 'w').write(str(VALUE))\n"
+    )
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.delitem(sys.modules, "sibling_of_the_script", raising=False)
+    run._training(["--script", str(script), str(tmp_path / "out")])()
+    assert (tmp_path / "out").read_text() == "7"

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.common.io import JsonlAppender, json_safe, read_jsonl
-from megatron_ext.common.records.signals import read_signals
-from megatron_ext.common.records.signals_writer import SignalsWriter
+from megatron_ext.common.records.signals import SignalsWriter, read_signals
 from megatron_ext.incidents import cli, planner
 from megatron_ext.incidents.planner import (
     PlanConfig,

@@ -1,12 +1,11 @@
-"""A failure that comes back after its rollback (megatron_ext.incidents.repeats, through the
-planner): rolled back further and skipped more, bounded, never mistaken for a new failure."""
+"""A failure that comes back after its rollback (megatron_ext.incidents.planner.repeated, and
+the plan): rolled back further and skipped more, bounded, never mistaken for a new failure."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_ext.incidents import repeats
-from megatron_ext.incidents.planner import PlanConfig, PlanError, make_plan
+from megatron_ext.incidents.planner import PlanConfig, PlanError, make_plan, repeated
 from tests.support.spike_curves import events, records
 
 
@@ -28,14 +27,14 @@ def _ledger(onset: int, attempt: int) -> list[dict]:
 
 def test_an_incident_within_the_last_windows_reach_repeats_it() -> None:
     first = _applied(1, 120, 100, [101, 124])
-    assert repeats.repeated({"onset": 130}, [first], 24) == [first]
-    assert repeats.repeated({"onset": 148}, [first], 24) == [first]  # the reach: 124 + 24
-    assert repeats.repeated({"onset": 149}, [first], 24) == []  # a new failure
-    assert repeats.repeated({"onset": 90}, [first], 24) == []  # before the target: not after it
+    assert repeated({"onset": 130}, [first], 24) == [first]
+    assert repeated({"onset": 148}, [first], 24) == [first]  # the reach: 124 + 24
+    assert repeated({"onset": 149}, [first], 24) == []  # a new failure
+    assert repeated({"onset": 90}, [first], 24) == []  # before the target: not after it
     second = _applied(2, 130, 80, [81, 148])
-    assert repeats.repeated({"onset": 150}, [first, second], 24) == [first, second]
+    assert repeated({"onset": 150}, [first, second], 24) == [first, second]
     # A replay (confirm policy) is the confirmation step, not a rollback that failed.
-    assert repeats.repeated({"onset": 121}, [_applied(1, 120, 100, None)], 24) == []
+    assert repeated({"onset": 121}, [_applied(1, 120, 100, None)], 24) == []
 
 
 def test_the_planner_rolls_back_past_every_target_and_skips_past_every_window() -> None:

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.common.records.sample_log import SampleLog, SampleRecord
-from megatron_ext.lookup.attempts import attempts_at
 from megatron_ext.lookup.errors import NotTrained
-from megatron_ext.lookup.history import History, Segment
+from megatron_ext.lookup.history import History, Segment, attempts_at
 
 LAYOUT = {"data_parallel_size": 1, "micro_batch_size": 2, "global_batch_size": 2}
 

@@ -28,15 +28,13 @@ from megatron.training.datasets.data_samplers import (
 )
 
 from megatron_ext import cli as megatron_ext_cli
+from megatron_ext.common import versions
 from megatron_ext.common.io import token_sha1
-from megatron_ext.lookup import cli, flagspec, inverse, session
-from megatron_ext.lookup.caches import DataSpec
+from megatron_ext.lookup import cli, data, session
+from megatron_ext.lookup.config import pad_token_id, process_group
+from megatron_ext.lookup.data import DataSpec, find_document, open_train_index
 from megatron_ext.lookup.errors import CacheMissing, DataChanged
-from megatron_ext.lookup.indices import open_train_index
-from megatron_ext.lookup.inverse import find_document
-from megatron_ext.lookup.position import Schedule
-from megatron_ext.lookup.rebuild import process_group
-from megatron_ext.lookup.tokenizer import pad_token_id
+from megatron_ext.lookup.schedule import Schedule
 from tests.support.io_counters import PROC_IO, rchar
 from tests.unit.lookup.test_lookup_layers import RANK
 
@@ -229,7 +227,7 @@ def test_the_inverse_lookup_holds_a_few_chunks_whatever_the_index_size(
     sizes = [Path(path).stat().st_size for path in scanned]
     smallest = min(sizes)
     chunk = 1 << 12
-    monkeypatch.setattr(inverse, "CHUNK", chunk)
+    monkeypatch.setattr(data, "CHUNK", chunk)
     assert smallest > 64 * chunk * 4, "every scanned cache must span many chunks"
     find_document(index, 1, int(mid.begin))  # once first: lazy imports allocate too
     read = rchar()
@@ -355,7 +353,7 @@ def test_cli_table_json_out_blocklist_and_inverse(built, capsys) -> None:
     table = capsys.readouterr().out
     assert "SKIPPED" in table and table.count("    text: ") == 12
     rampup = ["--rampup-batch-size", "4", "4", "48"]
-    ramps = flagspec.installed_version().startswith("0.17.")  # flags only: the installed one
+    ramps = versions.installed().startswith("0.17.")  # flags only: the installed one
     assert cli.main([*flags, "--iteration", "4", *rampup]) == (1 if ramps else 0)
     if ramps:  # 0.17 ramps up, and refuses a ramp-up with --train-iters
         assert "iteration-based" in capsys.readouterr().err
@@ -455,8 +453,7 @@ def test_cli_table_json_out_blocklist_and_inverse(built, capsys) -> None:
 
 def test_a_batch_walk_calls_only_down(built, monkeypatch, capsys) -> None:
     """Every call a batch walk (``session.batch_records``, with --text) makes from one lookup
-    module into another goes to a lower layer (test_lookup_layers.py), callbacks included;
-    the index asks ``caches`` once."""
+    module into another goes to a lower layer (test_lookup_layers.py), callbacks included."""
     root, prefixes, _, _ = built
     flags = _flags(root, prefixes)
     flags[flags.index("--data-cache-path") + 1] = str(root / "cache")
@@ -493,6 +490,4 @@ def test_a_batch_walk_calls_only_down(built, monkeypatch, capsys) -> None:
     assert len(json.loads(capsys.readouterr().out)["samples"]) == 12
     up = sorted(f"{a} -> {b}" for a, b in calls if RANK[b] <= RANK[a])
     assert not up, f"a batch walk calls up the layers: {up}"
-    walked = {("cli", "session"), ("session", "indices"), ("indices", "caches")}
-    assert walked | {("indices", "dataset"), ("dataset", "formats")} <= set(calls), calls
-    assert calls[("indices", "caches")] == 1, calls
+    assert {("cli", "session"), ("session", "data"), ("session", "schedule")} <= set(calls), calls

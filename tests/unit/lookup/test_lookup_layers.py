@@ -1,7 +1,7 @@
 """The lookup's modules form layers (megatron_ext/lookup/__init__.py lists them): each imports
-only modules of the layers below it, so a batch walk (session -> indices -> caches, dataset ->
-formats) goes down and never back up. Checked statically, from every import statement; the
-walk itself, call by call: test_lookup_datasets.py::test_a_batch_walk_calls_only_down."""
+only modules of the layers below it, so a batch walk (session -> config -> data -> schedule)
+goes down and never back up. Checked statically, from every import statement; the walk
+itself, call by call: test_lookup_datasets.py::test_a_batch_walk_calls_only_down."""
 
 from __future__ import annotations
 
@@ -15,17 +15,12 @@ LOOKUP = Path(megatron_ext.lookup.__file__).parent
 # Highest first; a module may import only modules of later layers (not its own layer's).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
-    ("crosscheck", "worst", "blocklist", "inverse"),
-    ("session",),
-    ("rebuild",),
-    ("config", "attempts"),
-    ("history",),
-    ("indices",),  # opening the index; the blend level of a walk
-    ("caches",),  # finding the caches
-    ("tokenizer", "render"),
-    ("dataset",),  # the dataset level: a sample -> documents, spans, tokens
-    ("position", "cyclic", "topology", "gaps", "flagspec"),
-    ("formats",),  # the .bin/.idx documents and tokens, the caches' files
+    ("crosscheck",),  # --sample-log, --worst
+    ("session",),  # one invocation; a batch walked down to records
+    ("history",),  # layout history and attempts
+    ("config",),  # checkpoint args / flags -> RunConfig; tokenizer; rebuild
+    ("data",),  # caches, .bin/.idx, a sample -> documents and back
+    ("schedule",),  # iteration <-> sampler stream positions
     ("errors",),
 )
 RANK = {module: rank for rank, layer in enumerate(LAYERS) for module in layer}
@@ -75,11 +70,11 @@ def test_no_lookup_module_imports_its_own_layer_or_a_higher_one() -> None:
 
 def test_the_layer_check_sees_upward_imports_of_every_kind() -> None:
     bad = {
-        "dataset": "from megatron_ext.lookup.indices import TrainIndex\n",
-        "caches": "def find():\n    from . import session\n",
-        "formats": "import megatron_ext.lookup.errors\nfrom .errors import DataChanged\n",
-        "position": "from megatron_ext.lookup import cyclic\n",
+        "schedule": "from megatron_ext.lookup.data import TrainIndex\n",
+        "data": "def find():\n    from . import session\n",
+        "errors": "import megatron_ext.lookup.errors\nfrom .errors import DataChanged\n",
+        "config": "from megatron_ext.lookup import history\n",
     }
     graph = {module: _imports(source) for module, source in bad.items()}
-    assert graph["formats"] == {"errors"}
-    assert _upward(graph) == ["caches -> session", "dataset -> indices", "position -> cyclic"]
+    assert graph["errors"] == {"errors"}
+    assert _upward(graph) == ["config -> history", "data -> session", "schedule -> data"]

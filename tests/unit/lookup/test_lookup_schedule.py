@@ -14,18 +14,18 @@ from megatron.training.datasets.data_samplers import (
     MegatronPretrainingRandomSampler,
 )
 
-from megatron_ext.lookup import flagspec
+from megatron_ext.common import versions
 from megatron_ext.lookup.config import honours_rampup, megatron_namespace, run_config
-from megatron_ext.lookup.cyclic import CyclicOrder
 from megatron_ext.lookup.errors import ConfigError, PositionError
-from megatron_ext.lookup.position import (
+from megatron_ext.lookup.schedule import (
     Anchor,
+    CyclicOrder,
     Schedule,
+    Topology,
     parse_step_schedule,
     rampup_schedule,
     rampup_train_iters,
 )
-from megatron_ext.lookup.topology import Topology
 
 # The compatibility tier runs this module on every supported megatron-core (tests/compat).
 pytestmark = pytest.mark.compat
@@ -129,7 +129,7 @@ def test_which_megatron_core_trained_the_run_decides_the_rampup() -> None:
     assert honours_rampup(older, from_checkpoint=True)
     newer_saved = argparse.Namespace(step_batch_size_schedule=None)
     assert not honours_rampup(newer_saved, from_checkpoint=True)
-    installed_ramps = flagspec.installed_version().startswith("0.17.")
+    installed_ramps = versions.installed().startswith("0.17.")
     assert honours_rampup(argparse.Namespace(), from_checkpoint=False) == installed_ramps
     for args, honoured in ((older, True), (newer, False)):
         config = run_config(args, data_parallel_size=2, checkpoint=None, rampup_honoured=honoured)

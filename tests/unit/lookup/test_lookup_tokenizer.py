@@ -12,9 +12,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,21 +20,17 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+from megatron_ext.common import versions
 from megatron_ext.common.versions import VERIFIED, nearest_verified
 from megatron_ext.data.tokenizer import train_bpe_tokenizer
-from megatron_ext.lookup import cli, flagspec
-from megatron_ext.lookup.caches import DataSpec
-from megatron_ext.lookup.config import megatron_namespace
-from megatron_ext.lookup.errors import ConfigError
-from megatron_ext.lookup.indices import open_train_index
-from megatron_ext.lookup.rebuild import process_group
-from megatron_ext.lookup.tokenizer import (
-    LocalTokenizer,
-    comparable,
-    pad_token_id,
-    text_tokenizer,
+from megatron_ext.lookup import cli
+from megatron_ext.lookup.config import (
+    megatron_namespace,
+    process_group,
     tokenizer_from_args,
 )
+from megatron_ext.lookup.data import DataSpec, comparable, open_train_index
+from megatron_ext.lookup.errors import ConfigError
 
 # The compatibility tier runs this module on every supported megatron-core (tests/compat).
 pytestmark = pytest.mark.compat
@@ -84,7 +77,7 @@ def _filled(identifiers: dict, path: str) -> dict:
 
 def test_the_recorded_identifiers_are_the_installed_versions(bpe: str) -> None:
     assert sorted(RECORDED) == sorted(VERIFIED)
-    row = RECORDED[nearest_verified(flagspec.installed_version())]
+    row = RECORDED[nearest_verified(versions.installed())]
     for kind in FLAGS:
         built = dict(tokenizer_from_args(_args(kind, bpe)).unique_identifiers)
         assert built == _filled(row[kind], bpe), kind
@@ -184,31 +177,3 @@ def test_special_tokens_saved_under_either_versions_name_are_used(bpe: str, save
     setattr(args, saved_as, ["<sep>"])
     tokenizer = tokenizer_from_args(args)
     assert tokenizer.unique_identifiers["additional_special_tokens"] == "['<sep>']"
-
-
-def test_a_tokenizer_preprocess_trains_is_read_without_megatron_as_megatron_reads_it(
-    bpe: str,
-) -> None:
-    """``--text`` took 8 s of CPU (megatron.core, torch and transformers imported for the
-    tokenizer) in a 0.5 s lookup. The tokenizer preprocess trains is read by the tokenizers
-    library alone: the same text, pad id and identifiers as this megatron-core's."""
-    local, built = text_tokenizer(_args("hf", bpe)), tokenizer_from_args(_args("hf", bpe))
-    assert isinstance(local, LocalTokenizer)
-    assert comparable(local.unique_identifiers) == comparable(dict(built.unique_identifiers))
-    assert pad_token_id(local, False) == pad_token_id(built, False)
-    rng = random.Random(0)
-    for _ in range(200):
-        ids = [rng.randrange(built.vocab_size) for _ in range(rng.randrange(0, 40))]
-        assert local.detokenize(ids) == built.detokenize(ids), ids
-    assert not isinstance(text_tokenizer(_args("null", bpe)), LocalTokenizer)
-    code = (
-        "import argparse, sys\n"
-        "from megatron_ext.lookup.tokenizer import text_tokenizer\n"
-        "args = argparse.Namespace(tokenizer_type='HuggingFaceTokenizer', "
-        f"tokenizer_model={bpe!r})\n"
-        "print(text_tokenizer(args).detokenize([40, 41, 42]))\n"
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', "
-        "'megatron'}))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.splitlines() == [built.detokenize([40, 41, 42]), "[]"]

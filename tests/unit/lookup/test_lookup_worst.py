@@ -7,13 +7,17 @@ real-shaped drill (tests/e2e/test_spike_drill.py).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_ext.common.records.sample_log import SampleLog, SampleRecord
+from megatron_ext.lookup import cli
+from megatron_ext.lookup.crosscheck import attach, ranked_samples, worst_lines, worst_table
 from megatron_ext.lookup.errors import ConfigError, DataChanged, PositionError
-from megatron_ext.lookup.worst import attach, ranked_samples, worst_lines, worst_table
 
 
 def _write(directory: Path, iteration: int, losses: dict[tuple[int, int], list[float]]) -> None:
@@ -115,3 +119,41 @@ def test_the_ranked_samples_get_their_documents_and_a_changed_id_is_refused(
     records[2]["sample_index"] = 999  # the indices no longer give what training read
     with pytest.raises(DataChanged, match="training logged sample 710, the indices give 999"):
         attach(ranked_samples(tmp_path, 7), records)
+
+
+def test_from_sample_log_answers_without_megatron_or_torch(tmp_path: Path) -> None:
+    """``--from-sample-log``: the log's records in the index answer's order and field names,
+    and a lookup process that imports neither Megatron nor torch."""
+    _write(tmp_path, 7, {(0, 0): [3.0, 3.1], (0, 1): [2.9, 3.0], (1, 0): [6.5, 3.2]})
+    code = (
+        "import io, json, sys, contextlib\n"
+        "from megatron_ext import cli\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        f"    rc = cli.main(['lookup', '--sample-log', {str(tmp_path)!r}, '--iteration', '7',"
+        " '--from-sample-log', '--json'])\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'torch'))\n"
+        "print(json.dumps({'rc': rc, 'heavy': heavy[:10], 'answer': json.loads(out.getvalue())}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["rc"] == 0 and report["heavy"] == []
+    assert report["answer"]["lines"][1].startswith(f"source: sample log {tmp_path}")
+    keys = ("iteration", "dp_rank", "microbatch", "sample_index", "token_sha1")
+    expected = [
+        {k: r[k] for k in keys}
+        for r in _lookup_records(7)
+        if (r["dp_rank"], r["microbatch"]) != (1, 1)
+    ]
+    assert [{k: r[k] for k in keys} for r in report["answer"]["samples"]] == expected
+    assert [r["loss"] for r in report["answer"]["samples"]][:2] == [3.0, 3.1]
+
+
+def test_from_sample_log_refuses_what_needs_the_indices(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--sample-log", str(tmp_path), "--iteration", "7", "--from-sample-log", "--text"])
+    with pytest.raises(SystemExit):  # Megatron flags cannot change what the log recorded
+        cli.main(["--sample-log", str(tmp_path), "--iteration", "7", "--from-sample-log", "--x"])
+    assert cli.main(["--sample-log", str(tmp_path), "--iteration", "7", "--from-sample-log"]) == 1
+    assert "no record of iteration 7" in capsys.readouterr().err

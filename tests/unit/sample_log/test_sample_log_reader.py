@@ -18,10 +18,9 @@ import pytest
 from megatron_ext.common.files import sample_log_attempts_file, sample_log_file
 from megatron_ext.common.records.sample_log import SampleLog, SampleRecord, read_records
 from megatron_ext.common.records.sample_log_reader import RankLog, latest
-from megatron_ext.lookup.crosscheck import check_against_log
+from megatron_ext.lookup.crosscheck import check_against_log, ranked_samples
 from megatron_ext.lookup.errors import DataChanged, TwoWriters
 from megatron_ext.lookup.history import Segment
-from megatron_ext.lookup.worst import ranked_samples
 from tests.support.io_counters import PROC_IO, rchar
 
 MICROBATCHES = 4

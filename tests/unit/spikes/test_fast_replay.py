@@ -12,9 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_ext.common.records.signals import SignalRecord, read_signals
-from megatron_ext.common.records.signals_columns import COLUMNS, parse_block
-from megatron_ext.common.records.signals_writer import SignalsWriter
+from megatron_ext.common.records.signals import (
+    COLUMNS,
+    SignalRecord,
+    SignalsWriter,
+    parse_block,
+    read_signals,
+)
 from megatron_ext.common.records.spike_config import SpikeConfig
 from megatron_ext.spikes.detector import SpikeDetector, replay
 from megatron_ext.spikes.fast_replay import FastReplay, state_of

@@ -10,8 +10,7 @@ import pytest
 
 from megatron_ext.common.features import FeatureError
 from megatron_ext.common.versions import installed, parse
-from megatron_ext.spikes.update_gate import GateConfig, UpdateGate
-from megatron_ext.spikes.update_skip import UpdateSkipFeature
+from megatron_ext.spikes.update_skip import GateConfig, UpdateGate, UpdateSkipFeature
 
 pytestmark = pytest.mark.compat
 

@@ -17,8 +17,12 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.telemetry.bucket_layout import assign_slots, bucket_views
-from megatron_ext.telemetry.bucket_norms import BucketView, squared_norms
+from megatron_ext.telemetry.bucket_layout import (
+    BucketView,
+    assign_slots,
+    bucket_views,
+    squared_norms,
+)
 
 HIDDEN = 8
 LAYERS = 4

@@ -1,5 +1,5 @@
-"""The plot's column parser gives exactly the values ``json.loads`` gives, fast path or not,
-and its C scanner (``_scan.c``) gives exactly what the numpy path gives, or leaves it to it."""
+"""The plot's column reader (pyarrow) gives exactly the values ``json.loads`` gives, on the
+writer's lines, an older writer's, and torn, foreign or corrupted ones."""
 
 from __future__ import annotations
 
@@ -7,35 +7,33 @@ import json
 import math
 import random
 import struct
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from megatron_ext.common.io import json_safe
-from megatron_ext.common.records import signals_columns, signals_sources
-from megatron_ext.common.records.signals import SignalRecord
-from megatron_ext.common.records.signals_columns import (
+from megatron_ext.common.records import signals
+from megatron_ext.common.records.signals import (
     COLUMNS,
-    compiled,
+    SignalRecord,
     parse_block,
+    read_signals,
     replay_records,
 )
-
-
-@pytest.fixture(params=["c", "numpy"])
-def scanner(request, monkeypatch) -> str:
-    """Each test once with the C scanner, once with the numpy path it falls back to."""
-    if request.param == "numpy":
-        monkeypatch.setattr(signals_columns, "_scan", None)
-    return request.param
-
 
 ODD = [0.1, 1e-308, 5e-324, -2.2250738585072014e-308, 1.7976931348623157e308, 123456789.0]
 
 
-def _line(record: SignalRecord) -> bytes:  # what JsonlAppender writes
-    return (json.dumps(json_safe(record.as_json()), separators=(",", ":")) + "\n").encode()
+def _line(record: SignalRecord) -> bytes:  # what the writer writes
+    return (json.dumps(record.as_json(), separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+def _old_line(record: SignalRecord) -> bytes:  # an older writer: quoted non-finite values
+    return (json.dumps(json_safe(record), separators=(",", ":")) + "\n").encode()
 
 
 def _records(n: int) -> list[SignalRecord]:
@@ -90,25 +88,46 @@ def _check(block, records: list[SignalRecord]) -> None:
                 assert present[row] and got[row] == want, (name, row, got[row], want)
 
 
-def test_the_writer_s_lines_take_the_fast_path_and_keep_every_bit(scanner: str) -> None:
+def test_the_writer_s_lines_take_the_fast_path_and_keep_every_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     records = _records(400)
     data = b"".join(_line(r) for r in records)
-    assert (compiled(data, COLUMNS) is not None) == (scanner == "c")
+    monkeypatch.setattr(signals, "_json_block", None)  # the json.loads path: not taken
     block = parse_block(data, 0)
     assert block.slow_lines == 0 and not block.problems
     _check(block, records)
 
 
-def test_torn_foreign_gap_and_reordered_lines_are_parsed_as_json_loads_does(scanner: str) -> None:
+def test_non_finite_values_round_trip_and_an_older_writer_s_strings_still_read(
+    tmp_path: Path,
+) -> None:
+    records = _records(200)
+    assert any(b'"non_finite":' in _line(r) for r in records)
+    for line in map(_line, records):  # plain JSON: no NaN literal, no quoted number
+        json.loads(line, parse_constant=lambda c, line=line: pytest.fail(f"{c} in {line!r}"))
+    for make in (_line, _old_line):
+        data = b"".join(make(r) for r in records)
+        _check(parse_block(data, 0), records)
+        (tmp_path / "signals.jsonl").write_bytes(data)
+        read = read_signals(tmp_path / "signals.jsonl")
+        assert [json.dumps(json_safe(r)) for r in read] == [
+            json.dumps(json_safe(r)) for r in records
+        ]
+    old = parse_block(b"".join(_old_line(r) for r in records), 0)
+    assert 0 < old.slow_lines < len(records)  # only the lines that hold a quoted non-finite
+
+
+def test_torn_foreign_gap_and_reordered_lines_are_parsed_as_json_loads_does() -> None:
     records = _records(60)
     lines = [_line(r) for r in records]
-    reordered = json.dumps(dict(reversed(list(json_safe(records[10].as_json()).items()))))
-    lines[10] = reordered.encode() + b"\n"  # another writer's key order: still a record
+    reordered = json.dumps(dict(reversed(list(records[10].as_json().items()))))
+    lines[10] = reordered.encode() + b"\n"  # another key order: still a record, read by pyarrow
     lines.insert(20, b'{"iteration":21,"attempt":1,"job_id":"j","wa\n')  # torn
     lines.insert(30, b'{"gap": {"first_iteration": 5, "last_iteration": 9}}\n')
     lines.insert(40, b'{"step": 3}\n')
     block = parse_block(b"".join(lines), 1000)
-    assert block.slow_lines == 4
+    assert block.slow_lines == 3
     assert [p.split(" (")[0] for p in block.problems] == [
         f"byte {1000 + sum(map(len, lines[:20]))}",
         f"byte {1000 + sum(map(len, lines[:40]))}",
@@ -127,7 +146,7 @@ def _record_sources(records: list[SignalRecord]) -> list:
     return [json.dumps(json_safe((r.lm_loss_by_dataset, r.tokens_by_dataset))) for r in records]
 
 
-def test_per_source_fields_are_read_with_the_columns_and_reach_a_replay(scanner: str) -> None:
+def test_per_source_fields_are_read_with_the_columns_and_reach_a_replay() -> None:
     records = _records(200)  # a quarter of the lines without per-source fields
     block = parse_block(b"".join(_line(r) for r in records), 0, sources=True)
     assert block.slow_lines == 0
@@ -139,15 +158,15 @@ def test_per_source_fields_are_read_with_the_columns_and_reach_a_replay(scanner:
 
 
 def test_the_same_members_on_every_line_are_read_without_json_loads(
-    scanner: str, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A run's lines name the same members: one pattern for the block, numpy converts."""
+    """A run's lines name the same members: pyarrow reads them as a struct column."""
     records = [r for r in _records(300) if r.lm_loss_by_dataset]
     for record in records[::7]:
-        record.lm_loss_by_dataset["web"] = math.nan  # json_safe writes "nan"
+        record.lm_loss_by_dataset["web"] = math.nan  # null, named in non_finite
     data = b"".join(_line(r) for r in records)
     expected = _record_sources(records)
-    monkeypatch.setattr(signals_sources, "_keyed", None)  # the json.loads path: not taken
+    monkeypatch.setattr(signals, "_json_block", None)  # the json.loads path: not taken
     block = parse_block(data, 0, sources=True)
     assert _sources(block) == expected and block.sources.members().tolist() == [2] * len(records)
     one = [r for r in _records(40) if r.lm_loss_by_dataset]
@@ -156,24 +175,24 @@ def test_the_same_members_on_every_line_are_read_without_json_loads(
         record.tokens_by_dataset = {"tiny_text_document": 512}
     block = parse_block(b"".join(_line(r) for r in one), 0, sources=True)
     assert _sources(block) == _record_sources(one)
-    monkeypatch.undo()
-    records[5].lm_loss_by_dataset = {"web": 1.5}  # a member missing from one line: json.loads
+    records[5].lm_loss_by_dataset = {"web": 1.5}  # a member missing from one line: still pyarrow
     block = parse_block(b"".join(_line(r) for r in records), 0, sources=True)
     assert _sources(block) == _record_sources(records)
 
 
 def _older(line: bytes) -> bytes:
-    """The line as a writer before the APPENDED fields wrote it."""
-    cut = line.index(b',"' + signals_columns.APPENDED[0].encode() + b'":')
-    return line[:cut] + b"}\n"
+    """The line without the APPENDED fields, as a writer before them wrote it."""
+    raw = json.loads(line)
+    for name in signals.APPENDED:
+        del raw[name]
+    return (json.dumps(raw, separators=(",", ":")) + "\n").encode()
 
 
-def test_an_older_writer_s_lines_take_the_fast_path_with_the_defaults(scanner: str) -> None:
+def test_an_older_writer_s_lines_take_the_fast_path_with_the_defaults() -> None:
     records = _records(120)
     for record in records[::3]:
         record.log_z, record.update_skipped = 9.5, True
     data = b"".join(_older(_line(r)) for r in records)
-    assert (compiled(data, COLUMNS) is not None) == (scanner == "c")
     block = parse_block(data, 0, sources=True)
     assert block.slow_lines == 0 and not block.problems
     for record in records:
@@ -189,40 +208,37 @@ def test_an_older_writer_s_lines_take_the_fast_path_with_the_defaults(scanner: s
     assert _sources(block) == _record_sources(records)
 
 
-def test_setup_builds_the_c_scanner() -> None:
-    """tools/setup.sh's install compiles it (gcc and the Python headers are part of the set-up);
-    without it `megatron-ext plot` is ~3x slower at millions of iterations, not wrong."""
-    assert signals_columns._scan is not None, (
-        "megatron_ext/common/records/_scan.c was not built: "
-        "rerun `pip install -e .` with a C compiler"
-    )
+def test_the_package_holds_no_c_source_and_reads_without_a_compiler() -> None:
+    """The column reader is pyarrow's: nothing to build, nothing compiled in the package."""
+    package = Path(signals.__file__).parents[2]
+    assert not [p for p in package.rglob("*") if p.suffix in (".c", ".h", ".so", ".pyx")]
+    code = "import pyarrow.json, megatron_ext.plot.draw"
+    subprocess.run([sys.executable, "-c", code], check=True, env={"CC": "/nonexistent"})
 
 
-def _both(data: bytes, names=COLUMNS) -> tuple[object, object]:
-    """parse_block's outcome (a block's content, or the error) by each path."""
-    outcomes = []
-    for scan in (signals_columns._scan, None):
-        saved, signals_columns._scan = signals_columns._scan, scan
-        try:
-            block = parse_block(data, 7, names, sources=True)
-            outcome = (
-                {k: v.tolist() for k, v in block.values.items()},
-                {k: v.tolist() for k, v in block.present.items()},
-                {k: str(v.dtype) for k, v in block.values.items()},
-                block.problems,
-                block.gaps,
-                block.slow_lines,
-                _sources(block),
-            )
-        except (ValueError, OverflowError) as exc:
-            outcome = (type(exc), str(exc))
-        finally:
-            signals_columns._scan = saved
-        outcomes.append(json.dumps(outcome, default=str))  # NaN == NaN as text
-    return outcomes[0], outcomes[1]
+def _line_by_line(data: bytes, names=COLUMNS) -> str:
+    """parse_block's outcome, or the error, as text (NaN == NaN); ``reference``: every line
+    by json.loads."""
+    return _outcome(lambda: signals._json_block(data, 7, {"iteration", "attempt", *names}, True))
 
 
-TOKENS = [  # spellings a value may have in a line: the C scanner takes some, refuses others
+def _outcome(parse) -> str:
+    try:
+        block = parse()
+        outcome = (
+            {k: v.tolist() for k, v in block.values.items()},
+            {k: v.tolist() for k, v in block.present.items()},
+            {k: str(v.dtype) for k, v in block.values.items()},
+            block.problems,
+            block.gaps,
+            _sources(block),
+        )
+    except (ValueError, OverflowError) as exc:
+        outcome = (type(exc), str(exc))
+    return json.dumps(outcome, default=str)
+
+
+TOKENS = [  # spellings a value may have in a line: pyarrow takes some, refuses others
     b"1",
     b"-0.0",
     b"1e+16",
@@ -270,18 +286,18 @@ def _spelled(line: bytes, name: str, token: bytes) -> bytes:
 
 def _agree(data: bytes) -> None:
     for wanted in (COLUMNS, ("lm_loss", "grad_norm", "lr")):
-        c, numpy_path = _both(data, wanted)
-        assert c == numpy_path, data[:300]
+        fast = _outcome(lambda wanted=wanted: parse_block(data, 7, wanted, sources=True))
+        assert fast == _line_by_line(data, wanted), data[:300]
 
 
-def test_the_c_scanner_agrees_with_the_numpy_path_on_every_spelling() -> None:
+def test_pyarrow_agrees_with_json_loads_on_every_spelling() -> None:
     lines = [_line(r) for r in _records(20)]
     for name in COLUMNS:
         for token in TOKENS:
             _agree(b"".join([*lines[:5], _spelled(lines[5], name, token), *lines[6:]]))
 
 
-def test_the_c_scanner_agrees_with_the_numpy_path_on_corrupted_blocks() -> None:
+def test_pyarrow_agrees_with_json_loads_on_corrupted_blocks() -> None:
     rng = random.Random(1)
     base = [_line(r) for r in _records(40)]
     for trial in range(400):
@@ -306,9 +322,9 @@ def _with_loss(tokens: list[bytes]) -> bytes:
     return b"".join(template[:start] + t + template[stop:] for t in tokens)
 
 
-def test_the_c_scanner_rounds_every_decimal_as_python_float_does() -> None:
-    """glibc's strtod_l and Python's float() both round correctly: the same double for every
-    JSON number, including 17-19 digit decimals and halfway cases between two doubles."""
+def test_pyarrow_rounds_every_decimal_as_python_float_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same double as ``float()`` for every JSON number, including 17-19 digit decimals
+    and halfway cases between two doubles."""
     rng = random.Random(2)
     tokens = []
     for _ in range(20000):
@@ -323,16 +339,13 @@ def test_the_c_scanner_rounds_every_decimal_as_python_float_does() -> None:
         low = rng.random() * 4
         high = math.nextafter(low, math.inf)
         tokens.append(f"{(low + high) / 2:.25g}"[:24].encode())  # at or next to a halfway point
-    tokens = [t for t in tokens if len(t) <= signals_columns.WIDTH]
-    data = _with_loss(tokens)
-    columns = compiled(data, ("lm_loss",))
-    assert columns is not None
-    values, present = columns["lm_loss"]
-    assert present.all()
-    assert values.tolist() == [float(t) for t in tokens]
+    monkeypatch.setattr(signals, "_json_block", None)  # pyarrow reads every line
+    block = parse_block(_with_loss(tokens), 0, ("lm_loss",))
+    assert block.present["lm_loss"].all()
+    assert block.values["lm_loss"].tolist() == [float(t) for t in tokens]
 
 
-def test_the_c_scanner_runs_on_parallel_threads_with_the_same_results() -> None:
+def test_blocks_parse_on_parallel_threads_with_the_same_results() -> None:
     data = b"".join(_line(r) for r in _records(300))
     expected = parse_block(data, 0)
     with ThreadPoolExecutor(4) as pool:

@@ -12,11 +12,11 @@ import torch
 
 from megatron_ext.common.records.signals import (
     SignalRecord,
+    SignalsWriter,
     latest_per_iteration,
     read_signals,
 )
-from megatron_ext.common.records.signals_writer import SignalsWriter
-from megatron_ext.telemetry.bucket_norms import (
+from megatron_ext.telemetry.bucket_layout import (
     BucketView,
     bucket_name,
     clip_range,

@@ -10,18 +10,17 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.common.records.signals import (
-    SignalRecord,
-    latest_per_iteration,
-    read_signals,
-)
-from megatron_ext.common.records.signals_seek import (
     BLOCK,
     OrderError,
+    SignalRecord,
     SignalsLog,
+    SignalsWriter,
     history_before,
+    latest_per_iteration,
+    next_attempt,
+    read_signals,
     read_window,
 )
-from megatron_ext.common.records.signals_writer import SignalsWriter, next_attempt
 from tests.support.io_counters import PROC_IO, rchar
 from tests.support.spike_curves import records as _records
 

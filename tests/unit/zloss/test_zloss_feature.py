@@ -1,5 +1,6 @@
-"""The z-loss feature: refused combinations, no patch at c=0, and the loss function's terms
-picked by the identity of the tensor Megatron's loss method returned."""
+"""The z-loss feature: refused combinations, Megatron's fused CE accepted (TE's routed, said
+once), no patch at c=0, and the loss function's terms picked by the identity of the tensor
+Megatron's loss method returned."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ from megatron_ext.zloss.adapter import ZLossFeature, with_z_loss
 
 SEQ, BATCH, VOCAB = 8, 3, 96
 ZLOSS = patch("zloss-output-layer")
+# A language module as the loss method reads it: no TP group, Megatron's cross entropy unfused.
+UNFUSED = SimpleNamespace(
+    tp_group=None,
+    config=SimpleNamespace(cross_entropy_loss_fusion=False, cross_entropy_fusion_impl="native"),
+)
 
 
 def _args(**overrides: object) -> SimpleNamespace:
@@ -24,6 +30,7 @@ def _args(**overrides: object) -> SimpleNamespace:
             "z_loss_coeff": 1e-4,
             "cross_entropy_loss_fusion": False,
             "fused_output_loss": False,
+            "fused_output_loss_chunk_tokens": 0,
             "log_output_z": False,
             **overrides,
         }
@@ -49,9 +56,24 @@ def _inputs(per_token: torch.Tensor, mask: torch.Tensor) -> LossInputs:
     )
 
 
-def test_cross_entropy_fusion_is_refused_at_start_up() -> None:
-    with pytest.raises(FeatureError, match="cannot be combined with --cross-entropy-loss-fusion"):
-        ZLossFeature().validate(_args(cross_entropy_loss_fusion=True))
+def test_cross_entropy_fusion_is_accepted_and_te_is_routed_with_one_line(capsys) -> None:
+    """Native composes (test_zloss_megatron_fused.py); TE's fused CE gives no log Z, so the
+    overlay's kernel runs instead, said once at start-up."""
+    for impl in ("native", "te"):
+        args = _args(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl=impl)
+        feature = ZLossFeature()
+        feature.validate(args)
+        feature.install(args)
+    said = capsys.readouterr().out
+    assert said.count("\n") == 1 and "--cross-entropy-fusion-impl te" in said
+    assert "overlay's one-pass vocab-parallel CE + z kernel instead" in said
+    logits, target, _ = _problem()
+    te_module = SimpleNamespace(
+        tp_group=None,
+        config=SimpleNamespace(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te"),
+    )
+    loss = with_z_loss(None, feature)(te_module, target.T.contiguous(), logits.clone())
+    assert torch.equal(loss, cross_entropy_and_z_loss(logits, target, 1e-4).loss.T)
     assert not ZLOSS.is_applied()
 
 
@@ -74,8 +96,8 @@ def test_loss_function_reports_the_main_heads_pure_ce_and_z() -> None:
     compute_loss = with_z_loss(None, feature)  # type: ignore[arg-type]
     logits, target, mask = _problem()
     labels = target.transpose(0, 1).contiguous()  # GPTModel passes [b, s] labels
-    mtp_head = compute_loss(SimpleNamespace(tp_group=None), labels, (logits * 0.5).clone())
-    main = compute_loss(SimpleNamespace(tp_group=None), labels, logits.clone())
+    mtp_head = compute_loss(UNFUSED, labels, (logits * 0.5).clone())
+    main = compute_loss(UNFUSED, labels, logits.clone())
     expected = cross_entropy_and_z_loss(logits, target, 1e-4)
     assert main.shape == (BATCH, SEQ) and torch.equal(main, expected.loss.T)
     report = feature.on_loss(_inputs(main, mask))
@@ -88,7 +110,7 @@ def test_loss_function_reports_the_main_heads_pure_ce_and_z() -> None:
     assert torch.equal(report["z loss"][0], torch.sum(expected.z_loss.T.reshape(-1) * flat))
     assert feature.pending == []  # consumed, the MTP head's terms too
     # A tensor the patched method did not return means Megatron's loss path changed.
-    compute_loss(SimpleNamespace(tp_group=None), labels, logits.clone())
+    compute_loss(UNFUSED, labels, logits.clone())
     with pytest.raises(RuntimeError, match="compute_language_model_loss did not return"):
         feature.on_loss(_inputs(mtp_head, mask))
 
@@ -107,7 +129,7 @@ def test_evaluation_reports_no_perplexity_of_the_z_loss_nor_of_log_z() -> None:
         (feature,),
     )
     for training, expected in ((True, ["lm loss", "z loss", "log z"]), (False, ["lm loss"])):
-        per_token = compute_loss(SimpleNamespace(tp_group=None), labels, logits.clone())
+        per_token = compute_loss(UNFUSED, labels, logits.clone())
         micro_batch = MicroBatch(1, training, 0)
         _, _, report = loss_func(features, mask.T.reshape(-1), micro_batch, per_token)
         assert list(report) == expected

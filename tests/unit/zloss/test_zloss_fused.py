@@ -19,7 +19,7 @@ from megatron_ext.common.features import FeatureError, LossInputs, MicroBatch
 from megatron_ext.registry.table import patch
 from megatron_ext.zloss import cross_entropy_and_z_loss
 from megatron_ext.zloss.adapter import ZLossFeature
-from megatron_ext.zloss.fused import default_chunk_tokens, fused_output_loss
+from megatron_ext.zloss.core import default_chunk_tokens, fused_output_loss
 
 SEQ, BATCH, HIDDEN, VOCAB = 12, 2, 16, 96
 COEFFS = (0.0, 1e-4, 1e-2)

@@ -1,85 +1,38 @@
-"""Iteration / micro-batch / DP rank <-> positions in the sampler's sample stream, and back.
-
-Pure Python + numpy (no Megatron import), so the arithmetic can be read, tested against the
-Megatron objects it mirrors, and run where Megatron is not installed. It encodes what
-megatron-core 0.19.2 does (``training/training.py`` ``train()``,
-``core/num_microbatches_calculator.py``, ``training/datasets/data_samplers.py``):
-
-- Iteration k (1-indexed, as logged) reads the running global batch that follows the
-  ``consumed_train_samples`` of iterations 1..k-1; ``update_num_microbatches(consumed)`` picks
-  that batch size just before the iteration.
-- A skipped iteration (``--iterations-to-skip``) still pulls its micro-batches
-  (``dummy_train_step``) and adds them to ``consumed_train_samples``, so skips never shift the
-  batches of later iterations; they only mean a batch was not trained on.
-- ``--rampup-batch-size`` is accepted but ignored from 0.18 on (deprecated; the calculator is
-  constant unless ``--step-batch-size-schedule`` is given, whose thresholds Megatron reads as
-  tokens and divides by ``--seq-length``). megatron-core 0.17 honours it and has no step
-  schedule: its ``RampupBatchsizeNumMicroBatchesCalculator`` is a step function of the
-  consumed samples too, so :func:`rampup_schedule` turns it into the same (threshold, size)
-  table, sizes already rounded down as ``--decrease-batch-size-if-needed`` rounds them.
-- ``--decrease-batch-size-if-needed`` makes an iteration consume GBS rounded down to a multiple
-  of micro-batch x DP.
-- ``--phase-transition-iterations t1,t2,..``: every phase trains on its own train dataset, whose
-  sampler starts at ``(iteration - last transition) * global_batch_size``.
-- ``MegatronPretrainingSampler`` hands micro-batch m of an iteration that starts at stream
-  position C to DP rank r as positions ``C + m*mbs*DP + r*mbs + [0, mbs)``. For
-  ``--dataloader-type single`` the position is the global sample index; ``cyclic`` maps it
-  further (:mod:`megatron_ext.lookup.cyclic`).
+"""Iteration / micro-batch / DP rank <-> positions in the sampler's sample stream, and back:
+Megatron's batch arithmetic (skips, step batch-size schedule, 0.17 ramp-up, phases, the
+pretraining and cyclic samplers) vectorised for the inverse lookup; :class:`Topology` names the
+global ranks that read a DP rank's data.
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
 from megatron_ext.lookup.errors import ConfigError, PositionError
 
-_SUFFIXES = {"K": 1_000, "M": 1_000_000, "B": 1_000_000_000, "T": 1_000_000_000_000}
-
 
 def parse_step_schedule(text: str, seq_length: int | None) -> tuple[tuple[int, int], ...]:
-    """``--step-batch-size-schedule`` as (threshold in samples, global batch size) pairs.
+    """``--step-batch-size-schedule`` as (threshold in samples, global batch size) pairs, by
+    Megatron's own parser (thresholds are tokens when ``seq_length`` is given, as in training)."""
+    try:
+        from megatron.core.num_microbatches_calculator import (
+            StepBatchsizeNumMicroBatchesCalculator as calculator,
+        )
 
-    Same parsing as Megatron's ``StepBatchsizeNumMicroBatchesCalculator._parse_schedule``;
-    training always passes ``seq_length``, so thresholds are tokens there.
-    """
-
-    def number(value: str) -> int:
-        value = value.strip().upper()
-        scale = _SUFFIXES.get(value[-1:], 1)
-        return int(float(value[:-1] if scale != 1 else value) * scale)
-
-    pairs = []
-    for entry in text.strip().replace(",", " ").split():
-        if ":" not in entry:
-            raise ConfigError(f"step batch size schedule entry {entry!r} is not THRESHOLD:SIZE")
-        threshold, size = (number(part) for part in entry.split(":", 1))
-        pairs.append((threshold // seq_length if seq_length is not None else threshold, size))
-    pairs.sort()
-    if not pairs or pairs[0][0] != 0:
-        raise ConfigError("the step batch size schedule must start at threshold 0")
-    if any(a[0] >= b[0] for a, b in itertools.pairwise(pairs)) or any(s <= 0 for _, s in pairs):
-        raise ConfigError("step batch size schedule thresholds must increase; sizes be > 0")
-    return tuple(pairs)
+        pairs = calculator._parse_schedule(text, seq_length)
+        # Validation is an instance method; it reads only the parsed schedule.
+        calculator._validate_schedule(type("Parsed", (), {"schedule": pairs})())  # type: ignore[arg-type]
+    except (AssertionError, ValueError, ImportError) as exc:
+        raise ConfigError(f"--step-batch-size-schedule {text!r}: {exc}") from None
+    return tuple((int(t), int(s)) for t, s in pairs)
 
 
-def rampup_schedule(
-    rampup: tuple[int, int, int], global_batch_size: int, unit: int, decrease: bool
-) -> tuple[tuple[int, int], ...]:
-    """megatron-core 0.17's ``--rampup-batch-size START INCREMENT SAMPLES`` as (threshold in
-    samples, running global batch size) pairs.
-
-    The size after ``c`` consumed samples is 0.17's ``RampupBatchsizeNumMicroBatchesCalculator.
-    update``: ``GBS`` once ``c > SAMPLES``, else ``START + int(c / (SAMPLES / n)) * INCREMENT``
-    with ``n = (GBS - START) / INCREMENT`` (the same float arithmetic, so the thresholds are
-    Megatron's to the sample), rounded down to a multiple of ``unit`` (micro-batch x DP) with
-    ``--decrease-batch-size-if-needed``. Megatron's own assertions are refusals here.
-    """
-    start, increment, samples = (int(x) for x in rampup)
+def _check_rampup(start: int, increment: int, samples: int, global_batch_size: int) -> None:
     if start <= 0 or increment <= 0 or samples < 0:
         raise ConfigError(f"--rampup-batch-size {start} {increment} {samples}: Megatron asserts")
     diff = global_batch_size - start
@@ -94,6 +47,18 @@ def rampup_schedule(
             "--rampup-batch-size with no increments or no ramp-up samples: megatron-core 0.17 "
             "divides by zero there, so no such run exists"
         )
+
+
+def rampup_schedule(
+    rampup: tuple[int, int, int], global_batch_size: int, unit: int, decrease: bool
+) -> tuple[tuple[int, int], ...]:
+    """megatron-core 0.17's ``--rampup-batch-size START INCREMENT SAMPLES`` as (threshold in
+    samples, running global batch size) pairs: 0.17's ``RampupBatchsizeNumMicroBatchesCalculator
+    .update`` in the same float arithmetic, rounded down to ``unit`` (mbs x DP) with
+    ``--decrease-batch-size-if-needed``. Megatron's own assertions are refusals here."""
+    start, increment, samples = (int(x) for x in rampup)
+    diff = global_batch_size - start
+    _check_rampup(start, increment, samples, global_batch_size)
     per_increment = samples / (diff // increment)
 
     def steps(consumed: int) -> int:
@@ -362,10 +327,142 @@ class Schedule:
     def locate(
         self, positions: np.ndarray, phase: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(iteration, micro-batch, DP rank) of each stream position of ``phase``, vectorised.
-
-        Iterations past the phase's last iteration mean the run never reached the position.
-        """
+        """(iteration, micro-batch, DP rank) of each stream position of ``phase``, vectorised."""
         iterations, inside = self._locate(np.asarray(positions, dtype=np.int64), phase)
         unit = self.samples_per_microbatch_step
         return iterations, inside // unit, (inside % unit) // self.micro_batch_size
+
+
+@lru_cache(maxsize=4)
+def _permutation(size: int, epoch: int) -> np.ndarray:
+    import torch  # only cyclic runs need it; the single-dataloader lookup starts without torch
+
+    generator = torch.Generator()
+    generator.manual_seed(epoch)
+    return torch.randperm(size, generator=generator).numpy()
+
+
+@lru_cache(maxsize=4)
+def _inverse(size: int, epoch: int) -> np.ndarray:
+    inverse = np.empty(size, dtype=np.int64)
+    inverse[_permutation(size, epoch)] = np.arange(size, dtype=np.int64)
+    return inverse
+
+
+class CyclicOrder:
+    """Stream position <-> dataset index for ``MegatronPretrainingRandomSampler``."""
+
+    def __init__(
+        self,
+        total_samples: int,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        data_sharding: bool,
+    ) -> None:
+        self.mbs, self.dp, self.sharding = micro_batch_size, data_parallel_size, data_sharding
+        unit = micro_batch_size * data_parallel_size
+        self.active = total_samples - total_samples % unit
+        self.bucket = (total_samples // unit) * micro_batch_size  # per rank, with sharding
+        if self.active == 0:
+            raise ConfigError(f"the dataset ({total_samples} samples) is smaller than mbs x DP")
+        full = (total_samples // micro_batch_size) * micro_batch_size
+        if not data_sharding and full != self.active:
+            raise ConfigError(
+                "--dataloader-type cyclic --no-data-sharding with a dataset size "
+                f"({total_samples}) whose remainder modulo mbs x DP is at least mbs: Megatron's "
+                "ranks disagree on the epoch length, so no exact answer exists"
+            )
+
+    def _perm_size(self) -> int:
+        return self.bucket if self.sharding else self.active
+
+    def dataset_indices(self, positions: np.ndarray) -> np.ndarray:
+        """Dataset index of each stream position (``consumed + r*mbs + t`` of a micro-batch)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        unit = self.mbs * self.dp
+        epoch, within = np.divmod(positions, self.active)
+        start, rest = within - within % unit, within % unit
+        rank, slot = rest // self.mbs, rest % self.mbs
+        out = np.empty_like(positions)
+        for e in np.unique(epoch):
+            here = epoch == e
+            perm = _permutation(self._perm_size(), int(e))
+            if self.sharding:
+                out[here] = rank[here] * self.bucket + perm[start[here] // self.dp + slot[here]]
+            else:
+                out[here] = perm[start[here] + rank[here] + self.dp * slot[here]]
+        return out
+
+    def positions_of(self, indices: np.ndarray, epochs: int) -> tuple[np.ndarray, np.ndarray]:
+        """Stream positions at which ``indices`` are read in epochs ``0..epochs-1``."""
+        indices = np.asarray(indices, dtype=np.int64)
+        keep = np.flatnonzero(indices < self.active)
+        found, origin = [], []
+        for e in range(epochs):
+            inverse = _inverse(self._perm_size(), e)
+            if self.sharding:
+                rank, q = np.divmod(indices[keep], self.bucket)
+                q = inverse[q]
+                within = (q - q % self.mbs) * self.dp + rank * self.mbs + q % self.mbs
+            else:
+                q = inverse[indices[keep]]
+                unit = self.mbs * self.dp
+                rest = q % unit
+                within = q - rest + (rest % self.dp) * self.mbs + rest // self.dp
+            found.append(e * self.active + within)
+            origin.append(keep)
+        if not found:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        return np.concatenate(found), np.concatenate(origin)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Model-parallel layout of the run (sizes as in Megatron's args)."""
+
+    data_parallel: int
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    context_parallel: int = 1
+    tp_pp_dp_mapping: bool = False
+
+    def rank(self, *, tp: int, cp: int, dp: int, pp: int) -> int:
+        """Global rank of one coordinate, in Megatron's default rank order."""
+        order = ("tp", "cp", "pp", "dp") if self.tp_pp_dp_mapping else ("tp", "cp", "dp", "pp")
+        sizes = {
+            "tp": self.tensor_parallel,
+            "cp": self.context_parallel,
+            "dp": self.data_parallel,
+            "pp": self.pipeline_parallel,
+        }
+        coords = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+        rank, stride = 0, 1
+        for name in order:
+            rank += coords[name] * stride
+            stride *= sizes[name]
+        return rank
+
+    def readers(self, dp_rank: int) -> list[int]:
+        """Global ranks that read DP rank ``dp_rank``'s micro-batches from the dataset."""
+        if not 0 <= dp_rank < self.data_parallel:
+            raise PositionError(f"DP ranks are 0..{self.data_parallel - 1}: {dp_rank}")
+        stages = sorted({0, self.pipeline_parallel - 1})
+        return sorted(
+            self.rank(tp=0, cp=cp, dp=dp_rank, pp=pp)
+            for pp in stages
+            for cp in range(self.context_parallel)
+        )
+
+    def describe(self) -> str:
+        """One line for humans: what TP/PP/CP mean for the samples shown."""
+        parts = [f"DP={self.data_parallel}"]
+        if self.tensor_parallel > 1:
+            parts.append(f"TP={self.tensor_parallel} (TP rank 0 reads, peers get a broadcast)")
+        if self.pipeline_parallel > 1:
+            parts.append(f"PP={self.pipeline_parallel} (first and last stage read)")
+        if self.context_parallel > 1:
+            parts.append(
+                f"CP={self.context_parallel} (every CP rank reads; rank c trains on sequence "
+                f"chunks c and {2 * self.context_parallel - 1}-c of {2 * self.context_parallel})"
+            )
+        return ", ".join(parts)

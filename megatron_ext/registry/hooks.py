@@ -1,18 +1,8 @@
-"""Where Megatron's loop and the training script call the installed features.
-
-The wrappers of the registry's four ``hook-*`` patches: each is applied with the run's
-:class:`~megatron_ext.common.features.FeatureSet` and picks, once, the features overriding its
-hook; the replacement then calls them in hook order, around Megatron's own function. Reading
-one top to bottom is the whole path from Megatron's call to the feature
-(``megatron_ext.registry.table`` names which Megatron function each one replaces).
-``pre_wrap_hook`` is the same for ``on_model_built``, which needs no patch: Megatron's public
-``pre_wrap_hooks`` list calls it.
-
-The script's hooks (``on_model_built`` from a model provider, ``on_train_dataset``,
-``on_batch``, ``on_loss``) are called by the functions below the patch wrappers, which the
-overlay's own GPT step (:mod:`megatron_ext.loop.gpt_step`, :mod:`megatron_ext.loop.gpt_model`)
-and a script of the user's own (:mod:`megatron_ext.fork`) both call: one path from a script to
-the features, whichever script it is (registry ``ENTRY_POINT_HOOKS``).
+"""Where Megatron's loop and the training script call the installed features: the wrappers
+of the registry's ``hook-*`` patches (each bound to the run's FeatureSet, calling the features
+that override its hook, in hook order) and the functions a script's side calls for
+``on_model_built``, ``on_train_dataset``, ``on_batch`` and ``on_loss`` (the overlay's GPT step,
+a script of the user's own and the Bridge wiring alike: one path to the features).
 """
 
 from __future__ import annotations

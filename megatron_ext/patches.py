@@ -1,11 +1,6 @@
-"""``megatron-ext patches``: every touch of Megatron internals, and whether it still fits.
-
-Lists, from :mod:`megatron_ext.registry.table`: the upstream bug fixes, the hooks into Megatron's
-loop (and which feature uses each), the hooks the entry point's own functions call, the
-feature patches and the private names the overlay relies on (assumptions). Each entry is
-verified against the installed megatron-core; the exit status is 1 if any target changed, 0
-otherwise.
-"""
+"""``megatron-ext patches``: every entry of the registry (:mod:`megatron_ext.registry.table`),
+the features using each loop hook, and whether each entry still fits the installed
+megatron-core (exit 1 if any target changed)."""
 
 from __future__ import annotations
 
@@ -15,7 +10,7 @@ from collections.abc import Callable
 
 from megatron_ext.common import versions
 from megatron_ext.common.features import HOOKS, Feature
-from megatron_ext.registry.copy_check import Copy, CopyChanged
+from megatron_ext.registry.copies import Copy, CopyChanged
 from megatron_ext.registry.patching import (
     Assumption,
     Entry,
@@ -91,10 +86,7 @@ def _assumed(entry: Entry) -> str:
         if entry.signature
         else " exists"
     )
-    used = entry.used_by
-    if entry.wrap is not None:
-        used += f" (through {entry.wrap.__module__}.{entry.wrap.__qualname__})"
-    return f"relies on: {entry.target}{what}\n    used by: {used}"
+    return f"relies on: {entry.target}{what}\n    used by: {entry.used_by}"
 
 
 def _copies(entries: tuple[Copy, ...], out: list[str]) -> int:
@@ -148,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if warning:
         out[1:1] = [warning, ""]
-    # Imported here, after the version check: the registry imports the adapters (Megatron).
+    # After the version check: the registry imports the adapters (Megatron).
     from megatron_ext.loop.install import all_features
     from megatron_ext.registry import table as registry
 
@@ -164,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         out,
     )
     out.append(
-        "== entry-point hooks (megatron_ext.loop.hooks, called by the GPT step and "
+        "== entry-point hooks (megatron_ext.registry.hooks, called by the GPT step and "
         "megatron_ext.fork; no patch of Megatron)"
     )
     for call in registry.ENTRY_POINT_HOOKS:
@@ -188,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         out,
     )
     failed += _section("megatron names the training side imports", registry.IMPORTS, _assumed, out)
+    failed += _section(
+        "CPU runner (applied by megatron_ext.cpu only)", registry.CPU_RUNNER, _patch_target, out
+    )
     failed += _copies(registry.COPIES, out)
     print("\n".join(out).rstrip())
     return 1 if failed else 0

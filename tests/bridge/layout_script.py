@@ -1,0 +1,50 @@
+"""docs/examples/pretrain_bridge.py at a model-parallel layout: ``--tp N --pp N --vpp N
+--layers N`` set the example's model provider, the rest goes to the example (``--plain``:
+Bridge alone). What tests/bridge/test_bridge_layouts.py launches."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "pretrain_bridge.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("pretrain_bridge", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    for flag, default in (("--tp", 1), ("--pp", 1), ("--vpp", 0), ("--layers", 2)):
+        parser.add_argument(flag, type=int, default=default)
+    layout, rest = parser.parse_known_args(argv)
+    example = _example()
+    options, ext_flags = example.parse(rest)
+    config = example.config(options)
+    model = config.model
+    model.tensor_model_parallel_size = layout.tp
+    model.pipeline_model_parallel_size = layout.pp
+    model.virtual_pipeline_model_parallel_size = layout.vpp or None
+    model.num_layers = layout.layers
+    model.pipeline_dtype = torch.float32
+    if options.plain:
+        from megatron.bridge.training.gpt_step import forward_step
+        from megatron.bridge.training.pretrain import pretrain
+
+        pretrain(config, forward_step)
+        return
+    from megatron_ext.bridge import pretrain
+
+    pretrain(config, ext_flags)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

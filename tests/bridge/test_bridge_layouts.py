@@ -1,0 +1,165 @@
+"""Bridge's real ``pretrain`` at TP=2 (DP=2, four ranks) and PP=2 with a virtual pipeline
+(two ranks) on CPU, each layout one launch with every feature (at TP 2 the supervised spike
+drill of test_bridge_drill.py: rollback, resume) and one of Bridge alone
+(tests/bridge/layout_script.py, the example at that layout): the first iteration's loss and
+grad norm equal Bridge's own, Σ bucket² = grad-norm², the per-source mean is the lm loss, the
+sample log is written once per DP rank (TP rank 0 of the last stage) and ``megatron-ext
+lookup`` answers its records."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.common.files import SIGNALS_FILE
+from megatron_ext.common.records.signals import read_signals
+from megatron_ext.lookup import cli as lookup
+from tests.bridge import test_bridge_drill as drill
+from tests.support.drill import check_lookup_equals_sample_log
+from tests.support.harness import RUNNER, Run, kill_tree
+
+SCRIPT = Path(__file__).with_name("layout_script.py")
+MEMBERS = ("tiny_text_document", "copy_text_document")
+ITERS, GLOBAL_BATCH, MICRO_BATCH = 3, 8, 2
+LAYOUTS = {  # name: (ranks, DP size, the ranks reading the batch, the script's layout flags)
+    "tp2-dp2": (4, 2, {0: 0, 2: 1}, ["--tp", "2"]),  # TP rank 0 of each DP rank
+    "pp2-vpp2": (2, 1, {0: 0, 1: 0}, ["--pp", "2", "--vpp", "2", "--layers", "4"]),
+}
+FIRST = re.compile(r"iteration\s+1/.*?\| lm loss: (\S+) \|.*?\| grad norm: (\S+) \|")
+
+
+def _launch(work: Path, ranks: int, flags: list[str]) -> Run:
+    """torchrun of the CPU runner's ``--bridge-script`` on the layout script."""
+    work.mkdir(parents=True)
+    env = dict(
+        os.environ,
+        MEGATRON_EXT_HARNESS_COUNTS=str(work / "counts"),
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+    )
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+        f"--nproc-per-node={ranks}",
+        *(str(RUNNER), "--bridge-script", str(SCRIPT), *flags),
+        *("--work", str(work), "--train-iters", str(ITERS), "--save-interval", str(ITERS)),
+        *("--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", str(MICRO_BATCH)),
+    ]
+    with open(work / "log.txt", "w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=work, env=env, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            raise
+    return Run(work, proc.returncode, (work / "log.txt").read_text())
+
+
+@pytest.fixture(scope="module")
+def blend(tmp_path_factory, data_args) -> list[str]:
+    """A two-member blend of the tiny corpus and its copy, and the tokenizer."""
+    document = data_args[data_args.index("--data-path") + 1]
+    tokenizer = data_args[data_args.index("--tokenizer-model") + 1]
+    copy = tmp_path_factory.mktemp("blend") / MEMBERS[1]
+    for suffix in (".bin", ".idx"):
+        shutil.copy(document + suffix, str(copy) + suffix)
+    return ["--data-path", "0.4", document, "0.6", str(copy), "--tokenizer", tokenizer]
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def layout(request, tmp_path_factory, blend) -> dict:
+    """The overlay's launch (TP 2: the supervised spike drill of test_bridge_drill.py, two
+    attempts) and Bridge alone's, at one layout."""
+    ranks, dp, readers, flags = LAYOUTS[request.param]
+    work = tmp_path_factory.mktemp(request.param)
+    plain = _launch(work / "plain", ranks, [*flags, *blend, "--plain"])
+    if request.param == "tp2-dp2":
+        data, tokenizer = blend[1 : blend.index("--tokenizer")], blend[-1]
+        (work / "ext").mkdir()
+        ext = drill._supervised(work / "ext", data, tokenizer, SCRIPT, ranks, tuple(flags))
+        return dict(ext=ext, plain=plain, dp=dp, readers=readers, trained=drill.TRAINED)
+    features = [
+        *("--z-loss-coeff", "1e-4", "--log-output-z", "--spike-detect"),
+        *("--fused-output-loss", "--fused-output-loss-chunk-tokens", "48"),
+        *("--embedding-weight-decay-mult", "0", "--weight-decay-override"),
+        "*.linear_fc2.weight=0.5",
+        *("--log-bucket-grad-norms", "--signals-update-ratio"),
+        *("--signals-dir", str(work / "ext" / "signals")),
+        *("--sample-log-dir", str(work / "ext" / "samples")),
+    ]
+    ext = _launch(work / "ext", ranks, [*flags, *blend, *features])
+    return dict(ext=ext, plain=plain, dp=dp, readers=readers, trained=set(range(1, ITERS + 1)))
+
+
+@pytest.mark.timeout(1500)
+def test_the_overlay_at_a_bridge_layout(layout: dict, tmp_path: Path, capsys) -> None:
+    ext, plain = layout["ext"], layout["plain"]
+    assert (ext.returncode, plain.returncode) == (0, 0), (ext.log[-3000:], plain.log[-3000:])
+    # Bridge's first iteration is the same with the overlay (z-loss reports the pure CE; the
+    # fused output loss sums in chunks: fp32 rounding).
+    first = [float(v) for v in FIRST.search(ext.log).groups()]
+    for value, expected in zip(first, map(float, FIRST.search(plain.log).groups())):
+        assert math.isclose(value, expected, rel_tol=1e-5), (first, plain.log[-3000:])
+    assert "mlp.linear_fc2.weight wd_mult=0.5 <- --weight-decay-override" in ext.log
+    assert "megatron-ext WARNING" not in ext.log
+    _check_signals(ext, layout["trained"])
+    # The sample log: once per DP rank, every micro-batch once; the readers: TP rank 0 of
+    # the first and last stage, as under Megatron's loop (the last attempt's).
+    records = ext.records()
+    per_rank = GLOBAL_BATCH // MICRO_BATCH // layout["dp"]
+    assert sorted(records) == list(range(layout["dp"]))
+    trained = {r.iteration for rank in records.values() for r in rank}
+    assert trained == layout["trained"]
+    assert all(len(r) == len(trained) * per_rank for r in records.values())
+    reads = {rank: sorted(e["reads"]) for rank, e in ext.exits().items() if e["reads"]}
+    assert reads == {r: [str(dp)] for r, dp in layout["readers"].items()}
+    if layout["trained"] is drill.TRAINED:  # rolled back, resumed, lookup at both attempts
+        assert "onset 32, culprit DP rank 1" in ext.log  # the drill's batch on both TP ranks
+        assert "Roll back to checkpoint 25, skip iterations 26-37" in ext.log
+        check_lookup_equals_sample_log(ext, ext.workdir, tmp_path, capsys)
+    else:
+        _check_lookup(ext, records, tmp_path)
+
+
+def _check_signals(run: Run, trained: set[int]) -> None:
+    """Σ bucket² = grad-norm²; the per-source mean is the lm loss, each token counted once."""
+    signals = read_signals(run.workdir / "signals" / SIGNALS_FILE)
+    assert {r.iteration for r in signals} >= trained
+    tokens = GLOBAL_BATCH * 64  # the example's sequence length
+    for record in (r for r in signals if r.iteration in trained):
+        squares = sum(v * v for v in record.bucket_grad_norms.values())
+        assert math.isclose(squares, record.grad_norm**2, rel_tol=1e-5), record
+        assert sum(record.tokens_by_dataset.values()) == tokens, record
+        mean = sum(
+            record.lm_loss_by_dataset[m] * n for m, n in record.tokens_by_dataset.items() if n
+        )
+        assert math.isclose(mean / tokens, record.lm_loss, rel_tol=1e-5), record
+        assert None not in (record.z_loss, record.log_z, record.update_ratio), record
+
+
+def _check_lookup(run: Run, records: dict, out_dir: Path) -> None:
+    """``megatron-ext lookup`` of iteration 2 on the Bridge checkpoint: the sample log's."""
+    out = out_dir / "lookup.jsonl"
+    argv = ["--from-checkpoint", str(run.workdir / "ckpt"), "--iteration", "2"]
+    assert lookup.main([*argv, "--sample-log", str(run.samples), "--out", str(out)]) == 0
+    answer: dict[tuple[int, int], list[tuple[int, str]]] = {}
+    for line in out.read_text().splitlines():
+        sample = json.loads(line)
+        key = (sample["dp_rank"], sample["microbatch"])
+        answer.setdefault(key, []).append((sample["sample_index"], sample["token_sha1"]))
+    logged = {
+        (r.dp_rank, r.microbatch): list(zip(r.sample_ids, r.token_sha1))
+        for rank in records.values()
+        for r in rank
+        if r.iteration == 2
+    }
+    assert answer == logged
