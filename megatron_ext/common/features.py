@@ -30,6 +30,18 @@ def writing_rank(world_size: int) -> int:
     return world_size - 1
 
 
+def print_rank_0(message: str) -> None:
+    """Print on global rank 0 only, before or after torch.distributed is initialised."""
+    import os
+
+    import torch  # late, as in collective_device
+
+    dist = torch.distributed
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(message, flush=True)
+
+
 def collective_device() -> str:
     """Where a feature's collective tensor must live: NCCL reduces CUDA tensors only, gloo
     (the CPU harness) CPU ones."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.common.features import Feature, FeatureError
+from megatron_ext.common.features import Feature, FeatureError, print_rank_0
 from megatron_ext.weight_decay.core import (
     EMBEDDING_FLAG,
     OUTPUT_LAYER_FLAG,
@@ -110,7 +110,7 @@ class WeightDecayFeature(Feature):
         if not policy.active:
             return
         for warning in policy.warnings():
-            _print_once(f"megatron-ext: WARNING: {warning}")
+            print_rank_0(f"megatron-ext: WARNING: {warning}")
 
     def needs_patch(self, name: str) -> bool:
         return self.policy is not None and self.policy.active
@@ -150,17 +150,6 @@ def policy_from_args(args: Any) -> WeightDecayPolicy:
         getattr(args, "weight_decay_override", None),
         tied=not getattr(args, "untie_embeddings_and_output_weights", False),
     )
-
-
-def _print_once(message: str) -> None:
-    """Rank-0 print that works before and after torch.distributed is initialised."""
-    rank = (
-        torch.distributed.get_rank()
-        if torch.distributed.is_initialized()
-        else int(os.environ.get("RANK", "0"))
-    )
-    if rank == 0:
-        print(message, flush=True)
 
 
 def check_resume_compatible(args: Any, policy: WeightDecayPolicy) -> None:
@@ -293,7 +282,7 @@ def report_param_groups(
             lines.append(f"  {where} {name} wd_mult={mult:g}{extra} <- {source}")
     errors, warnings = total.problems(policy)
     lines += [f"megatron-ext: WARNING: {warning}" for warning in warnings]
-    _print_once("\n".join(lines))
+    print_rank_0("\n".join(lines))
     if errors:
         raise WeightDecayConfigError("megatron-ext: " + "; ".join(errors))
 

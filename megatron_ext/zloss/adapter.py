@@ -17,7 +17,6 @@ import argparse
 import functools
 import inspect
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +28,13 @@ from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.tensor_parallel.utils import VocabUtility
 
-from megatron_ext.common.features import LM_LOSS_PER_TOKEN, Feature, FeatureError, LossInputs
+from megatron_ext.common.features import (
+    LM_LOSS_PER_TOKEN,
+    Feature,
+    FeatureError,
+    LossInputs,
+    print_rank_0,
+)
 from megatron_ext.zloss.core import ZLossTerms, cross_entropy_and_z_loss, fused_output_loss
 
 
@@ -167,13 +172,11 @@ def _validate_fused(args: Any) -> None:
 
 def _say_which_cross_entropy(impl: str) -> None:
     """One start-up line (rank 0) where ``--cross-entropy-fusion-impl te`` is not what runs."""
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    if impl == "te" and rank == 0:
-        print(
+    if impl == "te":
+        print_rank_0(
             "megatron-ext z-loss: --cross-entropy-fusion-impl te (Transformer Engine's fused "
             "cross entropy) gives no log Z, so the language-model loss runs the overlay's "
-            "one-pass vocab-parallel CE + z kernel instead (docs/z-loss.md).",
-            flush=True,
+            "one-pass vocab-parallel CE + z kernel instead (docs/z-loss.md)."
         )
 
 
