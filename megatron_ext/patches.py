@@ -123,6 +123,30 @@ def _hook_name(entry: Entry) -> str:
     return entry.hook.__name__
 
 
+def _bridge(out: list[str]) -> int:
+    """Megatron-Bridge's own table (:mod:`megatron_ext.bridge.table`) where Bridge is installed."""
+    from megatron_ext.bridge import table as bridge
+    from megatron_ext.bridge import te_standin
+
+    found = bridge.installed_bridge()
+    if found is None:
+        out.append("== Megatron-Bridge: not installed (its entries: megatron_ext/bridge/table.py)")
+        return 0
+    try:
+        bridge.check_version(found)
+    except bridge.UnsupportedBridge as exc:
+        out.append(f"== Megatron-Bridge {found}: {exc}")
+        return 1
+    te_standin.install()  # as the integration does (entry bridge-te-import)
+    title = f"Megatron-Bridge {found} (megatron_ext.bridge.table)"
+    failed = _section(f"{title}: bug fixes", bridge.BUGFIXES, _patch_target, out)
+    failed += _section(f"{title}: hooks", bridge.PATCHES, _patch_target, out)
+    failed += _section(f"{title}: feature patches", bridge.FEATURE_PATCHES, _patch_target, out)
+    failed += _section(f"{title}: CPU runner", bridge.CPU_RUNNER, _patch_target, out)
+    assumed = (*bridge.ASSUMPTIONS, *bridge.IMPORTS)
+    return failed + _section(f"{title}: assumptions and imports", assumed, _assumed, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-ext patches", description=__doc__)
     parser.parse_args(argv)
@@ -184,5 +208,6 @@ def main(argv: list[str] | None = None) -> int:
         "CPU runner (applied by megatron_ext.cpu only)", registry.CPU_RUNNER, _patch_target, out
     )
     failed += _copies(registry.COPIES, out)
+    failed += _bridge(out)
     print("\n".join(out).rstrip())
     return 1 if failed else 0
