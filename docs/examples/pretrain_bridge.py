@@ -83,7 +83,9 @@ def config(options: argparse.Namespace):
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
+        # Bridge's Llama/Qwen recipes fuse the CE with impl "te"; no TE here, megatron-core's own.
+        cross_entropy_loss_fusion=True,
+        cross_entropy_fusion_impl="native",
         use_cpu_initialization=True,
         make_vocab_size_divisible_by=128,
     )
