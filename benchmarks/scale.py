@@ -184,15 +184,29 @@ def _trainings(setting: Setting, built: dict[str, object], start_ups: bool) -> l
 
 
 def operations(
-    setting: Setting, built: dict[str, object], trainings: bool = True, start_ups: bool = True
+    setting: Setting,
+    built: dict[str, object],
+    trainings: bool = True,
+    start_ups: bool = True,
+    only: tuple[str, ...] | None = None,
 ) -> list[Measured]:
     """Run every operation once at this scale (``trainings=False``: all but the three
     training launches, on caches an earlier run built; ``start_ups=False``: the cache build
-    but not the two start-ups)."""
+    but not the two start-ups; ``only``: of the rest, just these)."""
     root, env = setting.root, _env()
     logs = root / "logs"
     results = _trainings(setting, built, start_ups) if trainings else []
-    results.append(run_child("data checks", _data_checks(setting), logs / "checks.txt", env))
+    for name, command in _queries(setting, built).items():
+        if only is None or name in only:
+            log = logs / f"{name.replace(' ', '_')}.txt"
+            results.append(run_child(name, command, log, env))
+    return results
+
+
+def _queries(setting: Setting, built: dict[str, object]) -> dict[str, list[str]]:
+    """The operations after the trainings, by name: the data checks, the lookups, the plot
+    and the planner's plan."""
+    root = setting.root
     ckpt = ["--from-checkpoint", str(root / "ckpt")]
     iteration = str(min(int(built["sample_log_iterations"]), setting.train_iters) // 2 + 1)
     samples = ["--sample-log", str(root / "samples")]
@@ -204,16 +218,16 @@ def operations(
     lookups = {
         "lookup --iteration --dp-rank": ["--iteration", iteration, "--dp-rank", "17", *layout],
         "lookup --sample-log (batch)": ["--iteration", iteration, *samples],
-        "lookup --worst 8 --dp-rank": ["--iteration", iteration, "--worst", "8", "--dp-rank", "17"],
+        "lookup --worst 8 --dp-rank": [
+            *("--iteration", iteration, "--worst", "8", "--dp-rank", "17", *samples)
+        ],
         "lookup inverse": ["--document", document, "--dataset", setting.prefixes[2]],
     }
+    queries = {"data checks": _data_checks(setting)}
     for name, query in lookups.items():
-        command = _cli("lookup", *ckpt, *query, "--out", str(root / "lookup.jsonl"))
-        if "--worst" in query:
-            command = [*command, *samples]
-        results.append(run_child(name, command, logs / f"{name.replace(' ', '_')}.txt", env))
+        queries[name] = _cli("lookup", *ckpt, *query, "--out", str(root / "lookup.jsonl"))
     plot = ["plot", "--signals-dir", str(root / "signals"), "--out", str(root / "plot.png")]
-    results.append(run_child("plot", _cli(*plot), logs / "plot.txt", env))
+    queries["plot"] = _cli(*plot)
     planner_ckpt = root / "planner-ckpt"
     shutil.rmtree(planner_ckpt / "megatron_ext_incidents", ignore_errors=True)
     plan = ["skiplist", "--ckpt-dir", str(planner_ckpt), "--signals-dir", str(root / "signals")]
@@ -222,8 +236,8 @@ def operations(
     # from the rollback target, a whole checkpoint interval back at full scale.
     interval = setting_mod.checkpoint_interval(int(built["signals_iterations"]) - 100)
     plan += ["--skip-batches", str(max(300, interval))]
-    results.append(run_child("skiplist (plan)", _cli(*plan), logs / "skiplist.txt", env))
-    return results
+    queries["skiplist (plan)"] = _cli(*plan)
+    return queries
 
 
 def table(by_scale: dict[float, list[Measured]]) -> str:
@@ -268,6 +282,7 @@ def measure_scales(
     build_only: bool = False,
     trainings: bool = True,
     start_ups: bool = True,
+    only: tuple[str, ...] | None = None,
 ) -> dict[float, list[Measured]]:
     """Build each scale under ``root`` and run every operation on it, smallest first.
 
@@ -275,7 +290,7 @@ def measure_scales(
     forked from (Linux records the pre-exec high-water mark), so this process stays small
     (no torch) and every figure is the operation's own. ``reuse``: a scale built before
     (its ``built.json``) is not built again (full scale takes long to build; its operations
-    are what is measured)."""
+    are what is measured; ``only``: see :func:`operations`)."""
     by_scale: dict[float, list[Measured]] = {}
     for scale in sorted(scales):
         setting = Setting(root / f"scale-{scale:g}", scale)
@@ -293,7 +308,7 @@ def measure_scales(
             continue
         shown = {k: v for k, v in built.items() if k not in ("tokenizer", "model_flags")}
         print(f"  built: {json.dumps(shown)}", flush=True)
-        by_scale[scale] = operations(setting, built, trainings, start_ups)
+        by_scale[scale] = operations(setting, built, trainings, start_ups, only)
     return by_scale
 
 

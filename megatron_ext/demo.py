@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     nproc = args.nproc or (2 if args.drill else 1)
     extra = [
         *(DRILL_FLAGS if args.drill else []),
+        "--log-layer-norms",
         "--signals-dir",
         str(workdir / "signals"),
         *extra,

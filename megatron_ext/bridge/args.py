@@ -124,10 +124,11 @@ def config_values(config: Any, args: Any) -> dict[str, Any]:
         "data_path": data_path_words(
             getattr(dataset, "data_path", None), getattr(dataset, "blend", None)
         ),
-        "split": getattr(dataset, "split", None),
+        # megatron-core's mock data splits 1,1,1 whatever the config says (what Bridge saves).
+        "split": "1,1,1" if _mock(dataset) else getattr(dataset, "split", None),
         "data_cache_path": getattr(dataset, "path_to_cache", None),
         "dataloader_type": getattr(dataset, "dataloader_type", None),
-        "mock_data": bool(getattr(dataset, "mock", False)),
+        "mock_data": _mock(dataset),
         "seed": config.rng.seed,
         "log_interval": config.logger.log_interval,
         "iteration": 0,
@@ -135,3 +136,13 @@ def config_values(config: Any, args: Any) -> dict[str, Any]:
         "consumed_train_samples": 0,
         "skipped_train_samples": 0,
     }
+
+
+def _mock(dataset: Any) -> bool:
+    """Mock data: what megatron-core's dataset config decides at Bridge's ``finalize``
+    (no ``blend``, ``blend_per_split`` nor ``data_path``), before it runs."""
+    if getattr(dataset, "mock", False):
+        return True
+    per_split = getattr(dataset, "blend_per_split", None)
+    given = (getattr(dataset, "blend", None), getattr(dataset, "data_path", None))
+    return hasattr(dataset, "blend") and not any(given) and not (per_split and any(per_split))

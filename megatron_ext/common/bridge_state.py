@@ -11,6 +11,8 @@ yaml are imported only when one is read.
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import sys
 from pathlib import Path
@@ -33,6 +35,7 @@ RENAMED = {
     "vocab_size": ("tokenizer", "vocab_size"),
     "eval_interval": ("validation", "eval_interval"),
     "eval_iters": ("validation", "eval_iters"),
+    "mock_data": ("dataset", "mock"),
 }
 # Sections whose fields keep Megatron's names.
 SECTIONS = ("train", "dataset")
@@ -48,6 +51,12 @@ def is_bridge_checkpoint(directory: str | Path) -> bool:
 
 
 def _megatron_defaults() -> argparse.Namespace:
+    """A fresh copy of Megatron's parser defaults (parsed once per process)."""
+    return copy.deepcopy(_parsed_defaults())
+
+
+@functools.cache
+def _parsed_defaults() -> argparse.Namespace:
     from megatron.training.arguments import parse_args
 
     argv = sys.argv
@@ -82,7 +91,8 @@ def read_bridge_state(directory: str | Path) -> dict[str, Any]:
 
     directory = Path(directory)
     try:
-        config = yaml.safe_load((directory / BRIDGE_RUN_CONFIG_FILE).read_text())
+        text = (directory / BRIDGE_RUN_CONFIG_FILE).read_text()
+        config = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         state = torch.load(
             directory / BRIDGE_TRAIN_STATE_FILE, map_location="cpu", weights_only=True
         )

@@ -46,6 +46,7 @@ def checkpoint_dir(root: str | Path, iteration: int) -> Path:
 SIGNALS_FILE = "signals.jsonl"  # one record per iteration, every attempt appended
 SPIKE_LEDGER_FILE = "spikes.jsonl"  # spike detector events (unless --spike-ledger)
 SIGNALS_PLOT_FILE = "signals.png"  # default output of `megatron-ext plot`
+VALIDATION_FILE = "validation.jsonl"  # per-dataset validation loss, one line per set
 
 # -- in --sample-log-dir -----------------------------------------------------------------------
 

@@ -3,9 +3,9 @@
 Seed 000's decision tree (chapter 2 §7) over the signals before and at the onset, most specific
 and earliest-visible fingerprint first: divergence (non-finite, or not recovered: roll back
 first, then keep asking), attention-logit growth, learning rate, single-rank or single-source
-bad data, optimizer-state timing, bf16 sporadic. Each answer is ``yes``, ``no`` or ``unknown``
-(a signal was not recorded); the first ``yes`` names the cause, and the evidence and the missing
-signals go to the report.
+bad data, a straggling rank, optimizer-state timing, bf16 sporadic. Each answer is ``yes``,
+``no`` or ``unknown`` (a signal was not recorded); the first ``yes`` names the cause, and the
+evidence and the missing signals go to the report.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any, Literal
 from megatron_ext.common.records.signals import SignalRecord
 from megatron_ext.common.records.spike_config import ATTENTION_LOGIT_LIMIT
 from megatron_ext.spikes.precursors import rank_trend
+from megatron_ext.telemetry.layers import first_rising_layer
 
 Answer = Literal["yes", "no", "unknown"]
 
@@ -33,6 +34,7 @@ ONE_SOURCE = 0.2  # a member's loss this far above its own median before the ons
 PLATEAU = 0.7  # grad-norm median just before the onset / earlier median: "below normal"
 ZEROS_K = 6.0  # robust sigmas of num_zeros that make it anomalous
 GRAD_BACK = 2.0  # grad norm under this many times its baseline the next step: "back"
+STRAGGLER_BEFORE = 10  # iterations before the onset in which a named straggler coincides
 
 CAUSES = {
     "attention-logit": (
@@ -53,6 +55,11 @@ CAUSES = {
         "bad data in one source",
         "look up the batch's documents of the culprit source (top documents below), roll back "
         "+ skip, fix or filter that source",
+    ),
+    "straggler": (
+        "a straggling rank at the onset (a slow or failing node)",
+        "check the named node (GPU health, ECC/Xid errors, thermals, dmesg), drain it from the "
+        "allocation, roll back + relaunch without it",
     ),
     "optimizer-state": (
         "optimizer-state timing",
@@ -100,6 +107,7 @@ class Diagnosis:
     steps: list[Question]
     missing: list[str]  # every signal a question needed and the run did not record
     culprit_source: str | None = None  # the blend member whose own loss jumped
+    first_layer: str | None = None  # --log-layer-norms: whose grad norm rose first, and when
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -253,6 +261,29 @@ def _bad_source(
     )
 
 
+def _straggler(records: list[SignalRecord]) -> Question:
+    q = "a rank named a straggler (slower than its peers, steps in a row) at the onset?"
+    timed = [r for r in records if r.slowest_rank is not None]
+    if not timed:
+        missing = ["slowest_rank (signals: --signals-dir, DP > 1)"]
+        return Question("straggler", q, "unknown", "per-rank step times not recorded", missing)
+    named = next((r for r in timed if r.straggler_rank is not None), None)
+    if named is None:
+        last = timed[-1]
+        why = (
+            f"none named over iterations {timed[0].iteration}-{last.iteration} (slowest at "
+            f"{last.iteration}: rank {last.slowest_rank}, {_fmt(last.slowest_step_time)} s vs "
+            f"peers' {_fmt(last.median_step_time)} s)"
+        )
+        return Question("straggler", q, "no", why)
+    why = (
+        f"rank {named.straggler_rank} on {named.straggler_node} named at iteration "
+        f"{named.iteration}: busy {_fmt(named.slowest_step_time)} s per step vs its peers' "
+        f"{_fmt(named.median_step_time)} s"
+    )
+    return Question("straggler", q, "yes", why)
+
+
 def _plateau(before: list[SignalRecord]) -> Question:
     q = "grad norm on a plateau below normal before the spike?"
     short = _history("optimizer-state", q, before, ["grad_norm"])
@@ -322,7 +353,7 @@ def diagnose(
     if source is not None:  # one blend member's own jump: evidence of bad data
         bad.evidence += f"; {source[1]}"
         bad.answer = "yes"
-    steps += [bad, _plateau(before)]
+    steps += [bad, _straggler(before[-STRAGGLER_BEFORE:] + at), _plateau(before)]
     precursor = any(s.answer == "yes" for s in steps[1:])
     bf16 = _bf16(before, at[:1], nxt, incident.get("grad_baseline"), incident.get("loss_threshold"))
     if precursor and bf16.answer == "yes":
@@ -347,4 +378,14 @@ def diagnose(
         steps=steps,
         missing=missing,
         culprit_source=source[0] if source is not None else None,
+        first_layer=_first_layer(before + at[:1], onset),
     )
+
+
+def _first_layer(records: list[SignalRecord], onset: int) -> str | None:
+    """The layer whose grad norm rose first (GRAD_RISE × its median) in the RECENT
+    iterations up to the onset, as 'name (iteration i, ×r)'; None when not recorded."""
+    history = [(r.iteration, r.layer_grad_norms) for r in records if r.layer_grad_norms]
+    recent = min(RECENT, max(1, (onset - history[0][0]) // 2)) if history else RECENT
+    found = first_rising_layer(history, onset, recent, GRAD_RISE)
+    return None if found is None else f"{found[0]} (iteration {found[1]}, x{found[2]:.3g})"

@@ -113,6 +113,7 @@ class Report:
                 f"- culprit DP rank (max local loss): {incident.get('culprit_dp_rank')}",
                 f"- culprit source (its own loss jumped): "
                 f"{d.culprit_source or incident.get('culprit_source')}",
+                f"- layer whose grad norm rose first: {d.first_layer or 'not recorded'}",
                 f"- classification: {incident.get('classification')}",
                 f"- likely cause: **{d.label}**{' (diverged)' if d.diverged else ''}: {d.action}",
                 self._warning_line(),

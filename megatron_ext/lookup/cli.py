@@ -39,6 +39,7 @@ from megatron_ext.lookup.crosscheck import (
 from megatron_ext.lookup.data import TrainIndex, find_document, member_of
 from megatron_ext.lookup.errors import ConfigError, Refused
 from megatron_ext.lookup.history import Attempts
+from megatron_ext.lookup.mock import MockIndex
 from megatron_ext.lookup.schedule import Batch, CyclicOrder
 from megatron_ext.lookup.session import (
     Session,
@@ -228,7 +229,9 @@ def _batch_lines(
             + (" by any attempt" if attempts else "")
         )
     lines.append(
-        f"data: {index.kind} {index.hash[:12]} over {len(index.mids)} dataset(s), "
+        index.describe()
+        if isinstance(index, MockIndex)
+        else f"data: {index.kind} {index.hash[:12]} over {len(index.mids)} dataset(s), "
         f"{session.config.dataloader_type} dataloader; caches match today's .bin/.idx"
     )
     lines.append(f"run: {session.source}; {session.config.topology.describe()}")
@@ -368,6 +371,8 @@ def inverse(session: Session) -> int:
         )
     phase = session.phase(None)
     index = session.index(phase)
+    if isinstance(index, MockIndex):
+        raise ConfigError("--document with mock data: a mock sample reads no document")
     member = member_of(index, options.dataset)
     hits = find_document(index, member, options.document)
     before, last = schedule.phase_bounds(phase)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import logging
 import os
 import tempfile
@@ -43,7 +44,6 @@ from megatron_ext.lookup.schedule import (
 LEGACY_SPLIT = "969, 30, 1"
 
 UNSUPPORTED = {
-    "mock_data": "--mock-data (there is no data to look up)",
     "sft": "--sft (SFT packs conversations; its sample order is not GPTDataset's)",
     "fim_data": "--fim-data",
     "hybrid_context_parallel": "--hybrid-context-parallel (its sampler reorders micro-batches)",
@@ -96,11 +96,19 @@ def megatron_parser() -> argparse.ArgumentParser:
     )
 
 
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    """:func:`megatron_parser`, built once per process (building it reads Megatron's source
+    for the help texts: a second per lookup)."""
+    return megatron_parser()
+
+
 def megatron_namespace(argv: list[str], base: argparse.Namespace | None) -> argparse.Namespace:
     """Parse Megatron flags with Megatron's parser; values already in ``base`` are defaults
     (argparse fills only missing attributes: checkpoint values stay unless a flag overrides)."""
     namespace = copy.deepcopy(base) if base is not None else argparse.Namespace()
-    parsed, unknown = megatron_parser().parse_known_args(argv, namespace=namespace)
+    parsed, unknown = _parser().parse_known_args(argv, namespace=namespace)
+    parsed = copy.deepcopy(parsed)  # no value shared with the cached parser's defaults
     if unknown:
         raise ConfigError(f"unknown flags (neither lookup nor Megatron flags): {' '.join(unknown)}")
     if isinstance(parsed.phase_transition_iterations, str):  # as validate_args does

@@ -41,6 +41,7 @@ from megatron_ext.lookup.history import (
     segment_args,
     stage_args,
 )
+from megatron_ext.lookup.mock import MOCK_PATH, mock_note
 from megatron_ext.lookup.schedule import Batch, CyclicOrder
 
 
@@ -75,6 +76,8 @@ def sample_record(
         "token_sha1": token_sha1(sample.tokens),
         "readers": readers,
     }
+    if not sample.spans and sample.dataset_path == MOCK_PATH:
+        record["mock"] = mock_note(sample.index)
     if text is not None:
         record["text"] = text
     return record
@@ -124,7 +127,7 @@ def samples_table(lines: list[str], records: list[dict[str, Any]], max_tokens: i
     out = [*lines, shown[0]]
     for line, record in zip(shown[1:], records):
         out.append(line)
-        if where := source_line(record["documents"]):
+        if where := source_line(record["documents"]) or record.get("mock"):
             out.append(f"    {where}")
         if "text" in record:
             out.append(f"    text: {json.dumps(record['text'][:300], ensure_ascii=False)}")
@@ -350,7 +353,13 @@ class Session:
         return own
 
     def index(self, phase: int) -> TrainIndex:
-        """Open (and with --rebuild-caches, first build) the run's train caches."""
+        """Open (and with --rebuild-caches, first build) the run's train caches; with mock
+        data, megatron-core's MockGPTDataset built again (:mod:`megatron_ext.lookup.mock`)."""
+        if getattr(self.config.args, "mock_data", False):
+            from megatron_ext.lookup.mock import open_mock_index
+
+            target = self.config.train_target(phase)
+            return open_mock_index(self.config.args, target, self.config.add_extra_token)
         tokenizer = None
         if self.tokenizer is not None:
             tokenizer = json.loads(json.dumps(self.tokenizer.unique_identifiers))

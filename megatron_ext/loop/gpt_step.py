@@ -253,7 +253,8 @@ def micro_batch_of(features: FeatureSet, model: Any) -> MicroBatch:
     """The micro-batch ``model`` is about to run: the iteration as Megatron logs it (1-indexed),
     training or evaluation, this rank's DP rank."""
     return MicroBatch(
-        iteration=features.args.curr_iteration + 1,
+        # --skip-train evaluates without train(), which sets curr_iteration.
+        iteration=getattr(features.args, "curr_iteration", features.args.iteration) + 1,
         training=model.training,
         dp_rank=mpu.get_data_parallel_rank(),
     )

@@ -22,6 +22,7 @@ from megatron_ext.spikes.adapter import DrillFeature, SkipListFeature, SpikeFeat
 from megatron_ext.spikes.update_skip import UpdateSkipFeature
 from megatron_ext.telemetry.adapter import TelemetryFeature
 from megatron_ext.telemetry.attention_logit import AttentionLogitFeature
+from megatron_ext.telemetry.validation import ValidationFeature
 from megatron_ext.weight_decay.adapter import WeightDecayFeature
 from megatron_ext.zloss.adapter import ZLossFeature
 
@@ -43,6 +44,7 @@ def all_features() -> list[Feature]:
         UpdateSkipFeature(),
         AttentionLogitFeature(),
         TelemetryFeature(),
+        ValidationFeature(),  # after z-loss: reads its pure-CE lm loss
         SampleLogFeature(),
         SkipListFeature(),
         SpikeFeature(),

@@ -6,7 +6,8 @@
     megatron-ext plot --signals-dir DIR --spike-large-rel 0.5    # what those thresholds flag
 
 Panels: LM loss, grad norm (pre-clip), params norm; the max attention logit and log Z when
-recorded (the figure names the flags otherwise); each data source's loss, stage changes marked.
+recorded (the figure names the flags otherwise); each data source's loss, stage changes marked;
+per layer (--log-layer-norms), the gradient, weight and update norms, coloured by depth.
 ``--attempts all`` (default): one line per attempt; ``latest``: what the run finally trained.
 Marks: the spike ledger's events of attempts that ran ``--spike-detect`` and the incident plans
 of ``megatron-ext skiplist`` (rollback target dashed, skip window shaded; found with
@@ -28,7 +29,7 @@ from typing import Any
 
 # A bare Figure on an Agg canvas, not pyplot: no display needed on cluster nodes, and no global
 # backend switch or figure registry in a process that imports this module.
-from matplotlib import rcParams
+from matplotlib import colormaps, rcParams
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
@@ -56,6 +57,7 @@ from megatron_ext.plot.stream import (
     stream,
 )
 from megatron_ext.spikes.detector import SpikeEvent
+from megatron_ext.telemetry.layers import layer_order
 
 # (record field, panel title, the flag that records it: None for what every run records; a
 # panel with a flag is left out when no iteration recorded it, and the figure names the flag)
@@ -70,6 +72,13 @@ PANELS: tuple[tuple[str, str, str | None], ...] = (
     ),
     ("log_z", "log Z of the output softmax", "--log-output-z"),
 )
+# The per-layer panels (--log-layer-norms), each drawn when some record has it.
+LAYER_PANELS = {
+    "layer_grad_norms": "grad norm per layer (pre-clip)",
+    "layer_param_norms": "weights' norm per layer",
+    "layer_update_norms": "update norm per layer",
+}
+MAX_LAYER_LABELS = 12  # more layers: only the first, middle and last are named
 MARKED_PANELS = {"lm_loss", "grad_norm"}  # what the detector reads; other panels get the line
 MAX_LISTED = 20  # candidates printed; a run stuck at NaN has one per iteration
 
@@ -315,7 +324,8 @@ def render(
     by_source = any(line.sources is not None and line.sources.envelopes for line in series)
     recorded = {n for n, _, _ in PANELS if any(line.envelopes[n].recorded for line in series)}
     panels = [p for p in PANELS if p[2] is None or p[0] in recorded]
-    rows = len(panels) + by_source
+    by_layer = [f for f in LAYER_PANELS if any(line.layers.get(f) for line in series)]
+    rows = len(panels) + by_source + len(by_layer)
     figure = Figure(figsize=(12, max(11, 2.75 * rows)), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
@@ -330,7 +340,9 @@ def render(
         _draw_panel(axis, name, series, colours)
     skips = draw_update_skips(axes[0], series, colours)
     if by_source:
-        _draw_sources(axes[-1], series, colours)
+        _draw_sources(axes[len(panels)], series, colours)
+    for axis, name in zip(axes[len(panels) + by_source :], by_layer):
+        _draw_layers(axis, name, series)
     axes[-1].set_xlabel("iteration")
     handles = _handles(axes[0], series, skips, gaps or [], plans or [])
     figure.legend(
@@ -372,6 +384,29 @@ def _draw_sources(axis, lines: list, colours: list[str]) -> None:
         axis.legend(loc="upper right", fontsize=8)
     else:
         _not_recorded(axis, "not recorded (a blend run with --signals-dir records it)")
+
+
+def _draw_layers(axis, name: str, lines: list[Series]) -> None:
+    """One per-layer panel: a line per layer entry, coloured by depth (viridis)."""
+    axis.set_title(LAYER_PANELS[name], loc="left", fontsize=10)
+    axis.grid(True, alpha=0.3)
+    cmap = colormaps["viridis"]
+    lowest, highest = [], []
+    for line in lines:
+        layers = sorted(line.layers.get(name, {}).items(), key=lambda item: layer_order(item[0]))
+        named = {0, len(layers) // 2, len(layers) - 1}
+        for index, (layer, envelope) in enumerate(layers):
+            xs, ys = envelope.points()
+            shown = len(layers) <= MAX_LAYER_LABELS or index in named
+            label = (layer if len(lines) == 1 else f"{line.label}: {layer}") if shown else None
+            colour = cmap(index / max(1, len(layers) - 1))
+            axis.plot(xs, ys, color=colour, linewidth=0.9, label=label)
+            if (low := envelope.finite_min()) is not None:
+                lowest.append(low)
+                highest.append(envelope.finite_max())
+    if lowest and min(lowest) > 0:
+        log_axis(axis, min(lowest), max(highest))
+    axis.legend(loc="upper right", fontsize=7, ncols=2)
 
 
 def save_png(figure: Figure, out: Path) -> None:

@@ -28,6 +28,7 @@ from megatron_ext.common.io import from_json
 from megatron_ext.common.records.ledger import Ledger
 from megatron_ext.common.records.signals import (
     BLOCK,
+    LAYERS,
     Block,
     OrderError,
     Segment,
@@ -208,6 +209,7 @@ class Series:
     detector: FastReplay | None = None  # replays: fed in the pass
     hit: set[tuple[int, int]] = field(default_factory=set)  # (iteration, attempt) of marks
     sources: SourceLines | None = None  # the per-source panel's lines
+    layers: dict[str, dict[str, Envelope]] = field(default_factory=dict)  # field -> layer
     update_skips: int = 0  # records whose update --spike-skip-update withheld
     skipped_at: list[np.ndarray] = field(default_factory=list)  # their first per column
 
@@ -318,6 +320,14 @@ def _feed(line: Series, block: Block, rows: np.ndarray, wanted: np.ndarray) -> N
     line.records += len(rows)
     if line.sources is not None:
         line.sources.add(block, rows)
+    lm_loss = line.envelopes["lm_loss"]
+    for name, columns in block.dicts.items():
+        envelopes = line.layers.setdefault(name, {})
+        for index, layer in enumerate(columns.names):
+            present = columns.present[rows, index]
+            if present.any():
+                envelope = envelopes.setdefault(layer, Envelope(lm_loss.start, lm_loss.width))
+                envelope.add(it, columns.values[rows, index], present)
     for name, envelope in line.envelopes.items():
         envelope.add(it, block.values[name][rows], block.present[name][rows])
     skipped = it[block.values["update_skipped"][rows]]
@@ -429,6 +439,7 @@ def stream(log: SignalsLog, lines: list[Series]) -> Stats:
     replays = any(line.detector is not None for line in lines)
     # A replay reads more fields.
     names = set(FIELDS) if replays else {*PANEL_FIELDS, "update_skipped"}
+    names |= set(LAYERS)  # the per-layer panels
     for segment in segments:
         takers = [(line, p) for line in lines for p in line.pieces if p[0] == segment.attempt]
         for block in _blocks(log, segment, stats, names):

@@ -29,6 +29,11 @@ from megatron_ext.spikes.adapter import (
     reproducible_result_rolls_back,
     save_after_a_skipped_end,
 )
+from megatron_ext.telemetry.validation import (
+    ValidationFeature,
+    evaluating_by_dataset,
+    summed_by_dataset,
+)
 from megatron_ext.weight_decay.adapter import WeightDecayFeature, with_overrides, with_param_map
 from megatron_ext.zloss.adapter import ZLossFeature, with_fused_output_loss, with_z_loss
 
@@ -41,6 +46,14 @@ _LOAD_0_18 = (
     "(ddp_model, optimizer, opt_param_scheduler, load_arg='load', strict=True, "
     f"checkpointing_context=None, skip_load_to_model_and_opt=False, tp_group: {_OPT_PG}, "
     f"pp_group: {_OPT_PG}, dp_cp_group: {_OPT_PG}"
+)
+_EVALUATE_0_17 = (
+    "(forward_step_func, data_iterator, model, process_non_loss_data_func, config, "
+    "verbose=False, non_loss_data_func=None, eval_iters=None"
+)
+_EVAL_PRINT_0_17 = (
+    "(prefix, forward_step_func, data_iterator, model, iteration, process_non_loss_data_func, "
+    "config, verbose=False, write_to_tensorboard=True, non_loss_data_func=None"
 )
 _GET_MODEL = (
     "(model_provider_func, model_type=<ModelType.encoder_or_decoder: 1>, wrap_with_ddp=True, "
@@ -335,6 +348,43 @@ FEATURE_PATCHES: tuple[Patch, ...] = (
                 V17 + V18,
                 "No dp_group/expt_dp_group/rng_state_key_prefix parameters; the same skip.",
                 signature=f"{_LOAD_0_18})",
+            ),
+        ),
+    ),
+    Patch(
+        name="validation-by-dataset",
+        verified_on=V19,
+        target=f"{_TRAINING}:evaluate_and_print_results",
+        signature=f"{_EVAL_PRINT_0_17}, pg_collection=None, p2p_communicator=None)",
+        wrap=evaluating_by_dataset,
+        feature=ValidationFeature,
+        reason="Per-dataset validation: which split (its prefix ends 'on test set' for the "
+        "test data) and iteration an evaluation is; the members' losses are reported after "
+        "Megatron printed its own.",
+        variants=(
+            Variant(
+                V17 + V18,
+                "No pg_collection / p2p_communicator; the wrapper binds prefix, iteration and "
+                "write_to_tensorboard by name, all present.",
+                signature=f"{_EVAL_PRINT_0_17})",
+            ),
+        ),
+    ),
+    Patch(
+        name="validation-set-by-dataset",
+        verified_on=V19,
+        target=f"{_TRAINING}:evaluate",
+        signature=f"{_EVALUATE_0_17}, pg_collection=None, p2p_communicator=None)",
+        wrap=summed_by_dataset,
+        feature=ValidationFeature,
+        reason="Per-dataset validation: evaluate runs one validation set (called once per set "
+        "under --multiple-validation-sets) and returns (loss dict, data, timelimit); the "
+        "members' sums start with it and are reduced when it returns.",
+        variants=(
+            Variant(
+                V17 + V18,
+                "No pg_collection / p2p_communicator; the same return value.",
+                signature=f"{_EVALUATE_0_17})",
             ),
         ),
     ),
@@ -646,6 +696,15 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         used_by="megatron_ext.telemetry.sharded",
         reason="Under --bf16 the fp32 main parameters get the gradients (the model's are "
         "freed): FSDP2 bucket norms read them.",
+    ),
+    Assumption(
+        name="distopt-main-param",
+        verified_on=ALL,
+        target="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer",
+        assigned=("main_param", "main_param_sharded"),
+        used_by="megatron_ext.telemetry.adapter",
+        reason="Under --bf16 the distributed optimizer hangs each model parameter's fp32 main "
+        "shard on it (Megatron's params norm reads it): per-layer weight and update norms too.",
     ),
 )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import time
 from typing import Any
 
@@ -32,7 +33,9 @@ from megatron_ext.common.features import (
     FeatureError,
     LossInputs,
     StepRecord,
+    collective_device,
     is_writing_rank,
+    writing_rank,
 )
 from megatron_ext.common.records.signals import SignalRecord, SignalsWriter
 from megatron_ext.common.records.sources import member_names, train_blend
@@ -43,16 +46,27 @@ from megatron_ext.telemetry.bucket_layout import (
     assign_slots,
     bucket_views,
     grad_stats_groups,
+    layer_layout,
     params_by_group,
 )
+from megatron_ext.telemetry.layers import GRAD, PARAM, UPDATE, roots, split_slots
 from megatron_ext.telemetry.sharded import (
     UnitNormer,
     fsdp_units,
     is_fully_sharded,
+    main_params,
     snapshot,
     update_ratio,
 )
 from megatron_ext.telemetry.sources import SourceAccumulator, format_sources
+from megatron_ext.telemetry.step_sums import StepSums, StepValues
+from megatron_ext.telemetry.stragglers import (
+    StepClock,
+    Stragglers,
+    add_straggler_args,
+    check_straggler_args,
+    watch_from_args,
+)
 
 # Σ bucket² must equal grad-norm² to this relative tolerance (fp32 summation-order noise).
 NORM_CHECK_RTOL = 1e-5
@@ -84,6 +98,19 @@ def _counted(param: torch.Tensor, optimizer: Any) -> bool:
     return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, **groups)
 
 
+def _main_of(holders: dict[int, torch.Tensor]) -> Any:
+    """A parameter's fp32 main copy: the distributed optimizer's shard on it (registry
+    ``distopt-main-param``), Float16Optimizer's whole one (``holders``), or None (fp32)."""
+
+    def main_of(param: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+        shard = getattr(param, "main_param", None)
+        if shard is not None and getattr(param, "main_param_sharded", False):
+            return shard, True
+        return (holders[id(param)], False) if id(param) in holders else None
+
+    return main_of
+
+
 def step_lr(reported: float | None, now: list[float], before: list[float] | None) -> float | None:
     """The learning rate the step used. Megatron reports the next iteration's lr of its
     logging group, the first whose lr ``now`` is the reported one; ``before`` holds each
@@ -109,12 +136,17 @@ class TelemetryFeature(Feature):
         self.reductions: list[Reduction] = []
         self.pending: list[torch.Tensor] = []
         self.snapshot: list[list[torch.Tensor]] | None = None
+        self.layer_snapshot: list[torch.Tensor] | None = None  # --log-layer-norms' weights
         self.loss_sum: torch.Tensor | float = 0.0
         self.loss_tokens: torch.Tensor | float = 0.0
         self.writer: SignalsWriter | None = None
         self.members: list[str] = []
         self.sources: SourceAccumulator | None = None
         self.step_lrs: list[float] | None = None  # each param group's lr as the step ran
+        self.sums: StepSums | None = None  # the after-step all-reduce (--signals-dir)
+        self.clock: StepClock | None = None  # this rank's busy time per step
+        self.peers = 0  # the first rank of this rank's DP group: its straggler peers
+        self.stragglers: Stragglers | None = None  # the writer's rule
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -123,6 +155,14 @@ class TelemetryFeature(Feature):
             help="Log the L2 norm of every DDP gradient bucket's reduced, pre-clip gradient "
             "each step (console at --log-interval, TensorBoard key bucket-grad-norm/<name>, "
             "W&B, signals log).",
+        )
+        group.add_argument(
+            "--log-layer-norms",
+            action="store_true",
+            help="Log each transformer layer's (and the embedding's, final norm's, output "
+            "layer's) gradient and weight L2 norms every step, from the bucket norms' pass and "
+            "all-reduce (console at --log-interval, TensorBoard layer-grad-norm/<name>, "
+            "layer-param-norm/<name>, signals log); with --signals-update-ratio, update norms.",
         )
         group.add_argument(
             "--signals-dir",
@@ -138,7 +178,9 @@ class TelemetryFeature(Feature):
             action="store_false",
             help="Leave the per-source fields (lm_loss_by_dataset, tokens_by_dataset: each "
             "train blend member's loss and tokens) out of the signals, and their one small "
-            "all-reduce per step (recorded by default with --signals-dir).",
+            "all-reduce per step, and the per-dataset validation loss (validation.jsonl, "
+            "console, TensorBoard lm-loss-validation-by-dataset/<name>); both recorded by "
+            "default with --signals-dir.",
         )
         group.add_argument(
             "--signals-update-ratio",
@@ -146,9 +188,15 @@ class TelemetryFeature(Feature):
             help="Also record ||Δθ||/||θ|| per step. Keeps an fp32 copy of this rank's "
             "optimizer parameters (1/DP of them with the distributed optimizer), hence opt-in.",
         )
+        add_straggler_args(group)
 
     def enabled(self, args: Any) -> bool:
-        return bool(args.log_bucket_grad_norms or args.signals_dir or args.signals_update_ratio)
+        return bool(
+            args.log_bucket_grad_norms
+            or args.log_layer_norms
+            or args.signals_dir
+            or args.signals_update_ratio
+        )
 
     def validate(self, args: Any) -> None:
         if args.signals_update_ratio and not args.signals_dir:
@@ -156,6 +204,7 @@ class TelemetryFeature(Feature):
         if args.signals_dir:
             try:
                 check_directory("--signals-dir", args.signals_dir)
+                check_straggler_args(args)
             except ValueError as exc:
                 raise FeatureError(str(exc)) from None
 
@@ -167,37 +216,60 @@ class TelemetryFeature(Feature):
     def on_setup(self, model: list[Any], optimizer: Any) -> None:
         from megatron.core.optimizer.optimizer import ChainedOptimizer
 
+        if optimizer is None and self.args.skip_train:  # evaluation only: no step to measure
+            return
         if not isinstance(optimizer, ChainedOptimizer):
             raise RuntimeError(
                 f"megatron-ext telemetry expects Megatron's ChainedOptimizer, got "
                 f"{type(optimizer).__name__}; re-verify megatron_ext.telemetry.adapter"
             )
         self.model, self.optimizer = model, optimizer
-        if self.args.log_bucket_grad_norms:
+        if self.args.log_bucket_grad_norms or self.args.log_layer_norms:
             self._layout_buckets()
         if self.args.signals_dir and _is_writer():
             self.writer = SignalsWriter(self.args.signals_dir)
         if self.members and mpu.is_pipeline_last_stage():
             device = next(p.device for chunk in model for p in chunk.parameters())
             self.sources = SourceAccumulator(self.members, device)
+        if self.args.signals_dir:
+            self._setup_after_step(model)
+
+    def _setup_after_step(self, model: list[Any]) -> None:
+        """The after-step all-reduce's layout, this rank's busy-time clock, each rank's node
+        (gathered once, to the writer) and the writer's straggler rule."""
+        world = dist.get_world_size()
+        self.sums = StepSums(len(self.members), mpu.get_data_parallel_world_size(), world)
+        self.peers = min(dist.get_process_group_ranks(mpu.get_data_parallel_group()))
+        self.clock = StepClock(collective_device() == "cuda")
+        self.clock.attach(model)
+        nodes: list[Any] | None = [None] * world if _is_writer() else None
+        dist.gather_object(socket.gethostname(), nodes, dst=writing_rank(world))
+        if nodes is not None:
+            self.stragglers = Stragglers(watch_from_args(self.args), [str(n) for n in nodes])
 
     def _layout_buckets(self) -> None:
         """Bucket views (FSDP2: ``fully_shard`` units) and their reduction slots."""
         part = self.optimizer.chained_optimizers[0]  # every part carries the same TP groups
         groups = grad_stats_groups(self.optimizer.chained_optimizers, bool(self.args.num_experts))
+        by_layer = self.args.log_layer_norms
         if is_fully_sharded(self.model):
             parts = self.optimizer.chained_optimizers
-            units, self.normer = fsdp_units(self.model, lambda p: _counted(p, part), parts)
-            views = {False: units, True: []}
+            units, normer = fsdp_units(self.model, lambda p: _counted(p, part), parts, by_layer)
+            views, layers, self.normer = {False: units, True: []}, normer.layers, normer
         else:
-            views = bucket_views(self.model, lambda p: _counted(p, part), param_is_not_shared)
-            self.normer = BucketNormer([*views[False], *views[True]])
+            main_of = _main_of(main_params(self.optimizer.chained_optimizers))
+            views = bucket_views(
+                self.model, lambda p: _counted(p, part), param_is_not_shared, main_of
+            )
+            layers, owners = layer_layout(views)
+            self.normer = BucketNormer([*views[False], *views[True]], owners if by_layer else None)
         self.reductions = assign_slots(
             views,
             groups,
             stage=mpu.get_pipeline_model_parallel_rank(),
             staged=mpu.get_pipeline_model_parallel_world_size() > 1,
             expert_rank=mpu.get_expert_model_parallel_rank(),
+            layers=layers if by_layer else None,
         )
 
     def before_grad_norm(self, optimizer: Any) -> None:
@@ -206,19 +278,25 @@ class TelemetryFeature(Feature):
             return
         self.step_lrs = [group["lr"] for group in optimizer.param_groups]
         if self.normer is not None:
-            local = self.normer()
             # fp16: grad_data holds scaled grads; the loss scale stays a tensor (no host sync).
-            scale = torch.as_tensor(optimizer.get_loss_scale()).to(local.device, torch.float64)
-            local = local / (scale * scale)
-            self.pending = []
-            for reduction in self.reductions:
-                slots = torch.zeros(len(reduction.names), dtype=torch.float64, device=local.device)
-                for first, count, offset in reduction.parts:
-                    slots[offset : offset + count] = local[first : first + count]
+            local = self.normer(optimizer.get_loss_scale())
+            self.pending = self._slots(local)
+            for reduction, slots in zip(self.reductions, self.pending):
                 dist.all_reduce(slots, group=reduction.group)
-                self.pending.append(slots)
         if self.args.signals_update_ratio:
             self.snapshot = snapshot(self._params())
+            if self.args.log_layer_norms and self.normer is not None:
+                self.layer_snapshot = self.normer.snapshot()
+
+    def _slots(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """``local`` (the normer's vector) placed in each reduction's slots."""
+        out = []
+        for reduction in self.reductions:
+            slots = torch.zeros(len(reduction.names), dtype=torch.float64, device=local.device)
+            for first, count, offset in reduction.parts:
+                slots[offset : offset + count] = local[first : first + count]
+            out.append(slots)
+        return out
 
     def _params(self) -> list[tuple[Any, list[torch.Tensor]]]:
         """This rank's counted optimizer parameters per grad-stats group."""
@@ -238,41 +316,58 @@ class TelemetryFeature(Feature):
                 self.sources.add(lm.detach(), inputs.mask, inputs.micro_batch.dataset_ids)
         return {}
 
-    def _worst_rank(self) -> tuple[float | None, int | None]:
-        if not mpu.is_pipeline_last_stage() or not torch.is_tensor(self.loss_tokens):
-            return None, None
-        totals = torch.stack([torch.as_tensor(self.loss_sum), self.loss_tokens])
-        if mpu.get_context_parallel_world_size() > 1:  # a CP rank's sums cover its sequence part
-            dist.all_reduce(totals, group=mpu.get_context_parallel_group())
-        local = (totals[0] / totals[1]).reshape(1)
-        gathered = [torch.zeros_like(local) for _ in range(mpu.get_data_parallel_world_size())]
-        dist.all_gather(gathered, local, group=mpu.get_data_parallel_group())
-        values = torch.cat(gathered).tolist()
-        worst = max(range(len(values)), key=lambda i: values[i])
-        return values[worst], worst
+    def _reduce_after_step(self) -> torch.Tensor:
+        """The worst DP rank's loss sums, the per-source sums and every rank's busy time: one
+        all-reduce over every rank (:mod:`.step_sums`), read by the writer alone."""
+        assert self.sums is not None and self.clock is not None
+        loss = None  # TP rank 0 of the last stage adds its replica's (CP: its part)
+        adds = mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0
+        if adds and torch.is_tensor(self.loss_tokens):
+            loss = (torch.as_tensor(self.loss_sum), self.loss_tokens)
+        values = self.sums.pack(
+            collective_device(),
+            dist.get_rank(),
+            self.clock.read(),
+            self.peers,
+            sources=None if self.sources is None else self.sources.take(),
+            loss=loss,
+            replica=mpu.get_data_parallel_rank(),
+        )
+        self.loss_sum, self.loss_tokens = 0.0, 0.0
+        dist.all_reduce(values)
+        return values
 
     def after_step(self, record: StepRecord) -> None:
         names = [n for reduction in self.reductions for n in reduction.names]
-        bucket_sq = [v for slots in self.pending for v in slots.tolist()]
+        slots = split_slots(names, [v for slots in self.pending for v in slots.tolist()])
         self.pending = []
-        buckets = {n: math.sqrt(max(s, 0.0)) for n, s in zip(names, bucket_sq)}
+        bucket_sq = slots[0] if self.args.log_bucket_grad_norms else {}
+        buckets, layers = roots(bucket_sq), (roots(slots[1]), roots(slots[2]))
         grad_norm = record.grad_norm
-        if buckets and grad_norm is not None and math.isfinite(grad_norm):
-            self._check(record.iteration, sum(bucket_sq), grad_norm)
-        worst_loss, worst_rank = self._worst_rank()
-        self.loss_sum, self.loss_tokens = 0.0, 0.0
-        by_dataset: tuple[dict[str, float], dict[str, int]] = ({}, {})
-        if self.sources is not None:  # the last stage; TP ranks > 0 add zeros
-            group = mpu.get_tensor_and_data_parallel_group(with_context_parallel=True)
-            by_dataset = self.sources.reduce(group)
-        ratio = None if self.snapshot is None else update_ratio(self._params(), self.snapshot)
-        self.snapshot = None
+        if grad_norm is not None and math.isfinite(grad_norm):
+            for what, squares in (("bucket", bucket_sq), ("layer", slots[1])):
+                if squares:
+                    self._check(record.iteration, sum(squares.values()), grad_norm, what)
+        summed = None if self.sums is None else self._reduce_after_step()
+        riders = []  # per-layer update norms ride in the update ratio's all-reduces
+        if self.layer_snapshot is not None and self.normer is not None:
+            local = self.normer.update_squares(self.layer_snapshot)
+            riders = [(r.group, s) for r, s in zip(self.reductions, self._slots(local))]
+        ratio = (
+            None if self.snapshot is None else update_ratio(self._params(), self.snapshot, riders)
+        )
+        self.snapshot = self.layer_snapshot = None
+        values = [v for _, slots in riders for v in slots.tolist()]
+        updates = roots(split_slots(names, values)[1]) if riders else {}
         params_norm = record.params_norm
         if self.args.signals_dir and params_norm is None:  # the patched one (FSDP2: global)
             params_norm = megatron_training.calc_params_l2_norm(self.model)
         if not _is_writer():
             return
+        step = StepValues() if summed is None else self.sums.read(summed.tolist(), self.members)
+        by_dataset, slow = step.by_dataset, self._log_stragglers(record.iteration, step)
         self._log_buckets(record.iteration, buckets)
+        self._log_layers(record.iteration, *layers, updates)
         self._log_sources(record.iteration, *by_dataset)
         if self.writer is None:
             return
@@ -287,10 +382,13 @@ class TelemetryFeature(Feature):
             skipped_samples=int(args.skipped_train_samples),
             lm_loss=losses.get("lm loss"),
             z_loss=losses.get("z loss"),
-            max_local_loss=worst_loss,
-            max_loss_dp_rank=worst_rank,
+            max_local_loss=step.worst_loss,
+            max_loss_dp_rank=step.worst_rank,
             grad_norm=grad_norm,
             bucket_grad_norms=buckets,
+            layer_grad_norms=layers[0],
+            layer_param_norms=layers[1],
+            layer_update_norms=updates,
             lm_loss_by_dataset=by_dataset[0],
             tokens_by_dataset=by_dataset[1],
             params_norm=params_norm,
@@ -311,19 +409,40 @@ class TelemetryFeature(Feature):
             nan_iter=any(not math.isfinite(v) for v in losses.values()),
             log_z=losses.get("log z"),
             update_skipped=record.update_skipped,
+            **slow,
         )
         self.writer.write(record.signals)
         self.step_lrs = None
 
-    def _check(self, iteration: int, bucket_sum_sq: float, grad_norm: float) -> None:
+    def _check(self, iteration: int, sum_sq: float, grad_norm: float, what: str) -> None:
         expected = grad_norm * grad_norm
-        if abs(bucket_sum_sq - expected) > NORM_CHECK_RTOL * max(expected, 1e-30):
+        if abs(sum_sq - expected) > NORM_CHECK_RTOL * max(expected, 1e-30):
             print(
-                f"megatron-ext WARNING: iteration {iteration}: sum of bucket grad norms^2 "
-                f"{bucket_sum_sq:.9g} != grad-norm^2 {expected:.9g} (rtol {NORM_CHECK_RTOL}); "
-                "bucket norms do not cover what Megatron's grad norm covers",
+                f"megatron-ext WARNING: iteration {iteration}: sum of {what} grad norms^2 "
+                f"{sum_sq:.9g} != grad-norm^2 {expected:.9g} (rtol {NORM_CHECK_RTOL}); "
+                f"{what} norms do not cover what Megatron's grad norm covers",
                 flush=True,
             )
+
+    def _log_layers(self, iteration: int, *kinds: dict[str, float]) -> None:
+        """Per-layer norms (grad, weights, update) under their TensorBoard keys; the console
+        line shows the grad norms."""
+        scalars = {
+            p + n: v for p, norms in zip((GRAD, PARAM, UPDATE), kinds) for n, v in norms.items()
+        }
+        shown = " | ".join(f"{n}: {v:.4g}" for n, v in kinds[0].items())
+        self._log(iteration, scalars, f"layer grad norms | {shown}")
+
+    def _log_stragglers(self, iteration: int, step: StepValues) -> dict[str, Any]:
+        """The slowest rank to TensorBoard and the console, a straggler announced when named
+        or cleared; returns the signals fields."""
+        if self.stragglers is None:
+            return {}
+        out = self.stragglers.observe(iteration, step.slowest)
+        if out.news is not None:
+            print(f"megatron-ext stragglers: {out.news}", flush=True)
+        self._log(iteration, out.scalars, out.line)
+        return out.fields
 
     def _log_buckets(self, iteration: int, buckets: dict[str, float]) -> None:
         scalars = {f"bucket-grad-norm/{n}": v for n, v in buckets.items()}

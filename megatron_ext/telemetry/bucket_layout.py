@@ -20,18 +20,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_ext.telemetry.layers import layer_of, local_layers, segment_owners, slot_names
+
 # Megatron's filter of what its grad norm counts on this rank, for one parameter.
 Counted = Callable[[torch.Tensor], bool]
+# A parameter's fp32 main copy and whether it is this rank's shard of the bucket range (None:
+# the parameter is its own main copy).
+MainOf = Callable[[torch.Tensor], tuple[torch.Tensor, bool] | None]
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
 class BucketView:
-    """The gradient views of one bucket that this rank's share of the global norm counts."""
+    """The gradient views of one bucket that this rank's share of the global norm counts;
+    per segment, its layer entry and the weights' view (:mod:`.layers`); ``members``: the
+    layer entries of every parameter of the bucket (the same on every rank of its owner)."""
 
     name: str
     segments: tuple[torch.Tensor, ...]
+    layers: tuple[str, ...] = ()
+    weights: tuple[torch.Tensor, ...] = ()
+    members: tuple[str, ...] = ()
 
 
 @dataclass
@@ -86,22 +96,60 @@ def clip_range(start: int, end: int, lo: int, hi: int) -> tuple[int, int] | None
 class BucketNormer:
     """Every bucket's squared norm with one fused ``_foreach_norm`` per step (fp32 per
     segment, fp64 sums, as Megatron's norm; no gradient copy). The segment → bucket index is
-    built once: a host-to-device copy per step would synchronise the GPU."""
+    built once: a host-to-device copy per step would synchronise the GPU. With ``layers``
+    (:func:`.layers.segment_owners`), the same per-segment norms also add into per-layer
+    slots after the buckets', and a second ``_foreach_norm`` over the segments' weights."""
 
-    def __init__(self, views: list[BucketView]) -> None:
+    def __init__(
+        self, views: list[BucketView], layers: tuple[list[int], list[int], int] | None = None
+    ) -> None:
         self.count = len(views)
         self.segments = [s for v in views for s in v.segments]
+        self.weights = [w for v in views for w in v.weights] if layers else []
         device = self.segments[0].device if self.segments else torch.device("cpu")
-        self.owner = torch.tensor(
-            [i for i, v in enumerate(views) for _ in v.segments], dtype=torch.long, device=device
+        owners = [i for i, v in enumerate(views) for _ in v.segments]
+        grads, weights, size = layers or ([], [], 0)
+        self.size = self.count + size
+        owners += [self.count + i for i in grads]
+        self.weight_owner = torch.tensor(
+            [self.count + i for i in weights], dtype=torch.long, device=device
         )
+        self.owner = torch.tensor(owners, dtype=torch.long, device=device)
 
-    def __call__(self) -> torch.Tensor:
-        totals = torch.zeros(self.count, dtype=torch.float64, device=self.owner.device)
+    def __call__(self, loss_scale: Any = 1.0) -> torch.Tensor:
+        """Squared norms: the buckets', then the layer slots; gradients unscaled by
+        ``loss_scale`` (fp16 grad_data holds scaled gradients; a tensor keeps it on device)."""
+        totals = torch.zeros(self.size, dtype=torch.float64, device=self.owner.device)
         if not self.segments:
             return totals
+        scale = torch.as_tensor(loss_scale).to(totals.device, torch.float64)
         per_segment = torch.stack(torch._foreach_norm(self.segments)).double().square()
-        return totals.index_add_(0, self.owner, per_segment)
+        per_segment = per_segment / (scale * scale)
+        if len(self.owner) > len(self.segments):
+            per_segment = per_segment.repeat(2)
+        totals.index_add_(0, self.owner, per_segment)
+        if self.weights:
+            norms = torch._foreach_norm(self.weights, 2, dtype=torch.float32)
+            totals.index_add_(0, self.weight_owner, torch.stack(norms).double().square())
+        return totals
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """A copy of the segments' weights, for :meth:`update_squares` after the step
+        (allocated per step, as the update ratio's: it is not held through the next forward
+        and backward, whose activations set the peak)."""
+        return [w.clone() for w in self.weights]
+
+    def update_squares(self, before: list[torch.Tensor]) -> torch.Tensor:
+        """Each layer's ||Δw||² since ``before`` (a :meth:`snapshot`, consumed: the
+        difference is taken in place) in its gradient slot (the rest 0)."""
+        totals = torch.zeros(self.size, dtype=torch.float64, device=self.owner.device)
+        if self.weights:
+            torch._foreach_sub_(before, self.weights)
+            norms = torch._foreach_norm(before, 2, dtype=torch.float32)
+            totals.index_add_(
+                0, self.owner[len(self.segments) :], torch.stack(norms).double().square()
+            )
+        return totals
 
 
 def squared_norms(views: list[BucketView]) -> torch.Tensor:
@@ -116,11 +164,12 @@ def is_expert(param: torch.Tensor) -> bool:
 
 
 def bucket_views(
-    chunks: Iterable[Any], counted: Counted, not_shared: Counted
+    chunks: Iterable[Any], counted: Counted, not_shared: Counted, main_of: MainOf | None = None
 ) -> dict[bool, list[BucketView]]:
     """This rank's dense (False) and expert (True) bucket views of the DDP model ``chunks``.
     ``counted``: Megatron's grad-norm filter; ``not_shared``: its shared-copy filter alone (a
-    bucket of only a shared copy is left out: it is counted where the original lives)."""
+    bucket of only a shared copy is left out: it is counted where the original lives);
+    ``main_of``: a parameter's fp32 main copy where the optimizer keeps one (for weights)."""
     views: dict[bool, list[BucketView]] = {False: [], True: []}
     for chunk in chunks:
         paths = layer_paths(chunk.named_modules())
@@ -137,15 +186,54 @@ def bucket_views(
                     ordered = sorted(bucket.params_list, key=lambda p: bucket.param_to_index[p])
                     if not any(map(not_shared, ordered)):
                         continue  # only a shared copy: its gradient is counted elsewhere
-                    segments = tuple(
-                        bucket.grad_data[r[0] : r[1]]
+                    ranges = [
+                        (p, r)
                         for p in ordered
                         if counted(p)
                         if (r := clip_range(*bucket.param_to_index[p], lo, hi)) is not None
-                    )
+                    ]
                     name = bucket_name(len(views[expert]), [names_of[p] for p in ordered])
-                    views[expert].append(BucketView(name=name, segments=segments))
+                    view = BucketView(
+                        name=name,
+                        segments=tuple(bucket.grad_data[a:b] for _, (a, b) in ranges),
+                        layers=tuple(layer_of(names_of[p]) for p, _ in ranges),
+                        weights=tuple(
+                            _weights(p, r, bucket.param_to_index[p][0], main_of) for p, r in ranges
+                        ),
+                        members=tuple(layer_of(names_of[p]) for p in ordered if not_shared(p)),
+                    )
+                    views[expert].append(view)
     return views
+
+
+def _weights(
+    param: torch.Tensor, span: tuple[int, int], start: int, main_of: MainOf | None
+) -> torch.Tensor:
+    """The weights the optimizer updates for ``param``'s bucket range ``span`` (``start``:
+    where the parameter begins): its main copy's (a shard of exactly ``span``, or the whole
+    parameter's), else the parameter's own."""
+    main = main_of(param) if main_of is not None else None
+    if main is None:
+        return param.detach().view(-1)[span[0] - start : span[1] - start]
+    tensor, sharded = main
+    if not sharded:
+        return tensor.detach().view(-1)[span[0] - start : span[1] - start]
+    if tensor.numel() != span[1] - span[0]:
+        raise RuntimeError(
+            "megatron-ext telemetry: a main parameter shard does not match its gradient range "
+            f"({tensor.numel()} != {span[1] - span[0]}); re-verify registry distopt-main-param"
+        )
+    return tensor.detach().view(-1)
+
+
+def layer_layout(
+    views: dict[bool, list[BucketView]],
+) -> tuple[dict[bool, list[str]], tuple[list[int], list[int], int]]:
+    """Each kind's layer entries (from every parameter: ranks of an owner agree) and the
+    segments' slots in the local layer vector, for :class:`BucketNormer`."""
+    layers = local_layers({k: (n for v in vs for n in v.members) for k, vs in views.items()})
+    kinds = [(k, n) for k in sorted(views) for v in views[k] for n in v.layers]
+    return layers, segment_owners(kinds, layers)
 
 
 def grad_stats_groups(optimizers: Iterable[Any], has_experts: bool) -> dict[bool, Any]:
@@ -188,25 +276,46 @@ def assign_slots(
     stage: int,
     staged: bool,
     expert_rank: int,
+    layers: dict[bool, list[str]] | None = None,
 ) -> list[Reduction]:
     """One :class:`Reduction` per distinct grad-stats group, with every owner's slot names
     (prefixed ``pp<stage>.`` when pipelined, ``ep<rank>.`` for experts) and where this rank's
-    dense and expert buckets (in :func:`bucket_views` order, dense first) go in it."""
+    dense and expert buckets (in :func:`bucket_views` order, dense first) go in it; then,
+    with ``layers``, every owner's layer slots (global names, :func:`.layers.slot_names`)."""
     reductions: list[Reduction] = []
-    first_local = 0
+    local = {k: [v.name for v in vs] for k, vs in views.items()}
+    first_local = _place(reductions, local, groups, stage, expert_rank, staged, 0)
+    if layers is not None:
+        named = {k: slot_names(layers.get(k, [])) for k in views}
+        _place(reductions, named, groups, stage, expert_rank, None, first_local)
+    return reductions
+
+
+def _place(
+    reductions: list[Reduction],
+    local: dict[bool, list[str]],
+    groups: dict[bool, Any],
+    stage: int,
+    expert_rank: int,
+    staged: bool | None,
+    first_local: int,
+) -> int:
+    """Add each kind's slots (``staged`` None: unlabelled, for names already global) to its
+    group's reduction; returns the next local index."""
     for expert in sorted(groups):
         owner = (stage, expert_rank) if expert else (stage,)
-        label = (f"pp{stage}." if staged else "") + (f"ep{owner[-1]}." if expert else "")
-        names, offset = gather_slots([v.name for v in views[expert]], owner, label, groups[expert])
+        label = "" if staged is None else (f"pp{stage}." if staged else "")
+        label += f"ep{owner[-1]}." if expert and staged is not None else ""
+        names, offset = gather_slots(local[expert], owner, label, groups[expert])
         reduction = next((r for r in reductions if r.group is groups[expert]), None)
         if reduction is None:
             reduction = Reduction(groups[expert], [], [])
             reductions.append(reduction)
-        count = len(views[expert])
+        count = len(local[expert])
         reduction.parts.append((first_local, count, len(reduction.names) + offset))
         reduction.names += names
         first_local += count
-    return reductions
+    return first_local
 
 
 def params_by_group(

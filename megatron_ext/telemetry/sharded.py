@@ -25,6 +25,7 @@ from megatron_ext.telemetry.bucket_layout import (
     global_layer_name,
     layer_paths,
 )
+from megatron_ext.telemetry.layers import layer_of, local_layers, segment_owners
 
 
 def is_fully_sharded(chunks: Iterable[Any]) -> bool:
@@ -34,36 +35,76 @@ def is_fully_sharded(chunks: Iterable[Any]) -> bool:
 
 class UnitNormer:
     """Each FSDP unit's squared gradient norm, summed over the shard group (one fused
-    ``_foreach_norm`` and one all-reduce per step), as :class:`.bucket_layout.BucketNormer`.
-    FSDP2 gives a parameter a new ``.grad`` after ``zero_grad``: gradients are read each call."""
+    ``_foreach_norm`` and one all-reduce per step), as :class:`.bucket_layout.BucketNormer`;
+    with ``names`` (each unit's parameter names), also per-layer gradient and weight norms²
+    (:mod:`.layers`) after the units'. FSDP2 gives a parameter a new ``.grad`` after
+    ``zero_grad``: gradients are read each call."""
 
     def __init__(
-        self, units: list[list[torch.Tensor]], counted: Counted, holders: dict[int, torch.Tensor]
+        self,
+        units: list[list[torch.Tensor]],
+        counted: Counted,
+        holders: dict[int, torch.Tensor],
+        names: list[list[str]] | None = None,
     ) -> None:
         self.count = len(units)
         self.groups = dtensors.shard_groups(p for params in units for p in params)
-        self.params = [  # (unit, the tensor whose .grad Megatron's norm reads)
-            (i, holders.get(id(p), p))
+        kept = [
+            (i, holders.get(id(p), p), layer_of(names[i][j]) if names else "")
             for i, params in enumerate(units)
-            for p in params
+            for j, p in enumerate(params)
             if counted(p) and dtensors.local(p).numel()
         ]
+        self.params = [(i, p) for i, p, _ in kept]  # (unit, the tensor Megatron's norm reads)
         self.device = next((p.device for params in units for p in params), torch.device("cpu"))
-        self.owner = torch.tensor([i for i, _ in self.params], dtype=torch.long, device=self.device)
+        self.layers = local_layers({False: (layer_of(n) for ns in names or [] for n in ns)})
+        kinds = [(False, n) for *_, n in kept]
+        grads, weights, size = segment_owners(kinds, self.layers) if names else ([], [], 0)
+        self.size = self.count + size
+        self.grad_owner = [self.count + g for g in grads]
+        self.index = self._index(range(len(self.params)))  # built once: no per-step copy
+        self.weight_index = torch.tensor(
+            [self.count + w for w in weights], dtype=torch.long, device=self.device
+        )
 
-    def __call__(self) -> torch.Tensor:
-        totals = torch.zeros(self.count, dtype=torch.float64, device=self.device)
+    def _index(self, present: Iterable[int]) -> torch.Tensor:
+        present = list(present)
+        owners = [self.params[k][0] for k in present]
+        owners += [self.grad_owner[k] for k in present] if self.grad_owner else []
+        return torch.tensor(owners, dtype=torch.long).to(self.device)
+
+    def __call__(self, loss_scale: Any = 1.0) -> torch.Tensor:
+        totals = torch.zeros(self.size, dtype=torch.float64, device=self.device)
         grads = [p.grad for _, p in self.params]
-        if any(g is None for g in grads):  # a parameter without a gradient this step
-            owner = torch.tensor([i for (i, _), g in zip(self.params, grads) if g is not None])
-            owner, grads = owner.to(self.device), [g for g in grads if g is not None]
-        else:
-            owner = self.owner
-        if grads:
-            locals_ = [dtensors.local(g) for g in grads]
-            norms = torch._foreach_norm(locals_, 2, dtype=torch.float32)
-            totals.index_add_(0, owner, torch.stack(norms).double().square())
+        present = [k for k, g in enumerate(grads) if g is not None]  # no gradient this step
+        if present:
+            scale = torch.as_tensor(loss_scale).to(self.device, torch.float64)
+            locals_ = [dtensors.local(grads[k]) for k in present]
+            norms = torch.stack(torch._foreach_norm(locals_, 2, dtype=torch.float32))
+            squares = norms.double().square() / (scale * scale)
+            index = self.index if len(present) == len(grads) else self._index(present)
+            totals.index_add_(0, index, squares.repeat(2) if self.grad_owner else squares)
+        if self.grad_owner:
+            weights = [dtensors.local(p.detach()) for _, p in self.params]
+            norms = torch.stack(torch._foreach_norm(weights, 2, dtype=torch.float32))
+            totals.index_add_(0, self.weight_index, norms.double().square())
         return dtensors.sum_over_shards(totals, self.groups)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """A copy of the local weights, for :meth:`update_squares` after the step."""
+        if not self.grad_owner:
+            return []
+        return [dtensors.local(p.detach()).clone() for _, p in self.params]
+
+    def update_squares(self, before: list[torch.Tensor]) -> torch.Tensor:
+        """Each layer's local ||Δw||² since ``before`` (a :meth:`snapshot`, consumed) in its
+        gradient slot (the rest 0; summed over the shards by :func:`update_ratio`)."""
+        totals = torch.zeros(self.size, dtype=torch.float64, device=self.device)
+        if self.grad_owner:
+            torch._foreach_sub_(before, [dtensors.local(p.detach()) for _, p in self.params])
+            norms = torch.stack(torch._foreach_norm(before, 2, dtype=torch.float32))
+            totals.index_add_(0, self.index[len(self.params) :], norms.double().square())
+        return totals
 
 
 def main_params(parts: Iterable[Any]) -> dict[int, torch.Tensor]:
@@ -80,12 +121,14 @@ def main_params(parts: Iterable[Any]) -> dict[int, torch.Tensor]:
 
 
 def fsdp_units(
-    chunks: Iterable[Any], counted: Counted, parts: Iterable[Any]
+    chunks: Iterable[Any], counted: Counted, parts: Iterable[Any], layers: bool = False
 ) -> tuple[list[BucketView], UnitNormer]:
-    """One named view per FSDP unit holding parameters (in module order), and their normer.
-    A parameter belongs to the innermost ``fully_shard`` module above it; a unit is listed
-    whatever ``counted`` says (TP ranks must name the same units)."""
+    """One named view per FSDP unit holding parameters (in module order), and their normer
+    (``layers``: with per-layer slots). A parameter belongs to the innermost ``fully_shard``
+    module above it; a unit is listed whatever ``counted`` says (TP ranks must name the same
+    units)."""
     units: list[list[torch.Tensor]] = []
+    unit_names: list[list[str]] = []
     views: list[BucketView] = []
     for chunk in chunks:
         paths = layer_paths(chunk.named_modules())
@@ -100,7 +143,8 @@ def fsdp_units(
             names = [global_layer_name(n, paths) for n, _ in found]
             views.append(BucketView(name=bucket_name(len(views), names), segments=()))
             units.append([p for _, p in found])
-    return views, UnitNormer(units, counted, main_params(parts))
+            unit_names.append(names)
+    return views, UnitNormer(units, counted, main_params(parts), unit_names if layers else None)
 
 
 def snapshot(sets: list[tuple[Any, list[torch.Tensor]]]) -> list[list[torch.Tensor]]:
@@ -109,10 +153,13 @@ def snapshot(sets: list[tuple[Any, list[torch.Tensor]]]) -> list[list[torch.Tens
 
 
 def update_ratio(
-    sets: list[tuple[Any, list[torch.Tensor]]], before: list[list[torch.Tensor]]
+    sets: list[tuple[Any, list[torch.Tensor]]],
+    before: list[list[torch.Tensor]],
+    riders: list[tuple[Any, torch.Tensor]] = (),
 ) -> float | None:
     """||Δθ|| / ||θ|| over the whole model: per (grad-stats group, counted parameters) set,
-    fused norms of this rank's part, summed over the shard group and then the set's group."""
+    fused norms of this rank's part, summed over the shard group and then the set's group.
+    ``riders`` (group, local sums): summed in place in their group's all-reduce."""
     delta = norm = 0.0
     for (group, params), old in zip(sets, before):
         current = [dtensors.local(p.detach()).float() for p in params]
@@ -122,7 +169,11 @@ def update_ratio(
             deltas = torch._foreach_sub(current, old)
             for row, tensors in enumerate((deltas, current)):
                 sums[row] = torch.stack(torch._foreach_norm(tensors)).double().square().sum()
+        mine = [t for g, t in riders if g is group]
+        sums = torch.cat([sums, *(t.to(device) for t in mine)])
         dtensors.sum_over_shards(sums, dtensors.shard_groups(params))
         dist.all_reduce(sums, group=group)
+        for tensor, part in zip(mine, sums[2:].split([len(t) for t in mine])):
+            tensor.copy_(part)
         delta, norm = delta + sums[0].item(), norm + sums[1].item()
     return math.sqrt(delta) / math.sqrt(norm) if norm > 0 else None

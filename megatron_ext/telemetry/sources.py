@@ -2,8 +2,8 @@
 
 A small-share bad source hides in the averaged ``lm loss``. Each micro-batch's pure-CE loss and
 loss-mask tokens are summed per blend member (megatron-core's ``dataset_id``) on device, with
-no host sync; the iteration's one ``[2K]`` all-reduce happens after Megatron's own logging
-synchronised. No Megatron imports.
+no host sync; the sums travel in the overlay's one after-step all-reduce
+(:mod:`.step_sums`; evaluation reduces them on their own). No Megatron imports.
 """
 
 from __future__ import annotations
@@ -51,10 +51,21 @@ class SourceAccumulator:
         member with tokens, tokens by member)."""
         if dist.is_initialized():
             dist.all_reduce(self.sums, group=group)
-        loss_sums, tokens = self.sums.tolist()
+        return self.read(self.names, self.take().reshape(-1).tolist())
+
+    def take(self) -> torch.Tensor:
+        """This iteration's ``[2, K]`` sums (a copy, still on device); resets them."""
+        sums = self.sums.clone()
         self.sums.zero_()
-        losses = {n: s / t for n, s, t in zip(self.names, loss_sums, tokens) if t > 0}
-        return losses, {n: round(t) for n, t in zip(self.names, tokens)}
+        return sums
+
+    @staticmethod
+    def read(names: list[str], values: list[float]) -> tuple[dict[str, float], dict[str, int]]:
+        """Summed ``[2, K]`` values, flat on the host: (loss by member with tokens, tokens by
+        member)."""
+        loss_sums, tokens = values[: len(names)], values[len(names) : 2 * len(names)]
+        losses = {n: s / t for n, s, t in zip(names, loss_sums, tokens) if t > 0}
+        return losses, {n: round(t) for n, t in zip(names, tokens)}
 
 
 def format_sources(losses: dict[str, float], tokens: dict[str, int]) -> str:

@@ -105,8 +105,15 @@ class ZLossFeature(Feature):
         # DDP marks a parameter ready for its bucket's all-reduce in its .grad hook, so with
         # overlapped reduction the weight needs a (dummy) .grad even when main_grad has it.
         self.dummy_wgrad = bool(getattr(args, "overlap_grad_reduce", False))
-        if self.tracks() and args.cross_entropy_loss_fusion:
-            _say_which_cross_entropy(getattr(args, "cross_entropy_fusion_impl", "native"))
+        impl = getattr(args, "cross_entropy_fusion_impl", "native")
+        if self.fused and args.cross_entropy_loss_fusion:
+            print_rank_0(
+                "megatron-ext: --fused-output-loss computes the output layer and its cross "
+                "entropy in one chunked pass, in place of Megatron's cross entropy: "
+                f"--cross-entropy-loss-fusion ({impl}) does not run in this job."
+            )
+        elif self.tracks() and args.cross_entropy_loss_fusion:
+            _say_which_cross_entropy(impl)
 
     def needs_patch(self, name: str) -> bool:
         return {"zloss-output-layer": self.tracks(), "fused-output-loss": self.fused}[name]
@@ -152,11 +159,6 @@ def _validate_fused(args: Any) -> None:
             f"{args.fused_output_loss_chunk_tokens}."
         )
     refused = {
-        "cross_entropy_loss_fusion": (
-            "--cross-entropy-loss-fusion",
-            "the fused output loss replaces Megatron's cross entropy, fused or not, so it "
-            "would be silently ignored",
-        ),
         "defer_embedding_wgrad_compute": (
             "--defer-embedding-wgrad-compute",
             "it defers the output layer's weight-gradient GEMM, which the fused output loss "

@@ -35,7 +35,7 @@ from megatron_ext.common.files import (
 from megatron_ext.common.records.signals import read_signals
 from megatron_ext.common.run_lock import Holder
 from tests.support.drill import BAD, TRAIN_ITERS, check_lookup_equals_sample_log
-from tests.support.harness import REPO, RUNNER, Run, kill_tree
+from tests.support.harness import REPO, RUNNER, Run, run_logged
 from tests.support.launcher_fakes import free_port
 
 EXAMPLE = REPO / "docs" / "examples" / "pretrain_bridge.py"
@@ -99,22 +99,7 @@ def _supervised(
         EXTRA_ENV=f"MEGATRON_EXT_HARNESS_COUNTS={work / 'counts'} PYTHONUNBUFFERED=1",
         SKIPLIST_ARGS=" ".join(PLAN),
     )
-    log = work / "log.txt"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            ["bash", str(REPO / "launch" / "run_single_node.sh")],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=work,
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            proc.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            raise
-    return Run(work, proc.returncode, log.read_text())
+    return run_logged(["bash", str(REPO / "launch" / "run_single_node.sh")], work, env, 600)
 
 
 def _stale_lease(ckpt: Path) -> Holder:

@@ -13,7 +13,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from megatron_ext.common.records.signals import read_signals
 from megatron_ext.lookup import cli as lookup
 from tests.bridge import test_bridge_drill as drill
 from tests.support.drill import check_lookup_equals_sample_log
-from tests.support.harness import RUNNER, Run, kill_tree
+from tests.support.harness import RUNNER, Run, run_logged
 
 SCRIPT = Path(__file__).with_name("layout_script.py")
 MEMBERS = ("tiny_text_document", "copy_text_document")
@@ -52,16 +51,7 @@ def _launch(work: Path, ranks: int, flags: list[str]) -> Run:
         *("--work", str(work), "--train-iters", str(ITERS), "--save-interval", str(ITERS)),
         *("--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", str(MICRO_BATCH)),
     ]
-    with open(work / "log.txt", "w") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=work, env=env, start_new_session=True
-        )
-        try:
-            proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            raise
-    return Run(work, proc.returncode, (work / "log.txt").read_text())
+    return run_logged(cmd, work, env, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +94,14 @@ def layout(request, tmp_path_factory, blend) -> dict:
 def test_the_overlay_at_a_bridge_layout(layout: dict, tmp_path: Path, capsys) -> None:
     ext, plain = layout["ext"], layout["plain"]
     assert (ext.returncode, plain.returncode) == (0, 0), (ext.log[-3000:], plain.log[-3000:])
-    # Bridge's first iteration is the same with the overlay (z-loss reports the pure CE; the
-    # fused output loss sums in chunks: fp32 rounding).
+    # Bridge's first iteration is the same with the overlay: the lm loss to fp32 rounding
+    # (z-loss reports the pure CE; the fused output loss sums in chunks); the grad norm to
+    # 2e-3, as z-loss adds 2c·log Z·softmax to the gradient and Bridge alone's fused CE
+    # (the recipes' setting) rounds its gradient to bf16, where the fused output loss does not.
     first = [float(v) for v in FIRST.search(ext.log).groups()]
-    for value, expected in zip(first, map(float, FIRST.search(plain.log).groups())):
-        assert math.isclose(value, expected, rel_tol=1e-5), (first, plain.log[-3000:])
+    expected = [float(v) for v in FIRST.search(plain.log).groups()]
+    for value, want, rtol in zip(first, expected, (1e-5, 2e-3)):
+        assert math.isclose(value, want, rel_tol=rtol), (first, expected, plain.log[-3000:])
     assert "mlp.linear_fc2.weight wd_mult=0.5 <- --weight-decay-override" in ext.log
     assert "megatron-ext WARNING" not in ext.log
     _check_signals(ext, layout["trained"])

@@ -49,10 +49,11 @@ def test_in_process_restart_is_refused_with_the_reason(tmp_path: Path) -> None:
         bridge_args.refuse_unsupported(config)
 
 
-def test_z_loss_with_bridges_default_fused_cross_entropy_is_accepted(tmp_path: Path) -> None:
-    """z-loss composes with the native fused CE and routes TE's (docs/z-loss.md); only the
-    fused output loss, which replaces the CE, refuses the fusion."""
-    from megatron_ext.common.features import FeatureError
+def test_z_loss_and_the_fused_output_loss_with_bridges_fused_cross_entropy_are_accepted(
+    tmp_path: Path,
+) -> None:
+    """z-loss composes with the native fused CE and routes TE's (docs/z-loss.md); the fused
+    output loss, which replaces the CE, takes the fusion's place."""
     from megatron_ext.zloss.adapter import ZLossFeature
 
     config = _config(tmp_path)
@@ -64,8 +65,8 @@ def test_z_loss_with_bridges_default_fused_cross_entropy_is_accepted(tmp_path: P
         ZLossFeature().validate(args)
         assert (args.cross_entropy_loss_fusion, args.cross_entropy_fusion_impl) == (True, impl)
     args = bridge_args.megatron_args(config, ["--z-loss-coeff", "1e-4", "--fused-output-loss"])
-    with pytest.raises(FeatureError, match="cannot be combined with --cross-entropy-loss-fusion"):
-        ZLossFeature().validate(args)
+    ZLossFeature().validate(args)
+    assert args.fused_output_loss and args.cross_entropy_loss_fusion
     args = bridge_args.megatron_args(config, ["--signals-dir", str(tmp_path)])
     assert (args.save, args.train_iters, args.data_parallel_size) == (
         str(tmp_path / "ckpt"), 4, 1,

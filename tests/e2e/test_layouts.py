@@ -11,6 +11,7 @@ Megatron-FSDP) are refused at start-up, each with its reason.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import defaultdict
@@ -126,6 +127,35 @@ def test_bucket_norms_sum_to_the_grad_norm_under_global_layer_names(
     assert seen == set(range(layout.num_layers)), "every layer is named by its global number"
     assert experts == (set(range(2)) if layout.model == "moe" else set())
     assert "sum of bucket grad norms" not in run.log
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_layer_norms_sum_to_the_grad_norm_with_every_layer_once_by_its_global_name(
+    matrix: Matrix, name: str
+) -> None:
+    """Per-layer norms: every layer of the model once under its global name (a stage-local
+    name would repeat layer 0 and leave the last ones out), Σ layer² = grad-norm², the
+    weights' norms (before the step) add up to the previous record's params norm, and the
+    update norms to the update ratio × params norm."""
+    layout, run = BY_NAME[name], matrix.first(name)
+    records = _trained(run)
+    layers = {f"decoder.layers.{i}" for i in range(layout.num_layers)}
+    others = {"embedding.word_embeddings", "decoder.final_layernorm"}
+    others |= set() if layout.tied else {"output_layer"}
+    for r in records:
+        assert set(r.layer_grad_norms) == layers | others, r.layer_grad_norms
+        assert set(r.layer_param_norms) == layers | others
+        total = sum(v * v for v in r.layer_grad_norms.values())
+        assert total == pytest.approx(r.grad_norm**2, rel=1e-5), r.iteration
+        assert set(r.layer_update_norms) == layers | others
+        # The main parameters' (bf16: the fp32 main copy's) change, as the ratio reads them.
+        assert all(v > 0 for v in r.layer_update_norms.values()), r.layer_update_norms
+        update = math.sqrt(sum(v * v for v in r.layer_update_norms.values()))
+        assert update / r.params_norm == pytest.approx(r.update_ratio, rel=1e-4)
+    for before, r in itertools.pairwise(records):
+        weights = sum(v * v for v in r.layer_param_norms.values())
+        assert weights == pytest.approx(before.params_norm**2, rel=1e-5), r.iteration
+    assert "sum of layer grad norms" not in run.log
 
 
 @pytest.mark.parametrize("name", FP32)

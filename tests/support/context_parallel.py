@@ -57,6 +57,8 @@ def main(out: Path) -> None:
     from megatron_ext.sample_log.adapter import SampleLogFeature
     from megatron_ext.telemetry.adapter import TelemetryFeature
     from megatron_ext.telemetry.sources import SourceAccumulator
+    from megatron_ext.telemetry.step_sums import StepSums
+    from megatron_ext.telemetry.stragglers import StepClock
 
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(context_parallel_size=2)
@@ -84,12 +86,15 @@ def main(out: Path) -> None:
 
     telemetry = TelemetryFeature()
     telemetry.args = SimpleNamespace(signals_dir=str(out / "signals"))
-    telemetry.sources = SourceAccumulator(["even", "odd"], "cpu")
+    telemetry.members = ["even", "odd"]
+    telemetry.sources = SourceAccumulator(telemetry.members, "cpu")
+    dp, world = parallel_state.get_data_parallel_world_size(), dist.get_world_size()
+    telemetry.sums, telemetry.clock = StepSums(2, dp, world), StepClock(cuda=False)
     inputs.micro_batch.dataset_ids = torch.arange(BATCH) % 2
     telemetry.on_loss(inputs)
-    worst_loss, worst_rank = telemetry._worst_rank()
-    group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    by_source = telemetry.sources.reduce(group)
+    # The one after-step all-reduce; every rank reads it here (in training, the writer).
+    step = telemetry.sums.read(telemetry._reduce_after_step().tolist(), telemetry.members)
+    worst_loss, worst_rank, by_source = step.worst_loss, step.worst_rank, step.by_dataset
     result = {
         "shard_tokens": int(mask.sum()),
         "worst_loss": worst_loss,

@@ -4,7 +4,7 @@ Why: the cost of reading a log at scale depends on what its lines hold. A defaul
 (``megatron-ext demo``: one dataset, no ``--spike-detect``, no optional signal) writes the
 per-source fields and leaves the optional signals null; a benchmark on lines without them
 measured 4 s where a real 1 M-iteration log took 38 s. :data:`RECORD` is one line of
-``runs/demo/signals/signals.jsonl`` verbatim (iteration 20, written 2026-12-03 by this tree);
+``runs/demo/signals/signals.jsonl`` verbatim (iteration 39, written 2026-12-05 by this tree);
 the benchmarks change only the values that move from line to line.
 """
 
@@ -17,14 +17,20 @@ from megatron_ext.common.io import json_safe
 from megatron_ext.common.records.signals import APPENDED, SignalRecord
 
 RECORD = (
-    '{"iteration":20,"attempt":1,"job_id":"local","wall_time":1796312583.9025152,'
-    '"consumed_samples":160,"skipped_samples":0,"lm_loss":4.426114082336426,"z_loss":null,'
-    '"max_local_loss":4.426114082336426,"max_loss_dp_rank":0,"grad_norm":1.4179868698120117,'
-    '"bucket_grad_norms":{},"lm_loss_by_dataset":{"tiny_text_document":4.426114101428539},'
-    '"tokens_by_dataset":{"tiny_text_document":512},"params_norm":22.174850597544904,'
-    '"update_ratio":null,"lr":0.0019504032608410244,"loss_scale":1.0,"num_zeros":null,'
-    '"max_attention_logit":null,"skipped_iter":false,"nan_iter":false,"log_z":null,'
-    '"update_skipped":false}'
+    '{"iteration":39,"attempt":1,"job_id":"local","wall_time":1796483579.574557,"consumed_s'
+    'amples":312,"skipped_samples":0,"lm_loss":3.642561197280884,"z_loss":null,"max_local_l'
+    'oss":3.642561197280884,"max_loss_dp_rank":0,"grad_norm":0.8882488012313843,"bucket_gra'
+    'd_norms":{},"lm_loss_by_dataset":{"tiny_text_document":3.642561230575666},"tokens_by_d'
+    'ataset":{"tiny_text_document":512},"params_norm":23.5390754646496,"update_ratio":null,'
+    '"lr":0.00032169505539184995,"loss_scale":1.0,"num_zeros":null,"max_attention_logit":nu'
+    'll,"skipped_iter":false,"nan_iter":false,"log_z":null,"update_skipped":false,"layer_gr'
+    'ad_norms":{"embedding.word_embeddings":0.2087567299604416,"decoder.layers.0":0.1765581'
+    '8536373838,"decoder.layers.1":0.13385723988970102,"decoder.final_layernorm":0.22405415'
+    '773391724,"output_layer":0.8038132190704346},"layer_param_norms":{"embedding.word_embe'
+    'ddings":5.2180399894714355,"decoder.layers.0":12.630892576773,"decoder.layers.1":12.33'
+    '5358303936667,"decoder.final_layernorm":8.472464561462402,"output_layer":11.9317131042'
+    '48047},"layer_update_norms":{},"slowest_rank":null,"slowest_step_time":null,"median_st'
+    'ep_time":null,"straggler_rank":null,"straggler_node":null}'
 )
 SOURCE = "tiny_text_document"
 # Filled per line; every other field keeps RECORD's value.

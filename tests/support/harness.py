@@ -58,6 +58,7 @@ MICRO_BATCH = 2
 # Small DDP buckets so every model spans several; the update ratio so its field is exercised.
 TELEMETRY = [
     "--log-bucket-grad-norms",
+    "--log-layer-norms",
     "--signals-update-ratio",
     "--overlap-grad-reduce",
     "--ddp-bucket-size",
@@ -231,6 +232,22 @@ def launch(
                 break
             time.sleep(0.05)
     return Run(workdir, proc.returncode, log_path.read_text())
+
+
+def run_logged(cmd: list[str], work: Path, env: dict[str, str], timeout: float) -> Run:
+    """Run ``cmd`` in ``work`` (its own session), output to ``work/log.txt``; the whole process
+    tree is killed at ``timeout``."""
+    log = work / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=work, env=env, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            raise
+    return Run(work, proc.returncode, log.read_text())
 
 
 def kill_tree(pid: int) -> None:

@@ -10,6 +10,8 @@ thing happens on every attempt that trains that iteration (as a reproducible fai
 - ``INJECT_HANG_AT=K`` (``INJECT_HANG_RANK=R``: only on that rank; ``INJECT_HANG_ONCE=1``: in
   the first attempt that reaches it only): the forward sleeps for an hour at iteration K, as
   a stuck filesystem read or a deadlock would;
+- ``INJECT_SLOW_RANK=R`` (``INJECT_SLOW_S``, default 0.3): every training forward on rank R
+  sleeps that long, as a slow GPU, host or data read would make it (a straggler);
 - ``INJECT_TIME_PASSES_AT=K``: at iteration K of the first attempt only, Megatron's training
   start time moves two hours back, as if the run had trained that long, so
   ``--exit-duration-in-mins`` fires at its next check exactly as it would (the flag is whole
@@ -52,6 +54,8 @@ def _install():
     hang_at = int(os.environ.get("INJECT_HANG_AT", "0"))
     hang_rank = os.environ.get("INJECT_HANG_RANK")
     once = os.environ.get("INJECT_ONCE_FILE", "")
+    slow_rank = os.environ.get("INJECT_SLOW_RANK")
+    slow_s = float(os.environ.get("INJECT_SLOW_S", "0.3"))
     forward = gpt_model.GPTModel.forward
 
     def injected(self, *args, **kwargs):
@@ -73,6 +77,9 @@ def _install():
                 open(once, "w").close()
         if k in nan_range:
             out = out * float("nan")
+        if slow_rank == os.environ.get("RANK") and self.training:
+            import time
+            time.sleep(slow_s)  # injected straggler
         return out
 
     gpt_model.GPTModel.forward = injected
@@ -99,7 +106,9 @@ class _Finder:
         return spec
 
 
-_KNOBS = ("INJECT_NAN", "INJECT_RAISE_AT", "INJECT_TIME_PASSES_AT", "INJECT_HANG_AT")
+_KNOBS = (
+    "INJECT_NAN", "INJECT_RAISE_AT", "INJECT_TIME_PASSES_AT", "INJECT_HANG_AT", "INJECT_SLOW_RANK"
+)
 if any(os.environ.get(v) for v in _KNOBS):
     import sys
     sys.meta_path.insert(0, _Finder())

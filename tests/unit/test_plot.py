@@ -317,3 +317,28 @@ def test_the_per_source_panel_has_a_line_per_source_and_marks_the_stage_change(
     # A log without per-source fields has no such panel.
     (plain,) = build_series(_write_log(tmp_path / "plain"), "latest", CONFIG)[0]
     assert len(render([plain], "plain").axes) == 3
+
+
+def test_the_per_layer_panels_have_a_line_per_layer_in_model_order(tmp_path: Path) -> None:
+    """--log-layer-norms' fields (a non-finite value included) become one panel each, a line
+    per layer entry in model order, read by the columnar reader."""
+    writer = SignalsWriter(tmp_path)
+    names = ["output_layer", "decoder.layers.10", "decoder.layers.2", "embedding.word_embeddings"]
+    for i in range(1, 31):
+        record = _record(i, _healthy_loss(i), 1.0)
+        record.layer_grad_norms = {n: 0.1 * (k + 1) + 0.001 * i for k, n in enumerate(names)}
+        record.layer_param_norms = {n: 10.0 + k for k, n in enumerate(names)}
+        if i == 20:
+            record.layer_grad_norms["decoder.layers.2"] = math.inf
+        writer.write(record)
+    series, _ = build_series(writer.path, "all", CONFIG)
+    figure = render(series, "t")
+    titles = _titles(figure)
+    assert titles[-2:] == ["grad norm per layer (pre-clip)", "weights' norm per layer"]
+    grad_axis = figure.axes[titles.index("grad norm per layer (pre-clip)")]
+    order = ["embedding.word_embeddings", "decoder.layers.2", "decoder.layers.10", "output_layer"]
+    assert [line.get_label() for line in grad_axis.lines] == order
+    second = grad_axis.lines[1].get_ydata()  # decoder.layers.2: the inf is a break (NaN)
+    assert len(second) == 30 and math.isnan(second[19]) and second[0] == pytest.approx(0.301)
+    layers = series[0].layers["layer_grad_norms"]
+    assert layers["decoder.layers.2"].bad().tolist() == [20]

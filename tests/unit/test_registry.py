@@ -4,7 +4,6 @@ when one changes, idempotent patches, the version warning and ``megatron-ext pat
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
@@ -159,29 +158,30 @@ def test_a_version_in_the_range_but_unverified_warns() -> None:
     assert "checks for 0.18.2 decide" in said[0]
 
 
-def test_prebuilt_helpers_fix_skips_make() -> None:
+def test_prebuilt_helpers_fix_skips_make(monkeypatch) -> None:
     """Without the fix, compile_helpers runs `make` in the wheel, which has no Makefile."""
-    code = (
-        "import megatron.core.datasets.utils as u, subprocess\n"
-        "from megatron_ext.registry.table import patch\n"
-        "calls = []\n"
-        "subprocess.run = lambda cmd, **k: (calls.append(cmd)\n"
-        "                                   or subprocess.CompletedProcess(cmd, 2))\n"
-        "try:\n    u.compile_helpers()\nexcept SystemExit:\n    calls.append('exit')\n"
-        "assert calls and calls[-1] == 'exit', calls\n"
-        "calls.clear(); patch('prebuilt-dataset-helpers').apply(); u.compile_helpers()\n"
-        "assert calls == [], calls\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    import megatron.core.datasets.utils as u
+
+    calls: list[list[str]] = []
+    fake = lambda cmd, **k: calls.append(cmd) or subprocess.CompletedProcess(cmd, 2)
+    monkeypatch.setattr(subprocess, "run", fake)
+    monkeypatch.setattr(u, "compile_helpers", u.compile_helpers)  # as it was, after the test
+    fix = registry.patch("prebuilt-dataset-helpers")
+    fix.remove()
+    with pytest.raises(SystemExit):
+        u.compile_helpers()
+    assert calls, "unpatched, compile_helpers runs make"
+    calls.clear()
+    fix.apply()
+    u.compile_helpers()
+    assert calls == [], calls
 
 
-def test_patches_command_lists_every_touch_and_the_hooks_users() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "megatron_ext.cli", "patches"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+def test_patches_command_lists_every_touch_and_the_hooks_users(capsys) -> None:
+    from megatron_ext import patches  # in process: this module has megatron-core imported
+
+    assert patches.main([]) == 0
+    out = capsys.readouterr().out
     found = patching.installed_version()
     assert f"megatron-core installed: {found} (megatron-ext supports 0.17.1 to 0.19.2" in out
     for entry in registry.ENTRIES:

@@ -1,7 +1,7 @@
 """The supported megatron-core range: declared once, refused outside it with a readable
-message (the pure check, and the entry point and ``megatron-ext patches`` in a subprocess that
-sees megatron-core 0.16.1), the override warns loudly, and every registry entry has a form
-verified on every supported version."""
+message (the pure check, the entry point in a subprocess and ``megatron-ext patches`` in
+process, each seeing megatron-core 0.16.1), the override warns loudly, and every registry
+entry has a form verified on every supported version."""
 
 from __future__ import annotations
 
@@ -84,12 +84,28 @@ def test_the_entry_point_refuses_0_16_1_before_importing_megatron() -> None:
     assert "megatron imported: False" in result.stdout
 
 
-def test_patches_refuses_0_16_1_and_runs_with_the_override() -> None:
-    code = "from megatron_ext import patches\nraise SystemExit(patches.main([]))\n"
-    refused = _run(code)
-    assert refused.returncode == 1
-    assert "megatron-core 0.16.1 is not supported" in refused.stdout
-    assert "== upstream bug fixes" not in refused.stdout
-    tried = _run(code, **{versions.OVERRIDE_ENV: "1"})
-    assert "WARNING: UNVERIFIED megatron-core 0.16.1" in tried.stdout
-    assert "== upstream bug fixes" in tried.stdout  # every entry is still verified
+def test_patches_refuses_0_16_1_and_runs_with_the_override(monkeypatch, capsys) -> None:
+    """In process (one megatron-core import for the module): the metadata says 0.16.1."""
+    import importlib.metadata
+
+    from megatron_ext import patches
+    from megatron_ext.registry import patching
+
+    real = importlib.metadata.version
+    fake = lambda name: "0.16.1" if name == "megatron-core" else real(name)
+    monkeypatch.setattr(importlib.metadata, "version", fake)
+    monkeypatch.delenv(versions.OVERRIDE_ENV, raising=False)
+    patching.installed_version.cache_clear()
+    try:
+        assert patches.main([]) == 1
+        refused = capsys.readouterr().out
+        assert "megatron-core 0.16.1 is not supported" in refused
+        assert "== upstream bug fixes" not in refused
+        monkeypatch.setenv(versions.OVERRIDE_ENV, "1")
+        patches.main([])
+        tried = capsys.readouterr().out
+    finally:
+        monkeypatch.undo()
+        patching.installed_version.cache_clear()
+    assert "WARNING: UNVERIFIED megatron-core 0.16.1" in tried
+    assert "== upstream bug fixes" in tried  # every entry is still verified

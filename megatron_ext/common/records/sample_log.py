@@ -125,6 +125,8 @@ def layout_record(args: Any, job_id: str, wall_time: float) -> dict[str, Any]:
         "consumed_samples": int(args.consumed_train_samples),
         **{name: getattr(args, name, None) for name in LAYOUT_FIELDS + DATA_FIELDS},
         "iterations_to_skip": sorted(int(i) for i in (args.iterations_to_skip or ())),
+        # Mock data (MockGPTDataset): samples without documents; the lookup builds them again.
+        "mock_data": bool(getattr(args, "mock_data", False)),
         # A drill corrupts batches in flight: the lookup names it where trained tokens differ.
         "drill_corrupt_batch": getattr(args, "drill_corrupt_batch", None),
         "job_id": job_id,

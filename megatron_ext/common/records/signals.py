@@ -61,6 +61,19 @@ class SignalRecord:
     # (--log-output-z); whether --spike-skip-update withheld this step's update.
     log_z: float | None = None
     update_skipped: bool = False
+    # --log-layer-norms: per layer entry (global names, docs/signals.md), the gradient, weight
+    # and (with --signals-update-ratio) update L2 norms.
+    layer_grad_norms: dict[str, float] = field(default_factory=dict)
+    layer_param_norms: dict[str, float] = field(default_factory=dict)
+    layer_update_norms: dict[str, float] = field(default_factory=dict)
+    # Stragglers (--signals-dir): the step's slowest rank by busy time (first to last training
+    # forward) against its DP peers' median, in seconds; the rank (and its node) named once it
+    # stayed over --straggler-factor x the median for --straggler-steps steps.
+    slowest_rank: int | None = None
+    slowest_step_time: float | None = None
+    median_step_time: float | None = None
+    straggler_rank: int | None = None
+    straggler_node: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The line's object: non-finite floats as null, named under :data:`NON_FINITE`."""
@@ -166,8 +179,16 @@ COLUMNS = (
     "update_skipped",
 )
 INTEGERS = {"iteration", "attempt", "consumed_samples"}
+LAYERS = ("layer_grad_norms", "layer_param_norms", "layer_update_norms")  # name -> norm
+STRAGGLERS = (
+    "slowest_rank",
+    "slowest_step_time",
+    "median_step_time",
+    "straggler_rank",
+    "straggler_node",
+)
 BOOLEANS = {"skipped_iter", "update_skipped"}
-APPENDED = ("log_z", "update_skipped")  # SignalRecord's last fields; older lines lack them
+APPENDED = ("log_z", "update_skipped", *LAYERS, *STRAGGLERS)  # older lines lack them
 _REQUIRED = ("iteration", "attempt", "job_id", "wall_time", "consumed_samples", "skipped_samples")
 _ORDER = [f.name for f in fields(SignalRecord) if f.name in COLUMNS]
 _SOURCES = ("lm_loss_by_dataset", "tokens_by_dataset")
@@ -239,6 +260,33 @@ def concat_sources(parts: list[tuple[SourceColumns | None, int]]) -> SourceColum
 
 
 @dataclass
+class DictColumns:
+    """A float-valued object field (per-layer norms): each name's value per row (``present``:
+    False where a record does not name it, or names it with null)."""
+
+    names: list[str]
+    values: np.ndarray  # (rows, names) float64
+    present: np.ndarray  # (rows, names) bool
+
+    def take(self, rows: np.ndarray) -> DictColumns:
+        return DictColumns(self.names, self.values[rows], self.present[rows])
+
+    @staticmethod
+    def concat(parts: list[tuple[DictColumns | None, int]]) -> DictColumns:
+        names = list(dict.fromkeys(n for c, _ in parts if c is not None for n in c.names))
+        values = np.full((sum(n for _, n in parts), len(names)), np.nan)
+        present = np.zeros(values.shape, dtype=bool)
+        row = 0
+        for columns, count in parts:
+            if columns is not None:
+                index = [names.index(n) for n in columns.names]
+                values[row : row + count, index] = columns.values
+                present[row : row + count, index] = columns.present
+            row += count
+        return DictColumns(names, values, present)
+
+
+@dataclass
 class Block:
     """One block's records as columns (``present``: False where a field was null), the gap
     lines (with the row they precede) and the lines that were not records."""
@@ -249,6 +297,7 @@ class Block:
     problems: list[str] = field(default_factory=list)
     slow_lines: int = 0  # lines not in the writer's format (read by json.loads)
     sources: SourceColumns | None = None  # parse_block(sources=True); None: no row has any
+    dicts: dict[str, DictColumns] = field(default_factory=dict)  # the LAYERS fields asked for
 
     def __len__(self) -> int:
         return len(self.values["iteration"])
@@ -259,6 +308,7 @@ class Block:
             {k: v[rows] for k, v in self.present.items()},
         )
         taken.sources = self.sources.take(rows) if self.sources is not None else None
+        taken.dicts = {k: v.take(rows) for k, v in self.dicts.items()}
         return taken
 
     @staticmethod
@@ -271,6 +321,8 @@ class Block:
             {k: np.concatenate([b.present[k] for b in blocks]) for k in blocks[0].present},
             sources=concat_sources([(b.sources, len(b)) for b in blocks]),
         )
+        for name in {n for b in blocks for n in b.dicts}:
+            out.dicts[name] = DictColumns.concat([(b.dicts.get(name), len(b)) for b in blocks])
         rows = 0
         for block in blocks:
             out.gaps += [(row + rows, gap) for row, gap in block.gaps]
@@ -341,6 +393,7 @@ def _arrow_block(data: bytes, names: Collection[str], sources: bool) -> Block:
             block.values[name] = filled.to_numpy(zero_copy_only=False)
     if sources:
         block.sources = _arrow_sources(table, rows)
+    block.dicts = {n: _dict_columns(table, n, rows) for n in LAYERS if n in names}
     if NON_FINITE in table.column_names:
         _mark_non_finite(block, table[NON_FINITE])
     return block
@@ -365,6 +418,16 @@ def _struct_columns(table: Any, name: str, kind: Any) -> dict[str, tuple[np.ndar
         present = child.is_valid().to_numpy(zero_copy_only=False)
         out[member] = (values.to_numpy(zero_copy_only=False), present)
     return out
+
+
+def _dict_columns(table: Any, name: str, rows: int) -> DictColumns:
+    import pyarrow as pa
+
+    members = _struct_columns(table, name, pa.float64())
+    if not members:
+        return DictColumns([], np.zeros((rows, 0)), np.zeros((rows, 0), dtype=bool))
+    values, present = zip(*members.values())
+    return DictColumns(list(members), np.stack(values, axis=1), np.stack(present, axis=1))
 
 
 def _arrow_sources(table: Any, rows: int) -> SourceColumns | None:
@@ -402,6 +465,8 @@ def _mark_non_finite(block: Block, marks: Any) -> None:
                 block.values[name][row], block.present[name][row] = value, True
             elif name == _SOURCES[0] and block.sources is not None:
                 _mark_source(block.sources, row, value)
+            elif name in block.dicts:
+                _mark_dict(block.dicts[name], row, value)
 
 
 def _mark_source(sources: SourceColumns, row: int, marks: Any) -> None:
@@ -414,6 +479,17 @@ def _mark_source(sources: SourceColumns, row: int, marks: Any) -> None:
             raise _NotArrow
         k = sources.names.index(member)
         sources.losses[row, k], sources.has_loss[row, k] = value, True
+
+
+def _mark_dict(columns: DictColumns, row: int, marks: Any) -> None:
+    if not isinstance(marks, dict):
+        raise _NotArrow
+    for member, value in marks.items():
+        if value is not None:
+            if not isinstance(value, float) or member not in columns.names:
+                raise _NotArrow
+            k = columns.names.index(member)
+            columns.values[row, k], columns.present[row, k] = value, True
 
 
 def _empty_block(names: Collection[str]) -> Block:

@@ -56,10 +56,12 @@ def test_nothing_recorded_beyond_the_loss_means_unknowns_and_a_list_of_what_to_r
         "attention-logit": "unknown",
         "learning-rate": "unknown",
         "bad-data": "unknown",
+        "straggler": "unknown",
         "optimizer-state": "unknown",
         "bf16": "unknown",  # back the next step, but num_zeros was not recorded
     }
     assert d.cause == "transient" and d.action.startswith("roll back first")
+    assert "slowest_rank (signals: --signals-dir, DP > 1)" in d.missing
     assert "max_attention_logit (--log-max-attention-logit)" in d.missing
     assert "max_local_loss (telemetry --signals-dir)" in d.missing
 
@@ -70,6 +72,37 @@ def test_one_rank_far_above_the_average_is_bad_data_on_that_rank() -> None:
     d = diagnose(_incident(), records, reproduced=True)
     assert d.cause == "bad-data" and d.culprit_dp_rank == 3
     assert "reproduced at the same onset" in d.steps[3].evidence
+
+
+def _timed(records, named_from: int | None) -> None:
+    """Every step's slowest rank (2, on node-2); named a straggler from ``named_from``."""
+    for r in records:
+        r.slowest_rank, r.slowest_step_time, r.median_step_time = 2, 1.1, 1.0
+        if named_from is not None and r.iteration >= named_from:
+            r.straggler_rank, r.straggler_node = 2, "node-2"
+            r.slowest_step_time = 3.0
+
+
+def test_a_straggler_named_at_the_onset_is_the_cause_with_its_node(tmp_path: Path) -> None:
+    records = _run()
+    _timed(records, named_from=ONSET - 3)
+    d = diagnose(_incident(), records)
+    assert d.cause == "straggler" and d.steps[4].name == "straggler"
+    assert d.steps[4].evidence.startswith(f"rank 2 on node-2 named at iteration {ONSET - 3}")
+    ledger = [_incident()]
+    plan = make_plan(ledger, records, [ONSET - 200], [], PlanConfig(), None, str(tmp_path))
+    text = build_report(plan, ledger, records, tmp_path, 1, worst=None).markdown()
+    assert "- likely cause: **a straggling rank at the onset (a slow or failing node)**" in text
+    assert "rank 2 on node-2 named at iteration" in text
+
+
+def test_a_straggler_long_gone_or_none_is_not_the_cause() -> None:
+    for named_from in (None, ONSET + 100):  # never; only after the incident
+        records = _run()
+        _timed(records, named_from)
+        d = diagnose(_incident(), records)
+        assert _answers(d)["straggler"] == "no" and d.cause != "straggler"
+        assert "none named over iterations" in d.steps[4].evidence
 
 
 def test_a_steadily_rising_max_logit_past_100_is_named_first() -> None:
@@ -186,3 +219,23 @@ def test_a_short_run_is_too_short_for_the_history_questions_not_missing_its_grad
     for r in records:
         r.grad_norm = None  # not recorded at all: named, with how to record it
     assert "grad_norm (signals: --signals-dir)" in diagnose(incident, records).missing
+
+
+def test_the_report_names_the_layer_whose_grad_norm_rose_first(tmp_path: Path) -> None:
+    """--log-layer-norms: the lowest layer's grad norm rose 30 iterations before the onset,
+    the next one 10 before: the report names the first; without them, 'not recorded'."""
+    records = _run()
+    for r in records:
+        r.layer_grad_norms = {"decoder.layers.0": 0.5, "decoder.layers.1": 0.5, "output_layer": 1}
+        if ONSET - 30 <= r.iteration <= ONSET:
+            r.layer_grad_norms["decoder.layers.0"] = 2.0
+        if ONSET - 10 <= r.iteration <= ONSET:
+            r.layer_grad_norms["decoder.layers.1"] = 4.0
+    assert diagnose(_incident(), records).first_layer == (
+        f"decoder.layers.0 (iteration {ONSET - 30}, x4)"
+    )
+    ledger = [_incident("spike"), _incident()]
+    plan = make_plan(ledger, records, [ONSET - 200], [], PlanConfig(), None, str(tmp_path))
+    text = build_report(plan, ledger, records, tmp_path, 1, worst=None).markdown()
+    assert f"- layer whose grad norm rose first: decoder.layers.0 (iteration {ONSET - 30}" in text
+    assert diagnose(_incident(), _run()).first_layer is None

@@ -18,6 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("crosscheck",),  # --sample-log, --worst
     ("session",),  # one invocation; a batch walked down to records
     ("history",),  # layout history and attempts
+    ("mock",),  # --mock-data: megatron-core's MockGPTDataset built again
     ("config",),  # checkpoint args / flags -> RunConfig; tokenizer; rebuild
     ("data",),  # caches, .bin/.idx, a sample -> documents and back
     ("schedule",),  # iteration <-> sampler stream positions

@@ -18,11 +18,16 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.telemetry.bucket_layout import (
+    BucketNormer,
     BucketView,
     assign_slots,
     bucket_views,
+    global_layer_name,
+    layer_layout,
+    layer_paths,
     squared_norms,
 )
+from megatron_ext.telemetry.layers import layer_of, slot_names, split_slots
 
 HIDDEN = 8
 LAYERS = 4
@@ -116,6 +121,29 @@ def _check_views(rank: int) -> None:
     local = squared_norms(views[False]).sum().reshape(1)
     dist.all_reduce(local)
     assert float(local) == pytest.approx(_whole_norm_sq(chunk), rel=1e-6)
+    _check_layers(chunk, views)
+
+
+def _check_layers(chunk: Any, views: dict) -> None:
+    """Per layer, over the distributed optimizer's shards: both ranks list every layer (the
+    slots they share), and their slots add up to each layer's whole gradient and weights."""
+    layers, owners = layer_layout(views)
+    expected = [f"decoder.layers.{i}" for i in range(2, 6)] + ["output_layer"]
+    assert layers == {False: expected, True: []}, layers
+    local = BucketNormer(views[False], owners)()
+    dist.all_reduce(local)
+    buckets, grads, weights = split_slots(
+        [v.name for v in views[False]] + slot_names(layers[False]), local.tolist()
+    )
+    assert sum(grads.values()) == pytest.approx(sum(buckets.values()), rel=1e-9)
+    paths = layer_paths(chunk.named_modules())  # stage-local layer i is global i + 2
+    expected: tuple[dict, dict] = ({}, {})
+    for name, param in chunk.named_parameters():
+        entry = layer_of(global_layer_name(name, paths))
+        for sums, tensor in zip(expected, (param.main_grad, param.detach())):
+            sums[entry] = sums.get(entry, 0.0) + float(tensor.double().square().sum())
+    assert grads == pytest.approx(expected[0], rel=1e-6)
+    assert weights == pytest.approx(expected[1], rel=1e-6)
 
 
 def _check_slots(rank: int) -> None:

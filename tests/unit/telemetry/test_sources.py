@@ -105,6 +105,10 @@ def _feature(tmp_path: Path, data_path: list[str], by_dataset: bool = True):
             log_max_attention_logit=False,
             signals_attention_logit=False,
             signals_by_dataset=by_dataset,
+            log_layer_norms=False,
+            straggler_factor=1.5,
+            straggler_steps=5,
+            straggler_min_seconds=0.0,
         )
     )
     feature.on_setup([chunk], mw.optimizer([chunk]))
@@ -197,9 +201,11 @@ class _Writer:
 def test_one_all_reduce_per_step_no_host_sync_and_tensorboard_keys(
     world, tmp_path: Path, monkeypatch, capsys
 ) -> None:
-    """on_loss reads nothing back to the host; after_step adds exactly one all-reduce of 2K
-    float64 values for the sources; TensorBoard gets lm-loss-by-dataset/<name> and
-    tokens-by-dataset/<name>; --no-signals-by-dataset leaves it all out."""
+    """on_loss reads nothing back to the host; after_step adds exactly one all-reduce, the
+    overlay's one after-step all-reduce of float64 values (2K for the sources, 2 per DP rank
+    for the worst-rank loss, 2 per rank for the busy times); TensorBoard gets
+    lm-loss-by-dataset/<name> and tokens-by-dataset/<name>; --no-signals-by-dataset leaves it
+    all out."""
     import megatron_ext.telemetry.adapter as adapter
     import megatron_ext.telemetry.sources as sources
 
@@ -243,7 +249,7 @@ def test_one_all_reduce_per_step_no_host_sync_and_tensorboard_keys(
     record = StepRecord(1, {"lm loss": torch.tensor(1.0)}, 1e-3, 1.0, False, 1.0, 1.0, None, None)
     reduced.clear()
     feature.after_step(record)
-    assert reduced == [(4, torch.float64)]
+    assert reduced == [(2 * 2 + 2 * 1 + 2 * 1, torch.float64)]
     tokens = {k.split("/")[1]: v for k, v in writer.scalars.items() if k.startswith("tokens-")}
     assert set(tokens) == {"web", "code"}
     losses = {k for k in writer.scalars if k.startswith("lm-loss-by-dataset/")}

@@ -439,7 +439,6 @@ def _args(**overrides: object) -> SimpleNamespace:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"cross_entropy_loss_fusion": True}, "cannot be combined with --cross-entropy-loss"),
         ({"defer_embedding_wgrad_compute": True}, "no deferred GEMM left to overlap"),
         ({"fused_output_loss_chunk_tokens": -1}, "must be >= 1"),
     ],
@@ -449,6 +448,20 @@ def test_what_cannot_work_is_refused_at_start_up(overrides: dict, message: str) 
     assert feature.enabled(_args())
     with pytest.raises(FeatureError, match=message):
         feature.validate(_args(**overrides))
+
+
+def test_the_fused_cross_entropy_is_replaced_and_said_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Bridge's recipes turn the CE fusion on: the fused output loss takes its place, saying
+    so at start-up instead of refusing."""
+    feature = ZLossFeature()
+    args = _args(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")
+    feature.validate(args)
+    feature.install(args)
+    out = capsys.readouterr().out
+    assert "--cross-entropy-loss-fusion (te) does not run in this job" in out
+    assert "one-pass vocab-parallel CE + z kernel" not in out
 
 
 def test_the_flag_alone_reports_nothing_extra() -> None:

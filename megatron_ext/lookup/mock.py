@@ -1,0 +1,87 @@
+"""What a mock sample is (``--mock-data``; Bridge's recipes with no ``blend``): megatron-core's
+``MockGPTDataset`` built again in process, as training built it.
+
+A mock sample has no document and no raw record: ``MockGPTLowLevelDataset`` makes document ``d``
+as ``1, 2, ..., length(d) - 1`` (mod the vocabulary) and the end-of-document token, its lengths
+drawn from a fixed seed; ``GPTDataset``'s indices (the run's seed, sequence length and sample
+count) pick which spans of them sample ``i`` holds. Megatron's own classes compute both, so the
+tokens equal what the run trained (the sample log's digests check it).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+
+from megatron_ext.lookup.data import Sample
+from megatron_ext.lookup.errors import PositionError
+
+MOCK_PATH = "mock"  # Sample.dataset_path of a mock sample
+
+
+def mock_note(index: int) -> str:
+    """What the lookup says instead of documents and raw records."""
+    return f"mock sample {index}, no document/raw record (megatron-core's MockGPTDataset)"
+
+
+class MockIndex:
+    """The run's mock train dataset, in the interface the forward lookup reads."""
+
+    kind = "MockGPTDataset"
+    mids: tuple[Any, ...] = ()
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.hash = dataset.unique_description_hash
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def describe(self) -> str:
+        return (
+            f"data: mock ({self.kind} {self.hash[:12]}, {len(self)} samples), built again by "
+            "megatron-core from the run's seed and sequence length; no documents"
+        )
+
+    def resolve(self, indices: list[int], pad_id: int | None = None) -> list[Sample]:
+        """Global sample indices -> mock samples with the tokens ``__getitem__`` gives."""
+        out = []
+        for index in indices:
+            if not 0 <= index < len(self):
+                raise PositionError(
+                    f"global sample {index} is beyond the {len(self)} mock samples the run built"
+                )
+            tokens = np.asarray(self.dataset[index]["tokens"], dtype=np.int64)
+            stream = int(self.dataset.shuffle_index[index])
+            out.append(Sample(index, 0, MOCK_PATH, index, stream, (), tokens))
+        return out
+
+    def sources(self, sample: Sample) -> list[dict[str, Any] | None]:
+        return []
+
+
+def open_mock_index(args: Any, target_samples: int, add_extra_token: bool) -> MockIndex:
+    """The train split of the run's ``MockGPTDataset`` (``target_samples`` samples), built by
+    megatron-core with the run's tokenizer, writing no cache."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset
+
+    from megatron_ext.lookup.config import process_group
+    from megatron_ext.loop.gpt_step import gpt_dataset_config_from_args
+
+    args = copy.copy(args)
+    args.data_path = args.train_data_path = args.valid_data_path = args.test_data_path = None
+    args.data_cache_path, args.rank = None, 0
+    args.dataloader_fast_cache_load = args.dataloader_defer_npy_index_mmap = False
+    config = gpt_dataset_config_from_args(args)  # mock: megatron-core sets split 1,1,1
+    config.add_extra_token_to_sequence = add_extra_token
+    config.split_matrix = [config.split_matrix[0], None, None]  # the train split alone
+    with process_group():
+        train = BlendedMegatronDatasetBuilder(
+            MockGPTDataset, [target_samples, None, None], lambda: True, config
+        ).build()[0]
+    return MockIndex(train)
