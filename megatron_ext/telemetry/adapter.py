@@ -111,6 +111,16 @@ def _main_of(holders: dict[int, torch.Tensor]) -> Any:
     return main_of
 
 
+def write_scalars(scalars: dict[str, float], step: int, tensorboard: bool = True) -> None:
+    """``scalars`` to Megatron's TensorBoard writer (where ``tensorboard``) and to W&B."""
+    writer, wandb = get_tensorboard_writer(), get_wandb_writer()
+    if tensorboard and writer is not None:
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+    if wandb is not None and scalars:
+        wandb.log(scalars, step)
+
+
 def step_lr(reported: float | None, now: list[float], before: list[float] | None) -> float | None:
     """The learning rate the step used. Megatron reports the next iteration's lr of its
     logging group, the first whose lr ``now`` is the reported one; ``before`` holds each
@@ -460,11 +470,6 @@ class TelemetryFeature(Feature):
         """Scalars to TensorBoard and W&B, and ``line`` to the console at --log-interval."""
         if not scalars:
             return
-        writer, wandb = get_tensorboard_writer(), get_wandb_writer()
-        if writer is not None:
-            for key, value in scalars.items():
-                writer.add_scalar(key, value, iteration)
-        if wandb is not None:
-            wandb.log(scalars, iteration)
+        write_scalars(scalars, iteration)
         if iteration % self.args.log_interval == 0:
             print(f" iteration {iteration:8d} | {line}", flush=True)

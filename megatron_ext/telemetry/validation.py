@@ -197,18 +197,13 @@ class ValidationFeature(Feature):
             )
 
     def _log(self, evaluation: Evaluation, result: SetResult) -> None:
-        from megatron.training import get_tensorboard_writer, get_wandb_writer
+        from megatron_ext.telemetry.adapter import write_scalars  # imports Megatron
 
         what = "validation" if evaluation.split == "valid" else "test"
         suffix = f"-{result.name}" if result.name is not None else ""
         key = f"lm-loss-{what}{suffix}-by-dataset"
         scalars = {f"{key}/{n}": v for n, v in result.losses.items()}
-        writer, wandb = get_tensorboard_writer(), get_wandb_writer()
-        if evaluation.tensorboard and writer is not None:
-            for name, value in scalars.items():
-                writer.add_scalar(name, value, evaluation.iteration)
-        if wandb is not None and scalars:
-            wandb.log(scalars, evaluation.iteration)
+        write_scalars(scalars, evaluation.iteration, evaluation.tensorboard)
         print(
             f" validation{suffix} lm loss by dataset at {evaluation.prefix} | "
             f"{format_sources(result.losses, result.tokens)}",

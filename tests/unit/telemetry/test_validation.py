@@ -165,7 +165,7 @@ def world():
 
 
 def _setup(tmp_path: Path, monkeypatch) -> tuple[ValidationFeature, object, object, _Writer]:
-    import megatron.training as training
+    from megatron_ext.telemetry import adapter
 
     prefixes = [
         _prefix(tmp_path, "prose", 1, 40, seed=1),
@@ -177,7 +177,7 @@ def _setup(tmp_path: Path, monkeypatch) -> tuple[ValidationFeature, object, obje
     chunk = mw.tiny_gpt()
     feature.on_setup([chunk], None)
     writer = _Writer()
-    monkeypatch.setattr(training, "get_tensorboard_writer", lambda: writer)
+    monkeypatch.setattr(adapter, "get_tensorboard_writer", lambda: writer)
     return feature, chunk, dataset, writer
 
 
@@ -232,7 +232,7 @@ def test_multiple_validation_sets_are_one_line_each_named_as_megatron_names_them
 ) -> None:
     """--multiple-validation-sets: Megatron's evaluate runs once per --valid-data-path prefix
     (a GPTDataset each, no dataset_id); each set is one record, named by Megatron's suffix."""
-    import megatron.training as training
+    from megatron_ext.telemetry import adapter
 
     feature = ValidationFeature()
     paths = {"train_data_path": ["/t/a"], "valid_data_path": ["/v/web", "/v/code"]}
@@ -248,7 +248,7 @@ def test_multiple_validation_sets_are_one_line_each_named_as_megatron_names_them
     )
     feature.on_setup([], None)
     writer = _Writer()
-    monkeypatch.setattr(training, "get_tensorboard_writer", lambda: writer)
+    monkeypatch.setattr(adapter, "get_tensorboard_writer", lambda: writer)
     feature.begin("iteration 5", 5, True)
     for value in (2.0, 3.0):
         feature.start_set()
