@@ -8,7 +8,6 @@ lookup`` answers its records."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -20,9 +19,8 @@ import pytest
 
 from megatron_ext.common.files import SIGNALS_FILE
 from megatron_ext.common.records.signals import read_signals
-from megatron_ext.lookup import cli as lookup
 from tests.bridge import test_bridge_drill as drill
-from tests.support.drill import check_lookup_equals_sample_log
+from tests.support.drill import check_lookup_equals_sample_log, lookup_equals_records
 from tests.support.harness import RUNNER, Run, run_logged
 
 SCRIPT = Path(__file__).with_name("layout_script.py")
@@ -120,7 +118,7 @@ def test_the_overlay_at_a_bridge_layout(layout: dict, tmp_path: Path, capsys) ->
         assert "Roll back to checkpoint 25, skip iterations 26-37" in ext.log
         check_lookup_equals_sample_log(ext, ext.workdir, tmp_path, capsys)
     else:
-        _check_lookup(ext, records, tmp_path)
+        lookup_equals_records(ext, records, 2, tmp_path)
 
 
 def _check_signals(run: Run, trained: set[int]) -> None:
@@ -137,22 +135,3 @@ def _check_signals(run: Run, trained: set[int]) -> None:
         )
         assert math.isclose(mean / tokens, record.lm_loss, rel_tol=1e-5), record
         assert None not in (record.z_loss, record.log_z, record.update_ratio), record
-
-
-def _check_lookup(run: Run, records: dict, out_dir: Path) -> None:
-    """``megatron-ext lookup`` of iteration 2 on the Bridge checkpoint: the sample log's."""
-    out = out_dir / "lookup.jsonl"
-    argv = ["--from-checkpoint", str(run.workdir / "ckpt"), "--iteration", "2"]
-    assert lookup.main([*argv, "--sample-log", str(run.samples), "--out", str(out)]) == 0
-    answer: dict[tuple[int, int], list[tuple[int, str]]] = {}
-    for line in out.read_text().splitlines():
-        sample = json.loads(line)
-        key = (sample["dp_rank"], sample["microbatch"])
-        answer.setdefault(key, []).append((sample["sample_index"], sample["token_sha1"]))
-    logged = {
-        (r.dp_rank, r.microbatch): list(zip(r.sample_ids, r.token_sha1))
-        for rank in records.values()
-        for r in rank
-        if r.iteration == 2
-    }
-    assert answer == logged

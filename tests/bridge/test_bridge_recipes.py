@@ -18,7 +18,7 @@ import pytest
 
 from megatron_ext.common.files import SIGNALS_FILE
 from megatron_ext.common.records.signals import read_signals
-from megatron_ext.lookup import cli as lookup
+from tests.support.drill import lookup_equals_records
 from tests.support.harness import RUNNER, Run, run_logged
 
 SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "examples" / "bridge_recipe.py"
@@ -139,20 +139,6 @@ def test_a_bridge_recipe_as_users_run_it(recipe: str, cache: Path, tmp_path: Pat
 def _check_lookup(run: Run, records: dict, out_dir: Path) -> None:
     """``megatron-ext lookup`` of the last iteration on the Bridge checkpoint: mock samples,
     no documents, equal (ids and token digests) to the sample log's."""
-    out = out_dir / "lookup.jsonl"
-    argv = ["--from-checkpoint", str(run.workdir / "ckpt"), "--iteration", str(ITERS)]
-    assert lookup.main([*argv, "--sample-log", str(run.samples), "--out", str(out)]) == 0
-    answer: dict[tuple[int, int], list[tuple[int, str]]] = {}
-    for line in out.read_text().splitlines():
-        sample = json.loads(line)
+    for sample in lookup_equals_records(run, records, ITERS, out_dir):
         assert sample["documents"] == [], sample
         assert sample["mock"].startswith(f"mock sample {sample['sample_index']}, no document")
-        key = (sample["dp_rank"], sample["microbatch"])
-        answer.setdefault(key, []).append((sample["sample_index"], sample["token_sha1"]))
-    logged = {
-        (r.dp_rank, r.microbatch): list(zip(r.sample_ids, r.token_sha1))
-        for rank in records.values()
-        for r in rank
-        if r.iteration == ITERS
-    }
-    assert answer == logged

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,6 +97,29 @@ def real_shaped_drill(work: Path, data_args: list[str]) -> dict:
     )
     second = launch(work, args, nproc=2)
     return {"work": work, "first": first, "trained": trained, "plan": plan, "second": second}
+
+
+def lookup_equals_records(
+    run: Run, records: dict, iteration: int, out_dir: Path
+) -> list[dict[str, Any]]:
+    """``lookup --iteration`` on ``run``'s checkpoint, with its sample log, answers for each
+    (DP rank, micro-batch) the sample ids and token digests ``records`` hold; its samples."""
+    out = out_dir / "lookup.jsonl"
+    argv = ["--from-checkpoint", str(run.workdir / "ckpt"), "--iteration", str(iteration)]
+    assert cli.main([*argv, "--sample-log", str(run.samples), "--out", str(out)]) == 0
+    samples = [json.loads(line) for line in out.read_text().splitlines()]
+    answer: dict[tuple[int, int], list[tuple[int, str]]] = {}
+    for sample in samples:
+        key = (sample["dp_rank"], sample["microbatch"])
+        answer.setdefault(key, []).append((sample["sample_index"], sample["token_sha1"]))
+    logged = {
+        (r.dp_rank, r.microbatch): list(zip(r.sample_ids, r.token_sha1))
+        for rank in records.values()
+        for r in rank
+        if r.iteration == iteration
+    }
+    assert answer == logged
+    return samples
 
 
 def check_lookup_equals_sample_log(
