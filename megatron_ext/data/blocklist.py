@@ -12,7 +12,8 @@ shard and every named line must hold that record (it starts at the recorded byte
 the recorded id). Then each shard with a named record is copied into ``--out-dir`` without
 those lines, atomically, keeping its path below the shards' common directory. Lines are
 counted as ``preprocess`` counts them: split at ``\\n``, 1-based, blank lines included (and
-kept).
+kept). A Parquet shard's records are rows (in a named row group, with the id in its column);
+its copy keeps the schema and the row groups, less the named rows.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, BinaryIO
 from megatron_ext.common.errors import Refusal, UsageError, report
 from megatron_ext.common.io import atomic_write
 from megatron_ext.common.records.pair import fingerprint
+from megatron_ext.data.shards import located, write_without
 
 PROG = "megatron-ext blocklist"
 
@@ -45,6 +47,7 @@ class Shard:
     size: int
     fingerprint: str
     lines: dict[int, tuple[int, str | None, str | None]] = field(default_factory=dict)
+    parquet: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +117,14 @@ def _shards(paths: list[Path], roots: list[tuple[str, str]]) -> dict[Path, Shard
             )
         path = _remap(source["file"], roots)
         shard = shards.setdefault(
-            path, Shard(path, source["file"], source["file_size"], source["file_fingerprint"])
+            path,
+            Shard(
+                path,
+                source["file"],
+                source["file_size"],
+                source["file_fingerprint"],
+                parquet=source.get("format") == "parquet",
+            ),
         )
         if (shard.size, shard.fingerprint) != (source["file_size"], source["file_fingerprint"]):
             raise BlocklistError(
@@ -163,14 +173,36 @@ def _check(shard: Shard) -> None:
             "Apply the blocklist to the shard as it was, or preprocess again and redo the "
             "lookup; nothing was written"
         )
+    if shard.parquet:
+        _check_rows(shard)
+        return
     with shard.path.open("rb") as handle:
         for line in sorted(shard.lines):
             _check_record(handle, shard, line)
 
 
+def _check_rows(shard: Shard) -> None:
+    """Each named Parquet row is in its recorded row group and, with an id, holds it."""
+    id_key = next((key for _, key, _ in shard.lines.values() if key), None)
+    found = located(shard.path, sorted(shard.lines), id_key)
+    for number, (group, key, record_id) in sorted(shard.lines.items()):
+        if number not in found or found[number][0] != group:
+            raise BlocklistError(
+                f"{shard.path}: row {number - 1} is not in row group {group}; nothing was written"
+            )
+        if record_id is not None and key is not None and str(found[number][1]) != record_id:
+            raise BlocklistError(
+                f"{shard.path} row {number - 1} holds the record with {key} "
+                f"{found[number][1]!r}, not the blocked {record_id!r}: the shard is not the one "
+                "the sidecar describes; nothing was written"
+            )
+
+
 def _filter(shard: Shard, out: BinaryIO | None) -> tuple[int, int]:
     """Copy the shard's lines except the named ones to ``out`` (None: count only); (kept
     records, removed records), blank lines kept and not counted."""
+    if shard.parquet:
+        return write_without(shard.path, set(shard.lines), out)
     kept = removed = offset = 0
     with shard.path.open("rb") as handle:
         for number, line in enumerate(handle, 1):

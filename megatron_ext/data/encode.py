@@ -19,6 +19,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from itertools import batched
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,21 +43,29 @@ def lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
             offset += len(line)
 
 
-def texts(line: bytes, path: Path, lineno: int, keys: list[str]) -> list[str]:
+def texts(line: bytes | dict, path: Path, lineno: int, keys: list[str]) -> list[str]:
     """The values of ``keys`` in one JSONL line, or an :class:`EncodeError` naming it."""
     return fields(line, path, lineno, keys, None)[0]
 
 
-def fields(
-    line: bytes, path: Path, lineno: int, keys: list[str], id_key: str | None
-) -> tuple[list[str], str | None]:
-    """The values of ``keys`` and the record's id under ``id_key`` (a string or an integer,
-    as text; None without ``id_key``), or an :class:`EncodeError` naming the line."""
-    where = f"{path}:{lineno}"
+def _parsed(line: bytes | dict, where: str) -> Any:
+    """A JSONL line's value (a Parquet row is already a dict)."""
+    if isinstance(line, dict):
+        return line
     try:
-        record = json.loads(line)
+        return json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise EncodeError(f"{where}: malformed JSON ({e}); fix or remove this line") from None
+
+
+def fields(
+    line: bytes | dict, path: Path, lineno: int, keys: list[str], id_key: str | None
+) -> tuple[list[str], str | None]:
+    """The values of ``keys`` and the record's id under ``id_key`` (a string or an integer,
+    as text; None without ``id_key``) in a JSONL line or a Parquet row (numbered from 1), or
+    an :class:`EncodeError` naming it."""
+    where = f"{path}:{lineno}" if isinstance(line, bytes) else f"{path} row {lineno - 1}"
+    record = _parsed(line, where)
     if not isinstance(record, dict):
         raise EncodeError(f"{where}: expected a JSON object, got {type(record).__name__}")
     values = []
@@ -122,7 +131,7 @@ class Encoder:
         return np.concatenate(parts)
 
     def encode_line(
-        self, line: bytes, path: Path, lineno: int, keys: list[str], id_key: str | None
+        self, line: bytes | dict, path: Path, lineno: int, keys: list[str], id_key: str | None
     ) -> tuple[list[np.ndarray], str | None]:
         """Ids per key for one line (empty for a blank document), and the record's id."""
         values, record_id = fields(line, path, lineno, keys, id_key)
@@ -141,14 +150,11 @@ def _init_worker(tokenizer_dir: Path) -> None:
 
 
 def encode_chunk(
-    chunk: tuple[tuple[int, bytes], ...], path: Path, keys: list[str], id_key: str | None
-) -> list[tuple[int, list[np.ndarray], str | None]]:
-    """(byte size, ids per key, record id) for each line of a chunk."""
+    chunk: tuple[tuple[int, bytes | dict], ...], path: Path, keys: list[str], id_key: str | None
+) -> list[tuple[list[np.ndarray], str | None]]:
+    """(ids per key, record id) for each record (JSONL line or Parquet row) of a chunk."""
     assert _worker_encoder is not None
-    return [
-        (len(line), *_worker_encoder.encode_line(line, path, lineno, keys, id_key))
-        for lineno, line in chunk
-    ]
+    return [_worker_encoder.encode_line(line, path, lineno, keys, id_key) for lineno, line in chunk]
 
 
 @contextmanager

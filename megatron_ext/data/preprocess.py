@@ -1,9 +1,10 @@
-"""``megatron-ext preprocess``: JSONL -> Megatron ``.bin``/``.idx`` indexed datasets.
+"""``megatron-ext preprocess``: JSONL or Parquet -> Megatron ``.bin``/``.idx`` indexed datasets.
 
 Megatron-LM's ``tools/preprocess_data.py`` (same ``{prefix}_{key}_document`` names, EOD per
 document, ``DType.optimal_dtype``; megatron-core's ``IndexedDatasetBuilder`` writes), plus: an
 offline tokenizer, bad input named as ``file:line``, empty documents skipped and counted, the
-provenance sidecar ``PREFIX.prov`` (:mod:`megatron_ext.common.records.provenance`), and nothing
+provenance sidecar ``PREFIX.prov`` (:mod:`megatron_ext.common.records.provenance`: a JSONL
+line, or a Parquet shard's row and row group), Parquet read with pyarrow, and nothing
 half-written: temporary names published as a pair only at the end
 (:mod:`megatron_ext.common.records.pair`), removed on any failure (a dead worker, SIGTERM, a
 full disk). Megatron is imported inside :func:`_write_datasets`: spawned workers re-import
@@ -32,7 +33,8 @@ from megatron_ext.common.errors import Refusal, report
 from megatron_ext.common.io import remove_durably, rename_durably
 from megatron_ext.common.records.pair import append_fingerprint, publish
 from megatron_ext.common.records.provenance import SUFFIX, Recorder
-from megatron_ext.data.encode import EncodeError, encode_chunk, lines, texts, worker_pool
+from megatron_ext.data.encode import EncodeError, encode_chunk, texts, worker_pool
+from megatron_ext.data.shards import Payload, entry, is_parquet, records
 from megatron_ext.data.tokenizer import (
     TOKENIZER_FILE,
     LoadedTokenizer,
@@ -54,22 +56,24 @@ class PreprocessError(Refusal):
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface (kept close to Megatron's ``tools/preprocess_data.py``)."""
     p = argparse.ArgumentParser(
-        prog=PROG, description="Convert JSONL documents to Megatron .bin/.idx indexed datasets."
+        prog=PROG,
+        description="Convert JSONL or Parquet documents to Megatron .bin/.idx indexed datasets.",
     )
     p.add_argument(
         "--input",
         nargs="+",
         required=True,
         type=Path,
-        metavar="FILE.jsonl",
-        help="JSONL files, one JSON object per line; blank lines are ignored",
+        metavar="FILE",
+        help="JSONL files (one JSON object per line; blank lines are ignored) or Parquet files "
+        "(.parquet: one row per document, the keys are columns)",
     )
     p.add_argument(
         "--json-keys",
         nargs="+",
         default=["text"],
         metavar="KEY",
-        help="keys to extract; each becomes PREFIX_KEY_document.{bin,idx}",
+        help="keys (Parquet: columns) to extract; each becomes PREFIX_KEY_document.{bin,idx}",
     )
     p.add_argument("--output-prefix", required=True, help="output path prefix")
     tok = p.add_mutually_exclusive_group(required=True)
@@ -108,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--provenance",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="write PREFIX_KEY_document.prov: each document's file, line and byte offset "
-        "(default: on)",
+        help="write PREFIX_KEY_document.prov: each document's file and line and byte offset "
+        "(Parquet: row and row group) (default: on)",
     )
     p.add_argument(
         "--provenance-key",
@@ -170,12 +174,18 @@ class _Output:
             Path(self.tmp + ext).unlink(missing_ok=True)
 
 
-def _numbered(path: Path, positions: deque[tuple[int, int]]) -> Iterator[tuple[int, bytes]]:
-    """``path``'s non-blank lines for the workers; each one's (line, byte offset) goes to
+def _columns(args: argparse.Namespace) -> list[str]:
+    return [*args.json_keys, *([args.provenance_key] if args.provenance_key else [])]
+
+
+def _numbered(
+    path: Path, columns: list[str], positions: deque[tuple[int, int, int]]
+) -> Iterator[tuple[int, Payload]]:
+    """``path``'s records for the workers; each one's (number, locator, bytes read) goes to
     ``positions``, for the results that come back in the same order."""
-    for number, offset, line in lines(path):
-        positions.append((number, offset))
-        yield number, line
+    for number, locator, record in records(path, columns):
+        positions.append((number, locator, len(record) if isinstance(record, bytes) else 0))
+        yield number, record
 
 
 def _encode_into(
@@ -193,19 +203,22 @@ def _encode_into(
     )
     with worker_pool(args.workers, args.chunksize, tokenizer_dir) as mapper, progress as bar:
         for shard, path in enumerate(args.input):
-            positions: deque[tuple[int, int]] = deque()
+            positions: deque[tuple[int, int, int]] = deque()
             encode = partial(
                 encode_chunk, path=path, keys=args.json_keys, id_key=args.provenance_key
             )
-            for size, ids_per_key, record_id in mapper(encode, _numbered(path, positions)):
+            numbered = _numbered(path, _columns(args), positions)
+            for ids_per_key, record_id in mapper(encode, numbered):
+                line, offset, size = positions.popleft()
                 bar.update(size)
-                line, offset = positions.popleft()
                 source = (shard, line, offset, record_id) if args.provenance else None
                 for key, ids in zip(args.json_keys, ids_per_key, strict=True):
                     if ids.size:
                         outputs[key].add(np.concatenate([ids, eod]), source)
                     else:
                         outputs[key].skipped += 1
+            if is_parquet(path):  # rows carry no byte count: the file at once
+                bar.update(path.stat().st_size)
 
 
 def _write_datasets(
@@ -220,7 +233,8 @@ def _write_datasets(
 
     outputs = {
         key: _Output(
-            f"{args.output_prefix}_{key}_document", Recorder(args.input, args.provenance_key)
+            f"{args.output_prefix}_{key}_document",
+            Recorder(args.input, args.provenance_key, entry),
         )
         for key in args.json_keys
     }
@@ -265,7 +279,7 @@ def _prepare_tokenizer(args: argparse.Namespace) -> tuple[Path, LoadedTokenizer]
 
     def corpus() -> Iterator[str]:
         for path in args.input:
-            for lineno, _, line in lines(path):
+            for lineno, _, line in records(path, args.json_keys):
                 yield from (t for t in texts(line, path, lineno, args.json_keys) if t.strip())
 
     tokenizer_dir = args.tokenizer_dir
@@ -311,7 +325,7 @@ def _has_documents(args: argparse.Namespace) -> bool:
     return any(
         any(t.strip() for t in texts(line, path, lineno, args.json_keys))
         for path in args.input
-        for lineno, _, line in lines(path)
+        for lineno, _, line in records(path, args.json_keys)
     )
 
 

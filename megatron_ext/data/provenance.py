@@ -7,7 +7,8 @@ sidecar says.
 
 ``rebuild``: the sidecar (:mod:`megatron_ext.common.records.provenance`) of a dataset built by
 Megatron's ``tools/preprocess_data.py`` (one document per input line) or by ``megatron-ext
-preprocess`` (one per line with text), from the same input files in the same order. The
+preprocess`` (one per line with text), from the same input files in the same order (JSONL, or
+Parquet: one document per row). The
 document count must match, and ``--verify`` documents (spread over the dataset, first and last
 included) are re-tokenised and compared with the ``.bin``; the first mismatch is refused and
 nothing is written (other files, order or tokenizer; ``--split-sentences`` datasets too).
@@ -31,11 +32,12 @@ from megatron_ext.common.records.provenance import (
     ProvenanceError,
     Recorder,
     open_sidecar,
-    shard_entry,
+    place,
     write_sidecar,
 )
+from megatron_ext.data import shards
 from megatron_ext.data.checks import index_arrays
-from megatron_ext.data.encode import EncodeError, fields, lines
+from megatron_ext.data.encode import EncodeError, fields
 from megatron_ext.data.tokenizer import load_tokenizer
 
 PROG = "megatron-ext provenance"
@@ -61,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         required=True,
         type=Path,
-        metavar="FILE.jsonl",
-        help="the JSONL files the dataset was built from, in the order they were read",
+        metavar="FILE",
+        help="the JSONL or Parquet files the dataset was built from, in the order they were read",
     )
     rebuild.add_argument(
         "--json-key", default="text", help="the key this dataset's text came from (default: text)"
@@ -88,11 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _scan(inputs: list[Path], key: str, id_key: str | None) -> tuple[Recorder, np.ndarray]:
-    """Every non-blank line of the inputs, in order, as a recorder of sources, and which of
-    them have no text under ``key`` (``preprocess`` adds no document for those)."""
-    recorder, empty = Recorder(inputs, id_key), bytearray()
+    """Every record (non-blank line, Parquet row) of the inputs, in order, as a recorder of
+    sources, and which of them have no text under ``key`` (``preprocess`` adds no document)."""
+    recorder, empty = Recorder(inputs, id_key, shards.entry), bytearray()
+    columns = [key, *([id_key] if id_key else [])]
     for shard, path in enumerate(inputs):
-        for number, offset, line in lines(path):
+        for number, offset, line in shards.records(path, columns):
             values, record_id = fields(line, path, number, [key], id_key)
             recorder.add(shard, number, offset, record_id)
             empty.append(not values[0].strip())
@@ -154,9 +157,8 @@ def _verify(
         ).tolist()
         record = int(record_of[document])
         path, line = args.input[recorder.shard[record]], int(recorder.line[record])
-        with path.open("rb") as handle:
-            handle.seek(int(recorder.byte[record]))
-            text = fields(handle.readline(), path, line, [args.json_key], None)[0][0]
+        raw = shards.record_at(path, line, int(recorder.byte[record]), [args.json_key])
+        text = fields(raw, path, line, [args.json_key], None)[0][0]
         ids = tokenizer.encode(text)
         at = _differ(tokens, ids, tokenizer.eod_id)
         if at is not None:
@@ -196,7 +198,7 @@ def rebuild(args: argparse.Namespace) -> int:
     write_sidecar(
         args.dataset + SUFFIX,
         args.dataset + ".idx",
-        files=[shard_entry(path) for path in args.input],
+        files=[shards.entry(path) for path in args.input],
         id_key=args.provenance_key,
         columns=columns,
         ids=ids,
@@ -235,8 +237,8 @@ def show(args: argparse.Namespace) -> int:
     for entry in documents:
         source = entry["source"]
         print(
-            f"document {entry['document']}: {source['file']}:{source['line']} (byte "
-            f"{source['byte']}" + (f", id {source['id']})" if source["id"] is not None else ")")
+            f"document {entry['document']}: {place(source)}"
+            + (f" (id {source['id']})" if source["id"] is not None else "")
         )
     return 0
 

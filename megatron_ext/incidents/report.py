@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.common.files import incident_blocklist
+from megatron_ext.common.records.provenance import place
 from megatron_ext.common.records.signals import SignalRecord, latest_per_iteration
 from megatron_ext.incidents.causes import Diagnosis, diagnose
 from megatron_ext.incidents.planner import Plan, reproduced
@@ -198,7 +199,7 @@ def _raw(source: dict[str, Any] | None) -> str:
     if not source:
         return ""
     record_id = "" if source.get("id") is None else f" (id {source['id']})"
-    return f" from {source['file']}:{source['line']}{record_id}"
+    return f" from {place(source)}{record_id}"
 
 
 def incident_timeline(incident: dict[str, Any], history: list[SignalRecord]) -> list[SignalRecord]:

@@ -18,6 +18,7 @@ import numpy as np
 from megatron_ext.common.checkpoint_state import CheckpointUnreadable, load_common_state
 from megatron_ext.common.files import CHECKPOINT_DIR
 from megatron_ext.common.io import atomic_write, token_sha1
+from megatron_ext.common.records.provenance import place
 from megatron_ext.lookup.config import (
     TOKENIZER_PATH_ARGS,
     Checkpoint,
@@ -175,8 +176,8 @@ def document_record(
 
 
 def describe_source(source: dict[str, Any]) -> str:
-    """``FILE:LINE (id X)``: a raw record as people read it."""
-    where = f"{source['file']}:{source['line']}"
+    """``FILE:LINE (id X)`` (Parquet: ``FILE row R ...``): a raw record as people read it."""
+    where = place(source)
     return where if source.get("id") is None else f"{where} (id {source['id']})"
 
 

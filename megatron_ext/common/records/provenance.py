@@ -1,5 +1,6 @@
 """The provenance sidecar ``PREFIX.prov``: for every sequence of a ``.bin``/``.idx`` pair, the
-raw record it was tokenized from (shard, line, byte offset, and its id when one was named).
+raw record it was tokenized from (shard, line, byte offset, and its id when one was named;
+a Parquet shard's row from 1 and its row group in the line and byte columns).
 
 The lookup names documents by their ``.idx`` index; removing them from a corpus needs what
 Megatron's ``preprocess_data.py`` drops. ``preprocess`` and ``provenance rebuild`` write it; the
@@ -26,6 +27,7 @@ import json
 import os
 import struct
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -96,10 +98,16 @@ def write_sidecar(
 
 class Recorder:
     """The sources of a preprocessing, collected as it adds documents: compact arrays (20
-    bytes per sequence plus its id; a list of Python ints would take 80), one writer each."""
+    bytes per sequence plus its id; a list of Python ints would take 80), one writer each.
+    ``describe`` makes a shard's entry (:func:`shard_entry`, or one that adds its format)."""
 
-    def __init__(self, files: list[Path], id_key: str | None) -> None:
-        self.files, self.id_key = files, id_key
+    def __init__(
+        self,
+        files: list[Path],
+        id_key: str | None,
+        describe: Callable[[Path], dict[str, Any]] = shard_entry,
+    ) -> None:
+        self.files, self.id_key, self.describe = files, id_key, describe
         self.shard = array("I")
         self.line, self.byte, self.id_end = array("Q"), array("Q"), array("Q")
         self.blob = bytearray()
@@ -118,7 +126,7 @@ class Recorder:
         write_sidecar(
             path,
             idx_path,
-            files=[shard_entry(f) for f in self.files],
+            files=[self.describe(f) for f in self.files],
             id_key=self.id_key,
             columns=(
                 np.frombuffer(self.shard, np.uint32),
@@ -174,7 +182,7 @@ class Provenance:
         if self.id_end is not None and self.blob is not None:
             start = int(self.id_end[sequence - 1]) if sequence else 0
             record_id = bytes(self.blob[start : int(self.id_end[sequence])]).decode("utf-8")
-        return {
+        source = {
             "file": entry["path"],
             "line": int(self.line[sequence]),
             "byte": int(self.byte[sequence]),
@@ -183,6 +191,21 @@ class Provenance:
             "file_size": entry["size"],
             "file_fingerprint": entry["fingerprint"],
         }
+        if entry.get("format") == "parquet":  # line: the row from 1, byte: its row group
+            row, group = source["line"] - 1, source["byte"]
+            in_group = row - sum(entry["row_groups"][:group])
+            source |= {"format": "parquet", "row": row, "row_group": group, "group_row": in_group}
+        return source
+
+
+def place(source: dict[str, Any]) -> str:
+    """A raw record's place for people: ``file:line``, or a Parquet shard's row."""
+    if source.get("format") == "parquet":
+        return (
+            f"{source['file']} row {source['row']} (row group {source['row_group']}, "
+            f"row {source['group_row']})"
+        )
+    return f"{source['file']}:{source['line']}"
 
 
 def open_sidecar(prefix: str, *, checked: bool) -> Provenance | None:
