@@ -14,6 +14,7 @@ import importlib.util
 import os
 import sys
 import time
+import traceback
 
 from megatron_ext.loop.step import Step
 
@@ -25,6 +26,24 @@ def default_transformer_impl(argv: list[str]) -> list[str]:
         return argv
     print("megatron-ext: Transformer Engine not importable; using --transformer-impl local")
     return [*argv, "--transformer-impl", "local"]
+
+
+# Where Megatron checks its flags with assertions (a traceback each; several ask what to do).
+MEGATRON_CHECK = ("megatron/training/arguments.py", "validate_args")
+
+
+def megatron_refusal(exc: AssertionError) -> str | None:
+    """An assertion of Megatron's own check of the flags as a one-line refusal; None for any
+    other assertion (a bug, which keeps its traceback)."""
+    path, function = MEGATRON_CHECK
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not any(f.name == function and f.filename.endswith(path) for f in frames):
+        return None
+    message = " ".join(str(exc).split()) or "an assertion without a message"
+    return (
+        f"megatron-ext: Megatron refuses these flags: {message} (its {function}); change the "
+        "flags it names (docs/layouts.md lists what the overlay runs at)"
+    )
 
 
 def rank() -> int:
@@ -124,6 +143,7 @@ def train(argv: list[str], step: Step | None = None, program_start: float | None
     from megatron.training import set_startup_timestamps
 
     from megatron_ext.common import attempt_end
+    from megatron_ext.common.errors import StartupError
     from megatron_ext.loop import entry
     from megatron_ext.registry import table as registry
 
@@ -134,6 +154,11 @@ def train(argv: list[str], step: Step | None = None, program_start: float | None
         fix.apply()
     try:
         entry.run(step)
+    except AssertionError as exc:
+        refusal = megatron_refusal(exc)
+        if refusal is None:
+            raise
+        raise StartupError(refusal) from None
     except SystemExit as exc:
         # Megatron's early exits save, then sys.exit(0); rank 0 tells the supervisor. Every
         # rank asks why: Megatron's signal handler answers by an all-gather.
