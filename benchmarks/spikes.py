@@ -4,8 +4,8 @@ synthetic 1,000,000-iteration signals log (target < 5 s).
     .venv/bin/python benchmarks/spikes.py [--iterations 1000000]
     .venv/bin/python benchmarks/spikes.py --compare cea90f0 --iterations 0   # detector only
 
-``--compare REV``: the detector of git revision REV (its ``megatron_ext/spikes/detector.py``,
-loaded as a separate module) and today's, timed on the same records, interleaved, best of
+``--compare REV``: the detector of git revision REV (its ``megatron_ext`` package, imported
+from a ``git archive`` of REV) and today's, timed on the same records, interleaved, best of
 ``--reps``: the per-step cost ratio. Ratios are measured side by side in one run; absolute
 times depend on the machine.
 """
@@ -13,11 +13,13 @@ times depend on the machine.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
+import io
 import json
 import random
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import replace
@@ -65,21 +67,30 @@ def detector_cost(steps: int) -> float:
 
 
 def _detector_of(revision: str, directory: Path):
-    """``megatron_ext/spikes/detector.py`` as of ``revision``, imported as its own module."""
-    source = subprocess.run(
-        ["git", "show", f"{revision}:megatron_ext/spikes/detector.py"],
+    """``megatron_ext.spikes.detector`` as of ``revision``: that revision's whole package
+    (``git archive``), imported in place of today's for the import only (its modules keep
+    their own globals), then today's put back."""
+    archive = subprocess.run(
+        ["git", "archive", revision, "megatron_ext"],
         capture_output=True,
-        text=True,
         check=True,
         cwd=Path(__file__).resolve().parents[1],
     ).stdout
-    path = directory / f"detector_{revision}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(directory, filter="data")
+    today = {name: sys.modules.pop(name) for name in list(sys.modules) if _ours(name)}
+    sys.path.insert(0, str(directory))
+    try:
+        return importlib.import_module("megatron_ext.spikes.detector")
+    finally:
+        sys.path.remove(str(directory))
+        for name in [name for name in sys.modules if _ours(name)]:
+            del sys.modules[name]
+        sys.modules.update(today)
+
+
+def _ours(module: str) -> bool:
+    return module == "megatron_ext" or module.startswith("megatron_ext.")
 
 
 def compare(revision: str, steps: int, reps: int) -> None:
