@@ -1,12 +1,8 @@
 """A Transformer Engine import stand-in shown to exactly one Bridge module.
 
-Every ``import megatron.bridge`` reaches ``megatron.bridge.peft.lora_layers``, which imports
-``transformer_engine.pytorch`` unguarded (and evaluates ``te.ops`` annotations), so without TE
-Bridge does not import at all, though GPT pretraining never calls LoRA. A meta-path finder
-answers ``transformer_engine[.x]`` only while that module is being imported (checked on the
-importing frame), with classes that refuse to be built (:class:`TransformerEngineAbsent`);
-the stand-ins leave ``sys.modules`` once it is loaded. With TE installed :func:`install` does
-nothing. Registry entry ``bridge-te-import``.
+``megatron.bridge.peft.lora_layers`` imports ``transformer_engine`` unguarded, so Bridge does
+not import without TE; a meta-path finder answers it only while that module imports, with
+classes that refuse to be built. Registry entry ``bridge-te-import``; docs/bridge.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """How a training attempt ended, in the training's own words, for the supervisor.
 
-Megatron exits 0 both at ``--train-iters`` and when it stops early with a checkpoint saved
-(exit duration or interval, a stop signal); a job stopped at its time limit must be relaunched,
-not reported finished (issue #30). So rank 0 writes a small JSON file (at :data:`ENV`'s path)
-saying ``pretrain`` returned or raised ``SystemExit(0)`` (and why). No file: the training did
+Megatron exits 0 both at ``--train-iters`` and when it stops early with a checkpoint saved, and
+only the latter must be relaunched: rank 0 writes a small JSON file (at :data:`ENV`'s path)
+saying ``pretrain`` returned or raised ``SystemExit(0)``, and why. No file: the training did
 not say (a crash, or a script that does not start through ``megatron_ext.fork``).
 """
 

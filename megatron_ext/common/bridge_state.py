@@ -1,11 +1,9 @@
 """A Megatron-Bridge checkpoint's common state, as the offline tools read Megatron's.
 
-A Bridge checkpoint holds no Megatron ``args``: its configuration is ``run_config.yaml`` and its
-counters ``train_state.pt``. The lookup and the skip planner get the same namespace
-:func:`~megatron_ext.common.checkpoint_state.read_common_state` gives: Megatron's parser
-defaults, then those files' fields (renamed where Bridge differs), and the data-parallel size
-from megatron-ext's :data:`~megatron_ext.common.files.BRIDGE_LAYOUT_FILE`. Megatron, torch and
-yaml are imported only when one is read.
+A Bridge checkpoint holds no Megatron ``args``: the namespace
+:func:`~megatron_ext.common.checkpoint_state.read_common_state` gives is built from Megatron's
+parser defaults, ``run_config.yaml``, ``train_state.pt`` and the overlay's layout file. Megatron,
+torch and yaml are imported only when one is read.
 """
 
 from __future__ import annotations

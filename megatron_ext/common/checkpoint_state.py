@@ -1,10 +1,8 @@
 """A checkpoint's common state (Megatron's saved ``args``, ``iteration``, ...) without torch.
 
-Megatron's ``load_common_state_dict`` spends 5 s importing to read a few kilobytes. Here the
-``torch.save`` archive (a DCP ``.distcp`` item, or a legacy ``common.pt``) is read with a
-restricted unpickler: plain Python objects are rebuilt, torch/numpy/Megatron ones become inert
-:class:`Opaque` records, nothing else runs; an unknown layout raises :class:`UnreadableState`
-and Megatron's loader is used. :func:`checkpoint_problem` says whether Megatron could load it.
+The ``torch.save`` archive (a DCP ``.distcp`` item, or a legacy ``common.pt``) is read with a
+restricted unpickler: plain objects are rebuilt, torch/numpy/Megatron ones become inert
+:class:`Opaque` records, nothing else runs; an unknown layout raises :class:`UnreadableState`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """An append-only JSONL log whose write failures never stop training, and leave a gap record.
 
-The signals and sample logs are telemetry: a full disk must not end a run. A failed write
-warns on stderr (at most once per :data:`WARN_EVERY_S`), every later record retries (nothing
-is buffered), and once a write succeeds a gap record goes in first
-(``{"gap": {"first_iteration": A, "last_iteration": B, ...}}``, :func:`gap_record`) so readers
-say "not logged", not "not trained". Each record is one ``os.write`` on an ``O_APPEND``
-descriptor; a torn line left by a short write is terminated before the next. No torch.
+A full disk must not end a run: a failed write warns (at most once per :data:`WARN_EVERY_S`),
+later records retry, and the first that succeeds is preceded by a gap record
+(:func:`gap_record`) so readers say "not logged", not "not trained". No torch.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Crash-safe files: append-only JSON Lines, atomic whole-file writes, JSON-safe records.
 
-Every file here is read by someone else, often after a kill -9. JSONL records are one flushed
-``write`` each, so a kill leaves at most one torn line, which the next writer terminates and
-readers skip and report. Whole files are replaced atomically (temporary file, fsync, rename,
-fsync the directory), keeping the replaced file's mode. Non-finite floats are written as the
-strings ``"nan"``, ``"inf"``, ``"-inf"`` (bare ``NaN`` is not JSON); the signals log has its
-own spelling (:mod:`megatron_ext.common.records.signals`).
+Every file here is read by someone else, often after a kill -9: a JSONL record is one flushed
+``write`` (a kill leaves at most one torn line, terminated by the next writer, skipped by
+readers); whole files are replaced atomically, keeping their mode; non-finite floats are
+written as the strings ``"nan"``, ``"inf"``, ``"-inf"``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """One run, one writer: an exclusive lease on a run's checkpoint directory (no torch, Megatron).
 
-Two trainings on one ``--save`` overwrote each other's checkpoints, and ``skiplist --apply``
-under a live training recorded a rollback that never happened. The lease works on every node
-over any shared filesystem, so it is not ``flock`` (nor ``filelock``, built on it), which NFS
-does not carry reliably across clients:
-
-- ``DIR/megatron_ext_run.lock`` names its holder (role, host, pid and its kernel start time,
-  job, token), published whole with ``link(2)`` (atomic, fails if it exists; a lost NFS reply
-  is caught by the link count);
-- a daemon thread touches it every :data:`HEARTBEAT_S` and checks the token is still its own;
-- a holder on this host is alive while its pid runs with the recorded start time; on another
-  host while the lock's mtime is under :data:`STALE_AFTER_S` old by the filesystem's clock. A
-  stale lease is renamed aside and taken over, with a message;
-- the supervisor exports its token (:data:`TOKEN_ENV`); its training writes a ``.child`` lease
-  and stops when the supervisor's dies; ``--force`` takes over a holder that looks alive.
+``DIR/megatron_ext_run.lock`` names its holder and is published whole with ``link(2)``, kept
+fresh by a heartbeat thread, and taken over when stale: unlike ``flock``, it holds across the
+nodes of any shared filesystem, NFS included. docs/launching.md "One run, one writer".
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The torch FSDP2 feature: on with Megatron's own ``--use-torch-fsdp2``, no flag of its own.
 
-Under FSDP2 every parameter is a ``DTensor`` shard (:mod:`megatron_ext.common.dtensors`), and
-three megatron-core paths read a shard as the parameter; this feature's registry patches
-(``megatron_ext.registry.table``) put them right: ``fsdp2-global-params-norm`` (the params norm
-was one shard's), ``fsdp2-checkpoint-param-ids`` (every torch_dist save raised "Param id 0
-does not match any model sharded param") and ``fsdp2-resume-adam-step`` (every resume lost
-Adam's step: KeyError 'step'). Megatron is imported inside the wrappers.
+Three megatron-core paths read a ``DTensor`` shard as the whole parameter (the params norm,
+torch_dist's parameter ids, Adam's step on resume); this feature's registry patches
+(``fsdp2-*`` in ``megatron_ext.registry.table``) put them right. Megatron is imported inside
+the wrappers.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Which of seed 000's five causes an incident most likely had (no Megatron imports).
 
-Seed 000's decision tree (chapter 2 §7) over the signals before and at the onset, most specific
-and earliest-visible fingerprint first: divergence (non-finite, or not recovered: roll back
-first, then keep asking), attention-logit growth, learning rate, single-rank or single-source
-bad data, a straggling rank, optimizer-state timing, bf16 sporadic. Each answer is ``yes``,
-``no`` or ``unknown`` (a signal was not recorded); the first ``yes`` names the cause, and the
-evidence and the missing signals go to the report.
+Seed 000's decision tree (chapter 2 §7) over the signals before and at the onset, most
+specific and earliest-visible fingerprint first; each answer is ``yes``, ``no`` or ``unknown``
+(a signal was not recorded), the first ``yes`` names the cause, and the evidence and the
+missing signals go to the report.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Offline rollback + skip planner (the PaLM recipe): no Megatron imports.
 
-A :class:`Plan` says: load the newest loadable checkpoint at least ``rollback_iters`` before the
-incident's onset (damaged ones are passed over and moved aside with the newer ones), skip the
-next ``n`` batches (merged with every earlier skip), restart. Under the ``confirm`` policy only
-an incident reproduced at the same onset is skipped (and written to Megatron's result-rejected
-tracker). A failure that comes back within an applied rollback's reach *repeats* it: the plan
-goes further back and skips further, at most :data:`MAX_REPEATS` times (docs/incidents.md).
+A :class:`Plan` loads the newest loadable checkpoint at least ``rollback_iters`` before the
+onset, skips the next ``n`` batches (with every earlier skip) and restarts; a failure that
+comes back within an applied rollback's reach repeats it further back, at most
+:data:`MAX_REPEATS` times. docs/incidents.md.
 """
 
 from __future__ import annotations

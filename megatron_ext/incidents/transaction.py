@@ -1,17 +1,9 @@
 """``skiplist --apply`` as a journaled transaction: a kill at any point leaves a resumable run.
 
-1. the **intent** (``CKPT/megatron_ext_apply_journal.json``) is written atomically;
-2. the skip list, then the tracker (it names the target, never moved), then Bridge's
-   ``latest_train_state.pt`` when the target is a Bridge checkpoint (Bridge reads it first);
-3. the result-rejected tracker lines (confirm policy; only those not there yet);
-4. the moves, one ``rename`` each, to ``CKPT/rolled_back/incident-NNN/`` (nothing is deleted);
-5. the incident is recorded in ``megatron_ext_incidents/applied.jsonl``;
-6. the journal is removed.
-
-Every step is idempotent: a journal found later is finished by ``skiplist --apply`` or the
-training start-up, or undone by ``skiplist --undo``; the tracker always names a checkpoint that
-exists. ``MEGATRON_EXT_TEST_KILL_AT_STEP=k`` (:func:`~megatron_ext.common.io.kill_point`) kills
-the process after step k, for the fault tests.
+The intent is journaled first; then the skip list, the tracker (and Bridge's train state), the
+rejected lines, the moves to ``CKPT/rolled_back/incident-NNN/`` and the applied record, each
+step idempotent; a journal found later is finished by ``--apply`` or start-up, or undone by
+``--undo``. docs/incidents.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """What a mock sample is (``--mock-data``; Bridge's recipes with no ``blend``): megatron-core's
 ``MockGPTDataset`` built again in process, as training built it.
 
-A mock sample has no document and no raw record: ``MockGPTLowLevelDataset`` makes document ``d``
-as ``1, 2, ..., length(d) - 1`` (mod the vocabulary) and the end-of-document token, its lengths
-drawn from a fixed seed; ``GPTDataset``'s indices (the run's seed, sequence length and sample
-count) pick which spans of them sample ``i`` holds. Megatron's own classes compute both, so the
-tokens equal what the run trained (the sample log's digests check it).
+A mock sample has no document and no raw record; Megatron's own classes compute its tokens
+from the run's seed, sequence length and sample count, so they equal what the run trained
+(the sample log's digests check it).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """One pass over the signals log into the lines ``megatron-ext plot`` draws, in bounded memory.
 
-The log is read once, in blocks, as columns (:func:`~megatron_ext.common.records.signals.
-parse_block`). A line is an attempt's records (``--attempts all`` / ``N[,M]``) or, for
-``latest``, what the run finally trained (the last attempt, before its first iteration the
-attempt it resumed from, and so on back). Its marks are the ledger's events, or a replay of
-the detector (:mod:`megatron_ext.spikes.fast_replay`) primed as the tracker primes itself on a
-restart. Each line keeps, per panel and per blend member, an :class:`Envelope`: per pixel
-column the first, lowest, highest and last point (M4 aggregation: the same pixels as every
-point, in memory bounded by the column count) and the first non-finite value, drawn as a break;
-a column one iteration wide keeps every point. A piece of a line whose token shares differ from
-the previous piece's by more than :data:`STAGE_SHIFT` (or whose members differ) starts a new
-stage of the mixture. Withheld updates (``update_skipped``) are kept one per column.
+The log is read once, in column blocks; each line (an attempt, or what the run finally
+trained) keeps per panel an :class:`Envelope`, M4 aggregation per pixel column (the same
+pixels as every point), with non-finite values as breaks and its spike marks from the ledger
+or a detector replay.
 """
 
 from __future__ import annotations

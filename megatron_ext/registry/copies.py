@@ -1,10 +1,9 @@
-"""Megatron logic the overlay copies instead of calling, and the check that the copy is still
-right: the lookup imports no Megatron (milliseconds, no torch), so it re-implements a few pieces
-(sampler order, micro-batch calculator, dataset caches, tokenizer description, data-flag rules).
-Each :class:`Copy` records, per megatron-core line, the digest of its targets' code as verified
-(:class:`Source`); :meth:`Copy.verify` reads the installed source with :mod:`ast` (no import;
-comments, docstrings and formatting do not count) and refuses when it differs. Scope
-``"tools"``: checked by the tool when it runs, never at training start-up.
+"""Megatron logic the overlay copies instead of calling, and the check that the copy is still right.
+
+The lookup re-implements a few pieces (sampler order, micro-batch calculator, dataset caches,
+tokenizer description, data-flag rules) to answer without importing Megatron. Each
+:class:`Copy` records, per megatron-core line, the digest of its targets' code as verified;
+:meth:`Copy.verify` compares the installed source's (read with :mod:`ast`, no import).
 """
 
 from __future__ import annotations

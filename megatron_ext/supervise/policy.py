@@ -1,12 +1,9 @@
 """What the supervisor does after a training attempt ends: the exit-code policy, as data.
 
-Pure functions (no I/O): from how the attempt ended and the budgets, :func:`decide` returns
-one :class:`Decision` (the table: ``megatron_ext.supervise.cli.EXIT_CODES``, printed by
-``--help``). The runner carries it out; tests exercise every row without starting anything.
-
-A worker that died of SIGKILL (137) while its rank wrapper lived to record it was killed from
-outside the job (torchrun and Slurm end a wrapper together with its worker): the OOM killer,
-an operator, a failing node. It is restarted, and outranks its peers' consequent failures.
+Pure functions: :func:`decide` maps how an attempt ended and the budgets to one
+:class:`Decision` (the table: ``megatron_ext.supervise.cli.EXIT_CODES``); the runner carries it
+out. A worker SIGKILLed from outside the job (137 recorded by its live rank wrapper: OOM killer,
+operator, failing node) is restarted and outranks its peers' consequent failures.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Per-bucket gradient norms: which gradient ranges make each DDP bucket, their fused norm, and
-which slots each grad-stats group reduces. No Megatron imports (the adapter passes Megatron's
-parameter filters in).
+which slots each grad-stats group reduces. No Megatron imports.
 
-Σ bucket² must equal Megatron's grad-norm², so a bucket is measured over exactly what
-Megatron's norm counts on this rank (its distributed-optimizer shard, no TP duplicates, no
-shared embedding copy) and reduced over the group Megatron reduces that parameter's norm over.
-Each group gets one all-reduce of a slot vector in which every owner of distinct buckets (a
-pipeline stage; for experts, a stage and an EP rank) has its own slots, so ranks sharing an
-owner's buckets (TP peers, optimizer shards, expert-DP replicas) sum into the same slots.
+A bucket counts exactly what Megatron's norm counts on this rank, reduced over the group
+Megatron reduces it over, so Σ bucket² = grad-norm²; every owner of distinct buckets (a stage;
+for experts, a stage and an EP rank) has its own slots in the group's one all-reduce.
 """
 
 from __future__ import annotations
@@ -93,63 +89,84 @@ def clip_range(start: int, end: int, lo: int, hi: int) -> tuple[int, int] | None
     return (a, b) if a < b else None
 
 
-class BucketNormer:
-    """Every bucket's squared norm with one fused ``_foreach_norm`` per step (fp32 per
-    segment, fp64 sums, as Megatron's norm; no gradient copy). The segment → bucket index is
-    built once: a host-to-device copy per step would synchronise the GPU. With ``layers``
-    (:func:`.layers.segment_owners`), the same per-segment norms also add into per-layer
-    slots after the buckets', and a second ``_foreach_norm`` over the segments' weights."""
+class SlotNormer:
+    """Squared norms of gradient pieces with one fused ``_foreach_norm`` (fp64 sums, as
+    Megatron's norm; no gradient copy), index-added into each piece's unit slot (a DDP bucket,
+    an FSDP unit) and, with ``layers`` (:func:`.layers.segment_owners`), its layer's gradient
+    and weight slots. The index is built once: a per-step host-to-device copy would sync.
+    Subclasses set ``device`` and say where the pieces' gradients and weights are."""
+
+    grad_dtype: torch.dtype | None = torch.float32  # None: each gradient's own dtype
+    device: torch.device
+
+    def grads(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def weights(self) -> list[torch.Tensor]:
+        raise NotImplementedError
 
     def __init__(
-        self, views: list[BucketView], layers: tuple[list[int], list[int], int] | None = None
+        self, units: list[int], count: int, layers: tuple[list[int], list[int], int] | None
     ) -> None:
-        self.count = len(views)
-        self.segments = [s for v in views for s in v.segments]
-        self.weights = [w for v in views for w in v.weights] if layers else []
-        device = self.segments[0].device if self.segments else torch.device("cpu")
-        owners = [i for i, v in enumerate(views) for _ in v.segments]
         grads, weights, size = layers or ([], [], 0)
-        self.size = self.count + size
-        owners += [self.count + i for i in grads]
+        self.size = count + size
+        self.pieces = len(units)
+        self.by_layer = bool(grads)
+        owners = units + [count + i for i in grads]
+        self.owner = torch.tensor(owners, dtype=torch.long, device=self.device)
         self.weight_owner = torch.tensor(
-            [self.count + i for i in weights], dtype=torch.long, device=device
+            [count + i for i in weights], dtype=torch.long, device=self.device
         )
-        self.owner = torch.tensor(owners, dtype=torch.long, device=device)
 
     def __call__(self, loss_scale: Any = 1.0) -> torch.Tensor:
-        """Squared norms: the buckets', then the layer slots; gradients unscaled by
-        ``loss_scale`` (fp16 grad_data holds scaled gradients; a tensor keeps it on device)."""
-        totals = torch.zeros(self.size, dtype=torch.float64, device=self.owner.device)
-        if not self.segments:
-            return totals
-        scale = torch.as_tensor(loss_scale).to(totals.device, torch.float64)
-        per_segment = torch.stack(torch._foreach_norm(self.segments)).double().square()
-        per_segment = per_segment / (scale * scale)
-        if len(self.owner) > len(self.segments):
-            per_segment = per_segment.repeat(2)
-        totals.index_add_(0, self.owner, per_segment)
-        if self.weights:
-            norms = torch._foreach_norm(self.weights, 2, dtype=torch.float32)
+        """Squared norms: the units', then the layer slots; gradients unscaled by
+        ``loss_scale`` (fp16 gradients are scaled; a tensor keeps it on device)."""
+        totals = torch.zeros(self.size, dtype=torch.float64, device=self.device)
+        if self.pieces:
+            scale = torch.as_tensor(loss_scale).to(self.device, torch.float64)
+            norms = torch.stack(torch._foreach_norm(self.grads(), 2, dtype=self.grad_dtype))
+            squares = norms.double().square() / (scale * scale)
+            totals.index_add_(0, self.owner, squares.repeat(2) if self.by_layer else squares)
+        if self.by_layer:
+            norms = torch._foreach_norm(self.weights(), 2, dtype=torch.float32)
             totals.index_add_(0, self.weight_owner, torch.stack(norms).double().square())
         return totals
 
     def snapshot(self) -> list[torch.Tensor]:
-        """A copy of the segments' weights, for :meth:`update_squares` after the step
-        (allocated per step, as the update ratio's: it is not held through the next forward
-        and backward, whose activations set the peak)."""
-        return [w.clone() for w in self.weights]
+        """A copy of the pieces' weights, for :meth:`update_squares` after the step
+        (allocated per step: it is not held through the next forward and backward)."""
+        return [w.clone() for w in self.weights()] if self.by_layer else []
 
     def update_squares(self, before: list[torch.Tensor]) -> torch.Tensor:
         """Each layer's ||Δw||² since ``before`` (a :meth:`snapshot`, consumed: the
         difference is taken in place) in its gradient slot (the rest 0)."""
-        totals = torch.zeros(self.size, dtype=torch.float64, device=self.owner.device)
-        if self.weights:
-            torch._foreach_sub_(before, self.weights)
+        totals = torch.zeros(self.size, dtype=torch.float64, device=self.device)
+        if self.by_layer:
+            torch._foreach_sub_(before, self.weights())
             norms = torch._foreach_norm(before, 2, dtype=torch.float32)
-            totals.index_add_(
-                0, self.owner[len(self.segments) :], torch.stack(norms).double().square()
-            )
+            totals.index_add_(0, self.owner[self.pieces :], torch.stack(norms).double().square())
         return totals
+
+
+class BucketNormer(SlotNormer):
+    """Every DDP bucket's squared norm from its segments (views of ``grad_data``)."""
+
+    grad_dtype = None
+
+    def __init__(
+        self, views: list[BucketView], layers: tuple[list[int], list[int], int] | None = None
+    ) -> None:
+        self.segments = [s for v in views for s in v.segments]
+        self.segment_weights = [w for v in views for w in v.weights] if layers else []
+        self.device = self.segments[0].device if self.segments else torch.device("cpu")
+        owners = [i for i, v in enumerate(views) for _ in v.segments]
+        super().__init__(owners, len(views), layers)
+
+    def grads(self) -> list[torch.Tensor]:
+        return self.segments
+
+    def weights(self) -> list[torch.Tensor]:
+        return self.segment_weights
 
 
 def squared_norms(views: list[BucketView]) -> torch.Tensor:

@@ -1,10 +1,8 @@
 """Per-layer norms from the bucket pass, no Megatron imports.
 
-Each gradient segment of :mod:`.bucket_layout` (one parameter's counted range on this rank)
-also names its layer entry (a transformer layer, or the embedding, the final norm, the output
-layer), so the same per-segment norms index-add into per-layer slots that travel in the bucket
-slots' all-reduce: no second pass over the gradients, no other collective. The weights' norms
-use the same segments, hence the same counting as Megatron's norms.
+Each gradient segment also names its layer entry (a transformer layer, the embedding, the final
+norm, the output layer), so the same per-segment norms index-add into per-layer slots that ride
+the bucket slots' all-reduce: no second pass over the gradients, no other collective.
 """
 
 from __future__ import annotations

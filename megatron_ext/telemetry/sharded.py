@@ -1,10 +1,8 @@
 """Bucket norms and the update ratio under torch FSDP2, no Megatron imports.
 
-Under ``--use-torch-fsdp2`` there are no DDP buckets: each ``fully_shard`` unit (a layer, the
-embedding, the root; registry assumption ``fsdp2-units``) all-gathers and reduce-scatters as
-one, so it plays the bucket. A unit's norm is over the local shards of its counted gradients,
-summed over the shards' mesh group (:mod:`megatron_ext.common.dtensors`) and then over the
-grad-stats group: Σ unit² = grad-norm². Under DDP every function here is the plain sum.
+Each ``fully_shard`` unit (registry assumption ``fsdp2-units``) plays the bucket: its norm is
+over the local shards of its counted gradients, summed over the shards' mesh group and then
+the grad-stats group, so Σ unit² = grad-norm². Under DDP every function here is the plain sum.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from megatron_ext.common import dtensors
 from megatron_ext.telemetry.bucket_layout import (
     BucketView,
     Counted,
+    SlotNormer,
     bucket_name,
     global_layer_name,
     layer_paths,
@@ -33,12 +32,10 @@ def is_fully_sharded(chunks: Iterable[Any]) -> bool:
     return any(isinstance(m, FSDPModule) for chunk in chunks for m in chunk.modules())
 
 
-class UnitNormer:
-    """Each FSDP unit's squared gradient norm, summed over the shard group (one fused
-    ``_foreach_norm`` and one all-reduce per step), as :class:`.bucket_layout.BucketNormer`;
-    with ``names`` (each unit's parameter names), also per-layer gradient and weight norms²
-    (:mod:`.layers`) after the units'. FSDP2 gives a parameter a new ``.grad`` after
-    ``zero_grad``: gradients are read each call."""
+class UnitNormer(SlotNormer):
+    """Each FSDP unit's squared gradient norm over its local shards, summed over the shard
+    group; with ``names`` (each unit's parameter names), also per-layer slots. FSDP2 gives a
+    parameter a new ``.grad`` after ``zero_grad``: gradients are read each call."""
 
     def __init__(
         self,
@@ -47,7 +44,6 @@ class UnitNormer:
         holders: dict[int, torch.Tensor],
         names: list[list[str]] | None = None,
     ) -> None:
-        self.count = len(units)
         self.groups = dtensors.shard_groups(p for params in units for p in params)
         kept = [
             (i, holders.get(id(p), p), layer_of(names[i][j]) if names else "")
@@ -55,56 +51,24 @@ class UnitNormer:
             for j, p in enumerate(params)
             if counted(p) and dtensors.local(p).numel()
         ]
-        self.params = [(i, p) for i, p, _ in kept]  # (unit, the tensor Megatron's norm reads)
-        self.device = next((p.device for params in units for p in params), torch.device("cpu"))
+        self.params = [p for _, p, _ in kept]  # the tensors Megatron's norm reads
         self.layers = local_layers({False: (layer_of(n) for ns in names or [] for n in ns)})
-        kinds = [(False, n) for *_, n in kept]
-        grads, weights, size = segment_owners(kinds, self.layers) if names else ([], [], 0)
-        self.size = self.count + size
-        self.grad_owner = [self.count + g for g in grads]
-        self.index = self._index(range(len(self.params)))  # built once: no per-step copy
-        self.weight_index = torch.tensor(
-            [self.count + w for w in weights], dtype=torch.long, device=self.device
-        )
+        layers = segment_owners([(False, n) for *_, n in kept], self.layers) if names else None
+        self.device = next((p.device for params in units for p in params), torch.device("cpu"))
+        super().__init__([i for i, _, _ in kept], len(units), layers)
 
-    def _index(self, present: Iterable[int]) -> torch.Tensor:
-        present = list(present)
-        owners = [self.params[k][0] for k in present]
-        owners += [self.grad_owner[k] for k in present] if self.grad_owner else []
-        return torch.tensor(owners, dtype=torch.long).to(self.device)
+    def grads(self) -> list[torch.Tensor]:
+        """Each parameter's local gradient; none this step: an empty one (norm 0)."""
+        return [
+            dtensors.local(p).new_zeros(0) if p.grad is None else dtensors.local(p.grad)
+            for p in self.params
+        ]
+
+    def weights(self) -> list[torch.Tensor]:
+        return [dtensors.local(p.detach()) for p in self.params]
 
     def __call__(self, loss_scale: Any = 1.0) -> torch.Tensor:
-        totals = torch.zeros(self.size, dtype=torch.float64, device=self.device)
-        grads = [p.grad for _, p in self.params]
-        present = [k for k, g in enumerate(grads) if g is not None]  # no gradient this step
-        if present:
-            scale = torch.as_tensor(loss_scale).to(self.device, torch.float64)
-            locals_ = [dtensors.local(grads[k]) for k in present]
-            norms = torch.stack(torch._foreach_norm(locals_, 2, dtype=torch.float32))
-            squares = norms.double().square() / (scale * scale)
-            index = self.index if len(present) == len(grads) else self._index(present)
-            totals.index_add_(0, index, squares.repeat(2) if self.grad_owner else squares)
-        if self.grad_owner:
-            weights = [dtensors.local(p.detach()) for _, p in self.params]
-            norms = torch.stack(torch._foreach_norm(weights, 2, dtype=torch.float32))
-            totals.index_add_(0, self.weight_index, norms.double().square())
-        return dtensors.sum_over_shards(totals, self.groups)
-
-    def snapshot(self) -> list[torch.Tensor]:
-        """A copy of the local weights, for :meth:`update_squares` after the step."""
-        if not self.grad_owner:
-            return []
-        return [dtensors.local(p.detach()).clone() for _, p in self.params]
-
-    def update_squares(self, before: list[torch.Tensor]) -> torch.Tensor:
-        """Each layer's local ||Δw||² since ``before`` (a :meth:`snapshot`, consumed) in its
-        gradient slot (the rest 0; summed over the shards by :func:`update_ratio`)."""
-        totals = torch.zeros(self.size, dtype=torch.float64, device=self.device)
-        if self.grad_owner:
-            torch._foreach_sub_(before, [dtensors.local(p.detach()) for _, p in self.params])
-            norms = torch.stack(torch._foreach_norm(before, 2, dtype=torch.float32))
-            totals.index_add_(0, self.index[len(self.params) :], norms.double().square())
-        return totals
+        return dtensors.sum_over_shards(super().__call__(loss_scale), self.groups)
 
 
 def main_params(parts: Iterable[Any]) -> dict[int, torch.Tensor]:

@@ -1,12 +1,8 @@
 """The overlay's one after-step collective: every per-step value the writer needs, one sum.
 
-Each rank adds its part into slots of one float64 vector, summed over every rank: the
-per-source loss and token sums (a true sum: the last stage's ranks that read data), each DP
-replica's token-summed lm loss and tokens (TP rank 0 of the last stage adds its replica's;
-its CP ranks add their parts of the sequences), and each rank's busy time and peer group (its
-own slots; zeros elsewhere). The writer reads the vector once, after Megatron's own per-step
-sync, and computes the worst DP rank's loss, the per-source losses and the slowest rank from
-it. No Megatron imports.
+Each rank adds its parts (per-source loss and token sums, its DP replica's loss and tokens,
+its busy time and peer group) into its slots of one float64 vector summed over every rank;
+the writer derives the worst DP rank, per-source losses and the slowest rank. No Megatron.
 """
 
 from __future__ import annotations

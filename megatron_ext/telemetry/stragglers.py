@@ -1,12 +1,9 @@
 """Stragglers: each rank's busy time per step, and the rank that stays slower than its peers.
 
-In synchronous training every rank's step takes as long as the slowest one's, so the step
-time names nobody. A rank's *busy* time does: from the start of its step's first training forward
-to the end of its last one, before the gradient all-reduce where fast ranks wait for slow
-ones (its data reads and backward passes in between count). It is compared
-with the median of its data-parallel peers (ranks doing the same work; every rank when it has
-none); one rank over ``factor`` times that for ``steps`` consecutive steps is named. No
-Megatron imports.
+Every rank's step lasts as long as the slowest one's, so a rank's *busy* time (its step's
+first training forward to the end of its last, before the gradient all-reduce) is compared
+with its data-parallel peers' median; one over ``factor`` times it for ``steps`` consecutive
+steps is named. No Megatron imports.
 """
 
 from __future__ import annotations

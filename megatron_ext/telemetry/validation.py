@@ -1,12 +1,8 @@
 """Per-dataset validation loss: Megatron's evaluation ``lm loss``, per member of the blend.
 
-Evaluation averages a blend into one number, where a member that regressed hides. Each
-evaluation micro-batch's lm loss and tokens are summed per member on device (the training
-side's :class:`SourceAccumulator`), reduced once per evaluated set when Megatron's
-``evaluate`` returns (registry ``validation-set-by-dataset``), checked to reduce to Megatron's
-own number, then printed after Megatron's validation line, logged to TensorBoard
-(``lm-loss-validation-by-dataset/<name>``) and appended to ``validation.jsonl``. Megatron is
-imported late (only on the training side).
+A blend's one validation number hides a member that regressed: the lm loss and tokens are
+summed per member on device, reduced once per evaluated set, checked against Megatron's own
+number, then printed, logged to TensorBoard and to ``validation.jsonl``. docs/signals.md.
 """
 
 from __future__ import annotations

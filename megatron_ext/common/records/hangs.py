@@ -1,10 +1,9 @@
 """Hang dumps: what a rank's watchdog writes when training stops making progress, and the
 report the supervisor builds from them (no torch, no Megatron).
 
-An attempt's folder (``MEGATRON_EXT_HANG_DIR``) holds ``request.json`` (the first rank to see
-a stall asks all to dump), ``rank-R.json`` per rank and ``report.json`` (the next attempt's
-report compares with it: a repeat). The hung rank is the one not waiting in a collective;
-failing that, the first to stop progressing; a rank without a dump is named silent.
+An attempt's folder (``MEGATRON_EXT_HANG_DIR``) holds ``request.json``, ``rank-R.json`` per
+rank and ``report.json``. The hung rank is the one not waiting in a collective; failing that,
+the first to stop progressing; a rank without a dump is named silent.
 """
 
 from __future__ import annotations

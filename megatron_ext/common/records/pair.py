@@ -1,10 +1,9 @@
 """A ``.bin``/``.idx`` pair that no reader can see mixed or damaged (docs/data.md).
 
-Megatron opens the two files independently: a new ``.bin`` beside an old ``.idx`` returns wrong
-tokens silently. :func:`publish` removes the old ``.idx``, then renames the ``.bin``, then the
-``.idx`` (a kill in between leaves no index); :func:`check_pair` checks the ``.idx`` as
-Megatron's ``_IndexReader`` lays it out, and the fingerprint trailer ``preprocess`` appends
-(registry ``idx-trailing-bytes``; trailer versions 1 and 2). No Megatron import here.
+Megatron opens the two files independently, so a new ``.bin`` beside an old ``.idx`` returns
+wrong tokens silently: :func:`publish` removes the old ``.idx`` before renaming the pair into
+place, and :func:`check_pair` checks the ``.idx`` layout and ``preprocess``'s fingerprint
+trailer (registry ``idx-trailing-bytes``). No Megatron import here.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Reading one iteration out of a sample log of millions of lines, without reading the rest.
 
-Each rank's file is a sequence of attempts, each sorted by (iteration, micro-batch) (a restart
-from an older checkpoint appends lower iterations again later). ``attempts-dp{rank}.jsonl``
-says where each attempt starts; :meth:`RankLog.iteration` bisects each run that can hold the
-iteration and parses only its lines. Torn lines are skipped and reported; an index that does
-not fit the file, and records before it (older versions), are scanned line by line; a run
-that is not sorted where it is read (two writers) is scanned and split where its keys stop
-rising. ``bytes_read`` and ``records_parsed`` let tests prove an answer read little.
+``attempts-dp{rank}.jsonl`` says where each attempt starts; :meth:`RankLog.iteration` bisects
+each sorted run that can hold the iteration and parses only its lines (torn lines skipped and
+reported; unsorted or unindexed stretches scanned). docs/lookup.md.
 """
 
 from __future__ import annotations
