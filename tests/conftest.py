@@ -1,7 +1,14 @@
 """Shared fixtures: one tiny real corpus, tokenized once per session; the real-shaped spike
-drill; the e2e and compat markers; which tests share an xdist worker."""
+drill; the e2e and compat markers; which tests share an xdist worker; one CPU thread each."""
 
 from __future__ import annotations
+
+import os
+
+# One intra-op thread per process, this one and every process a test starts (they inherit it),
+# set before torch loads: the tiny models gain nothing from more, and on a busy machine the
+# idle OpenMP threads spin (docs/testing.md). torchrun sets 1 itself only from two ranks.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pathlib import Path
 

@@ -94,13 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     work = options.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    ctx = Context(
-        options.cpu_rehearsal,
-        work,
-        sys.executable,
-        options.wheels,
-        {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
-    )
+    env = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    if options.cpu_rehearsal:  # the tiny model on one intra-op thread: more only spin
+        env["OMP_NUM_THREADS"] = "1"
+    ctx = Context(options.cpu_rehearsal, work, sys.executable, options.wheels, env)
     results = []
     for number, (name, body) in RUNGS.items():
         rung = Rung(number, name)

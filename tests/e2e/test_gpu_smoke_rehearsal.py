@@ -33,7 +33,7 @@ def test_cpu_rehearsal_of_the_gpu_ladder(tmp_path: Path) -> None:
         assert rung["estimate_gpu_s"] > 0 and rung["estimate_basis"], number
         assert rung["status"] == ("pass" if number in (2, 4, 5, 7, 8, 9, 10) else "skip"), rung
     assert rungs[2]["figures"]["iterations"] == 40 and rungs[2]["figures"]["buckets"] > 1
-    assert rungs[4]["figures"]["ratio"] > 0
+    assert rungs[4]["figures"]["ratio"] > 0 and rungs[4]["figures"]["steps"] == 10
     assert rungs[7]["figures"]["time_vs_megatron_ce"] > 0  # the fused head ran against both CEs
     assert rungs[7]["figures"]["ddp_time_vs_megatron_ce"] > 0  # and under DDP (main_grad)
     drill = rungs[5]["figures"]

@@ -1,6 +1,7 @@
-"""The nvidia-resiliency-ext tier (``.ci/run``: ``.venv-bridge/bin/python -m pytest -m nvrx
-tests/nvrx``; ``tools/bridge_venv.sh`` unpacks nvrx 0.6.0's wheel and ``grpcio`` there). Where
-nvrx's launcher cannot be imported (the main venv) nothing here is collected."""
+"""The nvidia-resiliency-ext tier (``.ci/run``: ``.venv-nvrx/bin/python -m pytest -m nvrx
+tests/nvrx``; ``tools/nvrx_venv.sh`` unpacks nvrx 0.6.0's wheel and ``grpcio`` there, as
+``tools/bridge_venv.sh`` does for Bridge). Where nvrx's launcher cannot be imported (the main
+venv) nothing here is collected."""
 
 from __future__ import annotations
 
