@@ -36,6 +36,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--plain", action="store_true", help="Bridge alone, no megatron-ext")
+    parser.add_argument(
+        "--own-forward-step", action="store_true", help="a forward step of the user's own form"
+    )
     options, rest = parser.parse_known_args(argv)
     return options, [word for word in rest if word != "--"]
 
@@ -143,8 +146,29 @@ def config(options: argparse.Namespace):
     )
 
 
+class CountingStep:
+    """A forward step of the user's own: Bridge's three-argument form (``state`` first, which
+    Bridge injects), counting its micro-batches around Bridge's GPT step."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, state, data_iterator, model):
+        from megatron.bridge.training.gpt_step import forward_step
+
+        self.calls += 1
+        return forward_step(state, data_iterator, model)
+
+
 def main(argv: list[str]) -> None:
     options, ext_flags = parse(argv)
+    if options.own_forward_step:
+        from megatron_ext.bridge import pretrain
+
+        step = CountingStep()
+        pretrain(config(options), ext_flags, forward_step_func=step)
+        print(f"own forward step: {step.calls} micro-batches", flush=True)
+        return
     if options.plain:
         from megatron.bridge.training.gpt_step import forward_step
         from megatron.bridge.training.pretrain import pretrain

@@ -124,6 +124,7 @@ def _pretrain(
     from megatron.bridge.training.callbacks import CallbackManager, normalize_callbacks
     from megatron.bridge.training.gpt_step import forward_step as gpt_forward_step
     from megatron.bridge.training.pretrain import pretrain as bridge_pretrain
+    from megatron.bridge.training.utils.train_utils import needs_global_state_injection
     from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
 
     from megatron_ext.bridge import table as bridge_table
@@ -142,7 +143,9 @@ def _pretrain(
         patch.apply(features)
     manager = normalize_callbacks(callbacks) or CallbackManager()
     wiring.register_callbacks(manager, features, partial(final_save, features, config, manager))
-    step = partial(wiring.forward_step, features, forward_step_func or gpt_forward_step)
+    user_step = forward_step_func or gpt_forward_step
+    wants_state = needs_global_state_injection(user_step)  # Bridge's own rule, decided once
+    step = partial(wiring.forward_step, features, user_step, wants_state)
     bridge_pretrain(config, step, manager)
     if rank() == 0:
         attempt_end.record(True, "pretrain returned: the training is complete")

@@ -141,6 +141,16 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "(on_train_step_start / on_train_step_end), the skipped-end save (on_train_end).",
     ),
     Assumption(
+        name="bridge-eval-callbacks",
+        target=f"{_TRAINING}.eval:evaluate",
+        assigned=("on_eval_start", "on_eval_end", "on_test_start", "on_test_end"),
+        used_by="megatron_ext.bridge.wiring",
+        verified_on=V19,
+        reason="Per-dataset validation: Bridge's evaluate fires on_eval_start / on_test_start "
+        "before its forwards and on_eval_end / on_test_end with the averaged total_loss_dict, "
+        "where the members' sums start and are reduced and checked against it.",
+    ),
+    Assumption(
         name="bridge-checkpoint-manager",
         target=f"{_TRAINING}.checkpointing:DefaultCheckpointManager",
         assigned=("checkpoint_config", "_context"),
@@ -232,6 +242,7 @@ IMPORTS: tuple[Assumption, ...] = (
     _imports(f"{_TRAINING}.gpt_step", ("forward_step",)),
     _imports(f"{_TRAINING}.pretrain", ("pretrain",)),
     _imports(f"{_TRAINING}.train", ("save_checkpoint_and_time",)),
+    _imports(f"{_TRAINING}.utils.train_utils", ("needs_global_state_injection",)),
     _imports("megatron.bridge.utils.instantiate_utils", ("register_allowed_target_prefix",)),
 )
 

@@ -1,11 +1,9 @@
 """Where Megatron-Bridge's loop meets the installed features: one function per mechanism.
 
-Bridge runs its own loop, so the overlay's Megatron loop hooks are never called there; each
-hook is reached through a public Bridge mechanism (callbacks, the pre-wrap hook, the forward
-step's data iterator and loss partial, the checkpoint manager) or a registry entry, always
-through the same :mod:`megatron_ext.registry.hooks` callers as the overlay's GPT step, so the
-features run unchanged (the table: docs/bridge.md). The callbacks keep the loop counters on
-the features' args current from Bridge's ``train_state``. No Bridge import at module level.
+Bridge runs its own loop, so each feature hook is reached through a public Bridge mechanism
+(callbacks, the pre-wrap hook, the forward step's data iterator and loss partial, the
+checkpoint manager) or a registry entry, through the same :mod:`megatron_ext.registry.hooks`
+callers as the overlay's GPT step (the table: docs/bridge.md). No Bridge import at module level.
 """
 
 from __future__ import annotations
@@ -14,9 +12,13 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
+import torch
+
 from megatron_ext.bridge import checkpoints
+from megatron_ext.common.errors import StartupError
 from megatron_ext.common.features import Feature, FeatureSet, LossInputs, MicroBatch, StepRecord
 from megatron_ext.registry import hooks
+from megatron_ext.telemetry.validation import ValidationFeature
 
 
 def with_train_dataset_hook(
@@ -95,21 +97,31 @@ def micro_batch(features: FeatureSet, model: Any) -> MicroBatch:
 
 def forward_step(
     features: FeatureSet,
-    bridge_step: Callable[..., tuple[Any, Any]],
+    user_step: Callable[..., tuple[Any, Any]],
+    wants_state: bool,
     state: Any,
     data_iterator: Any,
     model: Any,
     return_schedule_plan: bool = False,
 ) -> tuple[Any, Callable[[Any], Any]]:
     """The forward step handed to Bridge (its first free parameter is ``state``, so Bridge
-    injects its GlobalState): Bridge's step reading through :class:`ObservedBatches`, its
-    loss partial (first argument: the loss mask, ``bridge-gpt-forward-step``) observed."""
+    injects its GlobalState): the user's step (Bridge's GPT step by default; given the state
+    when ``wants_state``, Bridge's own rule) reading through :class:`ObservedBatches`, its
+    loss partial (the loss mask first, as ``bridge-gpt-forward-step``'s) observed."""
     batch = micro_batch(features, model)
     data = None if data_iterator is None else ObservedBatches(features, data_iterator, batch)
-    output, loss_function = bridge_step(state, data, model, return_schedule_plan)
-    loss_mask = loss_function.args[0] if isinstance(loss_function, partial) else None
-    if loss_mask is None:
+    step = partial(user_step, state) if wants_state else user_step
+    output, loss_function = step(data, model, *((True,) if return_schedule_plan else ()))
+    if return_schedule_plan:  # a schedule plan, not a forward: nothing to observe
         return output, loss_function
+    loss_mask = loss_function.args[0] if isinstance(loss_function, partial) else None
+    if not isinstance(loss_mask, torch.Tensor):
+        raise StartupError(
+            f"megatron-ext: the forward step {getattr(user_step, '__name__', user_step)!r} "
+            "returns a loss function whose loss mask cannot be read; return "
+            "functools.partial(loss_func, loss_mask, ...) as Bridge's gpt_step does (the "
+            "per-sample loss, per-source loss and worst-rank loss read the mask)"
+        )
     return output, partial(observed_loss, features, batch, loss_function, loss_mask)
 
 
@@ -196,6 +208,23 @@ def on_train_step_end(features: FeatureSet, context: Any) -> None:
         feature.after_step(record)
 
 
+def on_evaluation_start(feature: ValidationFeature, test: bool, context: Any) -> None:
+    """``on_eval_start`` / ``on_test_start``: per-dataset validation's set begins (its split,
+    the iteration, fresh sums)."""
+    state = context.state
+    step = state.train_state.step
+    prefix = f"iteration {step}" + (" on test set" if test else "")
+    feature.begin(prefix, step, not state.cfg.validation.skip_train)
+    feature.start_set()
+
+
+def on_evaluation_end(feature: ValidationFeature, context: Any) -> None:
+    """``on_eval_end`` / ``on_test_end``: Bridge's averaged loss dict (before it prints it);
+    the members' sums reduced, checked against it and reported."""
+    feature.end_set(context.total_loss_dict, timelimit=False)
+    feature.report()
+
+
 def register_callbacks(
     manager: Any, features: FeatureSet, final_save: Callable[[Any], None]
 ) -> None:
@@ -206,6 +235,11 @@ def register_callbacks(
     manager.register("on_train_step_start", partial(on_train_step_start, features))
     manager.register("on_train_step_end", partial(on_train_step_end, features))
     manager.register("on_train_end", final_save)
+    for feature in features.features:
+        if isinstance(feature, ValidationFeature) and feature.sets:
+            for event, test in (("eval", False), ("test", True)):
+                manager.register(f"on_{event}_start", partial(on_evaluation_start, feature, test))
+                manager.register(f"on_{event}_end", partial(on_evaluation_end, feature))
 
 
 def with_weight_decay(provider: Any, policy: Any) -> Any:

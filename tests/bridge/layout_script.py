@@ -1,5 +1,6 @@
 """docs/examples/pretrain_bridge.py at a model-parallel layout: ``--tp N --pp N --vpp N
---layers N`` set the example's model provider, the rest goes to the example (``--plain``:
+--layers N`` set the example's model provider, ``--eval-iters N --split S`` an evaluation
+after the last iteration (and in the loop at it), the rest goes to the example (``--plain``:
 Bridge alone). What tests/bridge/test_bridge_layouts.py launches."""
 
 from __future__ import annotations
@@ -25,10 +26,16 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     for flag, default in (("--tp", 1), ("--pp", 1), ("--vpp", 0), ("--layers", 2)):
         parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--eval-iters", type=int, default=0)
+    parser.add_argument("--split")
     layout, rest = parser.parse_known_args(argv)
     example = _example()
     options, ext_flags = example.parse(rest)
     config = example.config(options)
+    if layout.eval_iters:
+        config.validation.eval_iters = layout.eval_iters
+        config.validation.eval_interval = options.train_iters
+        config.dataset.split = layout.split
     model = config.model
     model.tensor_model_parallel_size = layout.tp
     model.pipeline_model_parallel_size = layout.pp

@@ -4,7 +4,8 @@ drill of test_bridge_drill.py: rollback, resume) and one of Bridge alone
 (tests/bridge/layout_script.py, the example at that layout): the first iteration's loss and
 grad norm equal Bridge's own, Σ bucket² = grad-norm², the per-source mean is the lm loss, the
 sample log is written once per DP rank (TP rank 0 of the last stage) and ``megatron-ext
-lookup`` answers its records."""
+lookup`` answers its records. At PP 2 x VPP 2 Bridge also evaluates (its own loop's evaluation
+at the last iteration, and after training): per-dataset validation reduces to its lm loss."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.common.files import SIGNALS_FILE
+from megatron_ext.common.files import SIGNALS_FILE, VALIDATION_FILE
 from megatron_ext.common.records.signals import read_signals
+from megatron_ext.common.records.validation import read_validation
+from megatron_ext.telemetry.validation import LOSS_CHECK_RTOL
 from tests.bridge import test_bridge_drill as drill
 from tests.support.drill import check_lookup_equals_sample_log, lookup_equals_records
 from tests.support.harness import RUNNER, Run, run_logged
@@ -26,11 +29,14 @@ from tests.support.harness import RUNNER, Run, run_logged
 SCRIPT = Path(__file__).with_name("layout_script.py")
 MEMBERS = ("tiny_text_document", "copy_text_document")
 ITERS, GLOBAL_BATCH, MICRO_BATCH = 3, 8, 2
+# An evaluation batch at the last iteration and after training, on a 10 % validation split.
+EVAL = ["--eval-iters", "1", "--split", "90,10,0"]
 LAYOUTS = {  # name: (ranks, DP size, the ranks reading the batch, the script's layout flags)
     "tp2-dp2": (4, 2, {0: 0, 2: 1}, ["--tp", "2"]),  # TP rank 0 of each DP rank
-    "pp2-vpp2": (2, 1, {0: 0, 1: 0}, ["--pp", "2", "--vpp", "2", "--layers", "4"]),
+    "pp2-vpp2": (2, 1, {0: 0, 1: 0}, ["--pp", "2", "--vpp", "2", "--layers", "4", *EVAL]),
 }
 FIRST = re.compile(r"iteration\s+1/.*?\| lm loss: (\S+) \|.*?\| grad norm: (\S+) \|")
+VALIDATION = re.compile(r" validation loss at iteration (\d+)[^|]*\| lm loss value: (\S+) \|")
 
 
 def _launch(work: Path, ranks: int, flags: list[str]) -> Run:
@@ -119,6 +125,30 @@ def test_the_overlay_at_a_bridge_layout(layout: dict, tmp_path: Path, capsys) ->
         check_lookup_equals_sample_log(ext, ext.workdir, tmp_path, capsys)
     else:
         lookup_equals_records(ext, records, 2, tmp_path)
+        _check_validation(ext)
+
+
+def _check_validation(run: Run) -> None:
+    """Per-dataset validation under Bridge's evaluation (in its loop at the last iteration
+    and after training, one evaluation iteration each): both members, every evaluated token
+    once, Σ member loss·tokens / Σ tokens = Bridge's printed lm loss; console, TensorBoard."""
+    records = read_validation(run.workdir / "signals" / VALIDATION_FILE)
+    printed = [(int(i), float(v)) for i, v in VALIDATION.findall(run.log)]
+    assert [r.iteration for r in records] == [i for i, _ in printed] == [ITERS, ITERS]
+    for record, (_, bridge) in zip(records, printed):
+        assert record.lm_loss == pytest.approx(bridge, rel=1e-6)  # printed to 7 digits
+        assert set(record.tokens_by_dataset) == set(record.lm_loss_by_dataset) == set(MEMBERS)
+        tokens = sum(record.tokens_by_dataset.values())
+        assert tokens == GLOBAL_BATCH * 64, record  # one evaluation batch
+        combined = sum(
+            record.lm_loss_by_dataset[m] * n for m, n in record.tokens_by_dataset.items()
+        )
+        assert combined / tokens == pytest.approx(record.lm_loss, rel=LOSS_CHECK_RTOL)
+    assert f" validation lm loss by dataset at iteration {ITERS} | {MEMBERS[0]}: " in run.log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = EventAccumulator(str(run.workdir / "tensorboard")).Reload().Tags()["scalars"]
+    assert {f"lm-loss-validation-by-dataset/{m}" for m in MEMBERS} <= set(tags), tags
 
 
 def _check_signals(run: Run, trained: set[int]) -> None:

@@ -2,7 +2,9 @@
 
 One first launch per layout (every feature on, drill included) proves its losses against the
 single-rank base, Σ bucket² = grad-norm² with global layer names, the weight-decay update,
-the signals, the drill's exit on every rank, and sample log + lookup + reader ranks. The
+the signals (stragglers included: measured every step, nobody named), per-dataset validation
+(one short evaluation on a two-member blend, reducing to Megatron's lm loss), the drill's exit
+on every rank, and sample log + lookup + reader ranks. The
 drill restart past the spike runs for ``pp2-tied``; the kill -9 resume (bit-exact) for
 ``dp2-pp2-distopt-tied``; the resume of the first launch's checkpoint (bit-exact) for
 ``fsdp2-dp2`` (torch FSDP2 on a CPU device mesh). Layouts that cannot run on CPU (SP, CP,
@@ -14,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import socket
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,12 +24,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.common.files import SIGNALS_FILE, SPIKE_LEDGER_FILE
+from megatron_ext.common.files import SIGNALS_FILE, SPIKE_LEDGER_FILE, VALIDATION_FILE
 from megatron_ext.common.records.ledger import read_ledger
 from megatron_ext.common.records.sample_log import SampleRecord
 from megatron_ext.common.records.signals import SignalRecord, latest_per_iteration, read_signals
+from megatron_ext.common.records.validation import read_validation
 from megatron_ext.demo import TINY_MODEL
 from megatron_ext.lookup import cli
+from megatron_ext.telemetry.validation import LOSS_CHECK_RTOL
 from tests.support.harness import (
     GLOBAL_BATCH,
     MICRO_BATCH,
@@ -37,6 +42,8 @@ from tests.support.harness import (
 from tests.support.layouts import (
     BAD,
     BY_NAME,
+    EVAL_INTERVAL,
+    EVAL_ITERS,
     EXIT_CODE_SPIKE,
     FIRST,
     LAYOUTS,
@@ -56,7 +63,13 @@ pytestmark = [pytest.mark.layouts, pytest.mark.timeout(1800)]
 NAMES = [layout.name for layout in LAYOUTS]
 SEQ_LENGTH = int(TINY_MODEL[TINY_MODEL.index("--seq-length") + 1])
 FP32 = [layout.name for layout in LAYOUTS if not layout.bf16]
+HOST = socket.gethostname()  # every rank's node
 BF16_RTOL = 2.0**-8  # one bf16 unit roundoff
+# Every evaluated token counts (no end-of-document masking): EVAL_ITERS global batches.
+EVAL_TOKENS = EVAL_ITERS * GLOBAL_BATCH * SEQ_LENGTH
+MEGATRON_VALIDATION = re.compile(
+    r" validation loss at iteration (\d+)[^|]*\| lm loss value: (\S+) \|"
+)
 _BUCKET = re.compile(r"^(?:pp(\d+)\.)?(?:ep(\d+)\.)?b\d+:(?:layers(\d+)-(\d+)|no-layers)\[")
 
 
@@ -73,6 +86,11 @@ def _trained(first: Run) -> list[SignalRecord]:
 
 def _microbatches(layout: Layout) -> int:
     return GLOBAL_BATCH // (MICRO_BATCH * layout.dp)
+
+
+def _evaluations(run: Run) -> list[tuple[int, float]]:
+    """(iteration, lm loss) of each evaluation Megatron printed."""
+    return [(int(i), float(v)) for i, v in MEGATRON_VALIDATION.findall(run.log)]
 
 
 def _keyed(run: Run) -> dict[tuple[int, int, int], SampleRecord]:
@@ -231,6 +249,54 @@ def test_signals_one_record_per_iteration_with_the_worst_dp_rank(matrix: Matrix,
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_validation_by_dataset_reduces_to_megatrons_lm_loss_counting_each_token_once(
+    matrix: Matrix, name: str
+) -> None:
+    """The first launch's one evaluation (after FIRST): every member of the validation blend,
+    each evaluated token once (TP ranks > 0 and the stages without the loss add nothing), and
+    Σ member loss·tokens / Σ tokens is Megatron's printed validation lm loss."""
+    run = matrix.first(name)
+    records = read_validation(run.workdir / "signals" / VALIDATION_FILE)
+    printed = _evaluations(run)
+    assert [r.iteration for r in records] == [i for i, _ in printed] == [EVAL_INTERVAL]
+    for record, (_, megatron) in zip(records, printed):
+        assert (record.split, record.set_name) == ("valid", None)
+        assert record.lm_loss == pytest.approx(megatron, rel=1e-6)  # printed to 7 digits
+        members = matrix.validation_members
+        assert set(record.lm_loss_by_dataset) == set(record.tokens_by_dataset) == members
+        # Weights 1:1: each member has half of every evaluated global batch.
+        assert set(record.tokens_by_dataset.values()) == {EVAL_TOKENS // 2}, record
+        combined = sum(
+            record.lm_loss_by_dataset[n] * t for n, t in record.tokens_by_dataset.items()
+        )
+        assert combined / EVAL_TOKENS == pytest.approx(record.lm_loss, rel=LOSS_CHECK_RTOL)
+        low, high = sorted(record.lm_loss_by_dataset.values())
+        assert high - low > 0.1, "the members differ: neither could pass as the aggregate"
+    assert f" validation lm loss by dataset at iteration {EVAL_INTERVAL} | " in run.log
+    assert "megatron-ext WARNING" not in run.log
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_stragglers_every_step_has_its_slowest_rank_and_nobody_is_named(
+    matrix: Matrix, name: str
+) -> None:
+    """Every rank's busy time is in each step's one after-step sum: each record names the
+    slowest rank against its peers' median (the console's line the same), and nobody is a
+    straggler on these balanced runs."""
+    layout, run = BY_NAME[name], matrix.first(name)
+    for r in _trained(run):
+        assert r.slowest_rank in range(layout.nproc), r
+        assert r.slowest_step_time >= r.median_step_time > 0, r
+        assert r.straggler_rank is None and r.straggler_node is None, r
+        line = (
+            f" iteration {r.iteration:8d} | slowest rank {r.slowest_rank} ({HOST}): busy "
+            f"{r.slowest_step_time:.3f} s, peers' median {r.median_step_time:.3f} s"
+        )
+        assert line in run.log, line
+    assert "is a straggler" not in run.log
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_drill_exits_on_every_rank_without_saving_past_the_onset(matrix: Matrix, name: str) -> None:
     layout, run = BY_NAME[name], matrix.first(name)
     exits = run.exits()
@@ -287,7 +353,8 @@ def test_sample_log_and_lookup_agree_and_name_the_reader_ranks(matrix: Matrix, n
             assert (recorded[key].sample_ids, recorded[key].token_sha1) == (ids, digests), key
     readers = {rank for ranks in read.values() for rank in ranks}
     assert len(readers) == layout.dp * min(layout.pp, 2), "TP rank 0 of first and last stage"
-    per_reader = (last - FIRST + 1) * _microbatches(layout)
+    steps = last - FIRST + 1 + EVAL_ITERS * len(_evaluations(run))  # evaluations read too
+    per_reader = steps * _microbatches(layout)
     assert all(n == per_reader for ranks in read.values() for n in ranks.values()), read
 
 

@@ -10,8 +10,11 @@ holds exactly one update of the base weights. Later launches (drill restart, kil
 resume) are plain resumes of the layout's own checkpoints.
 
 Every layout run has z-loss, weight-decay multipliers, bucket norms, signals with the update
-ratio, the spike detector, the sample log and the drill (garbage tokens on the last DP rank
-at ``BAD``): its first launch ends with the detector's exit on every rank. A ``replay`` layout
+ratio and stragglers, the spike detector, the sample log, the drill (garbage tokens on the
+last DP rank at ``BAD``) and one short evaluation after ``FIRST`` on a two-member validation
+blend (per-dataset validation; training and the base read the one training source as
+``--train-data-path``, so the first iteration still equals the base's): its first launch
+ends with the detector's exit on every rank. A ``replay`` layout
 also resumes a copy of its first launch's checkpoint of ``FIRST``, which must retrace the
 first launch bit for bit (one launch where ``resume`` takes two). The layouts marked
 ``FUSED`` also run ``--fused-output-loss`` (the bases never do), so their first iteration is
@@ -39,6 +42,7 @@ from megatron_ext.common.files import (
 )
 from megatron_ext.demo import TINY_MODEL
 from tests.support.harness import TELEMETRY, Run, launch, run_skiplist
+from tests.support.sources import CODE, prepare_source
 
 TRAIN_ITERS = 25
 FIRST = 10  # the layouts' first iteration; the base saves FIRST - 1
@@ -57,6 +61,11 @@ T = TypeVar("T")
 DECAY = ["--embedding-weight-decay-mult", "0", "--weight-decay-override", "*.linear_fc2.weight=0.5"]
 OUTPUT_LAYER_MULT = 0.25  # --output-layer-weight-decay-mult, untied models only
 PLAN = ["--rollback-iters", "2", "--skip-batches", "7"]
+# One short evaluation after FIRST (in the first launch, before the drill) on a validation
+# blend of two members, the training source and a code source (tests/support/sources.py):
+# per-dataset validation at every layout. Training reads the one source as before
+# (--train-data-path, the base too: Megatron takes per-split paths or --data-path, not both).
+EVAL_ITERS, EVAL_INTERVAL = 1, FIRST
 
 UNTIE = "--untie-embeddings-and-output-weights"
 
@@ -94,6 +103,10 @@ MODELS = {
 # Equal padded vocabularies at TP=1 and TP=2 (Megatron pads to 128 x TP by default, and the
 # padded logits are part of the softmax, so TP=2 would be another model).
 COMMON = ["--train-iters", str(TRAIN_ITERS), "--make-vocab-size-divisible-by", "64"]
+# Stragglers: the default rule (1.5x the peers' median for 5 steps) with the margin of
+# tests/e2e/test_stragglers.py, where a rank slowed by 3 s a step is named: on the shared
+# 2-core runner a balanced rank alone is 2-7x its peer for several steps (up to ~1 s a step).
+STRAGGLERS = ["--straggler-min-seconds", "1.5"]
 DETECTOR = [
     "--spike-detect",
     "--spike-window",
@@ -208,6 +221,19 @@ BY_NAME = {layout.name: layout for layout in LAYOUTS}
 PRECURSOR_SIGNALS = ("--log-output-z", "--signals-attention-logit")
 
 
+def per_split(data_args: list[str], valid: dict[str, float] | None = None) -> list[str]:
+    """``data_args`` (``--data-path P --split S`` ...) as ``--train-data-path P``, with
+    ``--valid-data-path`` the blend ``valid`` ({prefix: weight}) and an evaluation where given."""
+    flags = list(data_args)
+    at = flags.index("--data-path")
+    flags[at] = "--train-data-path"
+    del flags[flags.index("--split") : flags.index("--split") + 2]
+    if valid:
+        flags += ["--valid-data-path", *(x for p, w in valid.items() for x in (str(w), p))]
+        flags += ["--eval-iters", str(EVAL_ITERS), "--eval-interval", str(EVAL_INTERVAL)]
+    return flags
+
+
 def base_args(work: Path, data_args: list[str]) -> list[str]:
     """Single rank, the tiny training recipe, z-loss and signals; saves FIRST - 1, exits after
     FIRST (whose losses are the reference)."""
@@ -254,6 +280,7 @@ def layout_args(layout: Layout, work: Path, data_args: list[str]) -> list[str]:
         "--signals-dir",
         str(work / "signals"),
         *DETECTOR,
+        *STRAGGLERS,
         "--drill-corrupt-batch",
         f"{BAD[0]}-{BAD[1]}:{layout.dp - 1}",
         "--save",
@@ -300,7 +327,8 @@ class Matrix:
     def __init__(self, root: Path, data_args: list[str], models: Iterable[str] = MODELS) -> None:
         """``models``: the bases the session's tests need (launched together at first use)."""
         self.root = root
-        self.data_args = data_args
+        self.source_args = data_args
+        self.data_args = per_split(data_args)  # the bases'
         self.models = [m for m in MODELS if m in set(models)]
         self._runs: dict[str, Any] = {}
 
@@ -308,6 +336,26 @@ class Matrix:
         if key not in self._runs:
             self._runs[key] = make()
         return self._runs[key]
+
+    @property
+    def validation_members(self) -> set[str]:
+        """The validation blend's member names (the training source's and the code's)."""
+        return {Path(self._source()).name, CODE}
+
+    def _source(self) -> str:
+        return self.source_args[self.source_args.index("--data-path") + 1]
+
+    def layout_data(self) -> list[str]:
+        """The layouts' data flags: the bases' training data, the validation blend (half the
+        training source, half code) and its evaluation."""
+
+        def make() -> list[str]:
+            flags = self.source_args
+            tokenizer = Path(flags[flags.index("--tokenizer-model") + 1])
+            code = prepare_source(self.root / "code", CODE, tokenizer)
+            return per_split(flags, {self._source(): 0.5, code: 0.5})
+
+        return self._once("layout-data", make)
 
     def bases(self) -> dict[str, Run]:
         """The single-rank bases of ``models``, launched together (one rank each, on two
@@ -340,7 +388,7 @@ class Matrix:
         source = self.base(layout).workdir / "ckpt" / f"iter_{FIRST - 1:07d}"
         shutil.copytree(source, work / "ckpt" / source.name)
         (work / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(FIRST - 1))
-        args = [*layout_args(layout, work, self.data_args), "--no-load-optim", "--no-load-rng"]
+        args = [*layout_args(layout, work, self.layout_data()), "--no-load-optim", "--no-load-rng"]
         return launch(
             work,
             args,
@@ -352,7 +400,7 @@ class Matrix:
     def _again(self, layout: Layout, files: Path, name: str) -> Run:
         """A relaunch on the checkpoints and signals under ``files``; log, harness records
         and sample log of its own under ``name``."""
-        args = layout_args(layout, files, self.data_args)
+        args = layout_args(layout, files, self.layout_data())
         return launch(self.root / name, args, nproc=layout.nproc, model=MODELS[layout.model])
 
     def first(self, name: str) -> Run:

@@ -16,26 +16,27 @@ def prepare_sources(root: Path) -> tuple[dict[str, str], list[str]]:
     """({member name: data prefix}, tokenizer flags); reused when present."""
     _, tokenizer_args = prepare_tiny_dataset(root)
     tokenizer_dir = root / "data" / "tiny_tokenizer"
-    prefixes = {}
-    for name, write in ((PROSE, write_tiny_corpus), (CODE, write_code_corpus)):
-        stem = name.removesuffix("_text_document")
-        prefix = root / "sources" / stem
-        if not Path(f"{prefix}_text_document.idx").exists():
-            corpus = write(root / "sources" / f"{stem}.jsonl")
-            status = preprocess.main(
-                [
-                    "--input",
-                    str(corpus),
-                    "--output-prefix",
-                    str(prefix),
-                    "--tokenizer-dir",
-                    str(tokenizer_dir),
-                ]
-            )
-            if status != 0:
-                raise RuntimeError(f"preprocessing the {stem} source failed")
-        prefixes[name] = f"{prefix}_text_document"
+    prefixes = {name: prepare_source(root, name, tokenizer_dir) for name in (PROSE, CODE)}
     return prefixes, tokenizer_args
+
+
+def prepare_source(root: Path, name: str, tokenizer_dir: Path) -> str:
+    """The data prefix of source ``name`` (PROSE or CODE) under ``root/sources``, tokenized
+    with the tokenizer in ``tokenizer_dir``; reused when present."""
+    write = {PROSE: write_tiny_corpus, CODE: write_code_corpus}[name]
+    stem = name.removesuffix("_text_document")
+    prefix = root / "sources" / stem
+    if not Path(f"{prefix}_text_document.idx").exists():
+        corpus = write(root / "sources" / f"{stem}.jsonl")
+        status = preprocess.main(
+            [
+                *("--input", str(corpus), "--output-prefix", str(prefix)),
+                *("--tokenizer-dir", str(tokenizer_dir)),
+            ]
+        )
+        if status != 0:
+            raise RuntimeError(f"preprocessing the {stem} source failed")
+    return f"{prefix}_text_document"
 
 
 def blend_args(prefixes: dict[str, str], weights: dict[str, float], cache: Path) -> list[str]:
