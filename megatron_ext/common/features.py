@@ -107,6 +107,7 @@ class StepRecord:
     num_zeros: float | None
     max_attention_logit: float | None
     update_skipped: bool = False  # --spike-skip-update withheld this step's update
+    recovery: dict[str, float] | None = None  # --recovery-iters: the step was in the window
     signals: Any = None  # megatron_ext.common.records.signals.SignalRecord on the writing rank
 
 

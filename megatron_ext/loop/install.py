@@ -14,6 +14,7 @@ from megatron_ext.data.adapter import DataCheckFeature
 from megatron_ext.fsdp.adapter import TorchFsdpFeature
 from megatron_ext.hang.adapter import FLAGS as HANG_FLAGS
 from megatron_ext.hang.adapter import HangFeature
+from megatron_ext.recovery.adapter import RecoveryFeature
 from megatron_ext.registry import hooks
 from megatron_ext.registry import table as registry
 from megatron_ext.runlock.adapter import RunLockFeature
@@ -40,7 +41,9 @@ def all_features() -> list[Feature]:
         DrillFeature(),
         ZLossFeature(),
         WeightDecayFeature(),
-        # Before telemetry: they fill the step record's withheld update and attention logit.
+        # Before telemetry: they fill the step record's withheld update and attention logit,
+        # and recovery its lr (scaled before telemetry reads it) and its window.
+        RecoveryFeature(),
         UpdateSkipFeature(),
         AttentionLogitFeature(),
         TelemetryFeature(),

@@ -706,6 +706,24 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         reason="Under --bf16 the distributed optimizer hangs each model parameter's fp32 main "
         "shard on it (Megatron's params norm reads it): per-layer weight and update norms too.",
     ),
+    Assumption(
+        name="scheduler-sets-lr-each-step",
+        verified_on=ALL,
+        target="megatron.core.optimizer_param_scheduler:OptimizerParamScheduler.step",
+        assigned=("param_groups", "lr", "get_lr"),
+        used_by="megatron_ext.recovery.adapter",
+        reason="The scheduler sets every param group's lr after each update, so the recovery "
+        "window's lr factor, set before the step's norm, lasts exactly one update.",
+    ),
+    Assumption(
+        name="optimizer-inner-torch-optimizer",
+        verified_on=ALL,
+        target="megatron.core.optimizer.optimizer:MegatronOptimizer",
+        assigned=("optimizer",),
+        used_by="megatron_ext.recovery.adapter",
+        reason="Each part wraps a torch optimizer whose state holds Adam's moments (distributed "
+        "optimizer: this rank's shard): --recovery-reset-moments zeroes them.",
+    ),
 )
 
 # The entry point's forms per version; megatron_ext.loop.entry holds the code of each form.

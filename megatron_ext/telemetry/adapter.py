@@ -419,6 +419,7 @@ class TelemetryFeature(Feature):
             nan_iter=any(not math.isfinite(v) for v in losses.values()),
             log_z=losses.get("log z"),
             update_skipped=record.update_skipped,
+            recovery=record.recovery or {},
             **slow,
         )
         self.writer.write(record.signals)

@@ -139,6 +139,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "runlock",
             "fsdp",
             "hang",
+            "recovery",
         ),
     ),
     ("lower layer", ("common",)),

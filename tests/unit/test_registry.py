@@ -191,8 +191,8 @@ def test_patches_command_lists_every_touch_and_the_hooks_users(capsys) -> None:
         assert f"variant: {'' if form else 'this entry' if entry.variants else 'one form'}" in out
         assert found in versions, (entry.name, versions)
     assert (
-        "hook after_step, used by: hang, update_skip, attention_logit, telemetry, sample_log, "
-        "spikes" in out
+        "hook after_step, used by: hang, recovery, update_skip, attention_logit, telemetry, "
+        "sample_log, spikes" in out
     )
     assert "on_batch: called from megatron_ext.registry.hooks.read_batch" in out
     assert (

@@ -74,6 +74,9 @@ class SignalRecord:
     median_step_time: float | None = None
     straggler_rank: int | None = None
     straggler_node: str | None = None
+    # --recovery-iters, inside the window after a rollback's resume: the update's number,
+    # its lr factor and, with --recovery-clip-update, update_norm, clip_threshold, clip_scale.
+    recovery: dict[str, float] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         """The line's object: non-finite floats as null, named under :data:`NON_FINITE`."""

@@ -1,0 +1,1 @@
+"""Recovery after a rollback: options applied over the updates after the resume."""
