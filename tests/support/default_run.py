@@ -4,7 +4,8 @@ Why: the cost of reading a log at scale depends on what its lines hold. A defaul
 (``megatron-ext demo``: one dataset, no ``--spike-detect``, no optional signal) writes the
 per-source fields and leaves the optional signals null; a benchmark on lines without them
 measured 4 s where a real 1 M-iteration log took 38 s. :data:`RECORD` is one line of
-``runs/demo/signals/signals.jsonl`` verbatim (iteration 39, written 2026-12-05 by this tree);
+``runs/demo/signals/signals.jsonl`` verbatim (iteration 39, written 2026-12-05 by this tree;
+the empty ``recovery`` field, added since, as the writer writes it);
 the benchmarks change only the values that move from line to line.
 """
 
@@ -30,7 +31,7 @@ RECORD = (
     'ddings":5.2180399894714355,"decoder.layers.0":12.630892576773,"decoder.layers.1":12.33'
     '5358303936667,"decoder.final_layernorm":8.472464561462402,"output_layer":11.9317131042'
     '48047},"layer_update_norms":{},"slowest_rank":null,"slowest_step_time":null,"median_st'
-    'ep_time":null,"straggler_rank":null,"straggler_node":null}'
+    'ep_time":null,"straggler_rank":null,"straggler_node":null,"recovery":{}}'
 )
 SOURCE = "tiny_text_document"
 # Filled per line; every other field keeps RECORD's value.
