@@ -114,7 +114,9 @@ def forward_step(
     output, loss_function = step(data, model, *((True,) if return_schedule_plan else ()))
     if return_schedule_plan:  # a schedule plan, not a forward: nothing to observe
         return output, loss_function
-    loss_mask = loss_function.args[0] if isinstance(loss_function, partial) else None
+    loss_mask = _loss_mask(loss_function)
+    if loss_mask is None:  # a pipeline stage without the loss reads no mask
+        return output, loss_function
     if not isinstance(loss_mask, torch.Tensor):
         raise StartupError(
             f"megatron-ext: the forward step {getattr(user_step, '__name__', user_step)!r} "
@@ -123,6 +125,16 @@ def forward_step(
             "per-sample loss, per-source loss and worst-rank loss read the mask)"
         )
     return output, partial(observed_loss, features, batch, loss_function, loss_mask)
+
+
+def _loss_mask(loss_function: Any) -> Any:
+    """The mask Bridge's loss partials carry (first argument, or ``loss_mask=`` as its
+    distillation loss has it); False when the function carries none."""
+    if not isinstance(loss_function, partial):
+        return False
+    if loss_function.args:
+        return loss_function.args[0]
+    return loss_function.keywords.get("loss_mask", False)
 
 
 def observed_loss(
