@@ -60,9 +60,9 @@ def records(path: Path, columns: list[str]) -> Iterator[tuple[int, int, Payload]
                 yield number, group, row
 
 
-def group_rows(path: str | os.PathLike[str]) -> list[int]:
-    """Rows per row group of a Parquet file."""
-    metadata = pq.ParquetFile(path).metadata
+def group_rows(parquet: pq.ParquetFile) -> list[int]:
+    """Rows per row group of an opened Parquet file (its footer, read when it was opened)."""
+    metadata = parquet.metadata
     return [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
 
 
@@ -73,7 +73,7 @@ def record_at(path: Path, number: int, locator: int, columns: list[str]) -> Payl
             handle.seek(locator)
             return handle.readline()
     parquet = _open(path, columns)
-    first = sum(group_rows(path)[:locator])
+    first = sum(group_rows(parquet)[:locator])
     table = parquet.read_row_group(locator, columns=columns)
     return table.slice(number - 1 - first, 1).to_pylist()[0]
 
@@ -82,7 +82,7 @@ def entry(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A shard as the sidecar records it; a Parquet shard with its format and row groups."""
     described = shard_entry(path)
     if is_parquet(path):
-        described |= {"format": "parquet", "row_groups": group_rows(path)}
+        described |= {"format": "parquet", "row_groups": group_rows(pq.ParquetFile(path))}
     return described
 
 
@@ -90,7 +90,7 @@ def located(path: Path, numbers: list[int], column: str | None) -> dict[int, tup
     """Each Parquet row number's (from 1) row group and, with ``column``, its value there."""
     parquet = _open(path, [column] if column else [])
     found, first = {}, 0
-    for group, rows in enumerate(group_rows(path)):
+    for group, rows in enumerate(group_rows(parquet)):
         inside = [n for n in numbers if first < n <= first + rows]
         if inside and column:
             values = parquet.read_row_group(group, columns=[column]).column(column)
@@ -107,7 +107,7 @@ def write_without(path: Path, numbers: set[int], out: BinaryIO | None) -> tuple[
     parquet = pq.ParquetFile(path)
     writer = None if out is None else pq.ParquetWriter(out, parquet.schema_arrow)
     kept = removed = first = 0
-    for group, rows in enumerate(group_rows(path)):
+    for group, rows in enumerate(group_rows(parquet)):
         keep = [first + k + 1 not in numbers for k in range(rows)]
         removed += rows - sum(keep)
         kept += sum(keep)
