@@ -28,7 +28,8 @@ E2E = TESTS / "e2e"
 # other worker idle.
 SHARED = {
     "e2e/test_layouts.py": ("e2e/test_layouts.py",),  # the matrix: the longest file
-    "slurm": ("e2e/test_slurm.py", "e2e/test_multinode.py"),
+    # (tests/bridge's drill is a Slurm job too, in the Bridge tier's own session.)
+    "slurm": ("e2e/test_slurm.py", "e2e/test_multinode.py", "bridge/test_bridge_drill.py"),
     "tp2": (  # tp2, drill_ddp, distopt_rollback (tests/e2e/conftest.py)
         "e2e/test_pretrain.py",
         "e2e/test_telemetry.py",

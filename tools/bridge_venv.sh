@@ -40,28 +40,15 @@ BRIDGE_DEPS=(
 )
 MAIN_VENV=${MAIN_VENV:-.venv}
 TIER_VENV=${TIER_VENV:-.venv-bridge}
-MAIN_SITE=$("$MAIN_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-BASE_PYTHON=$("$MAIN_VENV/bin/python" -c 'import sys; print(sys._base_executable)')
-
-rm -rf "$TIER_VENV"
-"$BASE_PYTHON" -m venv --without-pip "$TIER_VENV"
-TIER_SITE=$("$TIER_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+# shellcheck source=tools/tier_venv.sh
+source tools/tier_venv.sh
+tier_venv_create
 # One pip call: megatron-bridge and megatron-energon both install into the megatron/
 # namespace directory, and a second `pip install --target` skips a directory that exists.
 "$MAIN_VENV/bin/pip" install -q --no-deps --prefer-binary --target "$TIER_SITE" \
     "megatron-bridge==$BRIDGE_VERSION" "${BRIDGE_DEPS[@]}"
-wheels=$(mktemp -d)
-"$MAIN_VENV/bin/pip" download -q --no-deps --only-binary=:all: \
-    --platform manylinux_2_39_x86_64 --python-version 3.12 \
-    -d "$wheels" "nvidia-resiliency-ext==$NVRX_VERSION"
-"$MAIN_VENV/bin/python" -m zipfile -e "$wheels"/nvidia_resiliency_ext-*.whl "$TIER_SITE"
-rm -rf "$wheels"
-# Bytecode now, while CI's main pytest runs: each tier launch imports all of megatron.bridge
-# (thousands of modules) in every rank, and a fresh venv would compile them on first import.
-"$MAIN_VENV/bin/python" -m compileall -q -j 0 "$TIER_SITE" >/dev/null || true
-# site.addsitedir (not a bare path line) also runs the main venv's own .pth files, so the
-# editable megatron-ext install resolves as it does there.
-echo "import site; site.addsitedir('$(cd "$MAIN_SITE" && pwd)')" > "$TIER_SITE/zz_main_venv.pth"
+tier_unpack_nvrx "$NVRX_VERSION"
+tier_venv_finish
 "$TIER_VENV/bin/python" - "$BRIDGE_VERSION" <<'EOF'
 import importlib.metadata, sys
 import megatron.core, megatron_ext, torch

@@ -8,8 +8,7 @@
 #
 #   bash tools/nvrx_venv.sh                 # -> .venv-nvrx (fresh every time)
 #
-# nvrx is unpacked, not pip-installed: it has only a manylinux_2_39 wheel, which pip on an
-# older-glibc host refuses (its C extensions are not loaded on the paths megatron-ext uses).
+# nvrx is unpacked, not pip-installed (tools/tier_venv.sh says why).
 # Env: MAIN_VENV (.venv, made by tools/setup.sh), TIER_VENV (.venv-nvrx).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,23 +18,12 @@ NVRX_VERSION=0.6.0
 NVRX_DEPS=(grpcio protobuf httpx httpcore defusedxml)
 MAIN_VENV=${MAIN_VENV:-.venv}
 TIER_VENV=${TIER_VENV:-.venv-nvrx}
-MAIN_SITE=$("$MAIN_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-BASE_PYTHON=$("$MAIN_VENV/bin/python" -c 'import sys; print(sys._base_executable)')
-
-rm -rf "$TIER_VENV"
-"$BASE_PYTHON" -m venv --without-pip "$TIER_VENV"
-TIER_SITE=$("$TIER_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+# shellcheck source=tools/tier_venv.sh
+source tools/tier_venv.sh
+tier_venv_create
 "$MAIN_VENV/bin/pip" install -q --no-deps --prefer-binary --target "$TIER_SITE" "${NVRX_DEPS[@]}"
-wheels=$(mktemp -d)
-"$MAIN_VENV/bin/pip" download -q --no-deps --only-binary=:all: \
-    --platform manylinux_2_39_x86_64 --python-version 3.12 \
-    -d "$wheels" "nvidia-resiliency-ext==$NVRX_VERSION"
-"$MAIN_VENV/bin/python" -m zipfile -e "$wheels"/nvidia_resiliency_ext-*.whl "$TIER_SITE"
-rm -rf "$wheels"
-"$MAIN_VENV/bin/python" -m compileall -q -j 0 "$TIER_SITE" >/dev/null || true
-# site.addsitedir (not a bare path line) also runs the main venv's own .pth files, so the
-# editable megatron-ext install resolves as it does there.
-echo "import site; site.addsitedir('$(cd "$MAIN_SITE" && pwd)')" > "$TIER_SITE/zz_main_venv.pth"
+tier_unpack_nvrx "$NVRX_VERSION"
+tier_venv_finish
 "$TIER_VENV/bin/python" - "$NVRX_VERSION" <<'EOF'
 import importlib.metadata, importlib.util, sys
 import megatron.core, megatron_ext, torch

@@ -13,22 +13,30 @@ from typing import Any
 
 from megatron_ext.common.errors import StartupError
 from megatron_ext.common.features import Feature
+from megatron_ext.weight_decay.core import WEIGHT_DECAY_ARGS
 
 FEATURES_KEY = "megatron_ext_features"
 # What CheckpointConfig.custom_manager_class names (Bridge imports it by this name).
 CLASS_PATH = "megatron_ext.bridge.checkpoints.VetoingCheckpointManager"
+# The overlay's args a resume compares with the checkpoint's (the weight-decay resume check).
+SAVED_ARGS = (*WEIGHT_DECAY_ARGS, "untie_embeddings_and_output_weights")
 
 
 def write_layout(save: str, iteration: int, args: Any) -> None:
-    """Rank 0: the world and DP sizes beside Bridge's files in the checkpoint (its
-    run_config.yaml lacks them; :mod:`megatron_ext.common.bridge_state` reads them)."""
+    """Rank 0: the world and DP sizes and the overlay's flags a resume is checked against,
+    beside Bridge's files in the checkpoint (its run_config.yaml lacks them;
+    :mod:`megatron_ext.common.bridge_state` reads them)."""
     import torch
 
     from megatron_ext.common.files import BRIDGE_LAYOUT_FILE, checkpoint_dir
     from megatron_ext.common.io import atomic_write_json
 
     if torch.distributed.get_rank() == 0:
-        layout = {"world_size": args.world_size, "data_parallel_size": args.data_parallel_size}
+        layout = {
+            "world_size": args.world_size,
+            "data_parallel_size": args.data_parallel_size,
+            "args": {name: getattr(args, name, None) for name in SAVED_ARGS},
+        }
         atomic_write_json(checkpoint_dir(save, iteration) / BRIDGE_LAYOUT_FILE, layout)
 
 

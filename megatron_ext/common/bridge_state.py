@@ -20,7 +20,9 @@ from megatron_ext.common.errors import Refusal
 from megatron_ext.common.files import (
     BRIDGE_LAYOUT_FILE,
     BRIDGE_RUN_CONFIG_FILE,
+    BRIDGE_TRACKER_FILE,
     BRIDGE_TRAIN_STATE_FILE,
+    checkpoint_dir,
 )
 
 # Megatron arg <- (section, Bridge field) where the names differ.
@@ -121,4 +123,24 @@ def read_bridge_state(directory: str | Path) -> dict[str, Any]:
     args.consumed_train_samples = counters["consumed_train_samples"]
     args.skipped_train_samples = counters["skipped_train_samples"]
     args.save = (config.get("checkpoint") or {}).get("save")
+    # The overlay's own flags (layout files before the weight-decay resume check lack them).
+    for name, value in (layout.get("args") or {}).items():
+        setattr(args, name, value)
     return {"args": args, "iteration": args.iteration, "checkpoint_version": 3.0}
+
+
+def latest_bridge_checkpoint(load: str | Path) -> Path | None:
+    """The ``iter_NNNNNNN`` Bridge resumes ``load`` from (its ``latest_train_state.pt``), if
+    that is a megatron-ext Bridge checkpoint whose layout file names the overlay's flags."""
+    import torch
+
+    tracker = Path(load) / BRIDGE_TRACKER_FILE
+    if not tracker.is_file():
+        return None
+    step = int(torch.load(tracker, map_location="cpu", weights_only=True)["step"])
+    directory = checkpoint_dir(load, step)
+    try:
+        layout = json.loads((directory / BRIDGE_LAYOUT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return directory if is_bridge_checkpoint(directory) and "args" in layout else None

@@ -153,8 +153,16 @@ def policy_from_args(args: Any) -> WeightDecayPolicy:
 
 
 def check_resume_compatible(args: Any, policy: WeightDecayPolicy) -> None:
-    """Compare with the flags saved in the checkpoint this run will load its optimizer from."""
+    """Compare with the flags saved in the checkpoint this run will load its optimizer from
+    (Megatron's args, or under Bridge the overlay's layout file)."""
     if args.load is None or args.no_load_optim or args.finetune:
+        return
+    from megatron_ext.common import bridge_state
+
+    bridge = bridge_state.latest_bridge_checkpoint(args.load)
+    if bridge is not None:  # Megatron-Bridge's checkpoint: the flags in the overlay's file
+        saved = bridge_state.read_bridge_state(bridge)["args"]
+        check_resume(policy_from_args(saved), policy, str(bridge))
         return
     from megatron.training.checkpointing import (
         _load_base_checkpoint,

@@ -28,6 +28,14 @@ class WeightDecayConfigError(Refusal, ValueError):
     """The weight-decay flags are malformed or cannot mean what the user wrote."""
 
 
+# The args a policy is made of (saved in a checkpoint, compared on resume).
+WEIGHT_DECAY_ARGS = (
+    "embedding_weight_decay_mult",
+    "output_layer_weight_decay_mult",
+    "weight_decay_override",
+)
+
+
 class WeightDecayResumeError(Refusal, RuntimeError):
     """A resume would continue the optimizer under different weight-decay multipliers."""
 

@@ -1,7 +1,7 @@
 """Megatron-Bridge's real ``pretrain`` with every megatron-ext feature, through the spike drill
 (CPU harness, DP=2, gloo, a two-prefix blend): ``docs/examples/pretrain_bridge.py`` on
-``megatron_ext.bridge.pretrain``, run by megatron-ext's supervisor
-(``launch/run_single_node.sh``, ``TRAIN_SCRIPT`` the CPU runner with ``--bridge-script``). The
+``megatron_ext.bridge.pretrain``, a job of the Slurm launcher (``launch/pretrain_gpt_ext.sbatch``
+on a real single-node cluster, ``TRAIN_SCRIPT`` the CPU runner with ``--bridge-script``). The
 detector flags DP rank 1's corrupted batches and every rank exits 42 without saving; the
 supervisor runs ``skiplist --apply``, which rolls the run back (Megatron's tracker and Bridge's
 ``latest_train_state.pt``, one journaled transaction), and relaunches; the resumed run skips
@@ -22,8 +22,10 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,9 +36,11 @@ from megatron_ext.common.files import (
 )
 from megatron_ext.common.records.signals import read_signals
 from megatron_ext.common.run_lock import Holder
+from tests.support.bridge_example import example_config
 from tests.support.drill import BAD, TRAIN_ITERS, check_lookup_equals_sample_log
 from tests.support.harness import REPO, RUNNER, Run, run_logged
 from tests.support.launcher_fakes import free_port
+from tests.support.slurm import SBATCH_SCRIPT, SlurmCluster, ensure_cluster
 
 EXAMPLE = REPO / "docs" / "examples" / "pretrain_bridge.py"
 GLOBAL_BATCH = 8
@@ -44,22 +48,25 @@ PLAN = ["--rollback-iters", "5", "--skip-batches", "12"]  # back to 25, skip 26-
 SKIPPED = range(26, 38)
 TRAINED = set(range(1, BAD[0] + 4)) | set(range(SKIPPED[-1] + 1, TRAIN_ITERS + 1))
 MEMBERS = ("tiny_text_document", "copy_text_document")
+WD_OVERRIDE = "*.linear_fc2.weight=0.5"
+RECOVERY_ITERS, RECOVERY_LR_MULT = 3, 0.25
 
 
 def _features(work: Path) -> list[str]:
     """Every feature: z-loss with the fused output layer + loss and log Z, weight-decay
     overrides, bucket norms with the update ratio, signals (per source on the blend), sample
-    log, spike detector and drill, run lock (Bridge's checkpoint.save)."""
+    log, spike detector and drill, the recovery lr ramp after the rollback, run lock (Bridge's
+    checkpoint.save)."""
     return [
         *("--z-loss-coeff", "1e-4", "--log-output-z"),
         *("--fused-output-loss", "--fused-output-loss-chunk-tokens", "48"),
-        *("--embedding-weight-decay-mult", "0", "--weight-decay-override"),
-        "*.linear_fc2.weight=0.5",
+        *("--embedding-weight-decay-mult", "0", "--weight-decay-override", WD_OVERRIDE),
         *("--log-bucket-grad-norms", "--signals-update-ratio"),
         *("--signals-dir", str(work / "signals"), "--sample-log-dir", str(work / "samples")),
         *("--spike-detect", "--spike-window", "10", "--spike-warmup", "20"),
         *("--spike-grad-factor", "1.5", "--spike-mad-k", "3", "--spike-patience", "3"),
         *("--drill-corrupt-batch", f"{BAD[0]}-{BAD[1]}:1", "--drill-corruption", "garbage"),
+        *("--recovery-iters", str(RECOVERY_ITERS), "--recovery-lr-mult", str(RECOVERY_LR_MULT)),
     ]
 
 
@@ -70,13 +77,14 @@ def _supervised(
     script: Path = EXAMPLE,
     ranks: int = 2,
     layout: tuple[str, ...] = (),
+    slurm: SlurmCluster | None = None,
 ) -> Run:
-    """``launch/run_single_node.sh`` (the supervisor) with the CPU runner's ``--bridge-script``
-    as its training script: attempts, spike hook (``skiplist --apply``), relaunch. ``script``
-    and ``layout``: tests/bridge/layout_script.py and its flags, on ``ranks`` ranks."""
+    """The supervisor with the CPU runner's ``--bridge-script`` as its training script:
+    attempts, spike hook (``skiplist --apply``), relaunch; through ``launch/run_single_node.sh``,
+    or with ``slurm`` as a job of ``launch/pretrain_gpt_ext.sbatch``. ``script`` and ``layout``:
+    tests/bridge/layout_script.py and its flags, on ``ranks`` ranks."""
     python = sys.executable
-    env = dict(
-        os.environ,
+    knobs = dict(
         CKPT_DIR=str(work / "ckpt"),
         LAUNCHER="torchrun",
         PYTHON=python,
@@ -99,7 +107,22 @@ def _supervised(
         EXTRA_ENV=f"MEGATRON_EXT_HARNESS_COUNTS={work / 'counts'} PYTHONUNBUFFERED=1",
         SKIPLIST_ARGS=" ".join(PLAN),
     )
-    return run_logged(["bash", str(REPO / "launch" / "run_single_node.sh")], work, env, 600)
+    if slurm is None:
+        launcher = ["bash", str(REPO / "launch" / "run_single_node.sh")]
+        return run_logged(launcher, work, dict(os.environ, **knobs), 600)
+    knobs |= {"MEGATRON_EXT_ROOT": str(REPO), "MEGATRON_EXT_PYTHON": python}
+    job = slurm.start(SBATCH_SCRIPT, knobs, work, job_name="mx-bridge").result(timeout=600)
+    return Run(work, job.returncode, job.output)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory) -> Iterator[SlurmCluster]:
+    """A single-node Slurm cluster (tests/support/slurm.py) for the drill's job."""
+    cluster = ensure_cluster(tmp_path_factory.mktemp("slurm-cluster"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 def _stale_lease(ckpt: Path) -> Holder:
@@ -113,7 +136,7 @@ def _stale_lease(ckpt: Path) -> Holder:
 
 
 @pytest.fixture(scope="module")
-def bridge(tmp_path_factory, data_args) -> dict:
+def bridge(tmp_path_factory, data_args, slurm: SlurmCluster) -> dict:
     work = tmp_path_factory.mktemp("bridge")
     document = data_args[data_args.index("--data-path") + 1]
     tokenizer = data_args[data_args.index("--tokenizer-model") + 1]
@@ -122,7 +145,7 @@ def bridge(tmp_path_factory, data_args) -> dict:
     for suffix in (".bin", ".idx"):
         shutil.copy(document + suffix, str(copy) + suffix)
     stale = _stale_lease(work / "ckpt")
-    run = _supervised(work, ["0.4", document, "0.6", str(copy)], tokenizer)
+    run = _supervised(work, ["0.4", document, "0.6", str(copy)], tokenizer, slurm=slurm)
     first, _, second = run.log.partition("attempt 2: launching training")
     return dict(work=work, run=run, first=first, second=second, stale=stale)
 
@@ -195,6 +218,29 @@ def test_the_supervisor_rolls_bridge_back_and_the_resume_skips_the_window(bridge
     assert [e["kind"] for e in later] == ["config"]  # no spike after the skip
 
 
+def test_the_first_updates_after_the_rollback_take_the_recovery_lr_ramp(bridge: dict) -> None:
+    """``--recovery-iters 3 --recovery-lr-mult 0.25`` under Bridge's loop: the resume from the
+    applied rollback is recognised, and update k after it trains at the ramp's factor times the
+    lr the first attempt had at iteration 25 + k (the schedule stands still over the skipped
+    window); then the schedule's own lr."""
+    attempts: dict[int, dict[int, Any]] = {}
+    for r in read_signals(bridge["work"] / "signals" / SIGNALS_FILE):
+        attempts.setdefault(r.attempt, {})[r.iteration] = r
+    first, resumed = attempts[1], attempts[2]
+    assert (
+        "megatron-ext: resumed from the rollback to iteration 25: recovery for 3"
+        in (bridge["second"])
+    )
+    assert not any(r.recovery for r in first.values())
+    after = [resumed[i] for i in sorted(resumed) if i > SKIPPED[-1]]
+    for k, record in enumerate(after[: RECOVERY_ITERS + 2], start=1):
+        factor = RECOVERY_LR_MULT + (1 - RECOVERY_LR_MULT) * (k - 1) / RECOVERY_ITERS
+        factor = factor if k <= RECOVERY_ITERS else 1.0
+        assert record.lr == pytest.approx(factor * first[SKIPPED[0] - 1 + k].lr, rel=1e-9), k
+        expected = {"update": k, "lr_mult": factor} if k <= RECOVERY_ITERS else {}
+        assert record.recovery == expected, record
+
+
 @pytest.mark.timeout(900)
 def test_lookup_equals_the_bridge_runs_sample_log(bridge: dict, tmp_path: Path, capsys) -> None:
     """At iterations of both attempts (before the rollback target, the onset and the exit,
@@ -202,3 +248,26 @@ def test_lookup_equals_the_bridge_runs_sample_log(bridge: dict, tmp_path: Path, 
     checkpoint's run_config.yaml, is what Bridge trained: the same samples with the same
     tokens, except where the drill corrupted DP rank 1's tokens in flight, which it names."""
     check_lookup_equals_sample_log(bridge["run"], bridge["work"], tmp_path, capsys)
+
+
+def test_a_resume_under_other_weight_decay_multipliers_is_refused(bridge: dict, tmp_path) -> None:
+    """The weight-decay resume check at start-up, on the drill's own Bridge checkpoint (the
+    flags ride in the overlay's layout file, as Megatron's args carry them under Megatron's
+    loop): the run's flags pass; other multipliers, or none, are refused; a fresh optimizer
+    (Bridge's ``load_optim=False``) passes."""
+    from megatron_ext.bridge import args as bridge_args
+    from megatron_ext.weight_decay.adapter import WeightDecayFeature
+    from megatron_ext.weight_decay.core import WeightDecayResumeError
+
+    config = example_config(tmp_path)
+    config.checkpoint.load = str(bridge["work"] / "ckpt")
+
+    def start(flags: list[str]) -> None:  # what megatron_ext.bridge.pretrain runs first
+        WeightDecayFeature().validate(bridge_args.megatron_args(config, flags))
+
+    start(["--embedding-weight-decay-mult", "0", "--weight-decay-override", WD_OVERRIDE])
+    for other in (["--embedding-weight-decay-mult", "0.1"], []):
+        with pytest.raises(WeightDecayResumeError, match=f"iter_{TRAIN_ITERS:07d} was trained"):
+            start(other)
+    config.checkpoint.load_optim = False
+    start([])

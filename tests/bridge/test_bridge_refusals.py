@@ -7,27 +7,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from megatron_ext.bridge import args as bridge_args
 from megatron_ext.bridge import te_standin
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "pretrain_bridge.py"
-
-
-def _config(tmp_path: Path):
-    """The example script's real ConfigContainer."""
-    te_standin.install()
-    spec = importlib.util.spec_from_file_location("pretrain_bridge", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    options = argparse.Namespace(
-        data_path=["prefix"], tokenizer=str(tmp_path), work=tmp_path, train_iters=4,
-        save_interval=2, global_batch_size=8, micro_batch_size=2,
-    )  # fmt: skip
-    return module.config(options)
+from tests.support.bridge_example import example_config
 
 
 def test_the_te_stand_in_is_shown_only_to_lora_layers() -> None:
@@ -43,7 +31,7 @@ def test_the_te_stand_in_is_shown_only_to_lora_layers() -> None:
 def test_in_process_restart_is_refused_with_the_reason(tmp_path: Path) -> None:
     from megatron.bridge.training.config import InProcessRestartConfig
 
-    config = _config(tmp_path)
+    config = example_config(tmp_path)
     config.inprocess_restart = InProcessRestartConfig(enabled=True)
     with pytest.raises(bridge_args.BridgeRefusal, match="rollback never reaches the supervisor"):
         bridge_args.refuse_unsupported(config)
@@ -56,7 +44,7 @@ def test_z_loss_and_the_fused_output_loss_with_bridges_fused_cross_entropy_are_a
     output loss, which replaces the CE, takes the fusion's place."""
     from megatron_ext.zloss.adapter import ZLossFeature
 
-    config = _config(tmp_path)
+    config = example_config(tmp_path)
     for impl in ("native", "te"):
         config.model = dataclasses.replace(
             config.model, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl=impl
@@ -71,3 +59,40 @@ def test_z_loss_and_the_fused_output_loss_with_bridges_fused_cross_entropy_are_a
     assert (args.save, args.train_iters, args.data_parallel_size) == (
         str(tmp_path / "ckpt"), 4, 1,
     )  # fmt: skip
+
+
+def test_a_forward_step_whose_loss_mask_cannot_be_read_is_refused() -> None:
+    """The user's Bridge step must return its loss as ``partial(loss_func, loss_mask, ...)``
+    (Bridge's gpt_step) or with ``loss_mask=`` (its distillation loss): the per-sample,
+    per-source and worst-rank losses read that mask. Anything else is refused in one line; a
+    mask of None (a pipeline stage without the loss) passes through unobserved."""
+    import torch
+
+    from megatron_ext.bridge import wiring
+    from megatron_ext.common.errors import StartupError
+    from megatron_ext.common.features import FeatureSet
+
+    features = FeatureSet(argparse.Namespace(curr_iteration=0), ())
+    model = torch.nn.Linear(2, 2)
+
+    def loss_func(loss_mask: Any, output: torch.Tensor) -> tuple:
+        return output.sum(), loss_mask.sum(), {}
+
+    def step_returning(loss: Any) -> Any:
+        def own_step(data_iterator: Any, model: Any) -> tuple:
+            return torch.zeros(4), loss
+
+        return own_step
+
+    def forward(loss: Any) -> Any:
+        return wiring.forward_step(features, step_returning(loss), False, None, None, model)[1]
+
+    for unreadable in (lambda output: (output.sum(), 1, {}), partial(loss_func, [1, 1])):
+        with pytest.raises(StartupError, match="'own_step' returns a loss function whose loss"):
+            forward(unreadable)
+    unobserved = partial(loss_func, None)
+    assert forward(unobserved) is unobserved
+    mask = torch.ones(4)
+    for readable in (partial(loss_func, mask), partial(loss_func, loss_mask=mask)):
+        observed = forward(readable)
+        assert (observed.func, observed.args[2:]) == (wiring.observed_loss, (readable, mask))

@@ -484,6 +484,8 @@ def test_spike_drill_across_nodes_rolls_back_once_and_completes(jobs: dict) -> N
         "the planner must run once for the job, not once per node",
     )
     assert incident_stem(ckpt, 1).with_suffix(".json").is_file()
+    report = incident_stem(ckpt, 1).with_suffix(".md").read_text()
+    assert "culprit DP rank (max local loss): 1" in report
     assert not list(incident_stem(ckpt, 2).parent.glob(f"{incident_stem(ckpt, 2).name}*"))
     assert rolled_back_dir(ckpt, 1).is_dir() and not rolled_back_dir(ckpt, 2).exists()
     assert read_ranges(ckpt / SKIPPED_ITERATIONS_FILE) == [(26, 37)]  # with its samples window

@@ -109,6 +109,7 @@ def test_shellcheck_clean():
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "launch").glob("*.sh"))
     files += sorted(str(p.relative_to(REPO)) for p in (REPO / "launch").glob("*.sbatch"))
     files += sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("*.sh"))
+    files += [*sorted(str(p.relative_to(REPO)) for p in (REPO / "tools").glob("*.sh")), ".ci/run"]
     assert "launch/run_single_node.sh" in files and "launch/pretrain_gpt_ext.sbatch" in files
     r = subprocess.run(
         [shellcheck, "-x", *files], cwd=REPO, capture_output=True, text=True, timeout=120
