@@ -41,6 +41,8 @@ def main(argv: list[str]) -> None:
     model.pipeline_model_parallel_size = layout.pp
     model.virtual_pipeline_model_parallel_size = layout.vpp or None
     model.num_layers = layout.layers
+    if layout.vpp:  # what megatron_ext.bridge.args.refuse_pipeline_p2p asks for
+        model.overlap_p2p_comm, model.batch_p2p_comm = True, False
     model.pipeline_dtype = torch.float32
     if options.plain:
         from megatron.bridge.training.gpt_step import forward_step

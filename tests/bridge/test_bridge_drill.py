@@ -52,7 +52,7 @@ WD_OVERRIDE = "*.linear_fc2.weight=0.5"
 RECOVERY_ITERS, RECOVERY_LR_MULT = 3, 0.25
 
 
-def _features(work: Path) -> list[str]:
+def _features(work: Path, culprit: int = 1) -> list[str]:
     """Every feature: z-loss with the fused output layer + loss and log Z, weight-decay
     overrides, bucket norms with the update ratio, signals (per source on the blend), sample
     log, spike detector and drill, the recovery lr ramp after the rollback, run lock (Bridge's
@@ -65,7 +65,7 @@ def _features(work: Path) -> list[str]:
         *("--signals-dir", str(work / "signals"), "--sample-log-dir", str(work / "samples")),
         *("--spike-detect", "--spike-window", "10", "--spike-warmup", "20"),
         *("--spike-grad-factor", "1.5", "--spike-mad-k", "3", "--spike-patience", "3"),
-        *("--drill-corrupt-batch", f"{BAD[0]}-{BAD[1]}:1", "--drill-corruption", "garbage"),
+        *("--drill-corrupt-batch", f"{BAD[0]}-{BAD[1]}:{culprit}", "--drill-corruption", "garbage"),
         *("--recovery-iters", str(RECOVERY_ITERS), "--recovery-lr-mult", str(RECOVERY_LR_MULT)),
     ]
 
@@ -78,11 +78,13 @@ def _supervised(
     ranks: int = 2,
     layout: tuple[str, ...] = (),
     slurm: SlurmCluster | None = None,
+    culprit: int = 1,
 ) -> Run:
     """The supervisor with the CPU runner's ``--bridge-script`` as its training script:
     attempts, spike hook (``skiplist --apply``), relaunch; through ``launch/run_single_node.sh``,
     or with ``slurm`` as a job of ``launch/pretrain_gpt_ext.sbatch``. ``script`` and ``layout``:
-    tests/bridge/layout_script.py and its flags, on ``ranks`` ranks."""
+    tests/bridge/layout_script.py and its flags, on ``ranks`` ranks; the drill's bad batches
+    on DP rank ``culprit``."""
     python = sys.executable
     knobs = dict(
         CKPT_DIR=str(work / "ckpt"),
@@ -103,7 +105,7 @@ def _supervised(
             ]
         ),
         DATA_ARGS="",
-        EXTRA_ARGS=" ".join(_features(work)),
+        EXTRA_ARGS=" ".join(_features(work, culprit)),
         EXTRA_ENV=f"MEGATRON_EXT_HARNESS_COUNTS={work / 'counts'} PYTHONUNBUFFERED=1",
         SKIPLIST_ARGS=" ".join(PLAN),
     )

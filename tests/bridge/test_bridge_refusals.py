@@ -96,3 +96,26 @@ def test_a_forward_step_whose_loss_mask_cannot_be_read_is_refused() -> None:
     for readable in (partial(loss_func, mask), partial(loss_func, loss_mask=mask)):
         observed = forward(readable)
         assert (observed.func, observed.args[2:]) == (wiring.observed_loss, (readable, mask))
+
+
+def test_a_virtual_pipeline_over_two_stages_needs_overlapped_p2p(tmp_path: Path) -> None:
+    """Megatron's validate_args refuses a virtual pipeline over 2 stages without overlapped
+    P2P; Bridge's model config defaults to it (unless a comm_overlap config sets it) and the
+    interleaved schedule then trains wrong gradients: refused, saying what to set."""
+    from megatron.bridge.training.comm_overlap import CommOverlapConfig
+
+    config = example_config(tmp_path)
+    model = config.model
+    model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size = 2, 2
+    with pytest.raises(bridge_args.BridgeRefusal, match=r"Set model.overlap_p2p_comm=True and"):
+        bridge_args.refuse_unsupported(config)
+    model.overlap_p2p_comm, model.batch_p2p_comm = True, False
+    bridge_args.refuse_unsupported(config)
+    model.overlap_p2p_comm, model.batch_p2p_comm = False, True
+    config.comm_overlap = CommOverlapConfig(tp_comm_overlap=False)  # Bridge sets it then
+    bridge_args.refuse_unsupported(config)
+    config.comm_overlap = CommOverlapConfig(tp_comm_overlap=False, overlap_p2p_comm=False)
+    with pytest.raises(bridge_args.BridgeRefusal, match=r"Set model.overlap_p2p_comm=True and"):
+        bridge_args.refuse_unsupported(config)
+    config.comm_overlap, model.pipeline_model_parallel_size = None, 4  # Megatron's PP > 2
+    bridge_args.refuse_unsupported(config)

@@ -123,13 +123,14 @@ def lookup_equals_records(
 
 
 def check_lookup_equals_sample_log(
-    run: Run, work: Path, out_dir: Path, capsys: pytest.CaptureFixture[str]
+    run: Run, work: Path, out_dir: Path, capsys: pytest.CaptureFixture[str], culprit: int = 1
 ) -> None:
     """At iterations of both attempts of a drill run with the real-shaped drill's window
     (before the rollback target, the onset and the exit, rolled back; after the skipped
     window): ``lookup`` on ``work/ckpt`` answers what the run trained (its sample log in
     ``work/samples``, the records ``run`` kept): the same samples with the same tokens,
-    except where the drill corrupted DP rank 1's tokens in flight, which the lookup names."""
+    except where the drill corrupted DP rank ``culprit``'s tokens in flight, which the lookup
+    names."""
     recorded = {
         (r.iteration, r.dp_rank, r.microbatch): (r.sample_ids, r.token_sha1)
         for records in run.records().values()
@@ -150,7 +151,7 @@ def check_lookup_equals_sample_log(
             digests.append(sample["token_sha1"])
         trained = {k: v for k, v in recorded.items() if k[0] == iteration}
         assert answer and answer.keys() == trained.keys(), iteration
-        corrupted = {k for k in answer if BAD[0] <= iteration <= BAD[1] and k[1] == 1}
+        corrupted = {k for k in answer if BAD[0] <= iteration <= BAD[1] and k[1] == culprit}
         for key, (ids, digests) in answer.items():
             assert ids == trained[key][0], key
             assert (digests == trained[key][1]) == (key not in corrupted), key
