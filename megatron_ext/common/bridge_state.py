@@ -12,6 +12,7 @@ import argparse
 import copy
 import functools
 import json
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -137,10 +138,10 @@ def latest_bridge_checkpoint(load: str | Path) -> Path | None:
     tracker = Path(load) / BRIDGE_TRACKER_FILE
     if not tracker.is_file():
         return None
-    step = int(torch.load(tracker, map_location="cpu", weights_only=True)["step"])
-    directory = checkpoint_dir(load, step)
-    try:
+    try:  # an unreadable tracker is Bridge's load to report, with its own message
+        step = int(torch.load(tracker, map_location="cpu", weights_only=True)["step"])
+        directory = checkpoint_dir(load, step)
         layout = json.loads((directory / BRIDGE_LAYOUT_FILE).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeError, EOFError, KeyError, pickle.UnpicklingError):
         return None
     return directory if is_bridge_checkpoint(directory) and "args" in layout else None

@@ -1,13 +1,15 @@
 """Megatron-Bridge's real ``pretrain`` with every megatron-ext feature, through the spike drill
-(CPU harness, DP=2, gloo, a two-prefix blend): ``docs/examples/pretrain_bridge.py`` on
+(CPU harness, PP=2 with a virtual pipeline of 2, 4 layers, gloo, a two-prefix blend):
+``docs/examples/pretrain_bridge.py`` at that layout (tests/bridge/layout_script.py) on
 ``megatron_ext.bridge.pretrain``, a job of the Slurm launcher (``launch/pretrain_gpt_ext.sbatch``
 on a real single-node cluster, ``TRAIN_SCRIPT`` the CPU runner with ``--bridge-script``). The
-detector flags DP rank 1's corrupted batches and every rank exits 42 without saving; the
+detector flags the corrupted batches and both pipeline stages exit 42 without saving; the
 supervisor runs ``skiplist --apply``, which rolls the run back (Megatron's tracker and Bridge's
 ``latest_train_state.pt``, one journaled transaction), and relaunches; the resumed run skips
-the window through Bridge's ``train.iterations_to_skip``; ``megatron-ext lookup``, reading the
-Bridge checkpoint's ``run_config.yaml``, answers every checked iteration with the sample log's
-record.
+the window through Bridge's ``train.iterations_to_skip``, the first updates on the recovery
+lr ramp; ``megatron-ext lookup``, reading the Bridge checkpoint's ``run_config.yaml``,
+answers every checked iteration with the sample log's record. The drill at DP 2 (and TP 2) is
+tests/bridge/test_bridge_layouts.py's TP 2 row.
 
 One supervised job of two attempts, as tests/e2e/test_fork_example.py runs the fork's
 script: the same flags, drill and plan, Bridge's loop.
@@ -49,6 +51,9 @@ SKIPPED = range(26, 38)
 TRAINED = set(range(1, BAD[0] + 4)) | set(range(SKIPPED[-1] + 1, TRAIN_ITERS + 1))
 MEMBERS = ("tiny_text_document", "copy_text_document")
 WD_OVERRIDE = "*.linear_fc2.weight=0.5"
+# tests/bridge/layout_script.py's flags: PP 2 x VPP 2 (with the overlapped P2P it needs).
+SCRIPT = Path(__file__).with_name("layout_script.py")
+PIPELINE = ("--pp", "2", "--vpp", "2", "--layers", "4")
 RECOVERY_ITERS, RECOVERY_LR_MULT = 3, 0.25
 
 
@@ -147,7 +152,8 @@ def bridge(tmp_path_factory, data_args, slurm: SlurmCluster) -> dict:
     for suffix in (".bin", ".idx"):
         shutil.copy(document + suffix, str(copy) + suffix)
     stale = _stale_lease(work / "ckpt")
-    run = _supervised(work, ["0.4", document, "0.6", str(copy)], tokenizer, slurm=slurm)
+    data = ["0.4", document, "0.6", str(copy)]
+    run = _supervised(work, data, tokenizer, SCRIPT, 2, PIPELINE, slurm, culprit=0)
     first, _, second = run.log.partition("attempt 2: launching training")
     return dict(work=work, run=run, first=first, second=second, stale=stale)
 
@@ -167,7 +173,7 @@ def test_bridge_trains_with_every_feature(bridge: dict) -> None:
     assert "mlp.linear_fc2.weight wd_mult=0.5 <- --weight-decay-override" in first
     # Both ranks read their batches through the features' reader (Bridge's get_batch).
     exits = bridge["run"].exits()  # the last attempt's
-    assert {r: sorted(e["reads"]) for r, e in exits.items()} == {0: ["0"], 1: ["1"]}
+    assert {r: sorted(e["reads"]) for r, e in exits.items()} == {0: ["0"], 1: ["0"]}
     signals = read_signals(bridge["work"] / "signals" / SIGNALS_FILE)
     assert {r.iteration for r in signals} >= TRAINED
     for record in signals:
@@ -175,7 +181,7 @@ def test_bridge_trains_with_every_feature(bridge: dict) -> None:
         assert record.log_z is not None, record
         assert len(record.bucket_grad_norms) > 1 and record.update_ratio is not None, record
         assert set(record.lm_loss_by_dataset) == set(MEMBERS), record
-        assert record.max_loss_dp_rank in (0, 1), record
+        assert record.max_loss_dp_rank == 0, record
         assert record.params_norm is not None and record.lr is not None, record
     assert all(bridge["run"].records().values())  # the sample log of each DP rank
     # The features' scalars go to Bridge's own TensorBoard writer (on its state object).
@@ -194,7 +200,7 @@ def test_the_supervisor_rolls_bridge_back_and_the_resume_skips_the_window(bridge
     assert "rank 1 on vm exited 42" in first.replace(socket.gethostname(), "vm")
     assert "exiting with code 42 without saving a checkpoint" in first
     rollback = next(e for e in _ledger(bridge["work"]) if e["kind"] == "rollback")
-    assert (rollback["onset"], rollback["culprit_dp_rank"]) == (BAD[0], 1)
+    assert (rollback["onset"], rollback["culprit_dp_rank"]) == (BAD[0], 0)
     assert "Roll back to checkpoint 25, skip iterations 26-37" in first  # the spike hook
     # Bridge resumes from its own tracker, which the apply rewrote with Megatron's.
     assert "successfully loaded checkpoint from" in second
@@ -249,7 +255,7 @@ def test_lookup_equals_the_bridge_runs_sample_log(bridge: dict, tmp_path: Path, 
     rolled back; after the skipped window): the lookup's answer, read from the Bridge
     checkpoint's run_config.yaml, is what Bridge trained: the same samples with the same
     tokens, except where the drill corrupted DP rank 1's tokens in flight, which it names."""
-    check_lookup_equals_sample_log(bridge["run"], bridge["work"], tmp_path, capsys)
+    check_lookup_equals_sample_log(bridge["run"], bridge["work"], tmp_path, capsys, culprit=0)
 
 
 def test_a_resume_under_other_weight_decay_multipliers_is_refused(bridge: dict, tmp_path) -> None:

@@ -1,12 +1,11 @@
 """Bridge's real ``pretrain`` at TP=2 (DP=2, four ranks) and PP=2 with a virtual pipeline
-(two ranks) on CPU: at each layout the supervised spike drill of test_bridge_drill.py (every
-feature; rollback, resume; the bad batches on the last DP rank) and one launch of Bridge alone
+(two ranks) on CPU, each layout one launch with every feature (at TP 2 the supervised spike
+drill of test_bridge_drill.py: rollback, resume) and one of Bridge alone
 (tests/bridge/layout_script.py, the example at that layout): the first iteration's loss and
 grad norm equal Bridge's own, Σ bucket² = grad-norm², the per-source mean is the lm loss, the
 sample log is written once per DP rank (TP rank 0 of the last stage) and ``megatron-ext
-lookup`` answers its records at both attempts. At PP 2 x VPP 2 Bridge also evaluates (its own
-loop's evaluation at the last iteration, and after training): per-dataset validation reduces
-to its lm loss."""
+lookup`` answers its records. At PP 2 x VPP 2 Bridge also evaluates (its own loop's evaluation
+at the last iteration, and after training): per-dataset validation reduces to its lm loss."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from megatron_ext.common.records.signals import read_signals
 from megatron_ext.common.records.validation import read_validation
 from megatron_ext.telemetry.validation import LOSS_CHECK_RTOL
 from tests.bridge import test_bridge_drill as drill
-from tests.support.drill import check_lookup_equals_sample_log
+from tests.support.drill import check_lookup_equals_sample_log, lookup_equals_records
 from tests.support.harness import RUNNER, Run, run_logged
 
 SCRIPT = Path(__file__).with_name("layout_script.py")
@@ -32,10 +31,9 @@ MEMBERS = ("tiny_text_document", "copy_text_document")
 ITERS, GLOBAL_BATCH, MICRO_BATCH = 3, 8, 2
 # An evaluation batch at the last iteration and after training, on a 10 % validation split.
 EVAL = ["--eval-iters", "1", "--split", "90,10,0"]
-LAYOUTS = {  # name: (ranks, DP size, the ranks reading the batch, the script's layout flags,
-    # the DP rank the drill's bad batches are on)
-    "tp2-dp2": (4, 2, {0: 0, 2: 1}, ["--tp", "2"], 1),  # TP rank 0 of each DP rank
-    "pp2-vpp2": (2, 1, {0: 0, 1: 0}, ["--pp", "2", "--vpp", "2", "--layers", "4", *EVAL], 0),
+LAYOUTS = {  # name: (ranks, DP size, the ranks reading the batch, the script's layout flags)
+    "tp2-dp2": (4, 2, {0: 0, 2: 1}, ["--tp", "2"]),  # TP rank 0 of each DP rank
+    "pp2-vpp2": (2, 1, {0: 0, 1: 0}, ["--pp", "2", "--vpp", "2", "--layers", "4", *EVAL]),
 }
 FIRST = re.compile(r"iteration\s+1/.*?\| lm loss: (\S+) \|.*?\| grad norm: (\S+) \|")
 VALIDATION = re.compile(r" validation loss at iteration (\d+)[^|]*\| lm loss value: (\S+) \|")
@@ -73,17 +71,27 @@ def blend(tmp_path_factory, data_args) -> list[str]:
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def layout(request, tmp_path_factory, blend) -> dict:
-    """The overlay's launch (the supervised spike drill of test_bridge_drill.py, two attempts)
-    and Bridge alone's, at one layout."""
-    ranks, dp, readers, flags, culprit = LAYOUTS[request.param]
+    """The overlay's launch (TP 2: the supervised spike drill of test_bridge_drill.py, two
+    attempts) and Bridge alone's, at one layout."""
+    ranks, dp, readers, flags = LAYOUTS[request.param]
     work = tmp_path_factory.mktemp(request.param)
     plain = _launch(work / "plain", ranks, [*flags, *blend, "--plain"])
-    data, tokenizer = blend[1 : blend.index("--tokenizer")], blend[-1]
-    (work / "ext").mkdir()
-    ext = drill._supervised(
-        work / "ext", data, tokenizer, SCRIPT, ranks, tuple(flags), culprit=culprit
-    )
-    return dict(ext=ext, plain=plain, dp=dp, readers=readers, culprit=culprit, flags=flags)
+    if request.param == "tp2-dp2":
+        data, tokenizer = blend[1 : blend.index("--tokenizer")], blend[-1]
+        (work / "ext").mkdir()
+        ext = drill._supervised(work / "ext", data, tokenizer, SCRIPT, ranks, tuple(flags))
+        return dict(ext=ext, plain=plain, dp=dp, readers=readers, trained=drill.TRAINED)
+    features = [
+        *("--z-loss-coeff", "1e-4", "--log-output-z", "--spike-detect"),
+        *("--fused-output-loss", "--fused-output-loss-chunk-tokens", "48"),
+        *("--embedding-weight-decay-mult", "0", "--weight-decay-override"),
+        "*.linear_fc2.weight=0.5",
+        *("--log-bucket-grad-norms", "--signals-update-ratio"),
+        *("--signals-dir", str(work / "ext" / "signals")),
+        *("--sample-log-dir", str(work / "ext" / "samples")),
+    ]
+    ext = _launch(work / "ext", ranks, [*flags, *blend, *features])
+    return dict(ext=ext, plain=plain, dp=dp, readers=readers, trained=set(range(1, ITERS + 1)))
 
 
 @pytest.mark.timeout(1500)
@@ -100,32 +108,33 @@ def test_the_overlay_at_a_bridge_layout(layout: dict, tmp_path: Path, capsys) ->
         assert math.isclose(value, want, rel_tol=rtol), (first, expected, plain.log[-3000:])
     assert "mlp.linear_fc2.weight wd_mult=0.5 <- --weight-decay-override" in ext.log
     assert "megatron-ext WARNING" not in ext.log
-    _check_signals(ext, drill.TRAINED)
+    _check_signals(ext, layout["trained"])
     # The sample log: once per DP rank, every micro-batch once; the readers: TP rank 0 of
     # the first and last stage, as under Megatron's loop (the last attempt's).
     records = ext.records()
     per_rank = GLOBAL_BATCH // MICRO_BATCH // layout["dp"]
     assert sorted(records) == list(range(layout["dp"]))
     trained = {r.iteration for rank in records.values() for r in rank}
-    assert trained == drill.TRAINED
+    assert trained == layout["trained"]
     assert all(len(r) == len(trained) * per_rank for r in records.values())
     reads = {rank: sorted(e["reads"]) for rank, e in ext.exits().items() if e["reads"]}
     assert reads == {r: [str(dp)] for r, dp in layout["readers"].items()}
-    # Rolled back, resumed, lookup at both attempts; the drill's batch on every TP rank.
-    assert f"onset 32, culprit DP rank {layout['culprit']}" in ext.log
-    assert "Roll back to checkpoint 25, skip iterations 26-37" in ext.log
-    check_lookup_equals_sample_log(ext, ext.workdir, tmp_path, capsys, layout["culprit"])
-    if "--eval-iters" in layout["flags"]:
-        _check_validation(ext, drill.TRAIN_ITERS)
+    if layout["trained"] is drill.TRAINED:  # rolled back, resumed, lookup at both attempts
+        assert "onset 32, culprit DP rank 1" in ext.log  # the drill's batch on both TP ranks
+        assert "Roll back to checkpoint 25, skip iterations 26-37" in ext.log
+        check_lookup_equals_sample_log(ext, ext.workdir, tmp_path, capsys)
+    else:
+        lookup_equals_records(ext, records, 2, tmp_path)
+        _check_validation(ext)
 
 
-def _check_validation(run: Run, last: int) -> None:
+def _check_validation(run: Run) -> None:
     """Per-dataset validation under Bridge's evaluation (in its loop at the last iteration
     and after training, one evaluation iteration each): both members, every evaluated token
     once, Σ member loss·tokens / Σ tokens = Bridge's printed lm loss; console, TensorBoard."""
     records = read_validation(run.workdir / "signals" / VALIDATION_FILE)
     printed = [(int(i), float(v)) for i, v in VALIDATION.findall(run.log)]
-    assert [r.iteration for r in records] == [i for i, _ in printed] == [last, last]
+    assert [r.iteration for r in records] == [i for i, _ in printed] == [ITERS, ITERS]
     for record, (_, bridge) in zip(records, printed):
         assert record.lm_loss == pytest.approx(bridge, rel=1e-6)  # printed to 7 digits
         assert set(record.tokens_by_dataset) == set(record.lm_loss_by_dataset) == set(MEMBERS)
@@ -135,7 +144,7 @@ def _check_validation(run: Run, last: int) -> None:
             record.lm_loss_by_dataset[m] * n for m, n in record.tokens_by_dataset.items()
         )
         assert combined / tokens == pytest.approx(record.lm_loss, rel=LOSS_CHECK_RTOL)
-    assert f" validation lm loss by dataset at iteration {last} | {MEMBERS[0]}: " in run.log
+    assert f" validation lm loss by dataset at iteration {ITERS} | {MEMBERS[0]}: " in run.log
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tags = EventAccumulator(str(run.workdir / "tensorboard")).Reload().Tags()["scalars"]

@@ -89,3 +89,64 @@ def test_on_model_built_refuses_a_glob_that_matches_nothing(world) -> None:
     feature.install(mw.args(**typo))
     with pytest.raises(FeatureError, match=r"'\*\.wieght=0' matches no parameter"):
         feature.on_model_built(model)
+
+
+def _bridge_checkpoint(root, saved_args: dict | None) -> None:
+    """The files of a Megatron-Bridge checkpoint at step 3 the resume check reads: Bridge's
+    tracker, run_config.yaml and train_state.pt, and the overlay's layout file."""
+    import json
+
+    import torch
+    import yaml
+
+    from megatron_ext.common.files import (
+        BRIDGE_LAYOUT_FILE,
+        BRIDGE_RUN_CONFIG_FILE,
+        BRIDGE_TRACKER_FILE,
+        BRIDGE_TRAIN_STATE_FILE,
+        checkpoint_dir,
+    )
+
+    state = {k: torch.tensor(v) for k, v in (("step", 3), ("consumed_train_samples", 24))}
+    state["skipped_train_samples"] = torch.tensor(0)
+    directory = checkpoint_dir(root, 3)
+    directory.mkdir(parents=True)
+    torch.save(state, directory / BRIDGE_TRAIN_STATE_FILE)
+    torch.save(state, root / BRIDGE_TRACKER_FILE)
+    model = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "seq_length": 64}
+    config = {"model": model, "dataset": {}, "train": {}, "checkpoint": {"save": str(root)}}
+    (directory / BRIDGE_RUN_CONFIG_FILE).write_text(yaml.safe_dump(config))
+    layout = {"world_size": 2, "data_parallel_size": 2}
+    if saved_args is not None:
+        layout["args"] = saved_args
+    (directory / BRIDGE_LAYOUT_FILE).write_text(json.dumps(layout))
+
+
+def test_a_bridge_checkpoints_weight_decay_flags_are_checked_on_resume(tmp_path) -> None:
+    """Under Bridge the flags come from the overlay's layout file (Bridge saves no Megatron
+    args): the same policy passes, another is refused; a layout file without them (written
+    before they were saved) and an unreadable tracker (Bridge's load reports it) pass."""
+    from argparse import Namespace
+
+    from megatron_ext.common.files import BRIDGE_TRACKER_FILE
+    from megatron_ext.weight_decay.adapter import check_resume_compatible, policy_from_args
+    from megatron_ext.weight_decay.core import WeightDecayResumeError
+
+    saved = dict(
+        embedding_weight_decay_mult=0.0,
+        output_layer_weight_decay_mult=None,
+        weight_decay_override=["*.linear_fc2.weight=0.5"],
+        untie_embeddings_and_output_weights=True,
+    )
+    run = Namespace(load=str(tmp_path), no_load_optim=False, finetune=False, **saved)
+    _bridge_checkpoint(tmp_path, saved)
+    check_resume_compatible(run, policy_from_args(run))
+    other = Namespace(**{**vars(run), "embedding_weight_decay_mult": 0.1})
+    with pytest.raises(WeightDecayResumeError, match="iter_0000003 was trained with"):
+        check_resume_compatible(other, policy_from_args(other))
+    (tmp_path / BRIDGE_TRACKER_FILE).write_bytes(b"not a torch file")
+    check_resume_compatible(other, policy_from_args(other))
+    older = tmp_path / "older"
+    _bridge_checkpoint(older, None)
+    other.load = str(older)
+    check_resume_compatible(other, policy_from_args(other))
