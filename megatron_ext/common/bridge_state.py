@@ -124,15 +124,13 @@ def read_bridge_state(directory: str | Path) -> dict[str, Any]:
     args.consumed_train_samples = counters["consumed_train_samples"]
     args.skipped_train_samples = counters["skipped_train_samples"]
     args.save = (config.get("checkpoint") or {}).get("save")
-    # The overlay's own flags (layout files before the weight-decay resume check lack them).
-    for name, value in (layout.get("args") or {}).items():
-        setattr(args, name, value)
     return {"args": args, "iteration": args.iteration, "checkpoint_version": 3.0}
 
 
-def latest_bridge_checkpoint(load: str | Path) -> Path | None:
-    """The ``iter_NNNNNNN`` Bridge resumes ``load`` from (its ``latest_train_state.pt``), if
-    that is a megatron-ext Bridge checkpoint whose layout file names the overlay's flags."""
+def saved_overlay_args(load: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The ``iter_NNNNNNN`` Bridge resumes ``load`` from (its ``latest_train_state.pt``) and the
+    overlay's flags its layout file saved; None where there is none (not a Bridge checkpoint,
+    or one written before the flags were saved)."""
     import torch
 
     tracker = Path(load) / BRIDGE_TRACKER_FILE
@@ -144,4 +142,5 @@ def latest_bridge_checkpoint(load: str | Path) -> Path | None:
         layout = json.loads((directory / BRIDGE_LAYOUT_FILE).read_text())
     except (OSError, ValueError, RuntimeError, EOFError, KeyError, pickle.UnpicklingError):
         return None
-    return directory if is_bridge_checkpoint(directory) and "args" in layout else None
+    saved = layout.get("args")
+    return (directory, saved) if isinstance(saved, dict) else None

@@ -159,10 +159,10 @@ def check_resume_compatible(args: Any, policy: WeightDecayPolicy) -> None:
         return
     from megatron_ext.common import bridge_state
 
-    bridge = bridge_state.latest_bridge_checkpoint(args.load)
+    bridge = bridge_state.saved_overlay_args(args.load)
     if bridge is not None:  # Megatron-Bridge's checkpoint: the flags in the overlay's file
-        saved = bridge_state.read_bridge_state(bridge)["args"]
-        check_resume(policy_from_args(saved), policy, str(bridge))
+        directory, saved = bridge
+        check_resume(policy_from_args(argparse.Namespace(**saved)), policy, str(directory))
         return
     from megatron.training.checkpointing import (
         _load_base_checkpoint,
