@@ -54,6 +54,11 @@ ESTIMATES: dict[int, tuple[int, str]] = {
         "on 2 GPUs with TE: one launch of 5 steps at TP=2 + SP (rung 9's one-rank run is "
         "reused); one GPU: a probe (skipped in seconds)",
     ),
+    11: (
+        60,
+        "on 2 GPUs with TE and Bridge: two launches of 3 steps (Bridge alone, the overlay) at "
+        "~25 s start-up each, and a lookup; elsewhere a probe (skipped in seconds)",
+    ),
 }
 
 

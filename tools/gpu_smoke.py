@@ -26,7 +26,10 @@ any rung failed.
 9. context parallelism (CP=2) and 10. TP=2 + ``--sequence-parallel``: every feature against the
    same run on one rank (``tools/gpu_rungs_parallel.py``); they need 2 GPUs and Transformer
    Engine and skip, saying so, on a one-GPU machine (CPU rehearsal: the layout's refusal, and
-   the comparison on TP=2 without SP).
+   the comparison on TP=2 without SP);
+11. Megatron-Bridge at CP=2: every feature against Bridge alone, the Bridge tier's GPU row
+   (``tools/gpu_rungs_parallel.py``); it needs rung 9's GPUs and TE and megatron-bridge
+   (``tools/bridge_venv.sh``), and skips, saying which is missing, elsewhere.
 
 Only the standard library is imported here: this runs before the venv exists.
 """
@@ -54,7 +57,7 @@ from gpu_rungs import (  # noqa: E402
     transformer_engine,
     zloss,
 )
-from gpu_rungs_parallel import parallel_layout  # noqa: E402
+from gpu_rungs_parallel import bridge_layout, parallel_layout  # noqa: E402
 
 REHEARSAL = (2, 4, 5, 7, 8, 9, 10)  # what the CPU rehearsal runs (the rest need CUDA or a venv)
 
@@ -73,6 +76,7 @@ RUNGS: dict[int, tuple[str, Callable[[Context, Rung], None]]] = {
     8: ("async save on one GPU", async_save),
     9: ("context parallelism CP=2 vs one rank", parallel_layout),
     10: ("TP=2 + sequence parallelism vs one rank", parallel_layout),
+    11: ("Bridge at CP=2 vs Bridge alone", bridge_layout),
 }
 
 

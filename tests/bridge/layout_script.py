@@ -1,7 +1,8 @@
-"""docs/examples/pretrain_bridge.py at a model-parallel layout: ``--tp N --pp N --vpp N
---layers N`` set the example's model provider, ``--eval-iters N --split S`` an evaluation
-after the last iteration (and in the loop at it), the rest goes to the example (``--plain``:
-Bridge alone). What tests/bridge/test_bridge_layouts.py launches."""
+"""docs/examples/pretrain_bridge.py at a model-parallel layout: ``--tp N --pp N --vpp N --cp N
+--layers N`` set the example's model provider (``--te``: Transformer Engine's layer spec, which
+CP needs; GPU only), ``--eval-iters N --split S`` an evaluation after the last iteration (and in
+the loop at it), the rest goes to the example (``--plain``: Bridge alone). What
+tests/bridge/test_bridge_layouts.py launches."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ def _example():
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False)
-    for flag, default in (("--tp", 1), ("--pp", 1), ("--vpp", 0), ("--layers", 2)):
+    for flag, default in (("--tp", 1), ("--pp", 1), ("--vpp", 0), ("--cp", 1), ("--layers", 2)):
         parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--te", action="store_true")
     parser.add_argument("--eval-iters", type=int, default=0)
     parser.add_argument("--split")
     layout, rest = parser.parse_known_args(argv)
@@ -40,6 +42,11 @@ def main(argv: list[str]) -> None:
     model.tensor_model_parallel_size = layout.tp
     model.pipeline_model_parallel_size = layout.pp
     model.virtual_pipeline_model_parallel_size = layout.vpp or None
+    model.context_parallel_size = layout.cp
+    if layout.te:
+        from megatron.bridge.models.gpt_provider import transformer_engine_layer_spec
+
+        model.transformer_layer_spec = transformer_engine_layer_spec
     model.num_layers = layout.layers
     if layout.vpp:  # what megatron_ext.bridge.args.refuse_pipeline_p2p asks for
         model.overlap_p2p_comm, model.batch_p2p_comm = True, False

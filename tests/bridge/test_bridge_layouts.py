@@ -5,10 +5,14 @@ drill of test_bridge_drill.py: rollback, resume) and one of Bridge alone
 grad norm equal Bridge's own, Σ bucket² = grad-norm², the per-source mean is the lm loss, the
 sample log is written once per DP rank (TP rank 0 of the last stage) and ``megatron-ext
 lookup`` answers its records. At PP 2 x VPP 2 Bridge also evaluates (its own loop's evaluation
-at the last iteration, and after training): per-dataset validation reduces to its lm loss."""
+at the last iteration, and after training): per-dataset validation reduces to its lm loss.
+The CP 2 row (Transformer Engine's layer spec, which CP needs) runs the same checks on two GPUs,
+plain torchrun without the CPU runner: rung 11 of the GPU check (tools/gpu_smoke.py);
+elsewhere it skips, saying why."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -17,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_ext.common.files import SIGNALS_FILE, VALIDATION_FILE
 from megatron_ext.common.records.signals import read_signals
@@ -35,23 +40,27 @@ LAYOUTS = {  # name: (ranks, DP size, the ranks reading the batch, the script's 
     "tp2-dp2": (4, 2, {0: 0, 2: 1}, ["--tp", "2"]),  # TP rank 0 of each DP rank
     "pp2-vpp2": (2, 1, {0: 0, 1: 0}, ["--pp", "2", "--vpp", "2", "--layers", "4", *EVAL]),
 }
+GPU_LAYOUTS = {"cp2-gpu": (2, 1, {}, ["--cp", "2", "--te", *EVAL])}  # CP ranks read it all
 FIRST = re.compile(r"iteration\s+1/.*?\| lm loss: (\S+) \|.*?\| grad norm: (\S+) \|")
 VALIDATION = re.compile(r" validation loss at iteration (\d+)[^|]*\| lm loss value: (\S+) \|")
 
 
-def _launch(work: Path, ranks: int, flags: list[str]) -> Run:
-    """torchrun of the CPU runner's ``--bridge-script`` on the layout script."""
+def _launch(work: Path, ranks: int, flags: list[str], gpu: bool = False) -> Run:
+    """torchrun of the CPU runner's ``--bridge-script`` on the layout script (``gpu``: of the
+    layout script itself, one GPU a rank)."""
     work.mkdir(parents=True)
     env = dict(
         os.environ,
         MEGATRON_EXT_HARNESS_COUNTS=str(work / "counts"),
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS="1",
+        CUDA_DEVICE_MAX_CONNECTIONS="1",  # Megatron asserts it for TP and CP on GPUs
     )
+    script = [str(SCRIPT)] if gpu else [str(RUNNER), "--bridge-script", str(SCRIPT)]
     cmd = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
         f"--nproc-per-node={ranks}",
-        *(str(RUNNER), "--bridge-script", str(SCRIPT), *flags),
+        *(*script, *flags),
         *("--work", str(work), "--train-iters", str(ITERS), "--save-interval", str(ITERS)),
         *("--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", str(MICRO_BATCH)),
     ]
@@ -69,18 +78,32 @@ def blend(tmp_path_factory, data_args) -> list[str]:
     return ["--data-path", "0.4", document, "0.6", str(copy), "--tokenizer", tokenizer]
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def _gpus_missing() -> str | None:
+    """Why this machine cannot run the GPU rows (None: it can)."""
+    te = importlib.util.find_spec("transformer_engine") is not None
+    if torch.cuda.device_count() >= 2 and te:
+        return None
+    return (
+        f"needs 2 GPUs and Transformer Engine (CP needs TEDotProductAttention): found "
+        f"{torch.cuda.device_count()} GPU(s), TE {'importable' if te else 'not importable'}"
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS | GPU_LAYOUTS))
 def layout(request, tmp_path_factory, blend) -> dict:
     """The overlay's launch (TP 2: the supervised spike drill of test_bridge_drill.py, two
     attempts) and Bridge alone's, at one layout."""
-    ranks, dp, readers, flags = LAYOUTS[request.param]
+    gpu = request.param in GPU_LAYOUTS
+    if gpu and (missing := _gpus_missing()):
+        pytest.skip(f"GPU check rung 11: {missing}")
+    ranks, dp, readers, flags = (GPU_LAYOUTS if gpu else LAYOUTS)[request.param]
     work = tmp_path_factory.mktemp(request.param)
-    plain = _launch(work / "plain", ranks, [*flags, *blend, "--plain"])
+    plain = _launch(work / "plain", ranks, [*flags, *blend, "--plain"], gpu)
     if request.param == "tp2-dp2":
         data, tokenizer = blend[1 : blend.index("--tokenizer")], blend[-1]
         (work / "ext").mkdir()
         ext = drill._supervised(work / "ext", data, tokenizer, SCRIPT, ranks, tuple(flags))
-        return dict(ext=ext, plain=plain, dp=dp, readers=readers, trained=drill.TRAINED)
+        return dict(ext=ext, plain=plain, dp=dp, readers=readers, trained=drill.TRAINED, gpu=gpu)
     features = [
         *("--z-loss-coeff", "1e-4", "--log-output-z", "--spike-detect"),
         *("--fused-output-loss", "--fused-output-loss-chunk-tokens", "48"),
@@ -90,8 +113,9 @@ def layout(request, tmp_path_factory, blend) -> dict:
         *("--signals-dir", str(work / "ext" / "signals")),
         *("--sample-log-dir", str(work / "ext" / "samples")),
     ]
-    ext = _launch(work / "ext", ranks, [*flags, *blend, *features])
-    return dict(ext=ext, plain=plain, dp=dp, readers=readers, trained=set(range(1, ITERS + 1)))
+    ext = _launch(work / "ext", ranks, [*flags, *blend, *features], gpu)
+    trained = set(range(1, ITERS + 1))
+    return dict(ext=ext, plain=plain, dp=dp, readers=readers, trained=trained, gpu=gpu)
 
 
 @pytest.mark.timeout(1500)
@@ -117,8 +141,9 @@ def test_the_overlay_at_a_bridge_layout(layout: dict, tmp_path: Path, capsys) ->
     trained = {r.iteration for rank in records.values() for r in rank}
     assert trained == layout["trained"]
     assert all(len(r) == len(trained) * per_rank for r in records.values())
-    reads = {rank: sorted(e["reads"]) for rank, e in ext.exits().items() if e["reads"]}
-    assert reads == {r: [str(dp)] for r, dp in layout["readers"].items()}
+    if not layout["gpu"]:  # the CPU runner records them
+        reads = {rank: sorted(e["reads"]) for rank, e in ext.exits().items() if e["reads"]}
+        assert reads == {r: [str(dp)] for r, dp in layout["readers"].items()}
     if layout["trained"] is drill.TRAINED:  # rolled back, resumed, lookup at both attempts
         assert "onset 32, culprit DP rank 1" in ext.log  # the drill's batch on both TP ranks
         assert "Roll back to checkpoint 25, skip iterations 26-37" in ext.log
