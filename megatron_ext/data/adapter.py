@@ -1,11 +1,7 @@
-"""The data checks in Megatron: refuse, before distributed init, datasets that would be read
-wrong or hang the start-up.
-
-For every prefix of the run's blend: the ``.bin``/``.idx`` pair is complete, consistent and,
-with megatron-ext's fingerprint, the one recorded (:mod:`megatron_ext.common.records.pair`);
-every split Megatron will build holds a sample (:mod:`megatron_ext.data.checks`). Split and
-blend are parsed with megatron-core's own functions. Every rank checks (costs: BENCHMARKS.md);
-rank 0 prints the reason.
+"""The data checks in Megatron: before distributed init, refuse a blend prefix whose
+``.bin``/``.idx`` pair is incomplete, damaged or not the one recorded
+(:mod:`megatron_ext.common.records.pair`), or with a split Megatron builds that cannot hold a
+sample (:mod:`.checks`). Every rank checks; rank 0 prints the reason.
 """
 
 from __future__ import annotations

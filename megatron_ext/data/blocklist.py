@@ -5,15 +5,9 @@ shards, writing filtered copies (never in place) and counting what was removed.
         --emit-blocklist bad.jsonl
     megatron-ext blocklist apply --blocklist bad.jsonl --out-dir /data/filtered
 
-Each entry names its raw record through the provenance sidecar
-(:mod:`megatron_ext.common.records.provenance`): shard, line, byte offset, id, and the shard's
-size and sampled fingerprint. Before anything is written, every named shard must still be that
-shard and every named line must hold that record (it starts at the recorded byte and carries
-the recorded id). Then each shard with a named record is copied into ``--out-dir`` without
-those lines, atomically, keeping its path below the shards' common directory. Lines are
-counted as ``preprocess`` counts them: split at ``\\n``, 1-based, blank lines included (and
-kept). A Parquet shard's records are rows (in a named row group, with the id in its column);
-its copy keeps the schema and the row groups, less the named rows.
+Before anything is written, every named shard must still be the one preprocessed (size and
+sampled fingerprint) and every named line (Parquet: row) must hold its record. Lines are
+counted as ``preprocess`` counts them: 1-based, blank lines included (and kept).
 """
 
 from __future__ import annotations
@@ -86,8 +80,8 @@ def _remap(path: str, roots: list[tuple[str, str]]) -> Path:
     return Path(path)
 
 
-def _entries(paths: list[Path]) -> Iterator[tuple[str, int, dict[str, Any]]]:
-    """(where, line number, entry) for every entry of the blocklists."""
+def _entries(paths: list[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, entry) for every entry of the blocklists."""
     for path in paths:
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
@@ -100,14 +94,14 @@ def _entries(paths: list[Path]) -> Iterator[tuple[str, int, dict[str, Any]]]:
                 entry = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise BlocklistError(f"{path}:{number}: not JSON ({exc})") from None
-            yield f"{path}:{number}", number, entry
+            yield f"{path}:{number}", entry
 
 
 def _shards(paths: list[Path], roots: list[tuple[str, str]]) -> dict[Path, Shard]:
     """The blocklists' records grouped by shard; refuses an entry without a raw record and
     two entries that name one line differently."""
     shards: dict[Path, Shard] = {}
-    for where, _, entry in _entries(paths):
+    for where, entry in _entries(paths):
         source = entry.get("source") if isinstance(entry, dict) else None
         if not source:
             raise BlocklistError(
@@ -154,10 +148,14 @@ def _check_record(handle: BinaryIO, shard: Shard, line: int) -> None:
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         found = None
     if found is None or str(found) != record_id:
-        raise BlocklistError(
-            f"{shard.path}:{line} holds the record with {id_key} {found!r}, not the blocked "
-            f"{record_id!r}: the shard is not the one the sidecar describes; nothing was written"
-        )
+        raise _other_record(f"{shard.path}:{line}", id_key, found, record_id)
+
+
+def _other_record(where: str, key: str, found: Any, record_id: str) -> BlocklistError:
+    return BlocklistError(
+        f"{where} holds the record with {key} {found!r}, not the blocked {record_id!r}: the "
+        "shard is not the one the sidecar describes; nothing was written"
+    )
 
 
 def _check(shard: Shard) -> None:
@@ -191,11 +189,7 @@ def _check_rows(shard: Shard) -> None:
                 f"{shard.path}: row {number - 1} is not in row group {group}; nothing was written"
             )
         if record_id is not None and key is not None and str(found[number][1]) != record_id:
-            raise BlocklistError(
-                f"{shard.path} row {number - 1} holds the record with {key} "
-                f"{found[number][1]!r}, not the blocked {record_id!r}: the shard is not the one "
-                "the sidecar describes; nothing was written"
-            )
+            raise _other_record(f"{shard.path} row {number - 1}", key, found[number][1], record_id)
 
 
 def _filter(shard: Shard, out: BinaryIO | None) -> tuple[int, int]:

@@ -1,12 +1,7 @@
 """JSONL lines -> token ids for ``megatron-ext preprocess``: parsing, windowed encoding with
-bounded memory, and the order-preserving worker pool.
-
-Long documents are tokenized in windows of :data:`WINDOW_CHARS` characters cut at
-pre-tokenizer boundaries (BPE merges never cross them, so the ids equal one call's) whenever
-that is provably exact: a pre-tokenizer, no normalizer, no added special tokens. Stated bound,
-per tokenizing process above its start-up memory: under 6x the longest input line plus 64 MiB
-(measurements: BENCHMARKS.md "preprocess"). Spawned workers import this module, so it stays
-free of Megatron and torch imports.
+bounded memory (long texts cut at pre-tokenizer boundaries where that is provably exact;
+bound: BENCHMARKS.md "preprocess"), and the order-preserving worker pool. Spawned workers
+import this module, so it stays free of Megatron and torch imports.
 """
 
 from __future__ import annotations
@@ -41,11 +36,6 @@ def lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
             if line.strip():
                 yield number, offset, line
             offset += len(line)
-
-
-def texts(line: bytes | dict, path: Path, lineno: int, keys: list[str]) -> list[str]:
-    """The values of ``keys`` in one JSONL line, or an :class:`EncodeError` naming it."""
-    return fields(line, path, lineno, keys, None)[0]
 
 
 def _parsed(line: bytes | dict, where: str) -> Any:
@@ -160,11 +150,8 @@ def encode_chunk(
 @contextmanager
 def worker_pool(workers: int, chunksize: int, tokenizer_dir: Path) -> Iterator[Callable]:
     """An order-preserving map over chunks: in-process for one worker, else spawned processes
-    with at most ``2 x workers`` chunks in flight (``Executor.map`` would submit them all).
-
-    A ``ProcessPoolExecutor``, not ``multiprocessing.Pool``: a dead worker (an OOM kill) fails
-    every pending result with ``BrokenProcessPool`` where ``Pool`` would wait forever.
-    """
+    with at most ``2 x workers`` chunks in flight. A ``ProcessPoolExecutor``: a dead worker
+    fails every pending result with ``BrokenProcessPool`` where ``Pool`` would wait forever."""
     if workers == 1:
         _init_worker(tokenizer_dir)
         yield lambda fn, items: (r for chunk in batched(items, chunksize) for r in fn(chunk))

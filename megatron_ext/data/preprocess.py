@@ -1,14 +1,9 @@
 """``megatron-ext preprocess``: JSONL or Parquet -> Megatron ``.bin``/``.idx`` indexed datasets.
 
-Megatron-LM's ``tools/preprocess_data.py`` (same ``{prefix}_{key}_document`` names, EOD per
-document, ``DType.optimal_dtype``; megatron-core's ``IndexedDatasetBuilder`` writes), plus: an
-offline tokenizer, bad input named as ``file:line``, empty documents skipped and counted, the
-provenance sidecar ``PREFIX.prov`` (:mod:`megatron_ext.common.records.provenance`: a JSONL
-line, or a Parquet shard's row and row group), Parquet read with pyarrow, and nothing
-half-written: temporary names published as a pair only at the end
-(:mod:`megatron_ext.common.records.pair`), removed on any failure (a dead worker, SIGTERM, a
-full disk). Megatron is imported inside :func:`_write_datasets`: spawned workers re-import
-this module.
+Megatron-LM's ``tools/preprocess_data.py`` (megatron-core's ``IndexedDatasetBuilder`` writes),
+plus an offline tokenizer, bad input named as ``file:line``, the provenance sidecar and nothing
+half-written (docs/data.md). Megatron is imported in :func:`_write_datasets`: spawned workers
+re-import this module.
 """
 
 import argparse
@@ -33,7 +28,7 @@ from megatron_ext.common.errors import Refusal, report
 from megatron_ext.common.io import remove_durably, rename_durably
 from megatron_ext.common.records.pair import append_fingerprint, publish
 from megatron_ext.common.records.provenance import SUFFIX, Recorder
-from megatron_ext.data.encode import EncodeError, encode_chunk, texts, worker_pool
+from megatron_ext.data.encode import EncodeError, encode_chunk, fields, worker_pool
 from megatron_ext.data.shards import Payload, entry, is_parquet, records
 from megatron_ext.data.tokenizer import (
     TOKENIZER_FILE,
@@ -273,15 +268,17 @@ def _write_datasets(
     return outputs
 
 
+def _texts(args: argparse.Namespace) -> Iterator[str]:
+    """Every non-blank value of ``--json-keys`` in the inputs, in order."""
+    for path in args.input:
+        for lineno, _, line in records(path, args.json_keys):
+            values = fields(line, path, lineno, args.json_keys, None)[0]
+            yield from (t for t in values if t.strip())
+
+
 def _prepare_tokenizer(args: argparse.Namespace) -> tuple[Path, LoadedTokenizer]:
     """The tokenizer dir to use and the tokenizer in it, training and saving one first if
     asked to (training reads all inputs, so bad lines are reported before anything is saved)."""
-
-    def corpus() -> Iterator[str]:
-        for path in args.input:
-            for lineno, _, line in records(path, args.json_keys):
-                yield from (t for t in texts(line, path, lineno, args.json_keys) if t.strip())
-
     tokenizer_dir = args.tokenizer_dir
     try:
         if args.train_tokenizer:
@@ -299,7 +296,7 @@ def _prepare_tokenizer(args: argparse.Namespace) -> tuple[Path, LoadedTokenizer]
             )
             start = time.perf_counter()
             train_bpe_tokenizer(
-                corpus(), tokenizer_dir, args.vocab_size, show_progress=sys.stderr.isatty()
+                _texts(args), tokenizer_dir, args.vocab_size, show_progress=sys.stderr.isatty()
             )
             say(f"tokenizer trained in {time.perf_counter() - start:.1f} s -> {tokenizer_dir}")
         return tokenizer_dir, load_tokenizer(tokenizer_dir)
@@ -320,15 +317,6 @@ def _check_writable(directory: Path, what: str) -> None:
         ) from None
 
 
-def _has_documents(args: argparse.Namespace) -> bool:
-    """Whether any input line holds a non-blank value (stops at the first one)."""
-    return any(
-        any(t.strip() for t in texts(line, path, lineno, args.json_keys))
-        for path in args.input
-        for lineno, _, line in records(path, args.json_keys)
-    )
-
-
 def _check_args(args: argparse.Namespace) -> None:
     missing = [str(p) for p in args.input if not p.is_file()]
     if missing:
@@ -343,7 +331,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.train_tokenizer:
         out = args.tokenizer_out or Path(f"{args.output_prefix}_tokenizer")
         _check_writable(out.absolute().parent, "the tokenizer output directory")
-    if not args.allow_empty and not _has_documents(args):
+    if not args.allow_empty and next(_texts(args), None) is None:
         raise PreprocessError(
             f"the input ({' '.join(map(str, args.input))}) holds no document with text under "
             f"--json-keys {' '.join(args.json_keys)}; pass --allow-empty to write an empty "

@@ -5,16 +5,10 @@ sidecar says.
         web-1.jsonl --provenance-key id --tokenizer-dir tok/
     megatron-ext provenance show --dataset data/web_text_document --document 83
 
-``rebuild``: the sidecar (:mod:`megatron_ext.common.records.provenance`) of a dataset built by
-Megatron's ``tools/preprocess_data.py`` (one document per input line) or by ``megatron-ext
-preprocess`` (one per line with text), from the same input files in the same order (JSONL, or
-Parquet: one document per row). The
-document count must match, and ``--verify`` documents (spread over the dataset, first and last
-included) are re-tokenised and compared with the ``.bin``; the first mismatch is refused and
-nothing is written (other files, order or tokenizer; ``--split-sentences`` datasets too).
-
-``show``: a sidecar's shards and the raw record of given documents, after checking that it
-describes today's ``.idx``.
+``rebuild``: from the same input files in the same order (JSONL, or Parquet: one document per
+row); the document count must match and ``--verify`` documents are re-tokenised and compared
+with the ``.bin``, the first mismatch refused with nothing written. ``show``: a sidecar's
+shards and the raw record of given documents, once it is checked against today's ``.idx``.
 """
 
 from __future__ import annotations

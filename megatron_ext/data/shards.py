@@ -1,9 +1,7 @@
-"""Raw shards as records: JSONL lines or Parquet rows, and where each record is.
-
-A record's place is ``(number, locator)``: a JSONL line's 1-based number and byte offset, or
-a Parquet row's 1-based number in its file and its row group (pyarrow reads a row group one
-record batch at a time, so memory stays bounded). The provenance sidecar stores the pair as
-its ``line`` and ``byte`` columns; a Parquet shard's entry says so and lists its row groups.
+"""Raw shards as records: JSONL lines or Parquet rows, and where each record is: ``(number,
+locator)``, a JSONL line's 1-based number and byte offset, or a Parquet row's 1-based number
+and its row group (the sidecar's ``line`` and ``byte`` columns). Parquet is read one record
+batch at a time, so memory stays bounded.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""A locally trained byte-level BPE tokenizer that Megatron loads offline.
-
-Megatron's ``GPT2BPETokenizer`` fetches ``gpt2`` from the Hub; this trains a GPT-2-style
-byte-level BPE with ``tokenizers`` and saves a Hugging Face tokenizer dir, which
-``--tokenizer-type HuggingFaceTokenizer`` loads without network. Preprocessing reads the same
-``tokenizer.json`` and EOS token that Megatron uses as ``eod``, so the ids match training's.
+"""A locally trained GPT-2-style byte-level BPE tokenizer, saved as a Hugging Face tokenizer
+dir that ``--tokenizer-type HuggingFaceTokenizer`` loads offline (Megatron's
+``GPT2BPETokenizer`` fetches ``gpt2`` from the Hub); its EOS token is Megatron's ``eod``.
 """
 
 import json

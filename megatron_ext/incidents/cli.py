@@ -146,12 +146,6 @@ def _train_iters(ckpt_dir: Path, newest_first: list[int]) -> int:
     )
 
 
-def _earlier_skips(ckpt_dir: Path) -> list[int]:
-    """Iterations already skipped: the applied list kept with the checkpoints."""
-    persisted = ckpt_dir / SKIPPED_ITERATIONS_FILE
-    return read_file(persisted) if persisted.exists() else []
-
-
 def _batch_at(ckpt_dir: Path, iteration: int) -> tuple[int, int] | None:
     """Checkpoint ``iteration``'s consumed samples and global batch (None: unreadable)."""
     try:
@@ -322,11 +316,12 @@ def _make_plan(
         _train_iters(args.ckpt_dir, checkpoints[::-1]) if checkpoints else None
     )
     history = read_window(signals_path, first, last)
+    persisted = args.ckpt_dir / SKIPPED_ITERATIONS_FILE  # the skips applied so far
     plan = make_plan(
         ledger,
         history,
         checkpoints,
-        _earlier_skips(args.ckpt_dir),
+        read_file(persisted) if persisted.exists() else [],
         config,
         train_iters,
         str(args.ckpt_dir),

@@ -18,14 +18,6 @@ from megatron_ext.incidents import cli, transaction
 from megatron_ext.incidents.planner import incident_id
 
 
-def _facts(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for flag in ("--load", "--signals-dir", "--spike-ledger", "--result-rejected-tracker-filename"):
-        parser.add_argument(flag)
-    parser.add_argument("--spike-detect", action="store_true")
-    return parser.parse_known_args(argv)[0]
-
-
 def pending(load: Path, ledger: Path) -> str | None:
     """The newest rollback request's identity when neither applied nor trained past."""
     if not ledger.is_file():
@@ -42,7 +34,11 @@ def pending(load: Path, ledger: Path) -> str | None:
 
 def apply_at_startup(argv: list[str], rank: int, timeout: float = 600.0) -> str | None:
     """Apply (rank 0) or wait for (the others) a pending rollback request; its identity."""
-    facts = _facts(argv)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in ("--load", "--signals-dir", "--spike-ledger", "--result-rejected-tracker-filename"):
+        parser.add_argument(flag)
+    parser.add_argument("--spike-detect", action="store_true")
+    facts = parser.parse_known_args(argv)[0]
     if os.environ.get(TOKEN_ENV) or not (facts.load and facts.signals_dir and facts.spike_detect):
         return None
     load = Path(facts.load)

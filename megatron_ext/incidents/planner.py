@@ -26,7 +26,7 @@ from megatron_ext.common.files import (
 )
 from megatron_ext.common.io import from_json
 from megatron_ext.common.records.signals import SignalRecord
-from megatron_ext.common.records.skip_ranges import to_ranges
+from megatron_ext.common.records.skip_ranges import format_ranges, to_ranges
 
 ONSET_GRAD_FACTOR = 2.0  # the onset moves back while the grad norm was this far up already
 TIME_CONSTANTS = 10  # of Adam's v: PaLM's 200-500 batches are 10-25 at beta2 = 0.95
@@ -375,7 +375,8 @@ def make_plan(
     checkpoint c's consumed samples and global batch; ``problem(c)``: why c cannot load."""
     incident = latest_incident(ledger)
     onset = find_onset(incident, signals)
-    replay = config.policy == "confirm" and not reproduced(incident, ledger)
+    confirm = config.policy == "confirm"
+    replay = confirm and not reproduced(incident, ledger)
     chain = [] if replay else repeated(incident, applied or [], config.batches())
     _refuse_if_exhausted(chain, onset)
     limit = min([onset - config.rollback_iters, *(int(r["rollback_to"]) - 1 for r in chain)])
@@ -393,28 +394,21 @@ def make_plan(
         skips |= set(range(window[0], window[1] + 1))
     at = batch_at(target) if window and batch_at else None
     samples = [at[0], at[0] + (window[1] - window[0] + 1) * at[1] - 1] if window and at else None
-    ranges = [list(r) for r in to_ranges(sorted(skips))]
+    skipped = sorted(skips)
     plan = Plan(
         incident=incident,
         action="rollback-and-replay" if replay else "rollback-and-skip",
         onset=onset,
         rollback_to=target,
         skip_window=window,
-        skip_ranges=ranges,
+        skip_ranges=[list(r) for r in to_ranges(skipped)],
         moved_checkpoints=moved,
-        restart_args=[
-            "--load",
-            ckpt_dir,
-            "--iterations-to-skip",
-            *(f"{a}-{b}" if a != b else str(a) for a, b in ranges),
-        ],
+        restart_args=["--load", ckpt_dir, "--iterations-to-skip", *format_ranges(skipped).split()],
         summary="",
         global_batch_size=at[1] if at else None,
         skip_samples=samples,
         passed_over=passed_over,
-        tracker_lines=[]
-        if replay or config.policy != "confirm"
-        else tracker_lines(incident, ledger),
+        tracker_lines=tracker_lines(incident, ledger) if confirm and not replay else [],
     )
     plan.summary = _summary(plan, chain)
     return plan

@@ -202,36 +202,9 @@ def _raw(source: dict[str, Any] | None) -> str:
     return f" from {place(source)}{record_id}"
 
 
-def incident_timeline(incident: dict[str, Any], history: list[SignalRecord]) -> list[SignalRecord]:
-    """The iterations the incident's attempt trained on, one record each."""
-    attempt = incident.get("attempt") or max((r.attempt for r in history), default=0)
-    return latest_per_iteration([r for r in history if r.attempt <= attempt])
-
-
-def lookup_command(plan: Plan, ckpt_dir: Path, worst: int) -> list[str]:
-    return [
-        *(sys.executable, "-m", "megatron_ext.cli", "lookup", "--from-checkpoint", str(ckpt_dir)),
-        *("--ckpt-step", str(plan.rollback_to), "--iteration", str(plan.onset)),
-        *("--worst", str(worst), "--text", "--json"),
-    ]
-
-
 def culprit_first(samples: list[dict[str, Any]], rank: int | None) -> list[dict[str, Any]]:
     """The culprit DP rank's samples first, each group by loss (stable)."""
     return sorted(samples, key=lambda s: (s["dp_rank"] != rank, s["rank_by_loss"]))
-
-
-def early_warnings(plan: Plan, ledger: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The incident's attempt's precursor warnings within :data:`WARNING_HORIZON` iterations
-    up to its onset."""
-    attempt = plan.incident.get("attempt")
-    return [
-        e
-        for e in ledger
-        if e.get("kind") == "warning"
-        and e.get("attempt") == attempt
-        and plan.onset - WARNING_HORIZON <= e.get("iteration", -1) <= plan.onset
-    ]
 
 
 def build_report(
@@ -242,15 +215,26 @@ def build_report(
     number: int,
     worst: int | None,
 ) -> Report:
-    """Diagnose the incident and (unless ``worst`` is None) look up its top documents."""
-    incident = plan.incident
-    diagnosis = diagnose(
-        {**incident, "onset": plan.onset},
-        incident_timeline(incident, history),
-        reproduced(incident, ledger),
-    )
-    command = lookup_command(plan, ckpt_dir, worst or DEFAULT_WORST)
-    report = Report(plan, number, diagnosis, command, warnings=early_warnings(plan, ledger))
+    """Diagnose the incident over the iterations its attempt trained on, collect that
+    attempt's precursor warnings within :data:`WARNING_HORIZON` iterations up to the onset,
+    and (unless ``worst`` is None) look up its top documents."""
+    incident, attempt = plan.incident, plan.incident.get("attempt")
+    trained = attempt or max((r.attempt for r in history), default=0)
+    timeline = latest_per_iteration([r for r in history if r.attempt <= trained])
+    diagnosis = diagnose({**incident, "onset": plan.onset}, timeline, reproduced(incident, ledger))
+    command = [
+        *(sys.executable, "-m", "megatron_ext.cli", "lookup", "--from-checkpoint", str(ckpt_dir)),
+        *("--ckpt-step", str(plan.rollback_to), "--iteration", str(plan.onset)),
+        *("--worst", str(worst or DEFAULT_WORST), "--text", "--json"),
+    ]
+    warnings = [
+        e
+        for e in ledger
+        if e.get("kind") == "warning"
+        and e.get("attempt") == attempt
+        and plan.onset - WARNING_HORIZON <= e.get("iteration", -1) <= plan.onset
+    ]
+    report = Report(plan, number, diagnosis, command, warnings=warnings)
     if worst is None:
         report.lookup_error = "not looked up (--no-lookup)"
         return report

@@ -90,16 +90,6 @@ def applied_records(ckpt_dir: str | Path) -> list[dict[str, Any]]:
     return read_jsonl(path).records if path.exists() else []
 
 
-def _check_target(ckpt_dir: Path, journal: Journal) -> None:
-    target = checkpoint_dir(ckpt_dir, journal.rollback_to)
-    if not target.is_dir():
-        raise TransactionError(
-            f"the pending apply of incident {journal.incident:03d} rolls back to {target}, which "
-            f"is missing: restore it, or undo the apply with `megatron-ext skiplist --ckpt-dir "
-            f"{ckpt_dir} --undo`"
-        )
-
-
 def _move(ckpt_dir: Path, source: str, destination: str, journal: Journal) -> None:
     src, dst = ckpt_dir / source, ckpt_dir / destination
     if src.exists() and dst.exists():
@@ -130,11 +120,17 @@ def _set_rejected_lines(journal: Journal, present: bool) -> None:
 
 def _carry_out(ckpt_dir: Path, journal: Journal) -> None:
     """Steps 2-6; each one is a no-op when already done."""
-    _check_target(ckpt_dir, journal)
+    target = checkpoint_dir(ckpt_dir, journal.rollback_to)
+    if not target.is_dir():
+        raise TransactionError(
+            f"the pending apply of incident {journal.incident:03d} rolls back to {target}, which "
+            f"is missing: restore it, or undo the apply with `megatron-ext skiplist --ckpt-dir "
+            f"{ckpt_dir} --undo`"
+        )
     atomic_write(ckpt_dir / SKIPPED_ITERATIONS_FILE, journal.skips_after)
     kill_point()
     atomic_write(ckpt_dir / CHECKPOINT_TRACKER_FILE, f"{journal.rollback_to}\n")
-    bridge_state = checkpoint_dir(ckpt_dir, journal.rollback_to) / BRIDGE_TRAIN_STATE_FILE
+    bridge_state = target / BRIDGE_TRAIN_STATE_FILE
     if bridge_state.is_file():  # a Megatron-Bridge checkpoint
         atomic_write(ckpt_dir / BRIDGE_TRACKER_FILE, bridge_state.read_bytes())
     kill_point()

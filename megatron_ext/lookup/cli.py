@@ -18,6 +18,7 @@ in force then (megatron_ext/lookup/history.py). Exit status: 0 answered,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -40,126 +41,119 @@ from megatron_ext.lookup.data import TrainIndex, find_document, member_of
 from megatron_ext.lookup.errors import ConfigError, Refused
 from megatron_ext.lookup.history import Attempts
 from megatron_ext.lookup.mock import MockIndex
-from megatron_ext.lookup.schedule import Batch, CyclicOrder
+from megatron_ext.lookup.schedule import Batch
 from megatron_ext.lookup.session import (
     Session,
     batch_records,
     describe_source,
     emit_blocklist,
     hits_table,
-    jsonl,
     samples_table,
     spans_of,
     table,
-    write_atomic,
+    write_jsonl,
 )
 from megatron_ext.registry import copies
 from megatron_ext.registry.copies import COPIES
 
 _INT, _FLAG, _MANY = {"type": int}, {"action": "store_true"}, {"action": "append", "default": []}
-# (group, flag, options, help) of the lookup's own flags.
-_FLAGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
-    ("what", "--iteration", _INT, "1-indexed iteration, as Megatron logs it"),
-    (
-        "what",
-        "--consumed-samples",
-        _INT,
-        "the batch Megatron reads next at this consumed_train_samples",
+# The lookup's own flags: group title -> (flag, options, help) of each.
+_FLAGS: dict[str, tuple[tuple[str, dict[str, Any], str], ...]] = {
+    "what to look up (one of)": (
+        ("--iteration", _INT, "1-indexed iteration, as Megatron logs it"),
+        (
+            "--consumed-samples",
+            _INT,
+            "the batch Megatron reads next at this consumed_train_samples",
+        ),
+        ("--document", _INT, "inverse: a document (sequence) id of --dataset"),
+        (
+            "--dataset",
+            {},
+            "inverse: data prefix as in --data-path, its file name, or its position in the blend",
+        ),
+        ("--dp-rank", _INT, "only this data-parallel rank"),
+        (
+            "--worst",
+            {**_INT, "metavar": "K"},
+            "with --iteration: the K samples with the highest loss training recorded (sample log), "
+            "with their documents",
+        ),
+        ("--microbatch", _INT, "only this micro-batch of the iteration"),
+        (
+            "--attempt",
+            _INT,
+            "with --iteration: what this attempt (1-based, in launch order) trained there (default:"
+            " the latest attempt that trained it, e.g. an incident's onset batch)",
+        ),
     ),
-    ("what", "--document", _INT, "inverse: a document (sequence) id of --dataset"),
-    (
-        "what",
-        "--dataset",
-        {},
-        "inverse: data prefix as in --data-path, its file name, or its position in the blend",
+    "the run": (
+        (
+            "--from-checkpoint",
+            {"metavar": "DIR"},
+            "a torch_dist --save directory or one iter_NNNNNNN directory",
+        ),
+        ("--ckpt-step", _INT, "which iteration's checkpoint to read"),
+        (
+            "--data-parallel-size",
+            _INT,
+            "DP size (default: the checkpoint's); world / (TP x PP x CP)",
+        ),
+        (
+            "--phase",
+            _INT,
+            "inverse with --phase-transition-iterations and no checkpoint: which phase's data the "
+            "flags describe (0-based)",
+        ),
+        (
+            "--no-add-extra-token-to-sequence",
+            _FLAG,
+            "the datasets were built with add_extra_token_to_sequence=False (Megatron-LM training "
+            "always uses True)",
+        ),
     ),
-    ("what", "--dp-rank", _INT, "only this data-parallel rank"),
-    (
-        "what",
-        "--worst",
-        {**_INT, "metavar": "K"},
-        "with --iteration: the K samples with the highest loss training recorded (sample log), "
-        "with their documents",
+    "data and caches": (
+        (
+            "--cache-dir",
+            {},
+            "index cache directory (default: the run's --data-cache-path, else "
+            "<prefix>/cache/GPTDataset_indices)",
+        ),
+        (
+            "--data-root",
+            {**_MANY, "metavar": "OLD=NEW"},
+            "the data moved: read prefixes under OLD from NEW (repeatable)",
+        ),
+        (
+            "--rebuild-caches",
+            _FLAG,
+            "build missing caches with megatron-core's builder (same config)",
+        ),
+        (
+            "--from-sample-log",
+            _FLAG,
+            "answer --iteration from the run's sample log alone (--sample-log DIR, else the "
+            "checkpoint's --sample-log-dir): sample ids, token SHA-1s and losses as trained, in "
+            "milliseconds, without Megatron or the index caches (documents and tokens need those)",
+        ),
     ),
-    ("what", "--microbatch", _INT, "only this micro-batch of the iteration"),
-    (
-        "what",
-        "--attempt",
-        _INT,
-        "with --iteration: what this attempt (1-based, in launch order) trained there (default: "
-        "the latest attempt that trained it, e.g. an incident's onset batch)",
+    "output": (
+        ("--json", _FLAG, "one JSON document on stdout"),
+        ("--out", {"metavar": "FILE.jsonl"}, "write one JSON line per sample/hit"),
+        (
+            "--emit-blocklist",
+            {"metavar": "FILE.jsonl"},
+            "write the documents found, for a data filter (one JSON line each)",
+        ),
+        ("--text", _FLAG, "decode tokens with the run's tokenizer (checkpoint or flags)"),
+        (
+            "--sample-log",
+            {"metavar": "DIR"},
+            "refuse unless the answer matches the run's --sample-log-dir records",
+        ),
+        ("--max-tokens", {**_INT, "default": 12}, "tokens per table row"),
     ),
-    (
-        "run",
-        "--from-checkpoint",
-        {"metavar": "DIR"},
-        "a torch_dist --save directory or one iter_NNNNNNN directory",
-    ),
-    ("run", "--ckpt-step", _INT, "which iteration's checkpoint to read"),
-    (
-        "run",
-        "--data-parallel-size",
-        _INT,
-        "DP size (default: the checkpoint's); world / (TP x PP x CP)",
-    ),
-    (
-        "run",
-        "--phase",
-        _INT,
-        "inverse with --phase-transition-iterations and no checkpoint: which phase's data the "
-        "flags describe (0-based)",
-    ),
-    (
-        "run",
-        "--no-add-extra-token-to-sequence",
-        _FLAG,
-        "the datasets were built with add_extra_token_to_sequence=False (Megatron-LM training "
-        "always uses True)",
-    ),
-    (
-        "data",
-        "--cache-dir",
-        {},
-        "index cache directory (default: the run's --data-cache-path, else "
-        "<prefix>/cache/GPTDataset_indices)",
-    ),
-    (
-        "data",
-        "--data-root",
-        {**_MANY, "metavar": "OLD=NEW"},
-        "the data moved: read prefixes under OLD from NEW (repeatable)",
-    ),
-    (
-        "data",
-        "--rebuild-caches",
-        _FLAG,
-        "build missing caches with megatron-core's builder (same config)",
-    ),
-    (
-        "data",
-        "--from-sample-log",
-        _FLAG,
-        "answer --iteration from the run's sample log alone (--sample-log DIR, else the "
-        "checkpoint's --sample-log-dir): sample ids, token SHA-1s and losses as trained, in "
-        "milliseconds, without Megatron or the index caches (documents and tokens need those)",
-    ),
-    ("output", "--json", _FLAG, "one JSON document on stdout"),
-    ("output", "--out", {"metavar": "FILE.jsonl"}, "write one JSON line per sample/hit"),
-    (
-        "output",
-        "--emit-blocklist",
-        {"metavar": "FILE.jsonl"},
-        "write the documents found, for a data filter (one JSON line each)",
-    ),
-    ("output", "--text", _FLAG, "decode tokens with the run's tokenizer (checkpoint or flags)"),
-    (
-        "output",
-        "--sample-log",
-        {"metavar": "DIR"},
-        "refuse unless the answer matches the run's --sample-log-dir records",
-    ),
-    ("output", "--max-tokens", {**_INT, "default": 12}, "tokens per table row"),
-)
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,12 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any other flag is a Megatron training flag and means what it meant to the run.",
     )
-    titles = {"what": "what to look up (one of)", "run": "the run", "data": "data and caches"}
-    groups: dict[str, Any] = {}
-    for group, flag, options, text in _FLAGS:
-        if group not in groups:
-            groups[group] = parser.add_argument_group(titles.get(group, group))
-        groups[group].add_argument(flag, help=text, **options)
+    for title, flags in _FLAGS.items():
+        group = parser.add_argument_group(title)
+        for flag, options, text in flags:
+            group.add_argument(flag, help=text, **options)
     return parser
 
 
@@ -247,7 +239,7 @@ def _emit(
     extra: dict[str, Any],
 ) -> None:
     if options.out:
-        write_atomic(options.out, jsonl(records))
+        write_jsonl(options.out, records)
         print(f"wrote {len(records)} {kind} to {options.out}", file=sys.stderr)
     if options.json:
         print(json.dumps({**extra, "lines": lines, kind: records}, indent=1))
@@ -287,7 +279,7 @@ def forward(session: Session) -> int:
         answers = None if chosen is None else session.answers_by_attempt(attempts, chosen, records)
         lines.append(check_against_log(options.sample_log, records, answers, history, number))
     if options.worst is not None:
-        directory = sample_log_dir(options, session.config.args)
+        directory = sample_log_dir(options, session.config.args, "--worst")
         ranked = ranked_samples(directory, batch.iteration, options.dp_rank, number, history)
         records, changed = attach(ranked[: options.worst], records)
         by = "" if chosen is None else f", attempt {chosen.number}: {chosen.fate}"
@@ -295,15 +287,8 @@ def forward(session: Session) -> int:
     if options.emit_blocklist:
         emit_blocklist(session, index, spans_of(records))
     extra = {
-        "batch": {
-            "iteration": batch.iteration,
-            "phase": batch.phase,
-            "consumed_before": batch.consumed_before,
-            "size": batch.size,
-            "num_microbatches": batch.num_microbatches,
-            "skipped": batch.skipped,
-        },
-        "attempt": None if chosen is None else chosen.number,
+        "batch": {k: v for k, v in dataclasses.asdict(batch).items() if k != "stream_start"},
+        "attempt": number,
         "attempts": [
             {"attempt": a.number, "first_iteration": a.segment.first, "trained": a.trained}
             | {"fate": a.fate, "job_id": a.segment.job_id}
@@ -326,15 +311,10 @@ def _hits(
     """The reads of a document placed at (iteration, DP rank, micro-batch), and how many lie
     past the run's last iteration."""
     schedule = session.config.schedule
-    if session.config.dataloader_type == "single":
+    order = session.cyclic_order(index)
+    if order is None:
         positions, origin = hits.global_indices, np.arange(len(hits.global_indices))
     else:
-        order = CyclicOrder(
-            len(index),
-            schedule.micro_batch_size,
-            schedule.data_parallel_size,
-            session.config.data_sharding,
-        )
         epochs = max(1, -(-stream_end // order.active))
         positions, origin = order.positions_of(hits.global_indices, epochs)
     iterations, microbatches, ranks = schedule.locate(positions, phase)
@@ -412,8 +392,8 @@ def inverse(session: Session) -> int:
         "dataset_path": mid.path,
         "source": source,
         "data": {"kind": index.kind, "cache": index.hash},
+        "notes": list(session.config.notes),
     }
-    extra["notes"] = list(session.config.notes)
     _emit(options, lines, records, "hits", hits_table(lines, records), extra)
     return 0
 
@@ -421,15 +401,10 @@ def inverse(session: Session) -> int:
 def from_sample_log(options: argparse.Namespace) -> int:
     """``--from-sample-log``: the iteration's samples as training logged them; reads the
     checkpoint's args without torch and imports no Megatron."""
-    directory = options.sample_log
-    if not directory and options.from_checkpoint:
+    args = None
+    if not options.sample_log and options.from_checkpoint:
         args = load_checkpoint(options.from_checkpoint, options.ckpt_step).args
-        directory = getattr(args, "sample_log_dir", None)
-    if not directory:
-        raise ConfigError(
-            "--from-sample-log reads the run's sample log: pass --sample-log DIR, or a "
-            "checkpoint of a run trained with --sample-log-dir"
-        )
+    directory = sample_log_dir(options, args, "--from-sample-log")
     records = log_answer(directory, options.iteration, options.dp_rank, options.microbatch)
     ranks = sorted({r["dp_rank"] for r in records})
     lines = [

@@ -67,12 +67,8 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> Checkpoint:
         tracked = None if step is not None else read_checkpoint_tracker(root)
     except TrackerError as exc:
         raise ConfigError(f"{exc}; or choose a checkpoint with --ckpt-step") from None
-    if step is not None:
-        directory = root / f"iter_{step:07d}"
-    elif tracked is not None:
-        directory = root / f"iter_{tracked:07d}"
-    else:
-        directory = root
+    chosen = step if step is not None else tracked
+    directory = root if chosen is None else root / f"iter_{chosen:07d}"
     if not any(
         (directory / f).is_file() for f in (CHECKPOINT_METADATA_FILE, CHECKPOINT_COMMON_FILE)
     ):
@@ -123,13 +119,11 @@ def megatron_namespace(argv: list[str], base: argparse.Namespace | None) -> argp
 def _blend(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...] | None, bool]:
     """(prefixes, weights, per-split) of the train split, by Megatron's blend rules."""
     blend, per_split = blend_and_blend_per_split(args)
-    if blend is None and per_split is not None:
+    split_mode = blend is None and per_split is not None
+    if split_mode:
         blend = per_split[0]
         if blend is None:
             raise ConfigError("the run has per-split data paths but no train split blend")
-        split_mode = True
-    else:
-        split_mode = False
     if blend is None:
         raise ConfigError("no training data: pass --data-path/--train-data-path or a checkpoint")
     prefixes, weights = blend
@@ -456,9 +450,7 @@ class _Progress(logging.Handler):
 
 def _expected_indices(args: Any) -> int:
     """How many GPT/Blended indices the builder will build or load, for the bar's total."""
-    from megatron.training.utils import get_blend_and_blend_per_split
-
-    blend, per_split = get_blend_and_blend_per_split(args)
+    blend, per_split = blend_and_blend_per_split(args)
     blends = (
         [blend] * sum(1 for part in args.split.split(",") if float(part) > 0)
         if blend
@@ -501,27 +493,39 @@ def _check_data(args: Any) -> None:
                 raise DataChanged(f"{exc}; no cache was rebuilt") from None
 
 
-def rebuild_caches(config: RunConfig, phase: int, cache_dir: str | None) -> None:
-    """Build (or load, where present) every index cache of the run's datasets for ``phase``."""
-    _check_data(config.args)
+def build_datasets(
+    args: Any, dataset_class: Any, sizes: list[int | None], add_extra_token: bool, train_only: bool
+) -> list[Any]:
+    """Megatron's ``BlendedMegatronDatasetBuilder`` over the run's dataset config (the entry
+    point's, from ``args``), built in this one process as training built it (``train_only``:
+    the train split alone)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDataset
 
     from megatron_ext.loop.gpt_step import gpt_dataset_config_from_args
+
+    args = copy.copy(args)
+    args.rank = 0
+    # Both skip building (they assume caches exist); neither changes names or contents.
+    args.dataloader_fast_cache_load = args.dataloader_defer_npy_index_mmap = False
+    config = gpt_dataset_config_from_args(args)
+    config.add_extra_token_to_sequence = add_extra_token
+    if train_only:  # (mock data: megatron-core sets split 1,1,1)
+        config.split_matrix = [config.split_matrix[0], None, None]
+    with process_group():
+        return BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
+
+
+def rebuild_caches(config: RunConfig, phase: int, cache_dir: str | None) -> None:
+    """Build (or load, where present) every index cache of the run's datasets for ``phase``."""
+    _check_data(config.args)
+    from megatron.core.datasets.gpt_dataset import GPTDataset
 
     args = copy.copy(config.args)
     if cache_dir is not None:
         args.data_cache_path = cache_dir
-    # Both skip building (they assume caches exist); neither changes names or contents.
-    args.dataloader_fast_cache_load = False
-    args.dataloader_defer_npy_index_mmap = False
-    args.rank = 0
-    dataset_config = gpt_dataset_config_from_args(args)
-    dataset_config.add_extra_token_to_sequence = config.add_extra_token
-    valid, test = eval_sizes(args)
-    sizes = [config.train_target(phase), valid, test]
+    sizes = [config.train_target(phase), *eval_sizes(args)]
     logger = logging.getLogger("megatron.core.datasets")
     level, propagate = logger.level, logger.propagate
     with tqdm(total=_expected_indices(args), desc="rebuilding index caches", unit="index") as bar:
@@ -530,11 +534,7 @@ def rebuild_caches(config: RunConfig, phase: int, cache_dir: str | None) -> None
         logger.setLevel(logging.INFO)
         logger.propagate = False  # the bar reports progress; the log lines would drown it
         try:
-            with process_group():
-                builder = BlendedMegatronDatasetBuilder(
-                    GPTDataset, sizes, lambda: True, dataset_config
-                )
-                builder.build()
+            build_datasets(args, GPTDataset, sizes, config.add_extra_token, train_only=False)
         finally:
             logger.removeHandler(handler)
             logger.setLevel(level)

@@ -17,7 +17,7 @@ from megatron_ext.common.records.sample_log import SampleRecord
 from megatron_ext.common.records.sample_log_reader import AttemptRecords, latest, read_iteration
 from megatron_ext.lookup.errors import ConfigError, DataChanged, PositionError, Refused, TwoWriters
 from megatron_ext.lookup.history import Segment, attempt_number
-from megatron_ext.lookup.session import source_line
+from megatron_ext.lookup.session import source_line, spans_text
 
 _DRILL = re.compile(r"^(\d+)(?:-(\d+))?:(\d+|\*)$")  # --drill-corrupt-batch START[-END]:RANK
 
@@ -169,7 +169,7 @@ def _uncompared(
     """Answered micro-batches not compared: (not in the log, skipped, in a logging gap)."""
     # Gap records are read only for ranks with an answered micro-batch the log lacks.
     missing = {k[1] for k in slots if k not in logged}
-    gaps = sample_log_gaps(directory, missing) if missing else {}
+    gaps = {rank: read_gaps(sample_log_file(directory, rank)) for rank in sorted(missing)}
     absent = skipped = 0
     unlogged: list[Gap] = []
     for key, answered in slots.items():
@@ -177,7 +177,7 @@ def _uncompared(
             skipped += 1  # read and discarded, never trained: training logs nothing for it
         elif key in logged:
             continue
-        elif (gap := gap_of(gaps, key[0], key[1])) is not None:
+        elif gap := next((g for g in gaps.get(key[1], []) if g.covers(key[0])), None):
             unlogged.append(gap)  # trained while the log could not be written
         else:
             absent += 1
@@ -233,7 +233,7 @@ def _verdict(
 class Ranked:
     """One trained sample and its token-averaged loss, as the sample log recorded it."""
 
-    loss: float
+    loss: float | None  # None: the log holds no per-sample losses (an older version wrote it)
     dp_rank: int
     microbatch: int
     position: int  # index within the micro-batch
@@ -248,57 +248,49 @@ def _ranks(directory: str | Path, dp_rank: int | None) -> list[int]:
     return sorted(int(s) for s in stems if s.isdigit())
 
 
-def trained_records(
-    directory: str | Path,
-    iteration: int,
-    dp_rank: int | None = None,
-    attempt: int | None = None,
-    segments: tuple[Segment, ...] = (),
-) -> dict[tuple[int, int], SampleRecord]:
-    """(DP rank, micro-batch) -> what the run finally trained there at ``iteration`` (one DP
-    rank, or all; ``attempt``: that attempt's records where they can be placed)."""
-    trained: dict[tuple[int, int], SampleRecord] = {}
-    for rank, groups in read_iteration(directory, iteration, _ranks(directory, dp_rank)).items():
-        placed = [attempt_number(segments, g.attempt) for g in groups]
-        if attempt is not None and any(n is not None for n in placed):
-            groups = [g for g, n in zip(groups, placed) if n == attempt]
-        for microbatch, record in latest(groups).items():
-            if record.dp_rank == rank:
-                trained[(rank, microbatch)] = record
-    if not trained:
-        raise PositionError(
-            f"the sample log in {directory} has no record of iteration {iteration}"
-            + (f" on DP rank {dp_rank}" if dp_rank is not None else "")
-            + (f" by attempt {attempt}" if attempt is not None else "")
-            + " (was it trained with --sample-log-dir, and not skipped?)"
-        )
-    return trained
-
-
 def ranked_samples(
     directory: str | Path,
     iteration: int,
     dp_rank: int | None = None,
     attempt: int | None = None,
     segments: tuple[Segment, ...] = (),
+    by_loss: bool = True,
 ) -> list[Ranked]:
-    """Every sample trained at ``iteration`` (one DP rank, or all), highest loss first."""
-    out = []
-    for (rank, microbatch), record in trained_records(
-        directory, iteration, dp_rank, attempt, segments
-    ).items():
-        if len(record.sample_losses) != len(record.sample_ids):
-            raise ConfigError(
-                f"the sample log in {directory} has no per-sample losses for iteration "
-                f"{iteration} (written by an older version): --worst needs them"
-            )
-        out += [
-            Ranked(loss, rank, microbatch, k, sample_id, digest)
-            for k, (loss, sample_id, digest) in enumerate(
-                zip(record.sample_losses, record.sample_ids, record.token_sha1)
-            )
-        ]
-    return sorted(out, key=lambda r: (-r.loss, r.dp_rank, r.microbatch, r.position))
+    """Every sample the run finally trained at ``iteration`` (one DP rank, or all;
+    ``attempt``: that attempt's records where they can be placed), highest loss first; with
+    ``by_loss=False`` in the index answer's order, losses None where the log has none."""
+    out: list[Ranked] = []
+    for rank, groups in read_iteration(directory, iteration, _ranks(directory, dp_rank)).items():
+        placed = [attempt_number(segments, g.attempt) for g in groups]
+        if attempt is not None and any(n is not None for n in placed):
+            groups = [g for g, n in zip(groups, placed) if n == attempt]
+        for microbatch, record in latest(groups).items():
+            if record.dp_rank != rank:
+                continue
+            losses: list[float | None] = list(record.sample_losses)
+            if len(losses) != len(record.sample_ids):
+                if by_loss:
+                    raise ConfigError(
+                        f"the sample log in {directory} has no per-sample losses for iteration "
+                        f"{iteration} (written by an older version): --worst needs them"
+                    )
+                losses = [None] * len(record.sample_ids)
+            out += [
+                Ranked(loss, rank, microbatch, k, sample_id, digest)
+                for k, (loss, sample_id, digest) in enumerate(
+                    zip(losses, record.sample_ids, record.token_sha1)
+                )
+            ]
+    if not out:
+        raise PositionError(
+            f"the sample log in {directory} has no record of iteration {iteration}"
+            + (f" on DP rank {dp_rank}" if dp_rank is not None else "")
+            + (f" by attempt {attempt}" if attempt is not None else "")
+            + " (was it trained with --sample-log-dir, and not skipped?)"
+        )
+    if not by_loss:
+        return sorted(out, key=lambda r: (r.microbatch, r.dp_rank, r.position))
+    return sorted(out, key=lambda r: (-(r.loss or 0.0), r.dp_rank, r.microbatch, r.position))
 
 
 def log_answer(
@@ -306,17 +298,12 @@ def log_answer(
 ) -> list[dict[str, Any]]:
     """An iteration's samples as the sample log recorded them, in the index answer's order and
     with its field names (the fields the log holds, and each sample's loss when logged)."""
-    trained = trained_records(directory, iteration, dp_rank)
-    records = []
-    for (rank, mb), record in sorted(trained.items(), key=lambda item: item[0][::-1]):
-        if microbatch is not None and mb != microbatch:
-            continue
-        losses = record.sample_losses or [None] * len(record.sample_ids)
-        for sample_id, digest, loss in zip(record.sample_ids, record.token_sha1, losses):
-            records.append(
-                {"iteration": iteration, "dp_rank": rank, "microbatch": mb}
-                | {"sample_index": sample_id, "token_sha1": digest, "loss": loss}
-            )
+    records = [
+        {"iteration": iteration, "dp_rank": r.dp_rank, "microbatch": r.microbatch}
+        | {"sample_index": r.sample_id, "token_sha1": r.token_sha1, "loss": r.loss}
+        for r in ranked_samples(directory, iteration, dp_rank, by_loss=False)
+        if microbatch is None or r.microbatch == microbatch
+    ]
     if not records:
         raise PositionError(
             f"the sample log in {directory} has no record of iteration {iteration} "
@@ -327,9 +314,7 @@ def log_answer(
 
 def attach(ranked: list[Ranked], records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
     """The lookup records of the ranked samples, with their loss and rank by loss."""
-    slots: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    for record in records:
-        slots.setdefault((record["dp_rank"], record["microbatch"]), []).append(record)
+    slots = {key[1:]: slot for key, slot in _slots(records).items()}  # one iteration's
     out, changed = [], 0
     for order, sample in enumerate(ranked, start=1):
         slot = slots.get((sample.dp_rank, sample.microbatch), [])
@@ -366,11 +351,11 @@ def worst_table(lines: list[str], records: list[dict[str, Any]], snippet: int = 
     """Readable ranking: one line per sample, its documents and a text snippet."""
     out = list(lines)
     for r in records:
-        documents = " ".join(f"{d['document']}@{d['offset']}+{d['count']}" for d in r["documents"])
         out.append(
             f"#{r['rank_by_loss']:<3} loss {r['loss']:.4f}  dp {r['dp_rank']} mb "
             f"{r['microbatch']}  sample {r['sample_index']}  source "
-            f"{Path(r['dataset_path']).name}#{r['dataset_sample']}  documents {documents}"
+            f"{Path(r['dataset_path']).name}#{r['dataset_sample']}  documents "
+            f"{spans_text(r['documents'])}"
             + (f"  attempt {r['attempt']}" if r.get("attempt") is not None else "")
             + ("  [trained tokens differ]" if r["trained_tokens_differ"] else "")
         )
@@ -382,22 +367,12 @@ def worst_table(lines: list[str], records: list[dict[str, Any]], snippet: int = 
     return "\n".join(out)
 
 
-def sample_log_dir(options: Any, run_args: Any) -> str:
+def sample_log_dir(options: Any, run_args: Any, flag: str) -> str:
     """``--sample-log DIR``, else the run's own ``--sample-log-dir`` (from the checkpoint)."""
     directory = options.sample_log or getattr(run_args, "sample_log_dir", None)
     if not directory:
         raise ConfigError(
-            "--worst ranks samples by the loss training recorded: pass --sample-log DIR (the "
-            "run's --sample-log-dir), or use a checkpoint of a run trained with it"
+            f"{flag} reads the sample log training wrote: pass --sample-log DIR (the run's "
+            "--sample-log-dir), or use a checkpoint of a run trained with it"
         )
     return directory
-
-
-def sample_log_gaps(directory: str | Path, dp_ranks: set[int]) -> dict[int, list[Gap]]:
-    """The gap records of each DP rank's sample log."""
-    return {rank: read_gaps(sample_log_file(directory, rank)) for rank in sorted(dp_ranks)}
-
-
-def gap_of(gaps: dict[int, list[Gap]], iteration: int, dp_rank: int) -> Gap | None:
-    """The logging gap that covers ``iteration`` on ``dp_rank``, if any."""
-    return next((g for g in gaps.get(dp_rank, []) if g.covers(iteration)), None)

@@ -278,27 +278,6 @@ class FoundDataset:
     files: dict[str, str]  # each of GPT_FILES -> its .npy path
 
 
-@dataclass(frozen=True)
-class FoundCaches:
-    """The run's train caches, all on disk and belonging together, not yet opened."""
-
-    kind: str  # GPT or BLENDED
-    description: Description  # the train dataset's own: its GPTDataset's, or the blend's
-    datasets: tuple[FoundDataset, ...]  # in blend order
-    blend_files: dict[str, str] | None = None  # a blend's BLENDED_FILES -> .npy path
-
-
-def _canonical(value: Any) -> Any:
-    """Tuples to lists etc., as a JSON round trip leaves a description."""
-    return json.loads(json.dumps(value))
-
-
-def _split_matrix(spec: DataSpec) -> Any:
-    if spec.per_split:
-        return None
-    return _canonical(split_matrix(spec.split))
-
-
 def _differences(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
     return [
         f"{k}={found.get(k)!r} (expected {v!r})"
@@ -307,9 +286,9 @@ def _differences(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
     ]
 
 
-def _expected_gpt(
-    spec: DataSpec, prefix: str, num_samples: int | None, matrix: Any
-) -> dict[str, Any]:
+def _expected_gpt(spec: DataSpec, prefix: str, num_samples: int | None) -> dict[str, Any]:
+    """A GPTDataset's description, as the run's builder wrote it (tuples as JSON lists)."""
+    matrix = None if spec.per_split else json.loads(json.dumps(split_matrix(spec.split)))
     return {
         "class": GPT,
         "dataset_path": prefix,
@@ -320,22 +299,6 @@ def _expected_gpt(
         "split": None if spec.per_split else spec.split,
         "split_matrix": matrix,
     }
-
-
-def _recorded_cache_dir(spec: DataSpec, data_root: Sequence[tuple[str, str]]) -> str | None:
-    """The run's --data-cache-path through the ``--data-root OLD=NEW`` remapping: caches
-    usually move with the data (an explicit --cache-dir is taken as given)."""
-    return remap(spec.cache_dir, data_root) if spec.cache_dir else None
-
-
-def _gpt_cache_dir(
-    spec: DataSpec, prefix: str, cache_dir: str | None, data_root: Sequence[tuple[str, str]]
-) -> Path:
-    """Where Megatron put a GPTDataset's caches: --data-cache-path, else next to the data."""
-    chosen = cache_dir or _recorded_cache_dir(spec, data_root)
-    if chosen:
-        return Path(chosen)
-    return Path(remap(prefix, data_root)) / "cache" / f"{GPT}_indices"
 
 
 def _member_sizes(spec: DataSpec) -> tuple[list[int | None], list[float] | None, int | None]:
@@ -421,19 +384,12 @@ def _dataset(directory: Path, trusted: Description) -> FoundDataset:
     return FoundDataset(trusted, _files(base, GPT, GPT_FILES))
 
 
-def _member(
-    spec: DataSpec,
-    blend: Description,
-    member: dict[str, Any],
-    cache_dir: str | None,
-    data_root: Sequence[tuple[str, str]],
-) -> FoundDataset:
+def _member(blend: Description, member: dict[str, Any], directory: Path) -> FoundDataset:
     """A blend member's caches: the description embedded in the blend's must be on disk, under
     its md5, word for word (else the member caches are not the ones the blend was built on)."""
     member_text = json.dumps(member, indent=4)
-    member_dir = _gpt_cache_dir(spec, member["dataset_path"], cache_dir, data_root)
     digest = hashlib.md5(member_text.encode("utf-8"), usedforsecurity=False).hexdigest()
-    member_path = member_dir / f"{digest}-{GPT}-train-description.txt"
+    member_path = directory / f"{digest}-{GPT}-train-description.txt"
     if not member_path.is_file():
         raise CacheMissing(
             f"the blend cache {blend.path.name} names the GPTDataset cache {member_path}, which "
@@ -442,21 +398,25 @@ def _member(
     member_description = read_description(member_path).trusted()
     if member_description.text != member_text:
         raise DataChanged(f"{member_path} differs from the blend description {blend.path.name}")
-    return _dataset(member_dir, member_description)
+    return _dataset(directory, member_description)
 
 
-def find_train_caches(
+def open_train_index(
     spec: DataSpec,
     *,
     cache_dir: str | None = None,
     data_root: Sequence[tuple[str, str]] = (),
     tokenizer: dict[str, Any] | None = None,
-) -> FoundCaches:
-    """Find and verify the caches of the run's train dataset (never building any)."""
-    matrix = _split_matrix(spec)
+) -> TrainIndex:
+    """Find the caches of the run's train dataset (never building any) and check that they
+    are all on disk and belong together, then memory-map them with the ``.bin``/``.idx``
+    pairs they index, checked against each other."""
+    # --data-cache-path moves with the data (--data-root); an explicit --cache-dir is as given.
+    chosen = cache_dir or (remap(spec.cache_dir, data_root) if spec.cache_dir else None)
     if len(spec.prefixes) == 1 and (spec.weights is None or spec.per_split):
-        directory = _gpt_cache_dir(spec, spec.prefixes[0], cache_dir, data_root)
-        expected = _expected_gpt(spec, spec.prefixes[0], spec.target_samples, matrix)
+        default = Path(remap(spec.prefixes[0], data_root), "cache", f"{GPT}_indices")  # Megatron's
+        directory = Path(chosen) if chosen else default
+        expected = _expected_gpt(spec, spec.prefixes[0], spec.target_samples)
         candidates = _scan(directory, GPT)
         found = [
             c
@@ -466,9 +426,9 @@ def find_train_caches(
         if not found:
             raise _not_found(GPT, directory, candidates, expected)
         trusted = _choose(found, tokenizer, GPT)
-        return FoundCaches(GPT, trusted, (_dataset(directory, trusted),))
+        mid = _open_dataset(_dataset(directory, trusted), spec, data_root)
+        return TrainIndex([mid], None, trusted.digest, GPT)
 
-    chosen = cache_dir or _recorded_cache_dir(spec, data_root)
     if not chosen:
         raise CacheMissing(
             "this run blends several datasets without --data-cache-path, so Megatron computed "
@@ -477,7 +437,7 @@ def find_train_caches(
         )
     directory = Path(chosen)
     sizes, weights, size = _member_sizes(spec)
-    members = [_expected_gpt(spec, p, n, matrix) for p, n in zip(spec.prefixes, sizes)]
+    members = [_expected_gpt(spec, p, n) for p, n in zip(spec.prefixes, sizes)]
     expected_top = {"class": BLENDED, "split": "train"}
     if weights is not None:
         expected_top |= {"weights": weights, "size": size}
@@ -498,11 +458,9 @@ def find_train_caches(
     if not found:
         raise _not_found(BLENDED, directory, candidates, expected_top)
     blend = _choose(found, tokenizer, BLENDED)
-    datasets = tuple(
-        _member(spec, blend, member, cache_dir, data_root) for member in blend.content["datasets"]
-    )
-    base = str(blend.path)[: -len("description.txt")]
-    return FoundCaches(BLENDED, blend, datasets, _files(base, BLENDED, BLENDED_FILES))
+    datasets = [_member(blend, member, directory) for member in blend.content["datasets"]]
+    files = _files(str(blend.path)[: -len("description.txt")], BLENDED, BLENDED_FILES)
+    return _open_blend(blend, [_open_dataset(d, spec, data_root) for d in datasets], spec, files)
 
 
 # Samples walked on each side of an answered sample to pin its documents' boundaries.
@@ -534,7 +492,7 @@ class Sample:
 @dataclass(eq=False)
 class MidIndex:
     """One GPTDataset's caches and its IndexedDataset (the .bin/.idx on disk), opened and
-    checked by :func:`megatron_ext.lookup.data.open_train_index`."""
+    checked by :func:`open_train_index`."""
 
     hash: str  # md5 of its description: the name of its cache files
     path: str  # the prefix as training recorded it
@@ -678,22 +636,6 @@ class MidIndex:
         return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, dtype=np.int64)
 
 
-def open_train_index(
-    spec: DataSpec,
-    *,
-    cache_dir: str | None = None,
-    data_root: Sequence[tuple[str, str]] = (),
-    tokenizer: dict[str, Any] | None = None,
-) -> TrainIndex:
-    """Find (:func:`~megatron_ext.lookup.data.find_train_caches`), verify and memory-map the
-    caches of the run's train dataset, with the ``.bin``/``.idx`` pairs they index."""
-    found = find_train_caches(spec, cache_dir=cache_dir, data_root=data_root, tokenizer=tokenizer)
-    mids = [_open_dataset(dataset, spec, data_root) for dataset in found.datasets]
-    if found.blend_files is None:
-        return TrainIndex(mids, None, found.description.digest, found.kind)
-    return _open_blend(found, mids, spec)
-
-
 def _open_dataset(
     found: FoundDataset, spec: DataSpec, data_root: Sequence[tuple[str, str]]
 ) -> MidIndex:
@@ -776,12 +718,13 @@ def _check_shapes(mid: MidIndex, num_samples: int | None) -> None:
         )
 
 
-def _open_blend(found: FoundCaches, mids: list[MidIndex], spec: DataSpec) -> TrainIndex:
+def _open_blend(
+    blend: Description, mids: list[MidIndex], spec: DataSpec, blend_files: dict[str, str]
+) -> TrainIndex:
     """The BlendedDataset's two arrays over its opened members, checked against both."""
-    assert found.blend_files is not None
-    files = (found.blend_files["dataset_index"], found.blend_files["dataset_sample_index"])
+    files = (blend_files["dataset_index"], blend_files["dataset_sample_index"])
     dataset_index, dataset_sample_index = map_array(files[0]), map_array(files[1])
-    description, name = found.description.content, found.description.path.name
+    description, name = blend.content, blend.path.name
     blend_size = description["size"]
     if blend_size is None:
         blend_size = int(sum(description["weights"]))
@@ -798,9 +741,7 @@ def _open_blend(found: FoundCaches, mids: list[MidIndex], spec: DataSpec) -> Tra
             f"blend cache {name} holds {dataset_index.shape[0]} entries, "
             f"its description says {blend_size}"
         )
-    return TrainIndex(
-        mids, (dataset_index, dataset_sample_index), found.description.digest, found.kind, files
-    )
+    return TrainIndex(mids, (dataset_index, dataset_sample_index), blend.digest, BLENDED, files)
 
 
 class TrainIndex:
@@ -847,11 +788,6 @@ class TrainIndex:
             np.asarray(self.blend[1][indices], dtype=np.int64),
         )
 
-    def sample(self, index: int, member: int, dataset_sample: int, pad_id: int | None) -> Sample:
-        """Global sample ``index``, routed to ``dataset_sample`` of blend ``member``, resolved
-        by that member (see MidIndex.sample)."""
-        return self.mids[member].sample(index, member, dataset_sample, pad_id)
-
     def sources(self, sample: Sample) -> list[dict[str, Any] | None]:
         """The raw record of each document ``sample`` reads (None without provenance)."""
         mid = self.mids[sample.dataset]
@@ -862,7 +798,7 @@ class TrainIndex:
         self.prefetch(np.asarray(indices, dtype=np.int64))
         members, within = self.route(np.asarray(indices, dtype=np.int64))
         return [
-            self.sample(int(index), member, sample, pad_id)
+            self.mids[member].sample(int(index), member, sample, pad_id)
             for index, member, sample in zip(indices, members.tolist(), within.tolist())
         ]
 

@@ -6,7 +6,6 @@ that did; rolled back after is said). docs/lookup.md, "Attempts".
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from megatron_ext.common.files import CHECKPOINT_DIR, LAYOUT_FILE, sample_log_fi
 from megatron_ext.common.io import read_jsonl
 from megatron_ext.common.records.sample_log import DATA_FIELDS, LAYOUT_FIELDS
 from megatron_ext.common.records.sample_log_reader import Attempt, AttemptRecords, RankLog
+from megatron_ext.lookup.config import honours_rampup
 from megatron_ext.lookup.errors import ConfigError, NotTrained, PositionError
 
 
@@ -83,8 +83,7 @@ def checkpoint_segments(checkpoints: list[tuple[int, argparse.Namespace]]) -> li
             continue
         layout = _pick(args, LAYOUT_FIELDS)
         consumed = 0 if resumed == 0 else consumed_at.get(resumed)
-        # 0.17's args have no step_batch_size_schedule, and 0.17 ramps the batch up.
-        ramped = layout["rampup_batch_size"] and "step_batch_size_schedule" not in vars(args)
+        ramped = layout["rampup_batch_size"] and honours_rampup(args, from_checkpoint=True)
         if consumed is None and not layout["step_batch_size_schedule"] and not ramped:
             unit = layout["micro_batch_size"] * layout["data_parallel_size"]
             size = layout["global_batch_size"]
@@ -199,10 +198,7 @@ def stage_args(
             "layout-log line has no data fields (written by an older version). Pass that "
             "stage's data flags (--data-path ..., --split, --seed, --seq-length) to answer for it"
         )
-    args = copy.copy(base)
-    for name, value in segment.data.items():
-        setattr(args, name, value)
-    return args, (
+    return argparse.Namespace(**{**vars(base), **segment.data}), (
         f"the data changed at a resume ({what}); iteration {segment.first}'s stretch is "
         f"answered with its own data configuration, from {segment.source} (no checkpoint of "
         "that stage remains; other data flags as in the checkpoint read)"
@@ -219,9 +215,7 @@ def segment_args(base: argparse.Namespace, segment: Segment) -> argparse.Namespa
             f"checkpoint it resumed from, iteration {segment.first - 1}, is gone and the batch "
             "size varied); restore that checkpoint or keep the layout log"
         )
-    args = copy.copy(base)
-    for name, value in segment.layout.items():
-        setattr(args, name, value)
+    args = argparse.Namespace(**{**vars(base), **segment.layout})
     args.iterations_to_skip = sorted(segment.skips)
     args.iteration = segment.first - 1
     args.consumed_train_samples = segment.consumed

@@ -63,23 +63,13 @@ class MockIndex:
 def open_mock_index(args: Any, target_samples: int, add_extra_token: bool) -> MockIndex:
     """The train split of the run's ``MockGPTDataset`` (``target_samples`` samples), built by
     megatron-core with the run's tokenizer, writing no cache."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
     from megatron.core.datasets.gpt_dataset import MockGPTDataset
 
-    from megatron_ext.lookup.config import process_group
-    from megatron_ext.loop.gpt_step import gpt_dataset_config_from_args
+    from megatron_ext.lookup.config import build_datasets
 
     args = copy.copy(args)
     args.data_path = args.train_data_path = args.valid_data_path = args.test_data_path = None
-    args.data_cache_path, args.rank = None, 0
-    args.dataloader_fast_cache_load = args.dataloader_defer_npy_index_mmap = False
-    config = gpt_dataset_config_from_args(args)  # mock: megatron-core sets split 1,1,1
-    config.add_extra_token_to_sequence = add_extra_token
-    config.split_matrix = [config.split_matrix[0], None, None]  # the train split alone
-    with process_group():
-        train = BlendedMegatronDatasetBuilder(
-            MockGPTDataset, [target_samples, None, None], lambda: True, config
-        ).build()[0]
+    args.data_cache_path = None
+    sizes: list[int | None] = [target_samples, None, None]
+    train = build_datasets(args, MockGPTDataset, sizes, add_extra_token, train_only=True)[0]
     return MockIndex(train)

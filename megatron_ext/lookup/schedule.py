@@ -217,19 +217,15 @@ class Schedule:
             "batches before it are unknown. Ask with an earlier checkpoint of that stretch."
         )
 
-    def _start(self, done_target: int) -> tuple[int, int]:
-        """Where to walk from (iterations done, samples consumed): the anchor when at or after
-        it, else iteration 0."""
-        anchor = self.anchor
-        if anchor is not None and done_target >= anchor.iteration:
-            return anchor.iteration, anchor.consumed_samples
-        if anchor is not None and not self.history_known:
-            raise self._unknown_history(f"iteration {done_target + 1}")
-        return 0, 0
-
     def consumed_before(self, iteration: int) -> int:
-        """``consumed_train_samples`` just before 1-indexed ``iteration``."""
-        return self._walk(self._start(iteration - 1), iteration - 1)
+        """``consumed_train_samples`` just before 1-indexed ``iteration``: walked from the
+        anchor when at or after it, else from iteration 0."""
+        anchor = self.anchor
+        if anchor is not None and iteration > anchor.iteration:
+            return self._walk((anchor.iteration, anchor.consumed_samples), iteration - 1)
+        if anchor is not None and not self.history_known:
+            raise self._unknown_history(f"iteration {iteration}")
+        return self._walk((0, 0), iteration - 1)
 
     def phase_of(self, iteration: int) -> int:
         """Phase index: how many transitions come strictly before ``iteration``."""
@@ -301,9 +297,9 @@ class Schedule:
         if self.phase_transitions:
             size = self.global_batch_size
             return before + positions // size + 1, positions % size
-        done, consumed = self._start(0)
-        if positions.size and self.anchor is not None and not self.history_known:
-            if positions.min() < self.anchor.consumed_samples:
+        done = consumed = 0
+        if self.anchor is not None and not self.history_known:  # walk from the anchor
+            if positions.size and positions.min() < self.anchor.consumed_samples:
                 raise self._unknown_history(f"sample position {int(positions.min())}")
             done, consumed = self.anchor.iteration, self.anchor.consumed_samples
         top = int(positions.max()) if positions.size else 0
@@ -363,6 +359,7 @@ class CyclicOrder:
         unit = micro_batch_size * data_parallel_size
         self.active = total_samples - total_samples % unit
         self.bucket = (total_samples // unit) * micro_batch_size  # per rank, with sharding
+        self.permuted = self.bucket if data_sharding else self.active  # the permutation's size
         if self.active == 0:
             raise ConfigError(f"the dataset ({total_samples} samples) is smaller than mbs x DP")
         full = (total_samples // micro_batch_size) * micro_batch_size
@@ -372,9 +369,6 @@ class CyclicOrder:
                 f"({total_samples}) whose remainder modulo mbs x DP is at least mbs: Megatron's "
                 "ranks disagree on the epoch length, so no exact answer exists"
             )
-
-    def _perm_size(self) -> int:
-        return self.bucket if self.sharding else self.active
 
     def dataset_indices(self, positions: np.ndarray) -> np.ndarray:
         """Dataset index of each stream position (``consumed + r*mbs + t`` of a micro-batch)."""
@@ -386,7 +380,7 @@ class CyclicOrder:
         out = np.empty_like(positions)
         for e in np.unique(epoch):
             here = epoch == e
-            perm = _permutation(self._perm_size(), int(e))
+            perm = _permutation(self.permuted, int(e))
             if self.sharding:
                 out[here] = rank[here] * self.bucket + perm[start[here] // self.dp + slot[here]]
             else:
@@ -399,7 +393,7 @@ class CyclicOrder:
         keep = np.flatnonzero(indices < self.active)
         found, origin = [], []
         for e in range(epochs):
-            inverse = _inverse(self._perm_size(), e)
+            inverse = _inverse(self.permuted, e)
             if self.sharding:
                 rank, q = np.divmod(indices[keep], self.bucket)
                 q = inverse[q]

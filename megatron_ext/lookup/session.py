@@ -30,7 +30,7 @@ from megatron_ext.lookup.config import (
     run_config,
     tokenizer_from_args,
 )
-from megatron_ext.lookup.data import Sample, TrainIndex, open_train_index, remap
+from megatron_ext.lookup.data import TrainIndex, open_train_index, remap
 from megatron_ext.lookup.errors import CacheMissing, ConfigError, PositionError
 from megatron_ext.lookup.history import (
     AttemptAt,
@@ -46,45 +46,8 @@ from megatron_ext.lookup.mock import MOCK_PATH, mock_note
 from megatron_ext.lookup.schedule import Batch, CyclicOrder
 
 
-def sample_record(
-    sample: Sample,
-    *,
-    iteration: int,
-    dp_rank: int,
-    microbatch: int,
-    skipped: bool,
-    readers: list[int],
-    text: str | None,
-    sources: list[dict[str, Any] | None],
-) -> dict[str, Any]:
-    """One sample as the tool reports it (``--json`` / ``--out``); ``sources``: each span's
-    raw record (file, line, byte, id) from the provenance sidecar, None without one."""
-    record: dict[str, Any] = {
-        "iteration": iteration,
-        "dp_rank": dp_rank,
-        "microbatch": microbatch,
-        "skipped": skipped,
-        "sample_index": sample.index,
-        "dataset": sample.dataset,
-        "dataset_path": sample.dataset_path,
-        "dataset_sample": sample.dataset_sample,
-        "stream_sample": sample.stream_sample,
-        "documents": [
-            {"document": s.document, "offset": s.offset, "count": s.count, "source": source}
-            for s, source in zip(sample.spans, sources)
-        ],
-        "tokens": sample.tokens.tolist(),
-        "token_sha1": token_sha1(sample.tokens),
-        "readers": readers,
-    }
-    if not sample.spans and sample.dataset_path == MOCK_PATH:
-        record["mock"] = mock_note(sample.index)
-    if text is not None:
-        record["text"] = text
-    return record
-
-
-def _spans(spans: Iterable[dict[str, int]]) -> str:
+def spans_text(spans: Iterable[dict[str, int]]) -> str:
+    """``document@offset+count`` of each span, as the tables show them."""
     return " ".join(f"{s['document']}@{s['offset']}+{s['count']}" for s in spans)
 
 
@@ -119,7 +82,7 @@ def samples_table(lines: list[str], records: list[dict[str, Any]], max_tokens: i
             str(r["microbatch"]),
             ",".join(map(str, r["readers"])),
             f"{Path(r['dataset_path']).name}#{r['dataset_sample']}",
-            _spans(r["documents"]),
+            spans_text(r["documents"]),
             _tokens(r["tokens"], max_tokens),
         ]
         for r in records
@@ -137,13 +100,10 @@ def samples_table(lines: list[str], records: list[dict[str, Any]], max_tokens: i
 
 def hits_table(lines: list[str], hits: list[dict[str, Any]]) -> str:
     """Readable table of the inverse lookup's hits."""
+    keys = ("iteration", "dp_rank", "microbatch", "sample_index", "dataset_sample")
     rows = [
         [
-            str(h["iteration"]),
-            str(h["dp_rank"]),
-            str(h["microbatch"]),
-            str(h["sample_index"]),
-            str(h["dataset_sample"]),
+            *(str(h[k]) for k in keys),
             f"{h['offset']}+{h['count']}",
             "skipped" if h["skipped"] else "",
         ]
@@ -151,28 +111,6 @@ def hits_table(lines: list[str], hits: list[dict[str, Any]]) -> str:
     ]
     header = ["iteration", "dp", "mb", "sample", "dataset_sample", "tokens", ""]
     return "\n".join([*lines, *(table(header, rows) if rows else [])])
-
-
-def document_record(
-    path: str,
-    document: int,
-    tokens: np.ndarray,
-    decode: Callable[[list[int]], str] | None,
-    source: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """A blocklist entry: where the document is, a content hash that survives reordering, and
-    its raw record (``source``: file, line, byte, id; None without a provenance sidecar), which
-    ``megatron-ext blocklist apply`` removes from the shards."""
-    record: dict[str, Any] = {
-        "dataset_path": path,
-        "document": document,
-        "num_tokens": len(tokens),
-        "token_sha1": token_sha1(tokens),
-        "source": source,
-    }
-    if decode is not None:
-        record["text"] = decode(tokens.tolist())
-    return record
 
 
 def describe_source(source: dict[str, Any]) -> str:
@@ -194,15 +132,11 @@ def spans_of(records: list[dict[str, Any]]) -> set[tuple[int, str, int]]:
     }
 
 
-def write_atomic(path: str | os.PathLike[str], lines: Iterable[str]) -> None:
-    """Write text lines to ``path`` atomically (all or nothing, see
+def write_jsonl(path: str | os.PathLike[str], records: Iterable[dict[str, Any]]) -> None:
+    """Write ``records`` as compact JSON Lines, atomically (all or nothing, see
     :mod:`megatron_ext.common.io`)."""
-    atomic_write(path, "".join(line + "\n" for line in lines))
-
-
-def jsonl(records: Iterable[dict[str, Any]]) -> Iterable[str]:
-    """JSON Lines, compact."""
-    return (json.dumps(r, separators=(",", ":"), ensure_ascii=False) for r in records)
+    lines = (json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n" for r in records)
+    atomic_write(path, "".join(lines))
 
 
 LAYOUT_FLAGS = ("--micro-batch-size", "--global-batch-size", "--data-parallel-size")
@@ -307,19 +241,15 @@ class Session:
         """The iteration that starts at ``consumed`` samples, under the layout in force there."""
         if self.history is None:
             return self.config.schedule.batch_at_consumed(consumed).iteration
-        segments = sorted(
-            (
-                s
-                for s in (*self.history.from_checkpoints, *self.history.from_log)
-                if s.consumed is not None
-            ),
-            key=lambda s: s.consumed,
-        )
-        for segment in reversed(segments):
+        history = self.history
+        known = [
+            s for s in (*history.from_checkpoints, *history.from_log) if s.consumed is not None
+        ]
+        for segment in reversed(sorted(known, key=lambda s: s.consumed)):
             if segment.consumed <= consumed:
                 self.use_layout_of(segment.first)
                 iteration = self.config.schedule.batch_at_consumed(consumed).iteration
-                if self.history.segment_for(iteration) == segment:
+                if history.segment_for(iteration) == segment:
                     return iteration
         raise PositionError(
             f"consumed samples {consumed}: no segment of the run's layout history reaches it"
@@ -388,17 +318,18 @@ class Session:
         rebuild_caches(self.config, phase, self.options.cache_dir)
         return open_index()
 
-    def sampler_indices(self, index: TrainIndex, positions: np.ndarray) -> np.ndarray:
-        """Stream positions -> global sample indices (identity for the single dataloader)."""
+    def cyclic_order(self, index: TrainIndex) -> CyclicOrder | None:
+        """The cyclic sampler's order over ``index`` (None: the single dataloader's stream
+        position is the global sample index)."""
         if self.config.dataloader_type == "single":
-            return positions
-        order = CyclicOrder(
+            return None
+        schedule = self.config.schedule
+        return CyclicOrder(
             len(index),
-            self.config.schedule.micro_batch_size,
-            self.config.schedule.data_parallel_size,
+            schedule.micro_batch_size,
+            schedule.data_parallel_size,
             self.config.data_sharding,
         )
-        return order.dataset_indices(positions)
 
 
 def batch_records(
@@ -411,23 +342,37 @@ def batch_records(
     ranks = [dp_rank] if dp_rank is not None else range(schedule.data_parallel_size)
     slots = [(m, r) for m in microbatches for r in ranks]
     per_slot = [schedule.positions(batch, m, r) for m, r in slots]
-    indices = session.sampler_indices(index, np.concatenate(per_slot)).tolist()
+    positions, order = np.concatenate(per_slot), session.cyclic_order(index)
+    indices = (positions if order is None else order.dataset_indices(positions)).tolist()
     pad_id, decode = session.pad_id(), session.decode()
     samples = index.resolve(indices, pad_id)
     records = []
     for sample, (m, r) in zip(samples, (slot for slot, p in zip(slots, per_slot) for _ in p)):
-        records.append(
-            sample_record(
-                sample,
-                iteration=batch.iteration,
-                dp_rank=r,
-                microbatch=m,
-                skipped=batch.skipped,
-                readers=topology.readers(r),
-                text=None if decode is None else decode(sample.tokens.tolist()),
-                sources=index.sources(sample),
-            )
-        )
+        # One sample as the tool reports it (--json, --out); each document's raw record (file,
+        # line, byte, id) from the provenance sidecar, None without one.
+        record: dict[str, Any] = {
+            "iteration": batch.iteration,
+            "dp_rank": r,
+            "microbatch": m,
+            "skipped": batch.skipped,
+            "sample_index": sample.index,
+            "dataset": sample.dataset,
+            "dataset_path": sample.dataset_path,
+            "dataset_sample": sample.dataset_sample,
+            "stream_sample": sample.stream_sample,
+            "documents": [
+                {"document": s.document, "offset": s.offset, "count": s.count, "source": source}
+                for s, source in zip(sample.spans, index.sources(sample))
+            ],
+            "tokens": sample.tokens.tolist(),
+            "token_sha1": token_sha1(sample.tokens),
+            "readers": topology.readers(r),
+        }
+        if not sample.spans and sample.dataset_path == MOCK_PATH:
+            record["mock"] = mock_note(sample.index)
+        if decode is not None:
+            record["text"] = decode(sample.tokens.tolist())
+        records.append(record)
     return index, records
 
 
@@ -464,10 +409,16 @@ def emit_blocklist(
     decode, target = session.decode(), session.options.emit_blocklist
     records = []
     for member, path, document in sorted(documents):
+        # Where the document is, a content hash that survives reordering, and its raw record
+        # (None without a provenance sidecar), which `megatron-ext blocklist apply` removes.
         mid = index.mids[member]
         tokens = mid.read_document(document)
-        records.append(document_record(path, document, tokens, decode, mid.source(document)))
-    write_atomic(target, jsonl(records))
+        records.append(
+            {"dataset_path": path, "document": document, "num_tokens": len(tokens)}
+            | {"token_sha1": token_sha1(tokens), "source": mid.source(document)}
+            | ({} if decode is None else {"text": decode(tokens.tolist())})
+        )
+    write_jsonl(target, records)
     note = "each names its raw record (`megatron-ext blocklist apply` removes them)"
     missing = [r for r in records if r["source"] is None]
     if missing:

@@ -49,7 +49,9 @@ from megatron_ext.common.records.spike_config import (
 )
 from megatron_ext.plot.stream import (
     COLUMNS,
+    MARKED_FIELDS,
     MARKERS,
+    Envelope,
     Series,
     Stats,
     plan_series,
@@ -79,7 +81,6 @@ LAYER_PANELS = {
     "layer_update_norms": "update norm per layer",
 }
 MAX_LAYER_LABELS = 12  # more layers: only the first, middle and last are named
-MARKED_PANELS = {"lm_loss", "grad_norm"}  # what the detector reads; other panels get the line
 MAX_LISTED = 20  # candidates printed; a run stuck at NaN has one per iteration
 
 
@@ -107,8 +108,14 @@ def log_ticks(low: float, high: float) -> list[float]:
     return [round(float(t), 12) for t in ticks if low <= t <= high and t > 0]
 
 
-def log_axis(axis: Any, low: float, high: float) -> None:
-    """A log y axis over the data's ``low..high`` with the ticks of :func:`log_ticks`."""
+def log_axis(axis: Any, envelopes: list[Envelope]) -> None:
+    """A log y axis with the ticks of :func:`log_ticks` when every value drawn is positive
+    (norms span orders of magnitude)."""
+    drawn = [e for e in envelopes if e.finite_min() is not None]
+    low = min((e.finite_min() for e in drawn), default=0.0)
+    if low <= 0:
+        return
+    high = max(e.finite_max() for e in drawn)
     axis.set_yscale("log")
     ticks = log_ticks(low, high)
     if ticks:
@@ -251,7 +258,7 @@ def _draw_marks(axis, name: str, line: Series, colour: str) -> None:
             drawn.add(("|", column))
             axis.axvline(event.iteration, color=colour, linestyle=":", linewidth=1.0)
         value = values.get(event.iteration)
-        if name in MARKED_PANELS and _finite(value) and (event.kind, column) not in drawn:
+        if name in MARKED_FIELDS and _finite(value) and (event.kind, column) not in drawn:
             drawn.add((event.kind, column))
             axis.plot(
                 [event.iteration],
@@ -266,21 +273,17 @@ def _draw_marks(axis, name: str, line: Series, colour: str) -> None:
 
 def _draw_panel(axis, name: str, series: list[Series], colours: list[str]) -> None:
     """One panel: each line's envelope, its non-finite values on the top edge, its marks."""
-    lowest, highest = [], []
     for index, line in enumerate(series):
         colour = colours[index % len(colours)]
         envelope = line.envelopes[name]
         xs, ys = envelope.points()  # NaN: a gap
-        if (low := envelope.finite_min()) is not None:
-            lowest.append(low)
-            highest.append(envelope.finite_max())
         axis.plot(xs, ys, color=colour, linewidth=1.0, label=line.label)
         bad = envelope.bad()
         if len(bad):  # an empty line in axes coordinates collapses the constrained layout
             _edge_marks(axis, bad, 0.97, "x", 8, colour)
         _draw_marks(axis, name, line, colour)
-    if name == "grad_norm" and lowest and min(lowest) > 0:
-        log_axis(axis, min(lowest), max(highest))  # spikes are orders of magnitude
+    if name == "grad_norm":  # spikes are orders of magnitude
+        log_axis(axis, [line.envelopes[name] for line in series])
 
 
 def _handles(axis, series: list[Series], skips: int, gaps: list, plans: list) -> list:
@@ -391,7 +394,6 @@ def _draw_layers(axis, name: str, lines: list[Series]) -> None:
     axis.set_title(LAYER_PANELS[name], loc="left", fontsize=10)
     axis.grid(True, alpha=0.3)
     cmap = colormaps["viridis"]
-    lowest, highest = [], []
     for line in lines:
         layers = sorted(line.layers.get(name, {}).items(), key=lambda item: layer_order(item[0]))
         named = {0, len(layers) // 2, len(layers) - 1}
@@ -401,11 +403,7 @@ def _draw_layers(axis, name: str, lines: list[Series]) -> None:
             label = (layer if len(lines) == 1 else f"{line.label}: {layer}") if shown else None
             colour = cmap(index / max(1, len(layers) - 1))
             axis.plot(xs, ys, color=colour, linewidth=0.9, label=label)
-            if (low := envelope.finite_min()) is not None:
-                lowest.append(low)
-                highest.append(envelope.finite_max())
-    if lowest and min(lowest) > 0:
-        log_axis(axis, min(lowest), max(highest))
+    log_axis(axis, [e for line in lines for e in line.layers.get(name, {}).values()])
     axis.legend(loc="upper right", fontsize=7, ncols=2)
 
 

@@ -59,9 +59,7 @@ class Envelope:
         self.recorded += len(x)
         finite = np.isfinite(y)
         if not finite.all():
-            bad = x[~finite]
-            bins = (bad - self.start) // self.width
-            self._bad.append(bad[np.r_[True, bins[1:] != bins[:-1]]])
+            self._bad.append(self.firsts(x[~finite]))
             x, y = x[finite], y[finite]
         if not len(x):
             return
@@ -86,9 +84,12 @@ class Envelope:
         """Iterations of the non-finite values kept (one per column)."""
         if not self._bad:
             return np.array([], dtype=np.int64)
-        bad = np.concatenate(self._bad)
-        bins = (bad - self.start) // self.width
-        return bad[np.r_[True, bins[1:] != bins[:-1]]]
+        return self.firsts(np.concatenate(self._bad))
+
+    def firsts(self, x: np.ndarray) -> np.ndarray:
+        """The first of iterations ``x`` (increasing) in each column."""
+        bins = (x - self.start) // self.width
+        return x[np.r_[True, bins[1:] != bins[:-1]]]
 
     def points(self) -> tuple[np.ndarray, np.ndarray]:
         """The line to draw: x and y in order, NaN where a non-finite value breaks it."""
@@ -182,7 +183,7 @@ def stage_changes(
 
 
 PANEL_FIELDS = ("lm_loss", "grad_norm", "params_norm", "max_attention_logit", "log_z")
-MARKED_FIELDS = {"lm_loss": "loss", "grad_norm": "grad_norm"}  # panel -> event field
+MARKED_FIELDS = {"lm_loss": "loss", "grad_norm": "grad_norm"}  # marked panel -> event field
 MARKERS = {"spike": "^", "divergence": "X", "recovered": "v", "rollback": "s"}
 READ_BLOCK = 8 * BLOCK  # bytes parsed at a time: ~16 k lines
 PARSERS = min(4, os.cpu_count() or 1)  # threads parsing blocks
@@ -326,8 +327,7 @@ def _feed(line: Series, block: Block, rows: np.ndarray, wanted: np.ndarray) -> N
     skipped = it[block.values["update_skipped"][rows]]
     if len(skipped):
         line.update_skips += len(skipped)
-        bins = (skipped - line.envelopes["lm_loss"].start) // line.envelopes["lm_loss"].width
-        line.skipped_at.append(skipped[np.r_[True, bins[1:] != bins[:-1]]])
+        line.skipped_at.append(lm_loss.firsts(skipped))
     if line.detector is not None:
         _replayed(line, line.detector.feed(block, rows))
     else:

@@ -13,7 +13,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from megatron_ext.common.features import (
     StepRecord,
     collective_device,
     is_writing_rank,
+    print_rank_0,
     writing_rank,
 )
 from megatron_ext.common.files import SIGNALS_FILE, SKIPPED_ITERATIONS_FILE, SPIKE_LEDGER_FILE
@@ -128,7 +128,7 @@ class SpikeFeature(Feature):
         if self.precursors is not None:
             count = max(count, self.precursors.config.horizon + self.precursors.config.recent)
         history = history_before(path, first_iteration, count)
-        self.detector = primed(config, history[-(config.warmup + config.window) :])
+        self.detector = primed(config, history)
         if self.precursors is not None:  # the history's warnings were said by its attempts
             for record in history:
                 self.precursors.observe(record)
@@ -235,16 +235,11 @@ class SpikeFeature(Feature):
     def on_checkpoint(self, iteration: int) -> bool:
         if self.decision == "healthy":
             return True
-        if dist.get_rank() == 0:
-            print(
-                f"megatron-ext: spike in progress, not saving iteration {iteration}: the "
-                "last healthy checkpoint stays the rollback target",
-                flush=True,
-            )
+        print_rank_0(
+            f"megatron-ext: spike in progress, not saving iteration {iteration}: the "
+            "last healthy checkpoint stays the rollback target"
+        )
         return False
-
-
-NONFINITE_CHECKS = (torch.isnan, torch.isinf)
 
 
 def reproducible_result_rolls_back(
@@ -290,7 +285,7 @@ def nonfinite_goes_to_the_detector(
         """Under ``--rerun-mode disabled``, a NaN/Inf is left to the detector, not raised."""
         from megatron.core.rerun_state_machine import RerunMode
 
-        if self.mode == RerunMode.DISABLED and rejection_func in NONFINITE_CHECKS:
+        if self.mode == RerunMode.DISABLED and rejection_func in (torch.isnan, torch.isinf):
             if rejection_func(result):
                 feature.nonfinite_seen(self.current_iteration, message)
             return None
@@ -341,30 +336,24 @@ class SkipListFeature(Feature):
                 persisted_text(list(args.iterations_to_skip), args.skip_sample_windows),
             )
 
-    def missed_final_save(self, iteration: int) -> bool:
-        """Megatron saved nothing at the last ``iteration``: skipped and an interval multiple."""
-        interval = self.args.save_interval
-        skipped = iteration in set(self.args.iterations_to_skip)
-        return bool(interval) and iteration % interval == 0 and skipped
-
 
 def save_after_a_skipped_end(
     original: Callable[..., Any], feature: SkipListFeature
 ) -> Callable[..., Any]:
-    """Wrap Megatron's ``train`` (registry ``skip-list-final-checkpoint``)."""
+    """Wrap Megatron's ``train`` (registry ``skip-list-final-checkpoint``): Megatron saves
+    nothing at a last iteration that is skipped and a multiple of the save interval."""
 
     def train(*args: Any, **kwargs: Any) -> Any:
         iteration, flops = original(*args, **kwargs)
-        if feature.missed_final_save(iteration):
+        interval = feature.args.save_interval
+        if interval and iteration % interval == 0 and iteration in feature.args.iterations_to_skip:
             from megatron.training import training
 
             a = inspect.signature(original).bind(*args, **kwargs).arguments
-            if dist.get_rank() == 0:
-                print(
-                    f"megatron-ext: iteration {iteration}, the last, was skipped; saving the "
-                    "final checkpoint Megatron's loop leaves out after a skip",
-                    flush=True,
-                )
+            print_rank_0(
+                f"megatron-ext: iteration {iteration}, the last, was skipped; saving the "
+                "final checkpoint Megatron's loop leaves out after a skip"
+            )
             training.save_checkpoint_and_time(
                 iteration,
                 a["model"],
@@ -380,22 +369,11 @@ def save_after_a_skipped_end(
 
 
 _SPEC = re.compile(r"^(\d+)(?:-(\d+))?:(\d+|\*)$")
-CORRUPTIONS = ("garbage", "mis-encoded")
 
 
-@dataclass(frozen=True)
-class CorruptionSpec:
-    first: int
-    last: int
-    dp_rank: int | None  # None: every DP rank (``*``)
-
-    def hits(self, iteration: int, dp_rank: int) -> bool:
-        return self.first <= iteration <= self.last and self.dp_rank in (None, dp_rank)
-
-
-def parse_spec(text: str) -> CorruptionSpec:
+def parse_spec(text: str) -> tuple[int, int, int | None]:
     """``"40:1"`` or ``"40-45:1"`` (1-indexed iterations, inclusive) on DP rank 1; ``"40:*"``
-    on every DP rank."""
+    on every DP rank (None)."""
     match = _SPEC.match(text.strip())
     if not match:
         raise ValueError(
@@ -406,7 +384,7 @@ def parse_spec(text: str) -> CorruptionSpec:
     rank = None if match[3] == "*" else int(match[3])
     if first < 1 or last < first:
         raise ValueError(f"--drill-corrupt-batch {text!r}: need 1 <= START <= END")
-    return CorruptionSpec(first, last, rank)
+    return first, last, rank
 
 
 def garbage_batch(
@@ -432,7 +410,7 @@ class DrillFeature(Feature):
 
     def __init__(self) -> None:
         self.args: Any = None
-        self.spec: CorruptionSpec | None = None
+        self.spec: tuple[int, int, int | None] | None = None
         self.source: int | None = None  # blend member whose samples alone are corrupted
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
@@ -453,7 +431,7 @@ class DrillFeature(Feature):
         )
         group.add_argument(
             "--drill-corruption",
-            choices=CORRUPTIONS,
+            choices=("garbage", "mis-encoded"),
             default="garbage",
             help="Drill only: garbage (random tokens) or mis-encoded (real tokens t read as "
             "V-1-t). Default %(default)s.",
@@ -482,8 +460,8 @@ class DrillFeature(Feature):
 
     def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None:
         assert self.spec is not None
-        mb = micro_batch
-        if not (mb.training and self.spec.hits(mb.iteration, mb.dp_rank)):
+        mb, (first, last, rank) = micro_batch, self.spec
+        if not (mb.training and first <= mb.iteration <= last and rank in (None, mb.dp_rank)):
             return
         vocab = self.args.padded_vocab_size  # set by Megatron's initialisation, after install
         if self.args.drill_corruption == "mis-encoded":  # a wrong code page: t -> V-1-t

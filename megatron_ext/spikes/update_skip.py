@@ -21,6 +21,7 @@ from megatron_ext.common.features import (
     StepRecord,
     collective_device,
     is_writing_rank,
+    print_rank_0,
     writing_rank,
 )
 from megatron_ext.common.files import SIGNALS_FILE
@@ -113,8 +114,7 @@ class UpdateSkipFeature(Feature):
     def enabled(self, args: Any) -> bool:
         return bool(args.spike_skip_update)
 
-    def _config(self, args: Any) -> GateConfig:
-        a = args
+    def _config(self, a: Any) -> GateConfig:
         return GateConfig(
             a.spike_skip_update_factor, a.spike_skip_update_mad_k, a.spike_window, a.spike_warmup
         )
@@ -190,11 +190,9 @@ class UpdateSkipFeature(Feature):
         self.gate.learn(norm, record.skipped_iter)
         if record.update_skipped:
             self.withheld += 1
-            if dist.get_rank() == 0:
-                median = self.gate.norms.median()
-                print(
-                    f"megatron-ext: update withheld at iteration {record.iteration}: grad norm "
-                    f"{norm:.4g} > {self.limit:.4g} ({norm / median:.1f}x the median "
-                    f"{median:.4g}); {self.withheld} withheld in this attempt",
-                    flush=True,
-                )
+            median = self.gate.norms.median()
+            print_rank_0(
+                f"megatron-ext: update withheld at iteration {record.iteration}: grad norm "
+                f"{norm:.4g} > {self.limit:.4g} ({norm / median:.1f}x the median "
+                f"{median:.4g}); {self.withheld} withheld in this attempt"
+            )

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(env.get("MEGATRON_EXT_ROOT") or Path(__file__).resolve().parents[2])
     try:
         config = knobs.load(env, scheduler, root, Path.cwd())
-        dry_run = dry_run or knobs.dry_run_requested(config.values)
+        dry_run = dry_run or knobs.truthy(config["DRY_RUN"])
         supervisor = Supervisor(config, cli_args, env)
         if dry_run:
             print(f"+ {commands.quote(supervisor.command(1))}", flush=True)

@@ -42,20 +42,14 @@ class TrainingFacts:
     tracker_file: str | None  # a user's --result-rejected-tracker-filename
 
 
-def _facts_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--signals-dir")
-    parser.add_argument("--spike-ledger")
-    parser.add_argument("--spike-exit-code", type=int, default=exit_codes.SPIKE_ROLLBACK)
-    parser.add_argument("--result-rejected-tracker-filename")
-    parser.add_argument("--save")
-    parser.add_argument("--load")
-    return parser
-
-
 def training_facts(user_args: list[str]) -> TrainingFacts:
     """Parse the user's training flags the way Megatron's parser will."""
-    known, _ = _facts_parser().parse_known_args(user_args)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in ("--signals-dir", "--spike-ledger", "--save", "--load"):
+        parser.add_argument(flag)
+    parser.add_argument("--result-rejected-tracker-filename")
+    parser.add_argument("--spike-exit-code", type=int, default=exit_codes.SPIKE_ROLLBACK)
+    known, _ = parser.parse_known_args(user_args)
     if known.save is not None or known.load is not None:
         flag = "--save" if known.save is not None else "--load"
         raise KnobError(
@@ -202,6 +196,4 @@ def first_host(nodelist: str) -> str:
     return expand_hostlist(nodelist)[0]
 
 
-def quote(words: list[str]) -> str:
-    """One shell command line that bash and shlex.split parse back into ``words``."""
-    return shlex.join(words)
+quote = shlex.join  # one shell command line that bash and shlex.split parse back

@@ -223,10 +223,6 @@ def truthy(value: str) -> bool:
     return value.lower() in ("1", "true", "yes")
 
 
-def dry_run_requested(values: Mapping[str, str]) -> bool:
-    return truthy(values.get("DRY_RUN", "0"))
-
-
 def describe(scheduler: str) -> str:
     """The knob table for ``--help``."""
     lines = []

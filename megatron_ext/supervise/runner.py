@@ -365,21 +365,14 @@ class Supervisor:
             "MEGATRON_EXT_MAX_ROLLBACKS": config["MAX_ROLLBACKS"],
             "MEGATRON_EXT_TRAIN_EXIT_CODE": str(code),
         }
-        if hook:
-            command = ["bash", "-c", hook]
-        else:
-            command = [
-                *(sys.executable, "-m", "megatron_ext.cli", "skiplist", "--apply"),
-                *(
-                    "--ckpt-dir",
-                    str(config.ckpt_dir),
-                    "--signals-dir",
-                    self.facts.signals_dir or "",
-                ),
-                *("--tracker-file", self.tracker_file),
-                *(["--ledger", str(self.facts.ledger)] if self.facts.ledger else []),
-                *config.words("SKIPLIST_ARGS"),
-            ]
+        command = ["bash", "-c", hook]
+        if not hook:
+            command = [sys.executable, "-m", "megatron_ext.cli", "skiplist", "--apply"]
+            command += ["--ckpt-dir", str(config.ckpt_dir)]
+            command += ["--signals-dir", self.facts.signals_dir or ""]
+            command += ["--tracker-file", self.tracker_file]
+            command += ["--ledger", str(self.facts.ledger)] if self.facts.ledger else []
+            command += config.words("SKIPLIST_ARGS")
         self.say(f"running spike hook ({decision.reason}): {commands.quote(command)}")
         hook_rc = subprocess.run(command, env=env, stdin=subprocess.DEVNULL).returncode
         if hook_rc != 0:

@@ -1,12 +1,6 @@
-"""The telemetry feature in Megatron: per-bucket grad norms and the per-step signals log.
-
-Flags ``--log-bucket-grad-norms``, ``--signals-dir``, ``--signals-update-ratio``. ``on_setup``
-lays out this rank's buckets (:mod:`.bucket_layout`; FSDP2 units, :mod:`.sharded`);
-``before_grad_norm`` launches the squared bucket norms' all-reduces (read after Megatron's own
-``.item()`` on the norm); ``on_loss`` sums this rank's lm loss and, per blend member, its loss
-and tokens (:mod:`.sources`); ``after_step`` builds the :class:`SignalRecord`, logs the bucket
-norms and checks Σ bucket² against Megatron's grad norm². Under context parallelism the worst
-DP rank's loss adds the CP ranks' sums first.
+"""The telemetry feature in Megatron: per-bucket and per-layer norms and the per-step signals
+log (docs/signals.md). ``before_grad_norm`` launches the squared norms' all-reduces,
+``on_loss`` sums the lm loss (per blend member too), ``after_step`` writes the record.
 """
 
 from __future__ import annotations

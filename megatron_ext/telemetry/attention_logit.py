@@ -1,9 +1,7 @@
-"""``--signals-attention-logit``: the max attention logit per step from the local attention.
-
-Attention-logit growth climbs for hundreds of steps before the loss blows up; Megatron's own
-``--log-max-attention-logit`` needs Transformer Engine. For ``--transformer-impl local`` a
-forward pre-hook on each softmax (registry ``local-attention-softmax``, ``-mask``) takes the
-max of its scaled, masked scores, reduced over every rank into ``max_attention_logit``.
+"""``--signals-attention-logit``: the max attention logit per step from the local attention
+(Megatron's ``--log-max-attention-logit`` needs Transformer Engine): a forward pre-hook on each
+softmax (registry ``local-attention-softmax``, ``-mask``) takes the max of its scaled, masked
+scores, reduced over every rank into ``max_attention_logit``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """Per-bucket gradient norms: which gradient ranges make each DDP bucket, their fused norm, and
-which slots each grad-stats group reduces. No Megatron imports.
-
-A bucket counts exactly what Megatron's norm counts on this rank, reduced over the group
-Megatron reduces it over, so Σ bucket² = grad-norm²; every owner of distinct buckets (a stage;
-for experts, a stage and an EP rank) has its own slots in the group's one all-reduce.
+which slots each grad-stats group reduces, so that Σ bucket² = grad-norm². No Megatron imports.
 """
 
 from __future__ import annotations
@@ -90,10 +86,9 @@ def clip_range(start: int, end: int, lo: int, hi: int) -> tuple[int, int] | None
 
 
 class SlotNormer:
-    """Squared norms of gradient pieces with one fused ``_foreach_norm`` (fp64 sums, as
-    Megatron's norm; no gradient copy), index-added into each piece's unit slot (a DDP bucket,
-    an FSDP unit) and, with ``layers`` (:func:`.layers.segment_owners`), its layer's gradient
-    and weight slots. The index is built once: a per-step host-to-device copy would sync.
+    """Squared norms of gradient pieces with one fused ``_foreach_norm``, index-added into each
+    piece's unit slot (a DDP bucket, an FSDP unit) and, with ``layers``, its layer's gradient
+    and weight slots; the index is built once (a per-step copy to the device would sync).
     Subclasses set ``device`` and say where the pieces' gradients and weights are."""
 
     grad_dtype: torch.dtype | None = torch.float32  # None: each gradient's own dtype
@@ -230,9 +225,7 @@ def _weights(
     where the parameter begins): its main copy's (a shard of exactly ``span``, or the whole
     parameter's), else the parameter's own."""
     main = main_of(param) if main_of is not None else None
-    if main is None:
-        return param.detach().view(-1)[span[0] - start : span[1] - start]
-    tensor, sharded = main
+    tensor, sharded = main or (param, False)
     if not sharded:
         return tensor.detach().view(-1)[span[0] - start : span[1] - start]
     if tensor.numel() != span[1] - span[0]:

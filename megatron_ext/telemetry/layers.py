@@ -1,8 +1,6 @@
-"""Per-layer norms from the bucket pass, no Megatron imports.
-
-Each gradient segment also names its layer entry (a transformer layer, the embedding, the final
-norm, the output layer), so the same per-segment norms index-add into per-layer slots that ride
-the bucket slots' all-reduce: no second pass over the gradients, no other collective.
+"""Per-layer norms from the bucket pass, no Megatron imports: each gradient segment names its
+layer entry, so its norm also index-adds into per-layer slots that ride the bucket slots'
+all-reduce.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Bucket norms and the update ratio under torch FSDP2, no Megatron imports.
-
-Each ``fully_shard`` unit (registry assumption ``fsdp2-units``) plays the bucket: its norm is
-over the local shards of its counted gradients, summed over the shards' mesh group and then
-the grad-stats group, so Σ unit² = grad-norm². Under DDP every function here is the plain sum.
+"""Bucket norms and the update ratio under torch FSDP2, no Megatron imports: each
+``fully_shard`` unit (registry assumption ``fsdp2-units``) plays the bucket, its norm summed
+over the shards' mesh group and then the grad-stats group. Under DDP these are plain sums.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Per-source loss and tokens of each global batch: which member of the blend moved the loss.
-
-A small-share bad source hides in the averaged ``lm loss``. Each micro-batch's pure-CE loss and
-loss-mask tokens are summed per blend member (megatron-core's ``dataset_id``) on device, with
-no host sync; the sums travel in the overlay's one after-step all-reduce
-(:mod:`.step_sums`; evaluation reduces them on their own). No Megatron imports.
+"""Per-source loss and tokens of each global batch, summed per blend member (megatron-core's
+``dataset_id``) on device with no host sync; they travel in the after-step all-reduce
+(:mod:`.step_sums`). No Megatron imports.
 """
 
 from __future__ import annotations

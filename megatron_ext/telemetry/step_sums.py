@@ -1,8 +1,6 @@
-"""The overlay's one after-step collective: every per-step value the writer needs, one sum.
-
-Each rank adds its parts (per-source loss and token sums, its DP replica's loss and tokens,
-its busy time and peer group) into its slots of one float64 vector summed over every rank;
-the writer derives the worst DP rank, per-source losses and the slowest rank. No Megatron.
+"""The overlay's one after-step collective: each rank's per-source sums, its DP replica's
+loss and tokens, its busy time and peer group in its slots of one float64 vector summed over
+every rank; the writer reads the worst DP rank, per-source losses and the slowest rank.
 """
 
 from __future__ import annotations
@@ -67,7 +65,7 @@ class StepSums:
         if members:
             step.by_dataset = SourceAccumulator.read(members, values[:k])
         step.worst_loss, step.worst_rank = _worst(values[k : k + r])
-        groups = [round(g) - 1 for g in values[k + r + w : k + r + 2 * w]]
+        groups = np.rint(values[k + r + w : k + r + 2 * w]).astype(np.int64) - 1
         step.slowest = slowest(values[k + r : k + r + w], groups)
         return step
 

@@ -1,20 +1,17 @@
-"""Stragglers: each rank's busy time per step, and the rank that stays slower than its peers.
-
-Every rank's step lasts as long as the slowest one's, so a rank's *busy* time (its step's
-first training forward to the end of its last, before the gradient all-reduce) is compared
-with its data-parallel peers' median; one over ``factor`` times it for ``steps`` consecutive
-steps is named. No Megatron imports.
+"""Stragglers: each rank's busy time per step (first training forward to the end of the last)
+against its data-parallel peers' median; one over ``factor`` times it for ``steps``
+consecutive steps is named. No Megatron imports.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
-import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -73,26 +70,50 @@ class Slowest:
         return self.seconds / self.median if self.median > 0 else math.inf
 
 
-def slowest(times: list[float], groups: list[int]) -> Slowest | None:
+def slowest(times: Sequence[float], groups: Sequence[int]) -> Slowest | None:
     """The rank whose busy time is the largest multiple of its peers' median (peers: the other
     ranks of its ``groups`` entry, or every other rank where it has none); None without two
-    measured ranks. Only each group's slowest can be it: O(ranks log ranks)."""
-    measured = {r: t for r, t in enumerate(times) if math.isfinite(t)}
-    members: dict[int, list[int]] = {}
-    for rank in measured:
-        members.setdefault(groups[rank], []).append(rank)
-    everyone = sorted(measured.values())
-    best: Slowest | None = None
-    for ranks in members.values():
-        rank = max(ranks, key=lambda r: (measured[r], -r))  # the first of equals
-        pool = sorted(measured[r] for r in ranks) if len(ranks) > 1 else everyone
-        if len(pool) < 2:
-            continue
-        at = bisect.bisect_left(pool, measured[rank])
-        candidate = Slowest(rank, measured[rank], statistics.median(pool[:at] + pool[at + 1 :]))
-        if best is None or candidate.ratio > best.ratio:
-            best = candidate
-    return best
+    measured ranks. Only each group's slowest (the first of equals) can be it; of equal
+    ratios, the group of the lowest rank. Sorted once: O(ranks log ranks)."""
+    all_times = np.asarray(times, dtype=np.float64)
+    ranks = np.flatnonzero(np.isfinite(all_times))
+    if ranks.size < 2:
+        return None
+    measured, group_of = all_times[ranks], np.asarray(groups, dtype=np.int64)[ranks]
+    order = np.lexsort((-ranks, measured, group_of))  # by group, time; equal times: low rank last
+    values, grouped = measured[order], group_of[order]
+    ends = np.flatnonzero(np.append(grouped[1:] != grouped[:-1], True))  # each group's slowest
+    starts = np.append(0, ends[:-1] + 1)
+    medians = _medians_without_last(values, starts, ends - starts)
+    alone = ends == starts  # no peers: every other measured rank
+    if alone.any():
+        medians[alone] = _medians_without(np.sort(measured), values[ends[alone]])
+    with np.errstate(divide="ignore", invalid="ignore"):  # a zero median: inf
+        ratios = np.where(medians > 0, values[ends] / medians, np.inf)
+    by_first = np.argsort(np.minimum.reduceat(ranks[order], starts))  # groups by lowest rank
+    best = by_first[np.argmax(ratios[by_first])]  # the first of equal ratios
+    return Slowest(int(ranks[order][ends[best]]), float(values[ends[best]]), float(medians[best]))
+
+
+def _medians_without_last(values: np.ndarray, starts: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Per sorted run ``values[start : start + count + 1]``, the median of its first ``count``
+    (as :func:`statistics.median` computes it; NaN where ``count`` is 0)."""
+    half = count // 2
+    low = values[starts + np.maximum(half - 1 + count % 2, 0)]
+    high = values[starts + half]
+    return np.where(count == 0, np.nan, np.where(count % 2 == 1, high, (low + high) / 2))
+
+
+def _medians_without(pool: np.ndarray, removed: np.ndarray) -> np.ndarray:
+    """The median of sorted ``pool`` without one copy of each value of ``removed``."""
+    at, size = np.searchsorted(pool, removed), pool.size - 1
+
+    def kth(k: int) -> np.ndarray:  # the k-th smallest left
+        return np.where(k < at, pool[k], pool[k + 1])
+
+    if size % 2:
+        return kth(size // 2)
+    return (kth(size // 2 - 1) + kth(size // 2)) / 2
 
 
 class StragglerWatch:

@@ -1,8 +1,6 @@
-"""Per-dataset validation loss: Megatron's evaluation ``lm loss``, per member of the blend.
-
-A blend's one validation number hides a member that regressed: the lm loss and tokens are
-summed per member on device, reduced once per evaluated set, checked against Megatron's own
-number, then printed, logged to TensorBoard and to ``validation.jsonl``. docs/signals.md.
+"""Per-dataset validation loss: Megatron's evaluation ``lm loss`` per blend member, reduced
+once per evaluated set, checked against Megatron's number, then printed, logged to
+TensorBoard and to ``validation.jsonl`` (docs/signals.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The z-loss feature in Megatron: ``--z-loss-coeff``, ``--log-output-z`` and
-``--fused-output-loss`` (docs/z-loss.md).
-
-``zloss-output-layer`` replaces ``LanguageModule.compute_language_model_loss`` (main and MTP
-heads) by the one-pass ``CE + c·log²Z`` of :mod:`.core`, or, under
-``--cross-entropy-loss-fusion`` (native), by Megatron's fused cross entropy composed with the
-z term (:class:`_FusedCrossEntropyWithZ`); ``fused-output-loss`` makes the
-chunked ``fused_output_loss`` ``GPTModel._postprocess``'s output processor. Each call keeps its
-detached per-token CE, log²Z and log Z beside the loss it returned, so ``on_loss`` reports
-``lm loss`` as pure CE, ``z loss`` and ``log z``. At ``c = 0`` nothing is patched unless
-``--log-output-z`` asks, and then the loss is Megatron's bit for bit.
+``--fused-output-loss`` (docs/z-loss.md). ``zloss-output-layer`` replaces
+``compute_language_model_loss`` by :mod:`.core`'s one-pass kernel (or Megatron's native fused
+CE composed with the z term); ``fused-output-loss`` makes ``fused_output_loss`` GPTModel's
+output processor. Each call keeps its per-token terms for ``on_loss``'s report.
 """
 
 from __future__ import annotations
@@ -112,8 +106,12 @@ class ZLossFeature(Feature):
                 "entropy in one chunked pass, in place of Megatron's cross entropy: "
                 f"--cross-entropy-loss-fusion ({impl}) does not run in this job."
             )
-        elif self.tracks() and args.cross_entropy_loss_fusion:
-            _say_which_cross_entropy(impl)
+        elif self.tracks() and args.cross_entropy_loss_fusion and impl == "te":
+            print_rank_0(
+                "megatron-ext z-loss: --cross-entropy-fusion-impl te (Transformer Engine's fused "
+                "cross entropy) gives no log Z, so the language-model loss runs the overlay's "
+                "one-pass vocab-parallel CE + z kernel instead (docs/z-loss.md)."
+            )
 
     def needs_patch(self, name: str) -> bool:
         return {"zloss-output-layer": self.tracks(), "fused-output-loss": self.fused}[name]
@@ -158,27 +156,12 @@ def _validate_fused(args: Any) -> None:
             "--fused-output-loss-chunk-tokens must be >= 1 (or 0 for the automatic size), got "
             f"{args.fused_output_loss_chunk_tokens}."
         )
-    refused = {
-        "defer_embedding_wgrad_compute": (
-            "--defer-embedding-wgrad-compute",
-            "it defers the output layer's weight-gradient GEMM, which the fused output loss "
-            "computes during the forward: there is no deferred GEMM left to overlap",
-        ),
-    }
-    for attr, (flag, why) in refused.items():
-        if getattr(args, attr, False):
-            raise FeatureError(
-                f"--fused-output-loss cannot be combined with {flag}: {why}. Drop {flag}."
-            )
-
-
-def _say_which_cross_entropy(impl: str) -> None:
-    """One start-up line (rank 0) where ``--cross-entropy-fusion-impl te`` is not what runs."""
-    if impl == "te":
-        print_rank_0(
-            "megatron-ext z-loss: --cross-entropy-fusion-impl te (Transformer Engine's fused "
-            "cross entropy) gives no log Z, so the language-model loss runs the overlay's "
-            "one-pass vocab-parallel CE + z kernel instead (docs/z-loss.md)."
+    if getattr(args, "defer_embedding_wgrad_compute", False):
+        raise FeatureError(
+            "--fused-output-loss cannot be combined with --defer-embedding-wgrad-compute: it "
+            "defers the output layer's weight-gradient GEMM, which the fused output loss "
+            "computes during the forward: there is no deferred GEMM left to overlap. Drop "
+            "--defer-embedding-wgrad-compute."
         )
 
 

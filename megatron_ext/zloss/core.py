@@ -1,14 +1,7 @@
-"""Output-layer z-loss kernels (PaLM, OLMo 2/3): per token ``CE + c·log²Z``, no Megatron
-import at load time (docs/z-loss.md).
-
-:func:`cross_entropy_and_z_loss` works on vocab-parallel logits in one pass: ``log Z`` comes
-from the cross entropy's own all-reduces and the z gradient ``2c·log Z·softmax`` is folded into
-the saved softmax, so nothing is added; the arithmetic is Megatron's
-``_VocabParallelCrossEntropy`` operation by operation, bit for bit at ``c = 0``.
-:func:`fused_output_loss` also does the output layer's matmul, ``chunk_tokens`` at a time, so
-the ``[s·b, V/tp]`` logits never exist; it computes the gradients in the forward (Liger
-style), which needs the incoming gradient to be ``s · token_weights`` for one scalar ``s``
-(Megatron's ``Σ loss · mask`` always is), checked in the backward without a host sync.
+"""Output-layer z-loss kernels (PaLM, OLMo 2/3): per token ``CE + c·log²Z``; no Megatron
+import at load time. :func:`cross_entropy_and_z_loss` is Megatron's vocab-parallel CE with the
+z gradient folded into the saved softmax; :func:`fused_output_loss` also does the output
+matmul chunk by chunk, gradients in the forward (docs/z-loss.md).
 """
 
 from __future__ import annotations
@@ -47,6 +40,18 @@ def _default_tp_group() -> dist.ProcessGroup | None:
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_tensor_model_parallel_group()
     return None
+
+
+def _terms(
+    predicted: torch.Tensor, sum_exp: torch.Tensor, logits_max: torch.Tensor, coeff: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(CE, log Z, log²Z, loss)`` from the reduced target logit, sum of exponentials and max."""
+    log_sum_exp = torch.log(sum_exp)
+    cross_entropy = log_sum_exp - predicted
+    log_z = log_sum_exp + logits_max
+    z_loss = log_z * log_z
+    loss = cross_entropy + coeff * z_loss if coeff != 0.0 else cross_entropy.clone()
+    return cross_entropy, log_z, z_loss, loss
 
 
 class _CrossEntropyWithZLoss(torch.autograd.Function):
@@ -94,19 +99,12 @@ class _CrossEntropyWithZLoss(torch.autograd.Function):
             dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=tp_group)
             dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=tp_group)
 
-        log_sum_exp = torch.log(sum_exp)
-        cross_entropy = log_sum_exp - predicted
-        log_z = log_sum_exp + logits_max
-        z_loss = log_z * log_z
-        if coeff == 0.0:
-            loss = cross_entropy.clone()
-            denominator = sum_exp
-        else:
-            loss = cross_entropy + coeff * z_loss
-            # d(c·log²Z)/dlogits = 2c·log Z·softmax: scale the softmax by (1 + 2c·log Z)
-            # here, so backward is Megatron's (softmax - onehot) * grad, unchanged.
-            denominator = sum_exp / (1.0 + 2.0 * coeff * log_z)
-        shifted.div_(denominator.unsqueeze(-1))
+        cross_entropy, log_z, z_loss, loss = _terms(predicted, sum_exp, logits_max, coeff)
+        # d(c·log²Z)/dlogits = 2c·log Z·softmax: scale the softmax by (1 + 2c·log Z) here, so
+        # backward is Megatron's (softmax - onehot) * grad, unchanged.
+        if coeff != 0.0:
+            sum_exp = sum_exp / (1.0 + 2.0 * coeff * log_z)
+        shifted.div_(sum_exp.unsqueeze(-1))
 
         ctx.save_for_backward(shifted, target_mask, masked_target_1d)
         ctx.mark_non_differentiable(cross_entropy, z_loss, log_z)
@@ -205,13 +203,8 @@ def _chunk_terms(
     stats = torch.stack([predicted, work.sum(dim=-1)])
     if tp_group is not None:  # target logit and sum of exponentials in one all-reduce
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
-    predicted, sum_exp = stats[0], stats[1]
-    log_sum_exp = torch.log(sum_exp)
-    cross_entropy = log_sum_exp - predicted
-    log_z = log_sum_exp + logits_max
-    z_loss = log_z * log_z
-    loss = cross_entropy + coeff * z_loss if coeff != 0.0 else cross_entropy.clone()
-    return work, local, outside, sum_exp, log_z, cross_entropy, z_loss, loss
+    cross_entropy, log_z, z_loss, loss = _terms(stats[0], stats[1], logits_max, coeff)
+    return work, local, outside, stats[1], log_z, cross_entropy, z_loss, loss
 
 
 # Rows of the vocabulary per weight-gradient product when it is not accumulated in place
@@ -387,16 +380,12 @@ def fused_output_loss(
 ) -> ZLossTerms:
     """Per-token ``CE + c·log²Z`` of ``logits = logit_scale · hidden · weightᵀ``, chunked.
 
-    ``hidden`` ``[s, b, h]`` or ``[tokens, h]`` (the full sequence on every TP rank);
-    ``weight`` ``[V/tp, h]`` (rank ``r`` of ``tp_group`` holds ids ``[r·V/tp, (r+1)·V/tp)``);
-    ``labels`` global ids and ``token_weights`` (the loss mask) shaped alike. The gradient must
-    be ``token_weights`` times one scalar. ``reduce_grad_input``: all-reduce the input gradient
-    over TP (``ColumnParallelLinear`` without sequence parallelism).
-    ``accumulate_into_main_grad``: add the weight gradient to ``weight.main_grad`` (Megatron's
-    gradient-accumulation fusion); with ``grad_scale`` (the scalar the backward will send,
-    known in forward) it is added chunk by chunk during the forward and the backward checks
-    the scalar. ``dummy_wgrad``: still return a dummy ``.grad`` then (DDP's hook marks the
-    weight ready for an overlapped all-reduce only when it gets one).
+    ``hidden`` ``[s, b, h]`` or ``[tokens, h]`` (full sequence on every TP rank), ``weight``
+    ``[V/tp, h]``, ``labels`` (global ids) and ``token_weights`` (the loss mask) shaped alike;
+    the incoming gradient must be ``token_weights`` times one scalar. ``reduce_grad_input``:
+    all-reduce the input gradient over TP. ``accumulate_into_main_grad``: the weight gradient
+    goes to ``weight.main_grad`` (in the forward when ``grad_scale``, the scalar the backward
+    will send, is given); ``dummy_wgrad``: then still return a dummy ``.grad`` for DDP's hook.
     """
     flat_hidden = hidden.reshape(-1, hidden.size(-1))
     if labels.numel() != flat_hidden.size(0) or token_weights.shape != labels.shape:

@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -213,8 +213,7 @@ class SourceColumns:
         return len(self.losses)
 
     def take(self, rows: np.ndarray) -> SourceColumns:
-        arrays = (self.losses, self.has_loss, self.tokens, self.has_tokens)
-        return SourceColumns(self.names, *(a[rows] for a in arrays))
+        return SourceColumns(self.names, *(a[rows] for a in self.arrays()))
 
     def members(self) -> np.ndarray:
         """How many members each row has a loss for (a blend record has more than one)."""
@@ -229,37 +228,37 @@ class SourceColumns:
             {n: v for n, v, h in zip(self.names, tokens, has_tokens) if h},
         )
 
-    @staticmethod
-    def empty(rows: int, names: list[str]) -> SourceColumns:
-        shape = (rows, len(names))
-        return SourceColumns(
-            names,
-            np.full(shape, np.nan),
-            np.zeros(shape, dtype=bool),
-            np.zeros(shape, dtype=np.int64),
-            np.zeros(shape, dtype=bool),
-        )
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.losses, self.has_loss, self.tokens, self.has_tokens
 
-    def widen(self, names: list[str]) -> SourceColumns:
-        """These columns over ``names`` (a superset): absent members are absent."""
-        if self.names == names:
-            return self
-        out = SourceColumns.empty(len(self), names)
-        index = [names.index(n) for n in self.names]
-        out.losses[:, index], out.has_loss[:, index] = self.losses, self.has_loss
-        out.tokens[:, index], out.has_tokens[:, index] = self.tokens, self.has_tokens
-        return out
+
+_SOURCE_FILLS = (math.nan, False, 0, False)  # an absent member: SourceColumns.arrays()
+
+
+def _spread(
+    parts: list[tuple[list[str], tuple[np.ndarray, ...]] | None], rows: list[int], fills: tuple
+) -> tuple[list[str], list[np.ndarray]]:
+    """Name-keyed (rows, names) arrays of blocks (``rows`` each; None: no name) one after the
+    other, over the union of their names; a block's absent names get ``fills``."""
+    names = list(dict.fromkeys(n for part in parts if part is not None for n in part[0]))
+    out = [np.full((sum(rows), len(names)), fill) for fill in fills]
+    row = 0
+    for part, count in zip(parts, rows):
+        if part is not None:
+            index = [names.index(n) for n in part[0]]
+            for array, values in zip(out, part[1]):
+                array[row : row + count, index] = values
+        row += count
+    return names, out
 
 
 def concat_sources(parts: list[tuple[SourceColumns | None, int]]) -> SourceColumns | None:
     """Blocks' columns one after the other (each with its row count; None: no member)."""
     if all(columns is None for columns, _ in parts):
         return None
-    filled = [c if c is not None else SourceColumns.empty(n, []) for c, n in parts]
-    names = list(dict.fromkeys(n for c in filled for n in c.names))
-    filled = [c.widen(names) for c in filled]
-    arrays = zip(*((c.losses, c.has_loss, c.tokens, c.has_tokens) for c in filled))
-    return SourceColumns(names, *(np.concatenate(a) for a in arrays))
+    named = [(c.names, c.arrays()) if c is not None else None for c, _ in parts]
+    names, arrays = _spread(named, [n for _, n in parts], _SOURCE_FILLS)
+    return SourceColumns(names, *arrays)
 
 
 @dataclass
@@ -276,16 +275,8 @@ class DictColumns:
 
     @staticmethod
     def concat(parts: list[tuple[DictColumns | None, int]]) -> DictColumns:
-        names = list(dict.fromkeys(n for c, _ in parts if c is not None for n in c.names))
-        values = np.full((sum(n for _, n in parts), len(names)), np.nan)
-        present = np.zeros(values.shape, dtype=bool)
-        row = 0
-        for columns, count in parts:
-            if columns is not None:
-                index = [names.index(n) for n in columns.names]
-                values[row : row + count, index] = columns.values
-                present[row : row + count, index] = columns.present
-            row += count
+        named = [(c.names, (c.values, c.present)) if c is not None else None for c, _ in parts]
+        names, (values, present) = _spread(named, [n for _, n in parts], (math.nan, False))
         return DictColumns(names, values, present)
 
 
@@ -357,10 +348,6 @@ class _NotArrow(Exception):
     so it is read line by line."""
 
 
-def _lines_in(data: bytes) -> int:
-    return sum(1 for line in data.splitlines() if line.strip())
-
-
 def _arrow_block(data: bytes, names: Collection[str], sources: bool) -> Block:
     """A piece of the writer's lines, read by pyarrow; :class:`_NotArrow` otherwise."""
     import pyarrow as pa
@@ -378,7 +365,8 @@ def _arrow_block(data: bytes, names: Collection[str], sources: bool) -> Block:
     rows = table.num_rows
     if unknown or any(table[n].null_count for n in _REQUIRED):
         raise _NotArrow(f"unknown fields {sorted(unknown)}, or a required one missing or null")
-    if rows != data.count(b"\n") + (not data.endswith(b"\n")) and rows != _lines_in(data):
+    lines = data.count(b"\n") + (not data.endswith(b"\n"))
+    if rows != lines and rows != sum(1 for line in data.splitlines() if line.strip()):
         raise _NotArrow  # two objects on one line, or one over several
     block = Block({}, {})
     for name in _ORDER:
@@ -441,7 +429,7 @@ def _arrow_sources(table: Any, rows: int) -> SourceColumns | None:
     names = list(dict.fromkeys([*losses, *tokens]))
     if not names:
         return None
-    columns = SourceColumns.empty(rows, names)
+    columns = SourceColumns(names, *(np.full((rows, len(names)), f) for f in _SOURCE_FILLS))
     for k, name in enumerate(names):
         if name in losses:
             columns.losses[:, k], columns.has_loss[:, k] = losses[name]
@@ -467,32 +455,23 @@ def _mark_non_finite(block: Block, marks: Any) -> None:
                     raise _NotArrow
                 block.values[name][row], block.present[name][row] = value, True
             elif name == _SOURCES[0] and block.sources is not None:
-                _mark_source(block.sources, row, value)
+                sources = block.sources
+                _mark(sources.names, sources.losses, sources.has_loss, row, value)
             elif name in block.dicts:
-                _mark_dict(block.dicts[name], row, value)
+                columns = block.dicts[name]
+                _mark(columns.names, columns.values, columns.present, row, value)
 
 
-def _mark_source(sources: SourceColumns, row: int, marks: Any) -> None:
-    if not isinstance(marks, dict):
-        raise _NotArrow
-    for member, value in marks.items():
-        if value is None:
-            continue
-        if not isinstance(value, float) or member not in sources.names:
-            raise _NotArrow
-        k = sources.names.index(member)
-        sources.losses[row, k], sources.has_loss[row, k] = value, True
-
-
-def _mark_dict(columns: DictColumns, row: int, marks: Any) -> None:
+def _mark(names: list[str], values: np.ndarray, present: np.ndarray, row: int, marks: Any) -> None:
+    """An object field's non-finite members into its columns' row ``row``."""
     if not isinstance(marks, dict):
         raise _NotArrow
     for member, value in marks.items():
         if value is not None:
-            if not isinstance(value, float) or member not in columns.names:
+            if not isinstance(value, float) or member not in names:
                 raise _NotArrow
-            k = columns.names.index(member)
-            columns.values[row, k], columns.present[row, k] = value, True
+            k = names.index(member)
+            values[row, k], present[row, k] = value, True
 
 
 def _empty_block(names: Collection[str]) -> Block:
@@ -621,45 +600,44 @@ class Segment:
     end: int
 
 
-def line_key(line: bytes) -> Key | None:
-    """A line's (attempt, iteration), or None for a torn or foreign line."""
-    match = KEY.match(line)
-    return (int(match[2]), int(match[1])) if match else None
+class KeyedLines:
+    """A JSONL file read by position: the lines from any offset, and bisection over the lines
+    :meth:`key` recognises (torn and foreign lines have no key and are stepped over).
+    ``bytes_read``: what reads cost."""
 
-
-class SignalsLog:
-    """An open signals log, read by position. Each attempt is one contiguous segment (the
-    writer's order), found from the end by bisection; torn and foreign lines have no
-    ``{"iteration":N,"attempt":M,`` key and are stepped over. A log that breaks the order
-    raises :class:`OrderError`. ``bytes_read``, ``lines_parsed``: what reads cost."""
+    probe = PROBE  # bytes read per bisection probe
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._file = open(self.path, "rb")  # noqa: SIM115 (closed by close()/with)
-        self.size = os.fstat(self._file.fileno()).st_size
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self.size = os.fstat(self._fd).st_size
         self.bytes_read = 0
-        self.lines_parsed = 0
-        self._segments: list[Segment] | None = None
 
-    def __enter__(self) -> SignalsLog:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_: object) -> None:
         self.close()
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
+
+    @staticmethod
+    def key(line: bytes) -> Key | None:
+        """A line's sort key (here a signals line's), or None for a torn or foreign line."""
+        match = KEY.match(line)
+        return (int(match[2]), int(match[1])) if match else None
 
     def read(self, offset: int, size: int) -> bytes:
-        self._file.seek(offset)
-        data = self._file.read(size)
+        data = os.pread(self._fd, size, offset)
         self.bytes_read += len(data)
         return data
 
-    def lines(self, offset: int, limit: int, block: int = PROBE) -> Iterator[tuple[int, bytes]]:
-        """(start, line without its newline) of each line starting in ``[offset, limit)``."""
-        pos, buffer, base = offset, b"", 0
-        if offset > 0:  # the line holding offset - 1 ends at the first newline from there
+    def lines(self, offset: int, limit: int, block: int = 0) -> Iterator[tuple[int, bytes]]:
+        """(start, line without its newline) of each line starting in ``[offset, limit)``, in
+        reads of ``block`` bytes (default :attr:`probe`) that double up to :data:`BLOCK`."""
+        pos, buffer, base, block = offset, b"", 0, block or self.probe
+        if 0 < offset < limit:  # the line holding offset - 1 ends at the next newline
             scan = offset - 1
             while True:
                 data = self.read(scan, block)
@@ -688,19 +666,19 @@ class SignalsLog:
     def _first_keyed(self, offset: int, limit: int) -> tuple[Key, int, int] | None:
         """The first keyed line starting in ``[offset, limit)``: key, start, next start."""
         for start, line in self.lines(offset, limit):
-            key = line_key(line)
+            key = self.key(line)
             if key is not None:
                 return key, start, start + len(line) + 1
         return None
 
-    def _last_keyed(self, limit: int) -> tuple[Key, int] | None:
-        """The last keyed line starting before ``limit``: key, start."""
-        low, span = limit, 4 * PROBE
-        while low > 0:
-            low, span = max(0, low - span), span * 2
+    def _last_keyed(self, limit: int, floor: int = 0) -> tuple[Key, int] | None:
+        """The last keyed line starting in ``[floor, limit)``: key, start."""
+        low, span = limit, 4 * self.probe
+        while low > floor:
+            low, span = max(floor, low - span), span * 2
             found = None
-            for start, line in self.lines(low, limit):
-                key = line_key(line)
+            for start, line in self.lines(low, limit, limit - low + 1):
+                key = self.key(line)
                 if key is not None:
                     found = key, start
             if found is not None:
@@ -711,7 +689,7 @@ class SignalsLog:
         """The start of the first keyed line in ``[low, high)`` with key >= ``target``
         (``high`` if none)."""
         best = high
-        while low < high:
+        while high - low > self.probe:
             middle = (low + high) // 2
             found = self._first_keyed(middle, high)
             if found is None:
@@ -720,7 +698,23 @@ class SignalsLog:
                 best, high = found[1], middle
             else:
                 low = found[2]
+        for start, line in self.lines(low, high):  # a probe's worth: read on, line by line
+            key = self.key(line)
+            if key is not None and key >= target:
+                return start
         return best
+
+
+class SignalsLog(KeyedLines):
+    """An open signals log, read by position. Each attempt is one contiguous segment (the
+    writer's order), found from the end by bisection; torn and foreign lines have no
+    ``{"iteration":N,"attempt":M,`` key and are stepped over. A log that breaks the order
+    raises :class:`OrderError`. ``bytes_read``, ``lines_parsed``: what reads cost."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        self.lines_parsed = 0
+        self._segments: list[Segment] | None = None
 
     def segments(self) -> list[Segment]:
         """Every attempt's segment, in file order, found from the end of the file."""
@@ -758,7 +752,7 @@ class SignalsLog:
         previous = (segment.attempt, first - 1)
         start = self.bisect((segment.attempt, first), segment.start, segment.end)
         for offset, line in self.lines(start, segment.end):  # blocks grow to BLOCK
-            key = line_key(line)
+            key = self.key(line)
             if key is not None:
                 if key[0] != segment.attempt or key < previous:
                     raise OrderError(

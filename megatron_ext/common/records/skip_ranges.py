@@ -230,13 +230,6 @@ class SkipSources:
         return iterations
 
 
-def _skip_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--iterations-to-skip", nargs="*", action="extend", default=[])
-    parser.add_argument("--iterations-to-skip-file", action="append", default=[])
-    return parser
-
-
 def _flag(argv: list[str], flag: str, kind: type = str) -> Any:
     """``flag`` as Megatron's parser will read it (the last one wins; None: not given)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -260,7 +253,10 @@ def resolve_argv(argv: list[str]) -> tuple[list[str], SkipSources]:
     as argparse does, and the list persisted in ``--load``, its windows placed at the global
     batch in force, less what the loaded checkpoint trained), and where each came from.
     ``ValueError``/``OSError`` name a bad item or file, or a batch change Megatron refuses."""
-    known, rest = _skip_parser().parse_known_args(argv)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--iterations-to-skip", nargs="*", action="extend", default=[])
+    parser.add_argument("--iterations-to-skip-file", action="append", default=[])
+    known, rest = parser.parse_known_args(argv)
     sources, last = SkipSources(), _flag(argv, "--train-iters", int)  # None: by samples
     resume = resume_point(argv)
     batch = _flag(argv, "--global-batch-size", int)

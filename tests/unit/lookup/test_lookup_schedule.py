@@ -166,6 +166,11 @@ def test_skips_phases_and_anchors() -> None:
     assert not resized.history_known and resized.batch(11).consumed_before == 120
     with pytest.raises(PositionError, match="precedes checkpoint iteration 10"):
         resized.batch(3)
+    # positions after the anchor are placed by walking from it (--consumed-samples, inverse)
+    assert resized.batch_at_consumed(128).iteration == 12
+    assert resized.locate(np.array([120, 135]), 0)[0].tolist() == [11, 12]
+    with pytest.raises(PositionError, match="sample position 40 precedes checkpoint"):
+        resized.batch_at_consumed(40)
     with pytest.raises(PositionError, match="beyond --train-iters"):
         schedule.batch(31)
 

@@ -6,6 +6,8 @@ the old per-rank gather did, per-source sums, busy times)."""
 from __future__ import annotations
 
 import math
+import random
+import statistics
 import time
 from types import SimpleNamespace
 
@@ -35,6 +37,31 @@ def test_the_slowest_rank_is_compared_with_its_own_peers() -> None:
     assert slowest([1.0, 2.0, math.nan], [0, 1, 2]) == Slowest(1, 2.0, 1.0)
     assert slowest([1.0, math.nan], [0, 0]) is None
     assert slowest([1.0], [0]) is None
+
+
+def _by_definition(times: list[float], groups: list[int]) -> Slowest | None:
+    """The rule as the docstring states it, rank by rank (quadratic)."""
+    measured = [r for r, t in enumerate(times) if math.isfinite(t)]
+    if len(measured) < 2:
+        return None
+    best: Slowest | None = None
+    by_lowest_rank = {groups[r]: None for r in measured}  # of equal ratios, the first
+    for group in by_lowest_rank:
+        members = [r for r in measured if groups[r] == group]
+        top = max(members, key=lambda r: (times[r], -r))
+        peers = [r for r in members if r != top] or [r for r in measured if r != top]
+        candidate = Slowest(top, times[top], statistics.median(times[r] for r in peers))
+        best = candidate if best is None or candidate.ratio > best.ratio else best
+    return best
+
+
+def test_the_sorted_search_equals_the_rule_rank_by_rank() -> None:
+    rng = random.Random(0)
+    for _ in range(3000):  # ties, zeros, unmeasured ranks, lone ranks and shared groups
+        n = rng.randint(0, 12)
+        times = [rng.choice([0.0, 1.0, 2.0, math.nan, 3 * rng.random()]) for _ in range(n)]
+        groups = [rng.randint(0, 4) for _ in range(n)] if rng.random() < 0.7 else list(range(n))
+        assert slowest(times, groups) == _by_definition(times, groups), (times, groups)
 
 
 def test_a_rank_is_named_after_its_streak_and_cleared_when_it_recovers() -> None:
