@@ -20,14 +20,6 @@ from megatron_ext.registry.patching import (
 )
 
 
-def _status(entry: Entry) -> tuple[str, bool]:
-    try:
-        entry.verify()
-    except PatchTargetError as exc:
-        return f"TARGET CHANGED: {exc}", False
-    return "ok", True
-
-
 def _form(entry: Entry) -> tuple[Entry, str]:
     """The entry's form for the installed megatron-core and the line saying which it is."""
     try:
@@ -55,8 +47,12 @@ def _section(
     out.append(f"== {title}")
     failed = 0
     for entry in entries:
-        status, ok = _status(entry)
-        failed += not ok
+        try:
+            entry.verify()
+            status = "ok"
+        except PatchTargetError as exc:
+            status = f"TARGET CHANGED: {exc}"
+            failed += 1
         form, which = _form(entry)
         out.append(f"  {entry.name}  [verified on {', '.join(entry.covers())}]  {status}")
         out.append(f"    {which}")
@@ -68,8 +64,7 @@ def _section(
 
 def _patch_target(entry: Entry) -> str:
     assert isinstance(entry, Patch)
-    variant = entry.variant_for() if entry.variants else None
-    if variant is not None and not variant.available:
+    if entry.unavailable():
         return "target: none on this version (not available; see the variant)"
     wrapper = f"{entry.wrap.__module__}.{entry.wrap.__qualname__}"
     return f"target: {entry.target}{entry.signature}\n    wrapper: {wrapper}"

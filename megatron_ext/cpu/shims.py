@@ -199,10 +199,6 @@ def _dump(name: str, content: dict[str, Any]) -> None:
     path.write_text(json.dumps(content, sort_keys=True))
 
 
-def _dump_counts() -> None:
-    _dump("rank", dict(COUNTS))
-
-
 # Micro-batches this rank read from the data iterator, per DP rank they were read for.
 READS: collections.Counter[int] = collections.Counter()
 # With MEGATRON_EXT_HARNESS_RSS set: [iteration, resident bytes] at every training micro-batch
@@ -308,7 +304,7 @@ def install() -> None:
     _cpu_device_mesh()
     _patch_megatron()
     cuda._megatron_ext_cpu_harness = True  # type: ignore[attr-defined]
-    atexit.register(_dump_counts)
+    atexit.register(_dump, "rank", COUNTS)
 
 
 def _cpu_device_mesh() -> None:

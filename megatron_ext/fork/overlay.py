@@ -30,8 +30,7 @@ def check_script(args: Any) -> None:
     refuses."""
     from megatron_ext.loop import gpt_step
 
-    used = gpt_step.flags_set(args, gpt_step.BATCH_MODES)
-    if used:
+    if used := gpt_step.flags_set(args, gpt_step.BATCH_MODES):
         raise ScriptError(
             f"{', '.join(used)}: megatron-ext's features read the standard GPT pretraining "
             "batch ([micro-batch, sequence] tokens, labels and loss mask), which these modes "

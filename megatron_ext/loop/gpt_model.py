@@ -31,8 +31,7 @@ UNSUPPORTED = {
 
 def check_supported(args: Any) -> None:
     """Refuse builder options the overlay's provider does not implement on this version."""
-    used = gpt_step.flags_set(args, UNSUPPORTED)
-    if used:
+    if used := gpt_step.flags_set(args, UNSUPPORTED):
         raise StartupError(
             f"{', '.join(used)} is not supported by pretrain_gpt_ext.py on this megatron-core "
             "(0.17/0.18 have no GPT config container; the overlay builds the standard GPT "

@@ -54,8 +54,7 @@ def flags_set(args: Any, flags: dict[str, str]) -> list[str]:
 
 def check_supported(args: Any) -> None:
     """Refuse Megatron modes this entry point does not implement, instead of mis-training."""
-    used = flags_set(args, UNSUPPORTED_FLAGS)
-    if used:
+    if used := flags_set(args, UNSUPPORTED_FLAGS):
         raise SystemExit(
             f"pretrain_gpt_ext.py does not support {', '.join(used)}; use Megatron-LM's "
             "pretrain_gpt.py for those modes."
@@ -135,9 +134,14 @@ def get_batch(
     return (broadcast or broadcast_batch)(batch, features.args, tp_rank)
 
 
-def _tp_kwargs(args: Any, tp_rank: int) -> dict[str, Any]:
-    """What megatron-core 0.18 and 0.19's get_batch_on_this_tp_rank share."""
-    return dict(
+def _tp_then_cp(batch: dict[str, Any], args: Any, tp_rank: int, **packed: bool) -> dict[str, Any]:
+    """megatron-core 0.18 and 0.19's ``megatron.core.utils`` helpers; ``packed`` is the
+    version's switch turning packed sequences off."""
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+
+    batch = get_batch_on_this_tp_rank(
+        batch,
+        **packed,
         broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
         broadcast_group=mpu.get_tensor_model_parallel_group(),
         is_hybrid_cp=False,
@@ -151,26 +155,19 @@ def _tp_kwargs(args: Any, tp_rank: int) -> dict[str, Any]:
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
         is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
     )
-
-
-def broadcast_batch(batch: dict[str, Any], args: Any, tp_rank: int) -> dict[str, Any]:
-    """megatron-core 0.19: ``megatron.core.utils``' helpers, no packed sequences."""
-    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
-
-    batch = get_batch_on_this_tp_rank(batch, has_cu_seqlens=False, **_tp_kwargs(args, tp_rank))
     return get_batch_on_this_cp_rank(
         batch, is_hybrid_cp=False, cp_group=get_context_parallel_group()
     )
+
+
+def broadcast_batch(batch: dict[str, Any], args: Any, tp_rank: int) -> dict[str, Any]:
+    """megatron-core 0.19: no packed sequences (``has_cu_seqlens``)."""
+    return _tp_then_cp(batch, args, tp_rank, has_cu_seqlens=False)
 
 
 def broadcast_batch_is_sft(batch: dict[str, Any], args: Any, tp_rank: int) -> dict[str, Any]:
     """megatron-core 0.18: the same helpers, whose packed-sequence switch is ``is_sft``."""
-    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
-
-    batch = get_batch_on_this_tp_rank(batch, is_sft=False, **_tp_kwargs(args, tp_rank))
-    return get_batch_on_this_cp_rank(
-        batch, is_hybrid_cp=False, cp_group=get_context_parallel_group()
-    )
+    return _tp_then_cp(batch, args, tp_rank, is_sft=False)
 
 
 def broadcast_batch_from_iterator(batch: dict[str, Any], args: Any, tp_rank: int) -> dict[str, Any]:

@@ -195,9 +195,7 @@ class RecoveryFeature(Feature):
 
     def before_grad_norm(self, optimizer: Any) -> None:
         """Inside the window: scale this step's lr and snapshot the parameters for the clip."""
-        if optimizer is not self.optimizer or not self.active:
-            return
-        if self.updates >= self.config.iters:
+        if optimizer is not self.optimizer or not self.active or self.updates >= self.config.iters:
             return
         self.updates += 1
         self.stepped = True

@@ -39,13 +39,6 @@ def resolve(target: str) -> tuple[Any, str]:
     return pkgutil.resolve_name(f"{module_name}:{holder}"), attr
 
 
-def _signature_of(fn: Any) -> str:
-    try:
-        return str(inspect.signature(fn))
-    except (TypeError, ValueError):
-        return "<no signature>"
-
-
 def _original(value: Any) -> Any:
     return getattr(value, _MARK, (None, value, None))[1]
 
@@ -55,35 +48,6 @@ def _innermost(value: Any) -> Any:
     while hasattr(value, _MARK):
         value = _original(value)
     return value
-
-
-def _target_error(
-    name: str, target: str, verified_on: tuple[str, ...], what: str
-) -> PatchTargetError:
-    return PatchTargetError(
-        f"megatron-ext {name!r}: {target} {what} (verified on megatron-core "
-        f"{', '.join(verified_on)}, installed {installed_version()}). Re-verify it against the "
-        "installed megatron-core before running; `megatron-ext patches` lists every entry."
-    )
-
-
-def _existing(name: str, target: str, verified_on: tuple[str, ...]) -> tuple[str, Any]:
-    """``target``'s attribute name and current value, or the refusal saying it is gone."""
-    try:
-        owner, attr = resolve(target)
-        return attr, getattr(owner, attr)
-    except (ImportError, AttributeError) as exc:
-        raise _target_error(name, target, verified_on, f"not found ({exc})") from exc
-
-
-def _check_signature(
-    name: str, target: str, verified_on: tuple[str, ...], fn: Any, expected: str
-) -> None:
-    found = _signature_of(fn)
-    if found != expected:
-        raise _target_error(
-            name, target, verified_on, f"changed signature: expected {expected}, found {found}"
-        )
 
 
 @dataclass(frozen=True)
@@ -109,6 +73,7 @@ class _Versioned:
     """What :class:`Patch` and :class:`Assumption` share: picking the variant for a version."""
 
     name: str
+    target: str
     verified_on: tuple[str, ...]
     variants: tuple[Variant, ...]
 
@@ -135,6 +100,30 @@ class _Versioned:
         """The installed version's variant when it says the entry cannot work there."""
         variant = self.variant_for() if self.variants else None
         return variant if variant is not None and not variant.available else None
+
+    def _error(self, what: str, target: str | None = None) -> PatchTargetError:
+        return PatchTargetError(
+            f"megatron-ext {self.name!r}: {target or self.target} {what} (verified on "
+            f"megatron-core {', '.join(self.verified_on)}, installed {installed_version()}). "
+            "Re-verify it against the installed megatron-core before running; "
+            "`megatron-ext patches` lists every entry."
+        )
+
+    def _existing(self) -> tuple[str, Any]:
+        """The target's attribute name and current value, or the refusal saying it is gone."""
+        try:
+            owner, attr = resolve(self.target)
+            return attr, getattr(owner, attr)
+        except (ImportError, AttributeError) as exc:
+            raise self._error(f"not found ({exc})") from exc
+
+    def _check_signature(self, fn: Any, expected: str) -> None:
+        try:
+            found = str(inspect.signature(fn))
+        except (TypeError, ValueError):
+            found = "<no signature>"
+        if found != expected:
+            raise self._error(f"changed signature: expected {expected}, found {found}")
 
     def selected(self, version: str | None = None) -> Self:
         """This entry as it applies to ``version`` (installed when None): the variant's fields
@@ -178,19 +167,12 @@ class Patch(_Versioned):
         exists with its signature (nothing to check where the variant is unavailable)."""
         if self.variants:
             return None if self.unavailable() else self.selected().verify()
-        attr, current = _existing(self.name, self.target, self.verified_on)
-        _check_signature(
-            self.name, self.target, self.verified_on, _innermost(current), self.signature
-        )
+        attr, current = self._existing()
+        self._check_signature(_innermost(current), self.signature)
         for module_name in self.also_bound_in:
             module = importlib.import_module(module_name)
             if _innermost(getattr(module, attr, None)) is not _innermost(current):
-                raise _target_error(
-                    self.name,
-                    f"{module_name}.{attr}",
-                    self.verified_on,
-                    f"no longer refers to {self.target}",
-                )
+                raise self._error(f"no longer refers to {self.target}", f"{module_name}.{attr}")
 
     def _marker(self) -> tuple[str | None, Any, Any]:
         if self.variants:
@@ -279,11 +261,11 @@ class Assumption(_Versioned):
             return None if self.unavailable() else self.selected().verify()
         if ":" not in self.target:
             return self._verify_names()
-        _, value = _existing(self.name, self.target, self.verified_on)
+        _, value = self._existing()
         if self.assigned:
             self._verify_assigned(value)
         if self.signature is not None:
-            _check_signature(self.name, self.target, self.verified_on, value, self.signature)
+            self._check_signature(value, self.signature)
         return None
 
     def _verify_assigned(self, value: Any) -> None:
@@ -296,26 +278,20 @@ class Assumption(_Versioned):
             names |= {c for c in getattr(code, "co_consts", ()) if isinstance(c, str)}
         if missing := [a for a in self.assigned if a not in names]:
             where = "its body" if function else "__init__"
-            raise _target_error(
-                self.name, self.target, self.verified_on, f"no longer assigns {missing} in {where}"
-            )
+            raise self._error(f"no longer assigns {missing} in {where}")
 
     def _verify_names(self) -> None:
         try:
             module = importlib.import_module(self.target)
         except ImportError as exc:
-            raise _target_error(
-                self.name, self.target, self.verified_on, f"not found ({exc})"
-            ) from exc
+            raise self._error(f"not found ({exc})") from exc
         missing = [
             n
             for n in self.names
             if not hasattr(module, n) and importlib.util.find_spec(f"{self.target}.{n}") is None
         ]
         if missing:
-            raise _target_error(
-                self.name, self.target, self.verified_on, f"no longer has {', '.join(missing)}"
-            )
+            raise self._error(f"no longer has {', '.join(missing)}")
 
 
 Entry = Patch | Assumption

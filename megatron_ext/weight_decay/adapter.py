@@ -106,10 +106,7 @@ class WeightDecayFeature(Feature):
 
     def install(self, args: Any) -> None:
         """Warn about ineffective settings (the patches follow when a flag is set)."""
-        policy = self._policy_of(args)
-        if not policy.active:
-            return
-        for warning in policy.warnings():
+        for warning in self._policy_of(args).warnings():
             print_rank_0(f"megatron-ext: WARNING: {warning}")
 
     def needs_patch(self, name: str) -> bool:

@@ -160,7 +160,7 @@ class WeightDecayPolicy:
     def comparable(self) -> tuple:
         """What must be equal between a checkpoint and its resume: unset == 1.0; an output
         multiplier is irrelevant when tied; override order matters (last match wins)."""
-        output = None if self.tied else self.output_layer_mult
+        output = self._effective_output_mult()
         return (
             1.0 if self.embedding_mult is None else self.embedding_mult,
             1.0 if output is None else output,
