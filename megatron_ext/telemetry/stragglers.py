@@ -81,7 +81,7 @@ def slowest(times: Sequence[float], groups: Sequence[int]) -> Slowest | None:
         return None
     measured, group_of = all_times[ranks], np.asarray(groups, dtype=np.int64)[ranks]
     order = np.lexsort((-ranks, measured, group_of))  # by group, time; equal times: low rank last
-    values, grouped = measured[order], group_of[order]
+    values, grouped, sorted_ranks = measured[order], group_of[order], ranks[order]
     ends = np.flatnonzero(np.append(grouped[1:] != grouped[:-1], True))  # each group's slowest
     starts = np.append(0, ends[:-1] + 1)
     medians = _medians_without_last(values, starts, ends - starts)
@@ -90,17 +90,17 @@ def slowest(times: Sequence[float], groups: Sequence[int]) -> Slowest | None:
         medians[alone] = _medians_without(np.sort(measured), values[ends[alone]])
     with np.errstate(divide="ignore", invalid="ignore"):  # a zero median: inf
         ratios = np.where(medians > 0, values[ends] / medians, np.inf)
-    by_first = np.argsort(np.minimum.reduceat(ranks[order], starts))  # groups by lowest rank
+    by_first = np.argsort(np.minimum.reduceat(sorted_ranks, starts))  # groups by lowest rank
     best = by_first[np.argmax(ratios[by_first])]  # the first of equal ratios
-    return Slowest(int(ranks[order][ends[best]]), float(values[ends[best]]), float(medians[best]))
+    slow = ends[best]
+    return Slowest(int(sorted_ranks[slow]), float(values[slow]), float(medians[best]))
 
 
 def _medians_without_last(values: np.ndarray, starts: np.ndarray, count: np.ndarray) -> np.ndarray:
     """Per sorted run ``values[start : start + count + 1]``, the median of its first ``count``
     (as :func:`statistics.median` computes it; NaN where ``count`` is 0)."""
     half = count // 2
-    low = values[starts + np.maximum(half - 1 + count % 2, 0)]
-    high = values[starts + half]
+    low, high = values[starts + np.maximum(half - 1, 0)], values[starts + half]
     return np.where(count == 0, np.nan, np.where(count % 2 == 1, high, (low + high) / 2))
 
 
