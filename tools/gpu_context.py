@@ -57,7 +57,7 @@ ESTIMATES: dict[int, tuple[int, str]] = {
     11: (
         60,
         "on 2 GPUs with TE and Bridge: two launches of 3 steps (Bridge alone, the overlay) at "
-        "~25 s start-up each, and a lookup; elsewhere a probe (skipped in seconds)",
+        "~25 s start-up each, and a lookup; elsewhere the row skips in seconds, saying why",
     ),
 }
 
