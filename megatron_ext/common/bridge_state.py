@@ -51,13 +51,9 @@ def is_bridge_checkpoint(directory: str | Path) -> bool:
     return (Path(directory) / BRIDGE_RUN_CONFIG_FILE).is_file()
 
 
-def _megatron_defaults() -> argparse.Namespace:
-    """A fresh copy of Megatron's parser defaults (parsed once per process)."""
-    return copy.deepcopy(_parsed_defaults())
-
-
 @functools.cache
-def _parsed_defaults() -> argparse.Namespace:
+def _megatron_defaults() -> argparse.Namespace:
+    """Megatron's parser defaults, parsed once per process (callers change a deep copy)."""
     from megatron.training.arguments import parse_args
 
     argv = sys.argv
@@ -104,7 +100,7 @@ def read_bridge_state(directory: str | Path) -> dict[str, Any]:
             f"needs {BRIDGE_RUN_CONFIG_FILE}, {BRIDGE_TRAIN_STATE_FILE} and megatron-ext's "
             f"{BRIDGE_LAYOUT_FILE} (written when megatron_ext.bridge.pretrain saves)"
         ) from None
-    args = _megatron_defaults()
+    args = copy.deepcopy(_megatron_defaults())
     for section in SECTIONS:
         for key, value in (config.get(section) or {}).items():
             if hasattr(args, key) and not key.startswith("_"):

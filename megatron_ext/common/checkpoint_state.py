@@ -296,17 +296,6 @@ def _metadata_problem(directory: Path) -> str | None:
     return None
 
 
-def _readable_index(directory: Path) -> list[_Stored] | str:
-    """The DCP index, or why it cannot be read."""
-    try:
-        return _dcp_index(directory)
-    except UnreadableState:
-        try:
-            return _dcp_index_by_torch(directory)
-        except Exception as exc:  # a damaged pickle can raise almost anything
-            return f"{DCP_METADATA_FILE} is unreadable ({type(exc).__name__}: {exc})"
-
-
 def _data_files_problem(directory: Path, index: list[_Stored]) -> str | None:
     """Every file the index names, as long as the furthest byte read from it."""
     ends: dict[str, int] = {}
@@ -331,9 +320,13 @@ def _torch_dist_problem(directory: Path) -> str | None:
     problem = _metadata_problem(directory)
     if problem is not None:
         return problem
-    index = _readable_index(directory)
-    if isinstance(index, str):
-        return index
+    try:
+        index = _dcp_index(directory)
+    except UnreadableState:
+        try:
+            index = _dcp_index_by_torch(directory)
+        except Exception as exc:  # a damaged pickle can raise almost anything
+            return f"{DCP_METADATA_FILE} is unreadable ({type(exc).__name__}: {exc})"
     problem = _data_files_problem(directory, index)
     if problem is None and (directory / CHECKPOINT_COMMON_FILE).exists():
         problem = _zip_problem(directory / CHECKPOINT_COMMON_FILE, directory)

@@ -51,14 +51,7 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-_NON_FINITE = {
-    "nan": math.nan,
-    "inf": math.inf,
-    "-inf": -math.inf,
-    "NaN": math.nan,
-    "Infinity": math.inf,
-    "-Infinity": -math.inf,
-}
+_NON_FINITE = {s: float(s) for s in ("nan", "inf", "-inf", "NaN", "Infinity", "-Infinity")}
 
 
 def from_json(value: Any) -> Any:
@@ -191,16 +184,15 @@ class JsonlAppender:
 
 @dataclass
 class JsonlContent:
-    """Parsed records plus the line numbers of torn (unparseable) lines that were skipped."""
+    """The parsed records, and each one's line number (1-based)."""
 
     records: list[dict[str, Any]] = field(default_factory=list)
-    torn_lines: list[int] = field(default_factory=list)
-    line_numbers: list[int] = field(default_factory=list)  # of each record, 1-based
+    line_numbers: list[int] = field(default_factory=list)
 
 
 def read_jsonl(path: str | os.PathLike[str], warn: bool = True) -> JsonlContent:
     """Every JSON object line; torn lines are skipped and reported, never guessed at."""
-    content = JsonlContent()
+    content, torn = JsonlContent(), []
     with open(path, encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -210,14 +202,13 @@ def read_jsonl(path: str | os.PathLike[str], warn: bool = True) -> JsonlContent:
             except json.JSONDecodeError:
                 value = None
             if not isinstance(value, dict):
-                content.torn_lines.append(number)
+                torn.append(number)
                 continue
             content.records.append(value)
             content.line_numbers.append(number)
-    if warn and content.torn_lines:
+    if warn and torn:
         warnings.warn(
-            f"{path}: skipped {len(content.torn_lines)} torn line(s) at "
-            f"{content.torn_lines[:10]} (left by a killed writer)",
+            f"{path}: skipped {len(torn)} torn line(s) at {torn[:10]} (left by a killed writer)",
             stacklevel=2,
         )
     return content

@@ -13,10 +13,6 @@ import signal
 from collections.abc import Callable
 
 
-def _failed(exc: BaseException) -> bool:
-    return not (isinstance(exc, SystemExit) and exc.code in (0, None))
-
-
 def end_children() -> list[int]:
     """SIGKILL every live ``multiprocessing`` child of this process; returns their pids.
 
@@ -38,6 +34,6 @@ def ending_children_on_failure[T](run: Callable[[], T]) -> T:
     try:
         return run()
     except BaseException as exc:
-        if _failed(exc):
+        if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
             end_children()
         raise

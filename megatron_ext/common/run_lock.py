@@ -211,13 +211,13 @@ def acquire(directory: str | os.PathLike[str], role: str, what: str, force: bool
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     path, holder = folder / RUN_LOCK_FILE, me(role)
+    child = path.with_name(path.name + ".child")
     for _ in range(5):
         current = read_holder(path)
         if current is not None and current.token == os.environ.get(TOKEN_ENV):
-            _refuse_live_child(path.with_name(path.name + ".child"), what, force)
+            _refuse_live_child(child, what, force)
             if role != "training":
                 return _Borrowed(path, holder, current)
-            child = path.with_name(path.name + ".child")
             child.unlink(missing_ok=True)
             if not _publish(child, holder):
                 continue
@@ -229,7 +229,7 @@ def acquire(directory: str | os.PathLike[str], role: str, what: str, force: bool
         alive, why = liveness(current, path)
         if alive and not force:
             raise _refusal(folder, what, current, why, "alive")
-        _refuse_live_child(path.with_name(path.name + ".child"), what, force)
+        _refuse_live_child(child, what, force)
         _take_over(path, current, "forced (--force)" if alive else why)
     raise RunLockHeld(f"{what} refused: could not take the run lock {path} (contended)")
 

@@ -136,12 +136,9 @@ class Watchdog:
         while not self._stop.wait(self.poll):
             request = self._request()
             stalled = self.clock() - self._last
-            if request is None and stalled <= self.bound():
-                continue
-            if request is None:
-                request = self._ask(stalled)
-            self._fire(request, stalled)
-            return
+            if request is not None or stalled > self.bound():
+                self._fire(self._ask(stalled) if request is None else request, stalled)
+                return
 
     def _request(self) -> int | None:
         """The rank that asked for dumps in this attempt (a request older than this process

@@ -173,12 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _usage(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
-    chosen = [
-        options.iteration is not None,
-        options.consumed_samples is not None,
-        options.document is not None,
-    ]
-    if sum(chosen) != 1:
+    asked = (options.iteration, options.consumed_samples, options.document)
+    if sum(x is not None for x in asked) != 1:
         parser.error("give exactly one of --iteration, --consumed-samples, --document")
     if options.document is not None and options.dataset is None:
         parser.error("--document needs --dataset")
@@ -213,7 +209,7 @@ def _batch_lines(
         + (f" (phase {batch.phase})" if schedule.phase_transitions else "")
         + f": consumed_train_samples {batch.consumed_before} -> "
         f"{batch.consumed_before + batch.size}; {batch.size} samples = {batch.num_microbatches} "
-        f"micro-batches x DP {schedule.data_parallel_size} x mbs {schedule.micro_batch_size}",
+        f"micro-batches x DP {schedule.data_parallel_size} x mbs {schedule.micro_batch_size}"
     ]
     if batch.skipped:
         lines.append(

@@ -306,11 +306,9 @@ def run_config(
             "--phase-transition-iterations without --train-samples: megatron-core 0.19.2 cannot "
             "size the phases (it compares against train_samples=None), so no such run exists"
         )
-    anchor = (
-        None
-        if checkpoint is None
-        else Anchor(checkpoint.iteration, int(args.consumed_train_samples))
-    )
+    anchor = None
+    if checkpoint is not None:
+        anchor = Anchor(checkpoint.iteration, int(args.consumed_train_samples))
     schedule = Schedule(
         micro_batch_size=int(args.micro_batch_size),
         data_parallel_size=int(dp),
@@ -375,11 +373,8 @@ TOKENIZER_PATH_ARGS = ("tokenizer_model", "vocab_file", "merge_file")
 
 
 def tokenizer_from_args(args: argparse.Namespace, data_root: Sequence[tuple[str, str]] = ()) -> Any:
-    """The run's tokenizer, built by Megatron from the same flags training used; its files
-    are read through the ``--data-root`` remapping, like the data (they usually move with it).
-    The run's args may come from another megatron-core: renamed fields are carried over
-    (:data:`RENAMED`).
-    """
+    """The run's tokenizer, built by Megatron from the training flags; its files are read
+    through ``--data-root`` (they move with the data), renamed fields carried over (RENAMED)."""
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     if args.tokenizer_type is None:
@@ -496,9 +491,8 @@ def _check_data(args: Any) -> None:
 def build_datasets(
     args: Any, dataset_class: Any, sizes: list[int | None], add_extra_token: bool, train_only: bool
 ) -> list[Any]:
-    """Megatron's ``BlendedMegatronDatasetBuilder`` over the run's dataset config (the entry
-    point's, from ``args``), built in this one process as training built it (``train_only``:
-    the train split alone)."""
+    """Megatron's ``BlendedMegatronDatasetBuilder`` over the entry point's dataset config, in
+    this one process as training built it (``train_only``: the train split alone)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )

@@ -318,11 +318,8 @@ def attach(ranked: list[Ranked], records: list[dict[str, Any]]) -> tuple[list[di
     out, changed = [], 0
     for order, sample in enumerate(ranked, start=1):
         slot = slots.get((sample.dp_rank, sample.microbatch), [])
-        if (
-            sample.position >= len(slot)
-            or slot[sample.position]["sample_index"] != sample.sample_id
-        ):
-            found = slot[sample.position]["sample_index"] if sample.position < len(slot) else None
+        found = slot[sample.position]["sample_index"] if sample.position < len(slot) else None
+        if found != sample.sample_id:
             raise DataChanged(
                 f"iteration {slot[0]['iteration'] if slot else '?'} DP rank {sample.dp_rank} "
                 f"micro-batch {sample.microbatch} position {sample.position}: training logged "

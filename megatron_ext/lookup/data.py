@@ -7,6 +7,7 @@ chunked passes. docs/megatron-facts.md, "Data".
 from __future__ import annotations
 
 import argparse
+import bisect
 import functools
 import hashlib
 import json
@@ -337,6 +338,11 @@ def _choose(found: list[Description], tokenizer: dict[str, Any] | None, what: st
     return found[0].trusted()
 
 
+def _same(found: dict[str, Any], expected: dict[str, Any]) -> bool:
+    """A GPTDataset description equals the expected one, the tokenizer aside (:func:`_choose`)."""
+    return {k: v for k, v in found.items() if k != "tokenizer"} == expected
+
+
 def _scan(directory: Path, kind: str) -> list[Description]:
     if not directory.is_dir():
         return []
@@ -408,9 +414,8 @@ def open_train_index(
     data_root: Sequence[tuple[str, str]] = (),
     tokenizer: dict[str, Any] | None = None,
 ) -> TrainIndex:
-    """Find the caches of the run's train dataset (never building any) and check that they
-    are all on disk and belong together, then memory-map them with the ``.bin``/``.idx``
-    pairs they index, checked against each other."""
+    """Find the run's train caches (never building any), check that they belong together,
+    and memory-map them with the ``.bin``/``.idx`` pairs they index, checked against them."""
     # --data-cache-path moves with the data (--data-root); an explicit --cache-dir is as given.
     chosen = cache_dir or (remap(spec.cache_dir, data_root) if spec.cache_dir else None)
     if len(spec.prefixes) == 1 and (spec.weights is None or spec.per_split):
@@ -418,11 +423,7 @@ def open_train_index(
         directory = Path(chosen) if chosen else default
         expected = _expected_gpt(spec, spec.prefixes[0], spec.target_samples)
         candidates = _scan(directory, GPT)
-        found = [
-            c
-            for c in candidates
-            if {k: v for k, v in c.content.items() if k != "tokenizer"} == expected
-        ]
+        found = [c for c in candidates if _same(c.content, expected)]
         if not found:
             raise _not_found(GPT, directory, candidates, expected)
         trusted = _choose(found, tokenizer, GPT)
@@ -448,10 +449,7 @@ def open_train_index(
         return (
             all(description.get(k) == v for k, v in expected_top.items())
             and len(inner) == len(members)
-            and all(
-                {k: v for k, v in d.items() if k != "tokenizer"} == m
-                for d, m in zip(inner, members)
-            )
+            and all(_same(d, m) for d, m in zip(inner, members))
         )
 
     found = [c for c in candidates if matches(c.content)]
@@ -592,8 +590,8 @@ class MidIndex:
         stream = np.asarray(self.shuffle_index[samples], dtype=np.int64)
         will_need(self.sample_index, np.concatenate([stream, stream + 1]))
         begin, end = self.sample_index[stream], self.sample_index[stream + 1]
-        will_need(self.document_index, begin[:, 0], None)
-        will_need(self.document_index, end[:, 0], None)
+        will_need(self.document_index, begin[:, 0])
+        will_need(self.document_index, end[:, 0])
         first = np.asarray(self.document_index[begin[:, 0]], dtype=np.int64)
         will_need(self.lengths, first)
         will_need(self.data.sequence_pointers, first)
@@ -645,11 +643,8 @@ def _open_dataset(
     prefix = remap(path, data_root)
     for suffix in (".idx", ".bin"):
         if not os.path.isfile(prefix + suffix):
-            moved = (
-                ""
-                if prefix != path
-                else ("; if the data moved, map the old location with --data-root OLD=NEW")
-            )
+            moved = "; if the data moved, map the old location with --data-root OLD=NEW"
+            moved = "" if prefix != path else moved
             raise DataChanged(f"dataset {path}: {prefix}{suffix} not found{moved}")
     try:
         check_pair(prefix)
@@ -661,12 +656,8 @@ def _open_dataset(
     except (OSError, ValueError) as exc:
         raise DataChanged(f"dataset {path}: {prefix}.idx is unreadable: {exc}") from exc
     count = len(data.sequence_lengths)
-    matrix = description["split_matrix"]
-    if matrix is None:
-        begin, end = 0, count
-    else:
-        begin = round(matrix[0][0] * float(count))
-        end = round(matrix[0][1] * float(count))
+    matrix = description["split_matrix"]  # the train split's [begin, end) fractions
+    begin, end = (0, count) if matrix is None else (round(f * float(count)) for f in matrix[0])
     mid = MidIndex(
         hash=found.description.digest,
         path=path,
@@ -744,59 +735,36 @@ def _open_blend(
     return TrainIndex(mids, (dataset_index, dataset_sample_index), blend.digest, BLENDED, files)
 
 
+@dataclass(eq=False)
 class TrainIndex:
     """The run's train dataset: one GPTDataset, or a BlendedDataset over several."""
 
-    def __init__(
-        self,
-        mids: list[MidIndex],
-        blend: tuple[np.ndarray, np.ndarray] | None,
-        description_hash: str,
-        kind: str,
-        blend_files: tuple[str, str] | None = None,
-    ) -> None:
-        self.mids, self.blend, self.hash, self.kind = mids, blend, description_hash, kind
-        self.blend_files = blend_files  # (dataset_index, dataset_sample_index) .npy, for scans
+    mids: list[MidIndex]
+    blend: tuple[np.ndarray, np.ndarray] | None  # (dataset_index, dataset_sample_index)
+    hash: str  # md5 of the top description
+    kind: str
+    blend_files: tuple[str, str] | None = None  # the blend's two .npy files, for scans
 
     def __len__(self) -> int:
         return len(self.mids[0]) if self.blend is None else int(self.blend[0].shape[0])
 
-    def prefetch(self, indices: np.ndarray) -> None:
-        """Prefetch what resolving global samples ``indices`` reads (see MidIndex.prefetch)."""
-        indices = np.asarray(indices, dtype=np.int64)
-        if not len(indices) or indices.min() < 0 or indices.max() >= len(self):
-            return  # route() refuses those with the reason
-        if self.blend is not None:
-            will_need(self.blend[0], indices)
-            will_need(self.blend[1], indices)
-        members, within = self.route(indices)
-        for member, mid in enumerate(self.mids):
-            mid.prefetch(within[members == member])
-
-    def route(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(blend member, sample within it) of global sample indices."""
-        indices = np.asarray(indices, dtype=np.int64)
-        if indices.size and (indices.min() < 0 or indices.max() >= len(self)):
+    def resolve(self, indices: Sequence[int], pad_id: int | None = None) -> list[Sample]:
+        """Global sample indices -> samples with documents, spans and model-input tokens; the
+        pages each stage reads are prefetched first (here the blend's, then MidIndex.prefetch)."""
+        wanted = np.asarray(indices, dtype=np.int64)
+        if wanted.size and (wanted.min() < 0 or wanted.max() >= len(self)):
             raise PositionError(
-                f"global sample {int(indices.max())} is beyond the {len(self)} samples the caches "
+                f"global sample {int(wanted.max())} is beyond the {len(self)} samples the caches "
                 "cover; the run never reached it (or the batch settings passed are wrong)"
             )
         if self.blend is None:
-            return np.zeros_like(indices), indices
-        return (
-            np.asarray(self.blend[0][indices], dtype=np.int64),
-            np.asarray(self.blend[1][indices], dtype=np.int64),
-        )
-
-    def sources(self, sample: Sample) -> list[dict[str, Any] | None]:
-        """The raw record of each document ``sample`` reads (None without provenance)."""
-        mid = self.mids[sample.dataset]
-        return [mid.source(span.document) for span in sample.spans]
-
-    def resolve(self, indices: Sequence[int], pad_id: int | None = None) -> list[Sample]:
-        """Global sample indices -> samples with documents, spans and model-input tokens."""
-        self.prefetch(np.asarray(indices, dtype=np.int64))
-        members, within = self.route(np.asarray(indices, dtype=np.int64))
+            members, within = np.zeros_like(wanted), wanted
+        else:
+            will_need(self.blend[0], wanted)
+            will_need(self.blend[1], wanted)
+            members, within = (np.asarray(a[wanted], dtype=np.int64) for a in self.blend)
+        for member, mid in enumerate(self.mids):
+            mid.prefetch(within[members == member])
         return [
             self.mids[member].sample(int(index), member, sample, pad_id)
             for index, member, sample in zip(indices, members.tolist(), within.tolist())
@@ -846,18 +814,6 @@ def _matcher(targets: np.ndarray) -> tuple[np.ndarray, int, np.ndarray | None]:
     return targets, low, table
 
 
-def _first_row_at_least(column: np.ndarray, value: int) -> int:
-    """Binary search on a non-decreasing memory-mapped column, without copying it."""
-    lo, hi = 0, len(column)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if int(column[mid]) < value:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
 def _stream_samples(mid: MidIndex, document: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Stream samples reading ``document``: (stream sample, offset, count), entries scanned."""
     positions = []
@@ -871,8 +827,9 @@ def _stream_samples(mid: MidIndex, document: int) -> tuple[np.ndarray, np.ndarra
     streams, offsets, counts = [], [], []
     for position in found.tolist():
         # Samples j with start row position <= p <= end row position.
-        first = max(0, _first_row_at_least(column, position) - 1)
-        last = _first_row_at_least(column, position + 1) - 1
+        # (bisect on the memory-mapped column reads log n rows; np.searchsorted copies it)
+        first = max(0, bisect.bisect_left(column, position) - 1)
+        last = bisect.bisect_left(column, position + 1) - 1
         for j in range(first, min(last, rows.shape[0] - 2) + 1):
             (p0, o0), (p1, o1) = map(int, rows[j]), map(int, rows[j + 1])
             begin = o0 if p0 == position else 0
@@ -881,11 +838,7 @@ def _stream_samples(mid: MidIndex, document: int) -> tuple[np.ndarray, np.ndarra
                 streams.append(j)
                 offsets.append(begin)
                 counts.append(stop - begin)
-
-    def as_array(values: list[int]) -> np.ndarray:
-        return np.asarray(values, dtype=np.int64)
-
-    return as_array(streams), as_array(offsets), as_array(counts), entries
+    return (*(np.asarray(v, dtype=np.int64) for v in (streams, offsets, counts)), entries)
 
 
 def _progress(path: str, entries: int, what: str) -> Iterator[tuple[int, np.ndarray]]:
@@ -904,7 +857,7 @@ def _scan_rows(
     """One chunked pass: rows whose last file's value is in ``targets`` (and whose first
     file's value equals ``keep`` when given). Returns (row numbers, matched values)."""
     wanted, low, table = _matcher(targets)
-    rows, values = [], []
+    rows, values = [np.empty(0, dtype=np.int64)], [np.empty(0, dtype=np.int64)]
     first = array_chunks(paths[0], CHUNK) if keep is not None else None
     for start, chunk in _progress(paths[-1], entries, paths[-1].rsplit("-", 1)[-1]):
         mask = _members(chunk, wanted, low, table)
@@ -913,8 +866,7 @@ def _scan_rows(
         hits = np.flatnonzero(mask)
         rows.append(hits + start)
         values.append(chunk[hits].astype(np.int64))
-    empty = np.empty(0, dtype=np.int64)
-    return (np.concatenate(rows) if rows else empty), (np.concatenate(values) if values else empty)
+    return np.concatenate(rows), np.concatenate(values)
 
 
 def find_document(index: TrainIndex, member: int, document: int) -> DocumentHits:

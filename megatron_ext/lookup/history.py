@@ -121,12 +121,10 @@ class History:
         return max(self.checkpoint_args, default=None)
 
     def segment_for(self, iteration: int) -> Segment:
-        logged = [s for s in self.from_log if s.first <= iteration]
-        if logged:
-            return logged[-1]  # the log's order is the attempts' order
-        saved = [s for s in self.from_checkpoints if s.first <= iteration]
-        if saved:
-            return saved[-1]
+        for segments in (self.from_log, self.from_checkpoints):  # each in the attempts' order
+            covering = [s for s in segments if s.first <= iteration]
+            if covering:
+                return covering[-1]
         known = sorted({s.first for s in (*self.from_log, *self.from_checkpoints)})
         where = (
             f"the layout log {self.log_path} starts at iteration {known[0]}"
@@ -147,7 +145,7 @@ class History:
         return len({json.dumps(s.layout, sort_keys=True) for s in segments})  # lists inside
 
 
-def read_history(save_dir: Path, sample_log_dirs: list[str], load: Any) -> History:
+def read_history(save_dir: Path, sample_log_dir: str | None, load: Any) -> History:
     """Gather both records. ``load(directory) -> state`` reads a checkpoint's common state
     (injected so this module needs no Megatron import)."""
     checkpoints = []
@@ -155,10 +153,8 @@ def read_history(save_dir: Path, sample_log_dirs: list[str], load: Any) -> Histo
         match = CHECKPOINT_DIR.match(child.name)
         if match and (child / "metadata.json").is_file():
             checkpoints.append((int(match[1]), load(child)["args"]))
-    log_path = next(
-        (Path(d) / LAYOUT_FILE for d in sample_log_dirs if d and (Path(d) / LAYOUT_FILE).is_file()),
-        None,
-    )
+    log_path = Path(sample_log_dir, LAYOUT_FILE) if sample_log_dir else None
+    log_path = log_path if log_path and log_path.is_file() else None
     return History(
         tuple(log_segments(log_path)) if log_path else (),
         tuple(checkpoint_segments(checkpoints)),

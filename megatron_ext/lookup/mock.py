@@ -19,11 +19,6 @@ from megatron_ext.lookup.errors import PositionError
 MOCK_PATH = "mock"  # Sample.dataset_path of a mock sample
 
 
-def mock_note(index: int) -> str:
-    """What the lookup says instead of documents and raw records."""
-    return f"mock sample {index}, no document/raw record (megatron-core's MockGPTDataset)"
-
-
 class MockIndex:
     """The run's mock train dataset, in the interface the forward lookup reads."""
 
@@ -55,9 +50,6 @@ class MockIndex:
             stream = int(self.dataset.shuffle_index[index])
             out.append(Sample(index, 0, MOCK_PATH, index, stream, (), tokens))
         return out
-
-    def sources(self, sample: Sample) -> list[dict[str, Any] | None]:
-        return []
 
 
 def open_mock_index(args: Any, target_samples: int, add_extra_token: bool) -> MockIndex:

@@ -391,7 +391,7 @@ class CyclicOrder:
         """Stream positions at which ``indices`` are read in epochs ``0..epochs-1``."""
         indices = np.asarray(indices, dtype=np.int64)
         keep = np.flatnonzero(indices < self.active)
-        found, origin = [], []
+        found = [np.empty(0, dtype=np.int64)]
         for e in range(epochs):
             inverse = _inverse(self.permuted, e)
             if self.sharding:
@@ -404,10 +404,7 @@ class CyclicOrder:
                 rest = q % unit
                 within = q - rest + (rest % self.dp) * self.mbs + rest // self.dp
             found.append(e * self.active + within)
-            origin.append(keep)
-        if not found:
-            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-        return np.concatenate(found), np.concatenate(origin)
+        return np.concatenate(found), np.tile(keep, epochs)
 
 
 @dataclass(frozen=True)
@@ -422,18 +419,15 @@ class Topology:
 
     def rank(self, *, tp: int, cp: int, dp: int, pp: int) -> int:
         """Global rank of one coordinate, in Megatron's default rank order."""
-        order = ("tp", "cp", "pp", "dp") if self.tp_pp_dp_mapping else ("tp", "cp", "dp", "pp")
-        sizes = {
-            "tp": self.tensor_parallel,
-            "cp": self.context_parallel,
-            "dp": self.data_parallel,
-            "pp": self.pipeline_parallel,
-        }
-        coords = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+        outer = ((dp, self.data_parallel), (pp, self.pipeline_parallel))  # tp-cp-dp-pp
         rank, stride = 0, 1
-        for name in order:
-            rank += coords[name] * stride
-            stride *= sizes[name]
+        for coord, size in (
+            (tp, self.tensor_parallel),
+            (cp, self.context_parallel),
+            *(outer[::-1] if self.tp_pp_dp_mapping else outer),
+        ):
+            rank += coord * stride
+            stride *= size
         return rank
 
     def readers(self, dp_rank: int) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -42,7 +43,7 @@ from megatron_ext.lookup.history import (
     segment_args,
     stage_args,
 )
-from megatron_ext.lookup.mock import MOCK_PATH, mock_note
+from megatron_ext.lookup.mock import MOCK_PATH
 from megatron_ext.lookup.schedule import Batch, CyclicOrder
 
 
@@ -66,15 +67,8 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def samples_table(lines: list[str], records: list[dict[str, Any]], max_tokens: int) -> str:
     """Readable table: context lines, then one row per sample (and its text, if decoded)."""
-    header = [
-        "sample",
-        "dp",
-        "mb",
-        "ranks",
-        "dataset#sample",
-        "documents (id@offset+count)",
-        "tokens",
-    ]
+    spans = "documents (id@offset+count)"
+    header = ["sample", "dp", "mb", "ranks", "dataset#sample", spans, "tokens"]
     rows = [
         [
             str(r["sample_index"]),
@@ -133,8 +127,7 @@ def spans_of(records: list[dict[str, Any]]) -> set[tuple[int, str, int]]:
 
 
 def write_jsonl(path: str | os.PathLike[str], records: Iterable[dict[str, Any]]) -> None:
-    """Write ``records`` as compact JSON Lines, atomically (all or nothing, see
-    :mod:`megatron_ext.common.io`)."""
+    """Write ``records`` as compact JSON Lines, atomically (all or nothing)."""
     lines = (json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n" for r in records)
     atomic_write(path, "".join(lines))
 
@@ -178,12 +171,17 @@ class Session:
         self.checkpoint = checkpoint
         self.remaps = [tuple(item.split("=", 1)) for item in options.data_root]
         self.tokenizer: Any = tokenizer_from_args(args, self.remaps) if options.text else None
+        self.decode: Callable[[list[int]], str] | None = None
+        if self.tokenizer is not None:
+            self.decode = self.tokenizer.detokenize
+        # An explicit --sample-log names the run's sample log; else the run's --sample-log-dir.
+        self.sample_log = options.sample_log or getattr(args, "sample_log_dir", None)
         # Explicit layout flags assert the layout: the history is then not consulted.
         self.history: History | None = None
         if checkpoint is not None and not (
             options.data_parallel_size or _given(megatron_flags, LAYOUT_FLAGS)
         ):
-            self.history = _history(checkpoint, options, args)
+            self.history = _history(checkpoint, self.sample_log)
 
     def use_layout_of(self, iteration: int) -> None:
         """Answer ``iteration`` with the layout the run had when it trained it last."""
@@ -216,8 +214,7 @@ class Session:
         asked rank's (else rank 0's) sample log: ``--sample-log``, else the run's own."""
         if self.history is None:
             return None
-        directory = self.options.sample_log or getattr(self.args, "sample_log_dir", None)
-        return attempts_at(self.history, iteration, directory, self.options.dp_rank or 0)
+        return attempts_at(self.history, iteration, self.sample_log, self.options.dp_rank or 0)
 
     def answers_by_attempt(
         self, attempts: Attempts, chosen: AttemptAt, records: list[dict[str, Any]]
@@ -255,16 +252,6 @@ class Session:
             f"consumed samples {consumed}: no segment of the run's layout history reaches it"
         )
 
-    def decode(self) -> Callable[[list[int]], str] | None:
-        """The tokenizer's detokenize, when --text asked for one."""
-        return None if self.tokenizer is None else self.tokenizer.detokenize
-
-    def pad_id(self) -> int | None:
-        """GPTDataset's pad id, known only with the tokenizer (it maps pad tokens to 0)."""
-        if self.tokenizer is None:
-            return None
-        return pad_token_id(self.tokenizer, bool(self.config.args.allow_ambiguous_pad_tokens))
-
     def phase(self, asked: int | None) -> int:
         """The phase whose data the config describes; refuses a mismatch with ``asked``."""
         own = self.config.data_phase
@@ -301,13 +288,13 @@ class Session:
                 if isinstance(getattr(self.args, name, None), str)
             }
             tokenizer = {k: originals.get(v, v) for k, v in tokenizer.items()}
-        spec = self.config.data_spec(phase)
-
-        def open_index() -> TrainIndex:
-            return open_train_index(
-                spec, cache_dir=self.options.cache_dir, data_root=self.remaps, tokenizer=tokenizer
-            )
-
+        open_index = functools.partial(
+            open_train_index,
+            self.config.data_spec(phase),
+            cache_dir=self.options.cache_dir,
+            data_root=self.remaps,
+            tokenizer=tokenizer,
+        )
         try:
             return open_index()
         except CacheMissing:
@@ -344,7 +331,9 @@ def batch_records(
     per_slot = [schedule.positions(batch, m, r) for m, r in slots]
     positions, order = np.concatenate(per_slot), session.cyclic_order(index)
     indices = (positions if order is None else order.dataset_indices(positions)).tolist()
-    pad_id, decode = session.pad_id(), session.decode()
+    pad_id, tokenizer = None, session.tokenizer  # GPTDataset maps its pad id to 0
+    if tokenizer is not None:
+        pad_id = pad_token_id(tokenizer, bool(session.config.args.allow_ambiguous_pad_tokens))
     samples = index.resolve(indices, pad_id)
     records = []
     for sample, (m, r) in zip(samples, (slot for slot, p in zip(slots, per_slot) for _ in p)):
@@ -361,17 +350,21 @@ def batch_records(
             "dataset_sample": sample.dataset_sample,
             "stream_sample": sample.stream_sample,
             "documents": [
-                {"document": s.document, "offset": s.offset, "count": s.count, "source": source}
-                for s, source in zip(sample.spans, index.sources(sample))
+                {"document": s.document, "offset": s.offset, "count": s.count}
+                | {"source": index.mids[sample.dataset].source(s.document)}
+                for s in sample.spans
             ],
             "tokens": sample.tokens.tolist(),
             "token_sha1": token_sha1(sample.tokens),
             "readers": topology.readers(r),
         }
         if not sample.spans and sample.dataset_path == MOCK_PATH:
-            record["mock"] = mock_note(sample.index)
-        if decode is not None:
-            record["text"] = decode(sample.tokens.tolist())
+            record["mock"] = (
+                f"mock sample {sample.index}, no document/raw record (megatron-core's "
+                "MockGPTDataset)"
+            )
+        if session.decode is not None:
+            record["text"] = session.decode(sample.tokens.tolist())
         records.append(record)
     return index, records
 
@@ -381,9 +374,7 @@ def _stage_key(segment: Segment) -> str:
     return repr((sorted(segment.layout.items()), sorted(segment.data.items())))
 
 
-def _history(
-    checkpoint: Checkpoint, options: argparse.Namespace, args: argparse.Namespace
-) -> History:
+def _history(checkpoint: Checkpoint, sample_log: str | None) -> History:
     """The layout history of the checkpoint's run (its --save directory and layout log)."""
     directory = checkpoint.directory
     save_dir = directory.parent if CHECKPOINT_DIR.match(directory.name) else directory
@@ -397,16 +388,14 @@ def _history(
                 "pass --data-parallel-size/--micro-batch-size to answer without it"
             ) from None
 
-    # An explicit --sample-log names the run's sample log; else the run's --sample-log-dir.
-    logs = [options.sample_log or getattr(args, "sample_log_dir", None)]
-    return read_history(save_dir, logs, load)
+    return read_history(save_dir, sample_log, load)
 
 
 def emit_blocklist(
     session: Session, index: TrainIndex, documents: set[tuple[int, str, int]]
 ) -> None:
     """Write ``documents`` ((blend member, dataset path, document)) to ``--emit-blocklist``."""
-    decode, target = session.decode(), session.options.emit_blocklist
+    decode, target = session.decode, session.options.emit_blocklist
     records = []
     for member, path, document in sorted(documents):
         # Where the document is, a content hash that survives reordering, and its raw record

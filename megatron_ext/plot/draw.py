@@ -58,7 +58,6 @@ from megatron_ext.plot.stream import (
     stage_changes,
     stream,
 )
-from megatron_ext.spikes.detector import SpikeEvent
 from megatron_ext.telemetry.layers import layer_order
 
 # (record field, panel title, the flag that records it: None for what every run records; a
@@ -210,10 +209,6 @@ def build_series(
         return lines, stream(log, lines)
 
 
-def _finite(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)
-
-
 def _draw_plans(axes: list, plans: list[dict]) -> None:
     """Each incident's skip window (shaded) and rollback target (dashed), on every panel."""
     for plan in plans:
@@ -258,7 +253,8 @@ def _draw_marks(axis, name: str, line: Series, colour: str) -> None:
             drawn.add(("|", column))
             axis.axvline(event.iteration, color=colour, linestyle=":", linewidth=1.0)
         value = values.get(event.iteration)
-        if name in MARKED_FIELDS and _finite(value) and (event.kind, column) not in drawn:
+        finite = value is not None and math.isfinite(value)
+        if name in MARKED_FIELDS and finite and (event.kind, column) not in drawn:
             drawn.add((event.kind, column))
             axis.plot(
                 [event.iteration],
@@ -412,14 +408,6 @@ def save_png(figure: Figure, out: Path) -> None:
     atomic_write(out, lambda stream: figure.savefig(stream, format="png"))
 
 
-def _describe(event: SpikeEvent) -> str:
-    return (
-        f"  iteration {event.iteration:>8} attempt {event.attempt}: {event.kind} "
-        f"(loss {event.loss}, threshold {event.loss_threshold}, grad norm "
-        f"{event.grad_norm}, worst DP rank {event.culprit_dp_rank}) - {event.classification}"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     """Plot a signals log; 0 written, 1 refused, 2 usage error."""
     parser = build_parser()
@@ -465,7 +453,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(candidates)} spike/divergence candidate(s) replayed with {config}"
     )
     for event in (tracked + candidates)[:MAX_LISTED]:
-        print(_describe(event))
+        print(
+            f"  iteration {event.iteration:>8} attempt {event.attempt}: {event.kind} "
+            f"(loss {event.loss}, threshold {event.loss_threshold}, grad norm "
+            f"{event.grad_norm}, worst DP rank {event.culprit_dp_rank}) - {event.classification}"
+        )
     if len(tracked) + len(candidates) > MAX_LISTED:
         print(f"  ... and {len(tracked) + len(candidates) - MAX_LISTED} more (all are marked)")
     for plan in plans:

@@ -37,11 +37,6 @@ from megatron_ext.spikes.fast_replay import FastReplay
 COLUMNS = 2400  # per x range: twice the figure's width in pixels
 
 
-def column_width(first: int, last: int, columns: int = COLUMNS) -> int:
-    """Iterations per column over ``first..last`` (1: every point kept)."""
-    return max(1, math.ceil((last - first + 1) / columns))
-
-
 class Envelope:
     """One line's columns; feed :meth:`add` points in increasing iteration order."""
 
@@ -108,17 +103,13 @@ class Envelope:
                 columns[column] = points
         for x in self.bad().tolist():
             columns.setdefault((x - self.start) // self.width, []).append((x, math.nan))
-        line: list[tuple[int, float]] = []
+        line: dict[int, float] = {}  # columns hold disjoint, increasing iterations
         for column in sorted(columns):
-            seen = set()
             for x, y in sorted(columns[column], key=lambda p: p[0]):
-                if x not in seen:
-                    seen.add(x)
-                    line.append((x, y))
+                line.setdefault(x, y)
         if not line:
             return np.array([], dtype=np.int64), np.array([], dtype=np.float64)
-        x, y = zip(*line)
-        return np.array(x), np.array(y)
+        return np.array(list(line)), np.array(list(line.values()))
 
 
 STAGE_SHIFT = 0.1  # half the L1 distance of two mixtures' token shares that is a new stage
@@ -155,11 +146,6 @@ class SourceLines:
                 envelope.add(iterations, sources.losses[rows, index], has)
 
 
-def shares(tokens: dict[str, int]) -> dict[str, float]:
-    total = sum(tokens.values())
-    return {n: t / total for n, t in tokens.items()} if total else {}
-
-
 def stage_changes(
     pieces: list[tuple[int, int, int]], mixtures: dict[int, dict[str, int]]
 ) -> list[tuple[int, str]]:
@@ -167,7 +153,9 @@ def stage_changes(
     previous piece's; the first piece is the first stage (not marked)."""
     changes, previous = [], None
     for attempt, first, _ in pieces:
-        mixture = shares(mixtures.get(attempt, {}))
+        tokens = mixtures.get(attempt, {})
+        total = sum(tokens.values())
+        mixture = {n: t / total for n, t in tokens.items()} if total else {}
         if not mixture:
             continue
         if previous is not None:
@@ -239,12 +227,12 @@ def _ledger_events(ledger: Ledger, attempt: int) -> list[SpikeEvent]:
 def final_timeline(segments: list[Segment]) -> list[tuple[int, int, int]]:
     """(attempt, first, last) pieces of what the run finally trained, in iteration order."""
     pieces: list[tuple[int, int, int]] = []
-    bound = None
+    bound = math.inf  # the first iteration a later attempt restarted at
     for segment in reversed(segments):
-        top = segment.last_iteration if bound is None else min(bound - 1, segment.last_iteration)
+        top = min(bound - 1, segment.last_iteration)
         if top >= segment.first_iteration:
             pieces.append((segment.attempt, segment.first_iteration, top))
-        bound = segment.first_iteration if bound is None else min(bound, segment.first_iteration)
+        bound = min(bound, segment.first_iteration)
     return pieces[::-1]
 
 
@@ -277,7 +265,8 @@ def plan_series(
     if not segments:
         return []
     start = min(s.first_iteration for s in segments)
-    width = column_width(start, max(s.last_iteration for s in segments), columns)
+    last = max(s.last_iteration for s in segments)
+    width = max(1, math.ceil((last - start + 1) / columns))  # iterations per column (1: all kept)
 
     def new(label: str, pieces: list[tuple[int, int, int]], tracked: bool) -> Series:
         envelopes = {name: Envelope(start, width) for name in PANEL_FIELDS}

@@ -40,37 +40,6 @@ from megatron_ext.recovery.core import (
 RESET = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
 
 
-def add_recovery_args(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--recovery-iters",
-        type=int,
-        default=0,
-        help="After a resume from an applied rollback (megatron-ext skiplist --apply), apply "
-        "the --recovery-* options to this many updates (default 0: off). docs/incidents.md.",
-    )
-    group.add_argument(
-        "--recovery-lr-mult",
-        type=float,
-        default=1.0,
-        help="Scale the lr of the first update after the rollback by this factor, ramping "
-        "linearly back to the schedule's lr over --recovery-iters updates (default 1: off).",
-    )
-    group.add_argument(
-        "--recovery-reset-moments",
-        action="store_true",
-        help="Zero Adam's moments and step count at the rollback's resume: the first update "
-        "after it is Adam's first step (lr x sign of the gradient per element).",
-    )
-    group.add_argument(
-        "--recovery-clip-update",
-        type=float,
-        default=None,
-        metavar="K",
-        help="During the recovery window, scale down an update whose norm is above mean + K "
-        "sigma of the last --spike-window update norms (needs --signals-update-ratio).",
-    )
-
-
 def config_of(args: Any) -> RecoveryConfig:
     return RecoveryConfig(
         iters=args.recovery_iters,
@@ -122,10 +91,43 @@ class RecoveryFeature(Feature):
         self.snapshot: list[tuple[Any, list[tuple[torch.Tensor, torch.Tensor, bool]]]] = []
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
-        add_recovery_args(group)
+        group.add_argument(
+            "--recovery-iters",
+            type=int,
+            default=0,
+            help="After a resume from an applied rollback (megatron-ext skiplist --apply), apply "
+            "the --recovery-* options to this many updates (default 0: off). docs/incidents.md.",
+        )
+        group.add_argument(
+            "--recovery-lr-mult",
+            type=float,
+            default=1.0,
+            help="Scale the lr of the first update after the rollback by this factor, ramping "
+            "linearly back to the schedule's lr over --recovery-iters updates (default 1: off).",
+        )
+        group.add_argument(
+            "--recovery-reset-moments",
+            action="store_true",
+            help="Zero Adam's moments and step count at the rollback's resume: the first update "
+            "after it is Adam's first step (lr x sign of the gradient per element).",
+        )
+        group.add_argument(
+            "--recovery-clip-update",
+            type=float,
+            default=None,
+            metavar="K",
+            help="During the recovery window, scale down an update whose norm is above mean + K "
+            "sigma of the last --spike-window update norms (needs --signals-update-ratio).",
+        )
 
     def enabled(self, args: Any) -> bool:
-        return bool(args.recovery_iters or config_of_flags(args))
+        # Any option set is validated, even without --recovery-iters.
+        return bool(
+            args.recovery_iters
+            or args.recovery_lr_mult != 1.0
+            or args.recovery_reset_moments
+            or args.recovery_clip_update is not None
+        )
 
     def validate(self, args: Any) -> None:
         try:
@@ -253,12 +255,3 @@ class RecoveryFeature(Feature):
                 flush=True,
             )
         return {"update_norm": norm, "clip_threshold": threshold, "clip_scale": scale}
-
-
-def config_of_flags(args: Any) -> bool:
-    """Whether any recovery option is set (validated even without --recovery-iters)."""
-    return (
-        args.recovery_lr_mult != 1.0
-        or args.recovery_reset_moments
-        or args.recovery_clip_update is not None
-    )

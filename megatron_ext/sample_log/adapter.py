@@ -12,7 +12,6 @@ layout line at ``on_setup``.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from typing import Any
 
@@ -35,6 +34,7 @@ from megatron_ext.common.records.sample_log import (
     append_layout,
     layout_record,
 )
+from megatron_ext.common.run_lock import job_id
 from megatron_ext.common.validation import check_directory
 
 SAMPLE_ID_KEY = "sample_id"  # added to every train sample by SampleIdDataset
@@ -60,10 +60,6 @@ class SampleIdDataset(torch.utils.data.Dataset):
         if name == "dataset":
             raise AttributeError(name)
         return getattr(self.dataset, name)
-
-
-def _job_id() -> str:
-    return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
 
 
 class SampleLogFeature(Feature):
@@ -103,10 +99,10 @@ class SampleLogFeature(Feature):
 
     def on_setup(self, model: list[Any], optimizer: Any) -> None:
         if dist.get_rank() == 0:
-            job = _job_id()
             # Megatron set the resume iteration and consumed samples on these args (its
             # global args: the entry point checks they are the ones the features hold).
-            append_layout(self.args.sample_log_dir, layout_record(self.args, job, time.time()))
+            layout = layout_record(self.args, job_id(), time.time())
+            append_layout(self.args.sample_log_dir, layout)
 
     def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None:
         if not (micro_batch.training and mpu.is_pipeline_last_stage()):
@@ -137,7 +133,7 @@ class SampleLogFeature(Feature):
         if not pending:
             return
         if self.log is None:
-            self.log = SampleLog(self.args.sample_log_dir, pending[0][0].dp_rank, _job_id())
+            self.log = SampleLog(self.args.sample_log_dir, pending[0][0].dp_rank, job_id())
         sums = torch.stack([values for *_, values in pending])
         if mpu.get_context_parallel_world_size() > 1:
             # Every CP rank read the micro-batch and trained on its part of each sequence: the

@@ -143,15 +143,13 @@ class UpdateSkipFeature(Feature):
         self.gate = UpdateGate(self._config(args))
 
     def on_setup(self, model: list[Any], optimizer: Any) -> None:
-        """Keep the parts whose threshold Megatron reads, and prime the gate (every rank)."""
+        """Keep the parts whose threshold Megatron reads, and prime the gate on every rank with
+        the healthy norms of the history this run continues from (read by the writing rank,
+        broadcast)."""
         self.optimizer = optimizer
         self.parts = list(optimizer.chained_optimizers)
         self.static = [part.config.grad_norm_skip_threshold for part in self.parts]
-        self._prime(int(getattr(self.args, "iteration", 0) or 0) + 1)
-
-    def _prime(self, first_iteration: int) -> None:
-        """The writing rank reads the history this run continues from and broadcasts its
-        healthy norms."""
+        first_iteration = int(getattr(self.args, "iteration", 0) or 0) + 1
         assert self.gate is not None
         config = self.gate.config
         world = dist.get_world_size()

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         supervisor.main()
     except KnobError as exc:
-        log(NAMES[scheduler], f"ERROR: {exc}")
+        log(scheduler, f"ERROR: {exc}")
         return exc.exit_code
     return 0
 

@@ -38,9 +38,8 @@ DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "TERM", "--"] if shutil.which("setp
 NAMES = {"local": "single-node", "slurm": "sbatch"}
 
 
-def log(config_or_name: Config | str, message: str) -> None:
-    name = config_or_name if isinstance(config_or_name, str) else NAMES[config_or_name.scheduler]
-    print(f"[megatron-ext {name}] {message}", file=sys.stderr, flush=True)
+def log(scheduler: str, message: str) -> None:
+    print(f"[megatron-ext {NAMES[scheduler]}] {message}", file=sys.stderr, flush=True)
 
 
 def tracker(ckpt_dir: Path) -> int | None:
@@ -92,7 +91,7 @@ class Supervisor:
             )
 
     def say(self, message: str) -> None:
-        log(self.config, message)
+        log(self.config.scheduler, message)
 
     # -- commands -------------------------------------------------------------------------
     def attempt_tag(self, attempt: int) -> str:

@@ -57,9 +57,9 @@ from megatron_ext.telemetry.step_sums import StepSums, StepValues
 from megatron_ext.telemetry.stragglers import (
     StepClock,
     Stragglers,
+    StragglerWatch,
     add_straggler_args,
     check_straggler_args,
-    watch_from_args,
 )
 
 # Σ bucket² must equal grad-norm² to this relative tolerance (fp32 summation-order noise).
@@ -249,7 +249,9 @@ class TelemetryFeature(Feature):
         nodes: list[Any] | None = [None] * world if _is_writer() else None
         dist.gather_object(socket.gethostname(), nodes, dst=writing_rank(world))
         if nodes is not None:
-            self.stragglers = Stragglers(watch_from_args(self.args), [str(n) for n in nodes])
+            a = self.args
+            watch = StragglerWatch(a.straggler_factor, a.straggler_steps, a.straggler_min_seconds)
+            self.stragglers = Stragglers(watch, [str(n) for n in nodes])
 
     def _layout_buckets(self) -> None:
         """Bucket views (FSDP2: ``fully_shard`` units) and their reduction slots."""
@@ -370,8 +372,8 @@ class TelemetryFeature(Feature):
             return
         step = StepValues() if summed is None else self.sums.read(summed.tolist(), self.members)
         by_dataset, slow = step.by_dataset, self._log_stragglers(record.iteration, step)
-        self._log_buckets(record.iteration, buckets)
-        self._log_layers(record.iteration, *layers, updates)
+        self._log_norms(record.iteration, "bucket", ("bucket-grad-norm/", buckets))
+        self._log_norms(record.iteration, "layer", *zip((GRAD, PARAM, UPDATE), (*layers, updates)))
         self._log_sources(record.iteration, *by_dataset)
         if self.writer is None:
             return
@@ -429,14 +431,11 @@ class TelemetryFeature(Feature):
                 flush=True,
             )
 
-    def _log_layers(self, iteration: int, *kinds: dict[str, float]) -> None:
-        """Per-layer norms (grad, weights, update) under their TensorBoard keys; the console
-        line shows the grad norms."""
-        scalars = {
-            p + n: v for p, norms in zip((GRAD, PARAM, UPDATE), kinds) for n, v in norms.items()
-        }
-        shown = " | ".join(f"{n}: {v:.4g}" for n, v in kinds[0].items())
-        self._log(iteration, scalars, f"layer grad norms | {shown}")
+    def _log_norms(self, iteration: int, what: str, *kinds: tuple[str, dict[str, float]]) -> None:
+        """Norms under their TensorBoard prefixes; the console line shows the first (grad)."""
+        scalars = {prefix + n: v for prefix, norms in kinds for n, v in norms.items()}
+        shown = " | ".join(f"{n}: {v:.4g}" for n, v in kinds[0][1].items())
+        self._log(iteration, scalars, f"{what} grad norms | {shown}")
 
     def _log_stragglers(self, iteration: int, step: StepValues) -> dict[str, Any]:
         """The slowest rank to TensorBoard and the console, a straggler announced when named
@@ -448,11 +447,6 @@ class TelemetryFeature(Feature):
             print(f"megatron-ext stragglers: {out.news}", flush=True)
         self._log(iteration, out.scalars, out.line)
         return out.fields
-
-    def _log_buckets(self, iteration: int, buckets: dict[str, float]) -> None:
-        scalars = {f"bucket-grad-norm/{n}": v for n, v in buckets.items()}
-        shown = " | ".join(f"{n}: {v:.4g}" for n, v in buckets.items())
-        self._log(iteration, scalars, f"bucket grad norms | {shown}")
 
     def _log_sources(
         self, iteration: int, losses: dict[str, float], tokens: dict[str, int]

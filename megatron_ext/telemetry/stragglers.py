@@ -199,10 +199,6 @@ class StragglerStep:
     news: str | None = None
 
 
-def watch_from_args(args: Any) -> StragglerWatch:
-    return StragglerWatch(args.straggler_factor, args.straggler_steps, args.straggler_min_seconds)
-
-
 class Stragglers:
     """The writer's view of the slowest ranks: the rule, each rank's node, what a step adds to
     the signals (fields), TensorBoard (scalars) and the console (an announcement on change)."""

@@ -72,6 +72,5 @@ def read_incidents(ckpt_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     directory = Path(ckpt_dir) / INCIDENTS_DIR
     plans = []
     for path in sorted(directory.glob("incident-[0-9][0-9][0-9].json")):
-        with open(path) as handle:
-            plans.append({**json.load(handle), "number": int(path.stem.split("-")[1])})
+        plans.append({**json.loads(path.read_text()), "number": int(path.stem.split("-")[1])})
     return plans

@@ -153,11 +153,8 @@ class Provenance:
             start += mapped.nbytes
             return mapped
 
-        self.shard, self.line, self.byte = (
-            column(meta["shard_dtype"]),
-            column("<u8"),
-            column("<u8"),
-        )
+        self.shard = column(meta["shard_dtype"])
+        self.line, self.byte = column("<u8"), column("<u8")
         self.id_end: np.ndarray | None = None
         self.blob: np.ndarray | None = None
         size = os.path.getsize(path)

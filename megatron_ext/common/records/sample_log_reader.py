@@ -222,11 +222,7 @@ def _progress(
 
 def latest(groups: list[AttemptRecords]) -> dict[int, SampleRecord]:
     """Micro-batch -> the record the run finally trained on (the last attempt's)."""
-    out: dict[int, SampleRecord] = {}
-    for group in groups:
-        for record in group.records:
-            out[record.microbatch] = record
-    return out
+    return {record.microbatch: record for group in groups for record in group.records}
 
 
 def read_iteration(

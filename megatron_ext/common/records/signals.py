@@ -579,7 +579,6 @@ def replay_records(block: Block, rows: np.ndarray) -> list[SignalRecord]:
 # -- seeking: bisection by (attempt, iteration) ------------------------------------------------
 
 KEY = re.compile(rb'\{\s*"iteration"\s*:\s*(\d+)\s*,\s*"attempt"\s*:\s*(\d+)\s*,')
-PROBE = 2048  # bytes read per bisection probe: a line or two
 BLOCK = 1 << 20  # bytes read per step of a sequential read
 
 type Key = tuple[int, int]  # (attempt, iteration): the order of the file
@@ -605,7 +604,7 @@ class KeyedLines:
     :meth:`key` recognises (torn and foreign lines have no key and are stepped over).
     ``bytes_read``: what reads cost."""
 
-    probe = PROBE  # bytes read per bisection probe
+    probe = 2048  # bytes read per bisection probe: a line or two
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)

@@ -93,8 +93,8 @@ def clip(
     """The iterations of ``ranges`` that training can reach (<= ``train_iters``), expanded,
     and a note naming what was dropped. Raises ValueError above :data:`MAX_SKIPPED`."""
     kept = [(a, min(b, train_iters or b)) for a, b in ranges if not train_iters or a <= train_iters]
-    count = sum(b - a + 1 for a, b in to_merged(kept))
-    refuse_too_many(count, where)
+    merged = to_merged(kept)
+    refuse_too_many(sum(b - a + 1 for a, b in merged), where)
     dropped = [f"{a}-{b}" for a, b in ranges if train_iters and b > train_iters]
     note = (
         f"megatron-ext: {where}{', '.join(dropped)} clipped to --train-iters {train_iters} "
@@ -103,7 +103,7 @@ def clip(
         if dropped
         else None
     )
-    return [i for a, b in to_merged(kept) for i in range(a, b + 1)], note
+    return [i for a, b in merged for i in range(a, b + 1)], note
 
 
 def refuse_too_many(count: int, where: str) -> None:
@@ -172,10 +172,7 @@ class SkipSources:
     notes: list[str] = field(default_factory=list)  # placed, clipped, trained: at start-up
 
     def union(self) -> list[int]:
-        merged = set(self.flags) | set(self.persisted)
-        for iterations in self.files.values():
-            merged |= set(iterations)
-        return sorted(merged)
+        return sorted(set(self.flags).union(self.persisted, *self.files.values()))
 
     def describe(self) -> str:
         """The start-up lines: what was placed, clipped or already trained, then the union
@@ -285,14 +282,8 @@ def resolve_argv(argv: list[str]) -> tuple[list[str], SkipSources]:
     refuse_too_many(len(union), "the union of the skip lists: ")
     out = [*rest, "--iterations-to-skip", *map(str, union)] if union else rest
     if sources.windows:
-        out += [
-            WINDOWS_FLAG,
-            *(
-                f"{w.iterations()}:{w.samples[0]}-{w.samples[1]}"
-                for w in sources.windows
-                if w.samples
-            ),
-        ]
+        items = [f"{w.iterations()}:{w.samples[0]}-{w.samples[1]}" for w in sources.windows]
+        out += [WINDOWS_FLAG, *items]
         out += [WINDOWS_BATCH_FLAG, str(sources.global_batch)] if sources.global_batch else []
     return out, sources
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 # The max attention logit past which bf16 softmax saturates (seed 000 ch. 2 §4; Megatron's
@@ -103,12 +103,8 @@ def add_detector_args(group: argparse._ArgumentGroup, defaults: bool = True) -> 
 def config_from_args(options: Any, base: SpikeConfig | None = None) -> SpikeConfig:
     """The thresholds the ``--spike-*`` flags describe; unset (None) flags keep ``base``'s
     value (raises ValueError if invalid)."""
-    base = base or SpikeConfig()
-    values = {}
-    for f in _flags():
-        given = getattr(options, f"spike_{f.name}", None)
-        values[f.name] = getattr(base, f.name) if given is None else given
-    return SpikeConfig(**{**base.as_json(), **values})
+    given = {f.name: getattr(options, f"spike_{f.name}", None) for f in _flags()}
+    return replace(base or SpikeConfig(), **{k: v for k, v in given.items() if v is not None})
 
 
 def flags_given(options: Any) -> bool:

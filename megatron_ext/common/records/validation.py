@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from megatron_ext.common.files import SIGNALS_FILE, VALIDATION_FILE
-from megatron_ext.common.gap_log import GapLog, is_gap
+from megatron_ext.common.gap_log import GapLog
 from megatron_ext.common.io import from_json, read_jsonl
 from megatron_ext.common.records.signals import next_attempt
 
@@ -38,11 +38,7 @@ _FIELDS = {f.name for f in fields(ValidationRecord)}
 
 def read_validation(path: str | os.PathLike[str]) -> list[ValidationRecord]:
     """Every record in file order; gap lines and foreign lines are left out."""
-    records = []
-    for raw in read_jsonl(path).records:
-        if not is_gap(raw) and set(raw) == _FIELDS:
-            records.append(ValidationRecord(**from_json(raw)))
-    return records
+    return [ValidationRecord(**from_json(r)) for r in read_jsonl(path).records if set(r) == _FIELDS]
 
 
 class ValidationWriter:

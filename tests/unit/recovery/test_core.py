@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_ext.common.features import FeatureError
-from megatron_ext.recovery.adapter import RecoveryFeature, add_recovery_args
+from megatron_ext.recovery.adapter import RecoveryFeature
 from megatron_ext.recovery.core import (
     MIN_NORMS,
     RecoveryConfig,
@@ -67,7 +67,7 @@ def test_past_update_norms_are_ratio_times_params_norm_of_applied_steps() -> Non
 
 def _args(*flags: str, **more: object) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_recovery_args(parser.add_argument_group())
+    RecoveryFeature().add_args(parser.add_argument_group())
     args = parser.parse_args(list(flags))
     defaults = dict(
         load="/ckpt",
