@@ -56,7 +56,7 @@ def _training(argv: list[str]) -> Callable[[], object]:
 if __name__ == "__main__":  # checkpoint saving spawns helper processes that re-import main
     # Young-generation collections every 10,000 allocations, not 700: the start-up imports
     # (torch, megatron-core, transformers) make millions of objects and little cyclic garbage,
-    # so the default threshold spends ~10 % of a rank's start-up CPU in the collector.
+    # so the default threshold spends ~9 % of those imports' CPU in the collector.
     gc.set_threshold(10_000)
     atexit.register(_skip_interpreter_teardown)
     from megatron_ext.cpu import shims

@@ -30,6 +30,7 @@ from megatron_ext.common.records.signals import history_before
 from megatron_ext.recovery.core import (
     RecoveryConfig,
     UpdateNorms,
+    chosen_options,
     clip_scale,
     lr_multiplier,
     rollback_resumed,
@@ -122,12 +123,8 @@ class RecoveryFeature(Feature):
 
     def enabled(self, args: Any) -> bool:
         # Any option set is validated, even without --recovery-iters.
-        return bool(
-            args.recovery_iters
-            or args.recovery_lr_mult != 1.0
-            or args.recovery_reset_moments
-            or args.recovery_clip_update is not None
-        )
+        options = (args.recovery_lr_mult, args.recovery_reset_moments, args.recovery_clip_update)
+        return bool(args.recovery_iters or chosen_options(*options))
 
     def validate(self, args: Any) -> None:
         try:

@@ -45,9 +45,14 @@ class RecoveryConfig:
 
     def options(self) -> list[str]:
         """The options chosen, as flags."""
-        chosen = ["--recovery-lr-mult"] if self.lr_mult != 1.0 else []
-        chosen += ["--recovery-reset-moments"] if self.reset_moments else []
-        return chosen + (["--recovery-clip-update"] if self.clip_update is not None else [])
+        return chosen_options(self.lr_mult, self.reset_moments, self.clip_update)
+
+
+def chosen_options(lr_mult: float, reset_moments: bool, clip_update: float | None) -> list[str]:
+    """The recovery options set to other than their off values, as flags."""
+    chosen = ["--recovery-lr-mult"] if lr_mult != 1.0 else []
+    chosen += ["--recovery-reset-moments"] if reset_moments else []
+    return chosen + (["--recovery-clip-update"] if clip_update is not None else [])
 
 
 def rollback_resumed(loaded_iteration: int, applied: list[dict[str, Any]]) -> dict | None:
