@@ -419,6 +419,14 @@ def from_sample_log(options: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_worst_without_a_sample_log(options: argparse.Namespace) -> None:
+    """``--worst`` of a run that wrote no sample log, refused from the checkpoint's args (read
+    without torch) before Megatron's seconds of import: the planner asks on every rollback."""
+    if options.worst is not None and options.from_checkpoint and not options.sample_log:
+        checkpoint = load_checkpoint(options.from_checkpoint, options.ckpt_step)
+        sample_log_dir(options, checkpoint.args, "--worst")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one lookup; refusals print their reason and return 1."""
     parser = build_parser()
@@ -431,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if options.from_sample_log:
             return from_sample_log(options)
+        if not megatron_flags:
+            _refuse_worst_without_a_sample_log(options)
         # The Megatron logic copied here must still be the installed megatron-core's.
         copies.verify(COPIES)
         session = Session(options, megatron_flags)

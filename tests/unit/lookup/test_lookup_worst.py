@@ -18,6 +18,7 @@ from megatron_ext.common.records.sample_log import SampleLog, SampleRecord
 from megatron_ext.lookup import cli
 from megatron_ext.lookup.crosscheck import attach, ranked_samples, worst_lines, worst_table
 from megatron_ext.lookup.errors import ConfigError, DataChanged, PositionError
+from tests.support.checkpoints import write_loadable_checkpoint
 
 
 def _write(directory: Path, iteration: int, losses: dict[tuple[int, int], list[float]]) -> None:
@@ -157,3 +158,22 @@ def test_from_sample_log_refuses_what_needs_the_indices(tmp_path: Path, capsys) 
         cli.main(["--sample-log", str(tmp_path), "--iteration", "7", "--from-sample-log", "--x"])
     assert cli.main(["--sample-log", str(tmp_path), "--iteration", "7", "--from-sample-log"]) == 1
     assert "no record of iteration 7" in capsys.readouterr().err
+
+
+def test_worst_of_a_run_without_a_sample_log_is_refused_before_megatron(tmp_path: Path) -> None:
+    """The planner's report asks ``--worst`` on every rollback; a run that wrote no sample log
+    is refused from the checkpoint's args, in a process that imports neither Megatron nor
+    torch (it spent seconds importing them before)."""
+    ckpt = tmp_path / "ckpt"
+    write_loadable_checkpoint(ckpt / "iter_0000006", saved_args=(("sample_log_dir", None),))
+    argv = ["lookup", "--from-checkpoint", str(ckpt), "--ckpt-step", "6", "--iteration", "7"]
+    code = (
+        "import json, sys\n"
+        "from megatron_ext import cli\n"
+        f"rc = cli.main({[*argv, '--worst', '3', '--text', '--json']!r})\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'torch'))\n"
+        "print(json.dumps({'rc': rc, 'heavy': heavy[:10]}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert json.loads(result.stdout) == {"rc": 1, "heavy": []}, result.stderr[-2000:]
+    assert "refused: --worst reads the sample log training wrote" in result.stderr
