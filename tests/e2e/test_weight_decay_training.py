@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_ext.weight_decay.core import WeightDecayResumeError
-from tests.support.harness import Run, launch
+from tests.support.harness import Run, launch, rank0_alone
 
 LR, WD = 1e-3, 1.0
 
@@ -132,12 +132,12 @@ def test_start_up_map_lists_each_parameter_and_its_rule(decay_runs: dict[float, 
 def test_resume_with_other_multipliers_is_refused_before_training(
     decay_runs: dict[float, Run],
     data_args: list[str],
-    tmp_path: Path,
 ) -> None:
-    """Dropping the flags on resume would silently regroup the optimizer: refused at start-up."""
+    """Dropping the flags on resume would silently regroup the optimizer: refused at start-up.
+    Rank 0 of the same DP=2 job alone (every rank runs the same check on the same saved args):
+    the refusal must come before distributed init, which would wait for a rank 1 forever."""
     checkpoint = decay_runs[WD].workdir / "ckpt"
-    run = launch(
-        tmp_path,
+    result = rank0_alone(
         [
             *data_args,
             "--use-distributed-optimizer",
@@ -145,19 +145,20 @@ def test_resume_with_other_multipliers_is_refused_before_training(
             str(checkpoint),
             "--train-iters",
             "2",
-        ],
-        nproc=2,
+        ]
     )
-    assert run.returncode != 0
+    log = result.stdout + result.stderr
+    assert result.returncode != 0, log[-3000:]
     # A WeightDecayResumeError, reported as its message: no traceback of ours.
-    assert "weight_decay/core.py" not in run.log and "weight_decay/adapter.py" not in run.log
+    assert "weight_decay/core.py" not in log and "weight_decay/adapter.py" not in log
     assert (
         f"the checkpoint {checkpoint}/iter_0000001 was trained with "
         "--embedding-weight-decay-mult 0 --output-layer-weight-decay-mult 0.25 "
         "--weight-decay-override '*.linear_fc2.weight=0.5'"
-    ) in run.log
-    assert "this run sets no weight-decay multiplier flags" in run.log
-    assert "iteration        2/" not in run.log
+    ) in log
+    assert "this run sets no weight-decay multiplier flags" in log
+    assert "iteration        2/" not in log
+    assert "initializing torch distributed" not in log, "refused after start-up"
 
 
 def test_resume_check_reads_the_real_checkpoint(decay_runs: dict[float, Run]) -> None:
