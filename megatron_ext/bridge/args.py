@@ -1,10 +1,9 @@
 """The Megatron-style args the features are installed on, made from a Bridge ``ConfigContainer``.
 
-Every feature reads the Megatron ``args`` it was installed with; Bridge has none, so one is
-made: Megatron's parser with the overlay's group (every Megatron default), the user's
-megatron-ext flags, and the fields the features read copied from the ConfigContainer. It is
-also Megatron's global args (``calc_params_l2_norm`` reads them). What cannot work under
-Bridge is refused here, before anything starts (:class:`BridgeRefusal`).
+Bridge has no Megatron ``args``, so one is made: Megatron's parser with the overlay's group on
+the user's megatron-ext flags, then the fields the features read copied from the
+ConfigContainer; it is also Megatron's global args (``calc_params_l2_norm`` reads them). What
+cannot work under Bridge is refused here, before anything starts (:class:`BridgeRefusal`).
 """
 
 from __future__ import annotations
@@ -54,9 +53,8 @@ def refuse_unsupported(config: Any) -> None:
 
 def refuse_pipeline_p2p(config: Any) -> None:
     """A virtual pipeline over 2 stages without overlapped P2P (the model config's default,
-    which a ``comm_overlap`` config turns on): Megatron's validate_args refuses it, Bridge does not,
-    and the interleaved schedule then trains silently wrong (measured on CPU: one stage's
-    gradients 2.5x at the first step, the grad norm 3 -> 590 in 30 steps)."""
+    which a ``comm_overlap`` config turns on): Megatron's validate_args refuses it, Bridge does
+    not, and the interleaved schedule then trains silently wrong."""
     model, overlap = config.model, getattr(config, "comm_overlap", None)
     overlapped = model.overlap_p2p_comm
     if overlap is not None:  # its setup turns it on for a virtual pipeline, unless told not to
@@ -89,30 +87,24 @@ def megatron_args(config: Any, flags: list[str]) -> Any:
         args = parse_args(extra_args_provider=add_megatron_ext_args)
     finally:
         sys.argv = argv
-    refuse_flags(config, args)
-    for name, value in config_values(config, args).items():
-        setattr(args, name, value)
-    global_vars.set_args(args)
-    return args
-
-
-def refuse_flags(config: Any, args: Any) -> None:
-    """The megatron-ext flags that cannot work with this ConfigContainer, each with why."""
     if args.fused_output_loss and getattr(config.dataset, "eod_mask_loss", False):
         raise BridgeRefusal(
             "--fused-output-loss with dataset.eod_mask_loss=True: Bridge's GPT step does not "
             "pass the loss mask to the model, so the fused output layer's weight gradient "
             "would count the masked tokens. Set eod_mask_loss=False or drop the flag"
         )
+    for name, value in config_values(config, args).items():
+        setattr(args, name, value)
+    global_vars.set_args(args)
+    return args
 
 
 def config_values(config: Any, args: Any) -> dict[str, Any]:
     """The Megatron args fields the features read, from the ConfigContainer and the launch."""
     model, train, ckpt, dataset = config.model, config.train, config.checkpoint, config.dataset
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    tp = model.tensor_model_parallel_size
-    pp = model.pipeline_model_parallel_size
-    cp = getattr(model, "context_parallel_size", 1) or 1
+    tp, pp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size
+    cp, mock = getattr(model, "context_parallel_size", 1) or 1, _mock(dataset)
     return {
         "rank": int(os.environ.get("RANK", "0")),
         "world_size": world,
@@ -149,10 +141,10 @@ def config_values(config: Any, args: Any) -> dict[str, Any]:
             getattr(dataset, "data_path", None), getattr(dataset, "blend", None)
         ),
         # megatron-core's mock data splits 1,1,1 whatever the config says (what Bridge saves).
-        "split": "1,1,1" if _mock(dataset) else getattr(dataset, "split", None),
+        "split": "1,1,1" if mock else getattr(dataset, "split", None),
         "data_cache_path": getattr(dataset, "path_to_cache", None),
         "dataloader_type": getattr(dataset, "dataloader_type", None),
-        "mock_data": _mock(dataset),
+        "mock_data": mock,
         "seed": config.rng.seed,
         "log_interval": config.logger.log_interval,
         "iteration": 0,

@@ -1,10 +1,10 @@
 """The checkpoint manager Bridge builds from ``CheckpointConfig.custom_manager_class``: Bridge's
 default manager behind the features' ``on_checkpoint`` (the save veto).
 
-Bridge's ``on_checkpoint_save`` event fires after the save, too late to keep a spiking model
-from becoming the rollback target; ``custom_manager_class`` is the one place every save passes
-first. Bridge builds it from the checkpoint config alone, so the features come from the
-``CallbackManager``'s ``user_state``. Registry assumption ``bridge-checkpoint-manager``.
+Bridge's ``on_checkpoint_save`` fires after the save, too late to keep a spiking model from
+becoming the rollback target; every save passes the manager first. Bridge builds it from the
+checkpoint config alone, so the features come from the ``CallbackManager``'s ``user_state``.
+Registry assumption ``bridge-checkpoint-manager``.
 """
 
 from __future__ import annotations
@@ -47,12 +47,6 @@ class VetoingCheckpointManager:
         from megatron.bridge.training.checkpointing import DefaultCheckpointManager
 
         self.default = DefaultCheckpointManager(checkpoint_config)
-        self.checkpoint_config = checkpoint_config
-        self.last_saved: int | None = None
-
-    @property
-    def checkpointing_context(self) -> dict[str, Any]:
-        return self.default.checkpointing_context
 
     def save(self, ctx: Any, callback_manager: Any) -> None:
         """Save unless a feature vetoes it (every feature hears about it, as in Megatron)."""
@@ -66,12 +60,9 @@ class VetoingCheckpointManager:
             )
         iteration = ctx.state.train_state.step
         users = features.using(Feature.on_checkpoint)
-        if not all([feature.on_checkpoint(iteration) for feature in users]):
-            return None
-        self.default.save(ctx, callback_manager)
-        self.last_saved = iteration
-        write_layout(self.checkpoint_config.save, iteration, features.args)
-        return None
+        if all([feature.on_checkpoint(iteration) for feature in users]):
+            self.default.save(ctx, callback_manager)
+            write_layout(self.default.checkpoint_config.save, iteration, features.args)
 
     def load(self, ctx: Any) -> tuple[int, int]:
         return self.default.load(ctx)

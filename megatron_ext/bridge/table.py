@@ -1,24 +1,27 @@
 """Every touch of Megatron-Bridge internals, in one table, with the Bridge version verified.
 
-Bridge's entries use the registry's :class:`Patch` / :class:`Assumption` unchanged;
-``verified_on`` is the megatron-core line (0.19.2, what Bridge 0.6.2 runs on). The public
-mechanisms used are declared as assumptions too, so a renamed one is a start-up refusal, not
-an AttributeError mid-run. :func:`verify_all` refuses an unverified Bridge or a moved target.
+The registry's :class:`Patch` / :class:`Assumption`, all verified on megatron-core 0.19.2 (what
+Bridge 0.6.2 runs on). Public mechanisms are declared too, so a renamed one is a start-up
+refusal, not an AttributeError mid-run. :func:`verify_all` refuses an unverified Bridge or a
+moved target.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+from functools import partial
 
 from megatron_ext.bridge import wiring
 from megatron_ext.common.errors import StartupError
 from megatron_ext.common.versions import V19
 from megatron_ext.registry import fixes
-from megatron_ext.registry.patching import Assumption, Entry, Patch
+from megatron_ext.registry.patching import Assumption, Patch
 from megatron_ext.weight_decay.adapter import WeightDecayFeature, with_param_map
 
 BRIDGE_VERIFIED: tuple[str, ...] = ("0.6.2",)
 _TRAINING = "megatron.bridge.training"
+_patch = partial(Patch, verified_on=V19)
+_assume = partial(Assumption, verified_on=V19)
 
 
 class UnsupportedBridge(StartupError):
@@ -26,9 +29,8 @@ class UnsupportedBridge(StartupError):
 
 
 BUGFIXES: tuple[Patch, ...] = (
-    Patch(
+    _patch(
         name="bridge-prebuilt-dataset-helpers",
-        verified_on=V19,
         kind="bugfix",
         target=f"{_TRAINING}.initialize:compile_helpers",
         signature="()",
@@ -39,9 +41,8 @@ BUGFIXES: tuple[Patch, ...] = (
 )
 
 PATCHES: tuple[Patch, ...] = (
-    Patch(
+    _patch(
         name="bridge-dataset-provider",
-        verified_on=V19,
         kind="hook",
         target=f"{_TRAINING}.pretrain:get_dataset_provider",
         signature="(dataset_config: megatron.core.datasets.blended_megatron_dataset_config."
@@ -57,9 +58,8 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 CPU_RUNNER: tuple[Patch, ...] = (
-    Patch(
+    _patch(
         name="bridge-cpu-initialize-without-cuda",
-        verified_on=V19,
         kind="cpu",
         target=f"{_TRAINING}.initialize:initialize_megatron",
         also_bound_in=(f"{_TRAINING}.setup",),
@@ -76,9 +76,8 @@ CPU_RUNNER: tuple[Patch, ...] = (
 )
 
 FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed feature
-    Patch(
+    _patch(
         name="bridge-weight-decay-map",
-        verified_on=V19,
         target=f"{_TRAINING}.optim:get_megatron_optimizer",
         signature="(config: megatron.core.optimizer.optimizer_config.OptimizerConfig, "
         "model_chunks: List[megatron.core.transformer.module.MegatronModule], "
@@ -96,16 +95,15 @@ FEATURE_PATCHES: tuple[Patch, ...] = (  # applied bound to their installed featu
 )
 
 ASSUMPTIONS: tuple[Assumption, ...] = (
-    Assumption(
+    _assume(
         name="bridge-te-import",
         target="megatron.bridge.peft.lora_layers",
         names=("LoRALinear",),
         used_by="megatron_ext.bridge.te_standin",
-        verified_on=V19,
         reason="peft/lora_layers.py imports transformer_engine unguarded; te_standin shows it "
         "alone a stand-in, so Bridge imports without Transformer Engine.",
     ),
-    Assumption(
+    _assume(
         name="bridge-pretrain",
         target=f"{_TRAINING}.pretrain:pretrain",
         signature="(config: megatron.bridge.training.config.ConfigContainer, "
@@ -117,49 +115,44 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "list[megatron.bridge.training.callbacks.Callback] | "
         "megatron.bridge.training.callbacks.CallbackManager | None = None) -> None",
         used_by="megatron_ext.bridge.run",
-        verified_on=V19,
         reason="The one call the integration makes in place of the user's.",
     ),
-    Assumption(
+    _assume(
         name="bridge-gpt-forward-step",
         target=f"{_TRAINING}.gpt_step:forward_step",
         signature="(state: megatron.bridge.training.state.GlobalState, data_iterator: "
         "Iterable, model: megatron.core.models.gpt.gpt_model.GPTModel, return_schedule_plan: "
         "bool = False) -> tuple[torch.Tensor, functools.partial]",
         used_by="megatron_ext.bridge.wiring",
-        verified_on=V19,
         reason="Bridge's GPT step reads through the features' batch reader (its get_batch "
         "drops dataset_id); its loss partial's first argument is the loss mask.",
     ),
-    Assumption(
+    _assume(
         name="bridge-callbacks",
         target=f"{_TRAINING}.callbacks",
         names=("CallbackManager", "Callback", "CallbackContext", "VALID_EVENTS"),
         used_by="megatron_ext.bridge.wiring",
-        verified_on=V19,
         reason="on_setup (on_train_start), the per-step StepRecord and after_step "
         "(on_train_step_start / on_train_step_end), the skipped-end save (on_train_end).",
     ),
-    Assumption(
+    _assume(
         name="bridge-eval-callbacks",
         target=f"{_TRAINING}.eval:evaluate",
         assigned=("on_eval_start", "on_eval_end", "on_test_start", "on_test_end"),
         used_by="megatron_ext.bridge.wiring",
-        verified_on=V19,
         reason="Per-dataset validation: Bridge's evaluate fires on_eval_start / on_test_start "
         "before its forwards and on_eval_end / on_test_end with the averaged total_loss_dict, "
         "where the members' sums start and are reduced and checked against it.",
     ),
-    Assumption(
+    _assume(
         name="bridge-checkpoint-manager",
         target=f"{_TRAINING}.checkpointing:DefaultCheckpointManager",
         assigned=("checkpoint_config", "_context"),
         used_by="megatron_ext.bridge.checkpoints",
-        verified_on=V19,
         reason="custom_manager_class names the overlay's manager, which delegates to Bridge's "
         "default one after the features' on_checkpoint (the save veto).",
     ),
-    Assumption(
+    _assume(
         name="bridge-save-checkpoint-and-time",
         target=f"{_TRAINING}.train:save_checkpoint_and_time",
         signature="(state: megatron.bridge.training.state.GlobalState, model: "
@@ -174,50 +167,44 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "ProcessGroupCollection] = None, callback_manager: Optional[megatron.bridge.training."
         "callbacks.CallbackManager] = None, module_name: str | None = None) -> None",
         used_by="megatron_ext.bridge.wiring",
-        verified_on=V19,
         reason="train() skips the interval save of a skipped iteration and saves at the end "
         "only off an interval multiple: a skipped last iteration leaves no final checkpoint, "
         "which on_train_end saves.",
     ),
-    Assumption(
+    _assume(
         name="bridge-optimizer-overrides",
         target=f"{_TRAINING}.config:OptimizerConfigOverrideProvider",
         used_by="megatron_ext.bridge.wiring",
-        verified_on=V19,
         reason="Weight-decay overrides: build_config_overrides' result gets the wd_mult keys.",
     ),
-    Assumption(
+    _assume(
         name="bridge-writers",
         target=f"{_TRAINING}.state:GlobalState",
         assigned=("_tensorboard_logger", "_wandb_logger"),
         used_by="megatron_ext.bridge.wiring.share_writers",
-        verified_on=V19,
         reason="Bridge keeps its TensorBoard / W&B writers on its GlobalState, not in "
         "Megatron's globals where the features look; they are shared into those.",
     ),
-    Assumption(
+    _assume(
         name="megatron-bridge-global-writers",
         target="megatron.training.global_vars",
         names=("_GLOBAL_TENSORBOARD_WRITER", "_GLOBAL_WANDB_WRITER"),
         used_by="megatron_ext.bridge.wiring.share_writers",
-        verified_on=V19,
         reason="Megatron's global writers, set to Bridge's (bridge-writers).",
     ),
-    Assumption(
+    _assume(
         name="bridge-target-allowlist",
         target="megatron.bridge.utils.instantiate_utils",
         names=("register_allowed_target_prefix",),
         used_by="megatron_ext.bridge.run",
-        verified_on=V19,
         reason="Bridge instantiates custom_manager_class only under an allowed prefix; the "
         "integration registers megatron_ext.bridge.",
     ),
-    Assumption(
+    _assume(
         name="bridge-train-state-files",
         target=f"{_TRAINING}.utils.checkpoint_utils",
         names=("TRAIN_STATE_FILE", "TRACKER_PREFIX", "CONFIG_FILE"),
         used_by="megatron_ext.common.files (BRIDGE_*), incidents, lookup",
-        verified_on=V19,
         reason="Bridge resumes from latest_train_state.pt (the rollback rewrites it) and keeps "
         "run_config.yaml, not Megatron's args, in each checkpoint (the lookup reads it).",
     ),
@@ -225,9 +212,8 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
 
 
 def _imports(module: str, names: tuple[str, ...]) -> Assumption:
-    return Assumption(
+    return _assume(
         name=f"imports:{module}",
-        verified_on=V19,
         target=module,
         names=names,
         used_by="megatron_ext.bridge (tests/unit/test_registry.py lists every import)",
@@ -246,14 +232,7 @@ IMPORTS: tuple[Assumption, ...] = (
     _imports("megatron.bridge.utils.instantiate_utils", ("register_allowed_target_prefix",)),
 )
 
-ENTRIES: tuple[Entry, ...] = (
-    *BUGFIXES,
-    *PATCHES,
-    *FEATURE_PATCHES,
-    *CPU_RUNNER,
-    *ASSUMPTIONS,
-    *IMPORTS,
-)
+ENTRIES = (*BUGFIXES, *PATCHES, *FEATURE_PATCHES, *CPU_RUNNER, *ASSUMPTIONS, *IMPORTS)
 
 
 def installed_bridge() -> str | None:

@@ -11,6 +11,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+import traceback
 import types
 from typing import Any
 
@@ -50,12 +51,8 @@ class _StandIn(types.ModuleType):
 
 
 def _importing_lora_layers() -> bool:
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_globals.get("__name__") == IMPORTER:
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
+    frames = traceback.walk_stack(sys._getframe(1))
+    return any(frame.f_globals.get("__name__") == IMPORTER for frame, _ in frames)
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -1,9 +1,9 @@
 """Where Megatron-Bridge's loop meets the installed features: one function per mechanism.
 
-Bridge runs its own loop, so each feature hook is reached through a public Bridge mechanism
-(callbacks, the pre-wrap hook, the forward step's data iterator and loss partial, the
-checkpoint manager) or a registry entry, through the same :mod:`megatron_ext.registry.hooks`
-callers as the overlay's GPT step (the table: docs/bridge.md). No Bridge import at module level.
+Each feature hook is reached through a public Bridge mechanism (callbacks, the pre-wrap hook,
+the forward step's data iterator and loss partial, the checkpoint manager) or a registry entry,
+through the same :mod:`megatron_ext.registry.hooks` callers as the overlay's GPT step
+(docs/bridge.md). No Bridge import at module level.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class ObservedBatches:
         return self
 
     def __next__(self) -> dict[str, Any]:
+        import torch.distributed as dist
         from megatron.core import parallel_state as mpu
 
         if mpu.get_tensor_model_parallel_world_size() == 1:
@@ -62,37 +63,15 @@ class ObservedBatches:
             batch = hooks.read_batch(self.features, self.data, self.micro_batch)
         else:
             batch = next(self.data)
-        return tp_broadcast(batch, TP_SHARED_KEYS)
-
-
-TP_SHARED_KEYS = ("tokens", "labels")
-
-
-def tp_broadcast(batch: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
-    """``batch`` with TP rank 0's ``keys`` (on the device, where Bridge moves them anyway)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
-    for key in keys:
-        if batch.get(key) is not None:
-            batch[key] = batch[key].cuda(non_blocking=True)
-            dist.broadcast(
-                batch[key],
-                src=mpu.get_tensor_model_parallel_src_rank(),
-                group=mpu.get_tensor_model_parallel_group(),
-            )
-    return batch
-
-
-def micro_batch(features: FeatureSet, model: Any) -> MicroBatch:
-    """The micro-batch ``model`` is about to run (iteration 1-indexed, as Megatron logs it)."""
-    from megatron.core import parallel_state
-
-    return MicroBatch(
-        iteration=features.args.curr_iteration + 1,
-        training=model.training,
-        dp_rank=parallel_state.get_data_parallel_rank(),
-    )
+        for key in ("tokens", "labels"):  # on the device, where Bridge moves them anyway
+            if batch.get(key) is not None:
+                batch[key] = batch[key].cuda(non_blocking=True)
+                dist.broadcast(
+                    batch[key],
+                    src=mpu.get_tensor_model_parallel_src_rank(),
+                    group=mpu.get_tensor_model_parallel_group(),
+                )
+        return batch
 
 
 def forward_step(
@@ -108,7 +87,11 @@ def forward_step(
     injects its GlobalState): the user's step (Bridge's GPT step by default; given the state
     when ``wants_state``, Bridge's own rule) reading through :class:`ObservedBatches`, its
     loss partial (the loss mask first, as ``bridge-gpt-forward-step``'s) observed."""
-    batch = micro_batch(features, model)
+    from megatron.core import parallel_state
+
+    batch = MicroBatch(
+        features.args.curr_iteration + 1, model.training, parallel_state.get_data_parallel_rank()
+    )
     data = None if data_iterator is None else ObservedBatches(features, data_iterator, batch)
     step = partial(user_step, state) if wants_state else user_step
     output, loss_function = step(data, model, *((True,) if return_schedule_plan else ()))
@@ -187,10 +170,12 @@ def on_train_step_start(features: FeatureSet, context: Any) -> None:
     sync_counters(features.args, context.state, after_step=False)
 
 
-def step_record(features: FeatureSet, context: Any) -> StepRecord:
-    """The iteration as Megatron's ``training_log`` sees it, from Bridge's callback context
-    and the optimizer; what Bridge does not report (params norm, zeros, attention logit) is
-    None, "not measured"."""
+def on_train_step_end(features: FeatureSet, context: Any) -> None:
+    """``after_step`` in hook order (the spike detector last: a rollback ends the process
+    here, before Bridge's interval save of this iteration), with the iteration as Megatron's
+    ``training_log`` sees it; what Bridge does not report (params norm, zeros, attention
+    logit) is None, "not measured"."""
+    sync_counters(features.args, context.state, after_step=True)
     optimizer = context.optimizer
     learning_rate = None
     for group in optimizer.param_groups:
@@ -198,7 +183,7 @@ def step_record(features: FeatureSet, context: Any) -> StepRecord:
             learning_rate = group["lr"]
     scale = optimizer.get_loss_scale()
     grad_norm = context.grad_norm
-    return StepRecord(
+    record = StepRecord(
         iteration=features.args.iteration,
         losses=dict(context.loss_dict or {}),
         learning_rate=learning_rate,
@@ -209,13 +194,6 @@ def step_record(features: FeatureSet, context: Any) -> StepRecord:
         num_zeros=None,
         max_attention_logit=None,
     )
-
-
-def on_train_step_end(features: FeatureSet, context: Any) -> None:
-    """``after_step`` in hook order (the spike detector last: a rollback ends the process
-    here, before Bridge's interval save of this iteration)."""
-    sync_counters(features.args, context.state, after_step=True)
-    record = step_record(features, context)
     for feature in features.using(Feature.after_step):
         feature.after_step(record)
 
@@ -254,7 +232,7 @@ def register_callbacks(
                 manager.register(f"on_{event}_end", partial(on_evaluation_end, feature))
 
 
-def with_weight_decay(provider: Any, policy: Any) -> Any:
+def with_weight_decay(provider: Any, policy: Any) -> None:
     """The config's ``OptimizerConfigOverrideProvider`` with the weight-decay multipliers
     added to what it builds."""
     from megatron_ext.weight_decay.adapter import extend_overrides
@@ -265,4 +243,3 @@ def with_weight_decay(provider: Any, policy: Any) -> Any:
         return extend_overrides(original(context) or {}, policy)
 
     provider.build_config_overrides = build_config_overrides
-    return provider

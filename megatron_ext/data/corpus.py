@@ -5,41 +5,29 @@ library as a second, different source for blends."""
 import json
 import random
 import sysconfig
+from collections.abc import Iterable, Iterator
+from itertools import islice
 from pathlib import Path
 
-
-def _split(words: str, sep: str | None = None) -> tuple[str, ...]:
-    return tuple(words.split(sep))
-
-
-_WORDS: dict[str, tuple[str, ...]] = {
-    "name": _split(
-        "Ada Bruno Chloé Dmitri Elena Farid Grace Hiro Ines Jonas Kemal Lena Mateo Nora Omar Priya"
-    ),
-    "noun": _split(
-        "river engine garden letter market window bridge lantern forest teacher village "
-        "machine harbor kitchen library mountain captain student painter signal storm ladder café "
-        "orchard compass violin station meadow castle notebook"
-    ),
-    "adj": _split(
-        "quiet bright ancient small heavy curious golden narrow gentle broken distant "
-        "careful silver hungry patient naïve crowded honest frozen tired"
-    ),
-    "verb": _split(
-        "found carried watched opened repaired followed painted visited crossed built "
-        "remembered described measured sold borrowed cleaned discovered answered"
-    ),
-    "adv": _split("slowly quickly carefully suddenly quietly happily rarely often finally almost"),
-    "place": _split(
-        "the old town|the north shore|Zürich|the valley|the harbor road|the eastern "
+# Words by kind; "|" separates entries of several words.
+_WORDS: dict[str, list[str]] = {
+    kind: words.split("|" if "|" in words else None)
+    for kind, words in {
+        "name": "Ada Bruno Chloé Dmitri Elena Farid Grace Hiro Ines Jonas Kemal Lena Mateo Nora "
+        "Omar Priya",
+        "noun": "river engine garden letter market window bridge lantern forest teacher village "
+        "machine harbor kitchen library mountain captain student painter signal storm ladder "
+        "café orchard compass violin station meadow castle notebook",
+        "adj": "quiet bright ancient small heavy curious golden narrow gentle broken distant "
+        "careful silver hungry patient naïve crowded honest frozen tired",
+        "verb": "found carried watched opened repaired followed painted visited crossed built "
+        "remembered described measured sold borrowed cleaned discovered answered",
+        "adv": "slowly quickly carefully suddenly quietly happily rarely often finally almost",
+        "place": "the old town|the north shore|Zürich|the valley|the harbor road|the eastern "
         "hills|the station square|São Paulo|the island",
-        "|",
-    ),
-    "time": _split(
-        "at dawn|in the evening|after the rain|before winter|on Monday|every morning|"
+        "time": "at dawn|in the evening|after the rain|before winter|on Monday|every morning|"
         "last year|at midnight",
-        "|",
-    ),
+    }.items()
 }
 
 _TEMPLATES: tuple[str, ...] = (
@@ -77,36 +65,36 @@ def _document(rng: random.Random) -> str:
     return "\n\n".join(paragraphs)
 
 
+def _write_jsonl(path: str | Path, records: Iterable[dict[str, str]]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    return path
+
+
 def write_tiny_corpus(
     path: str | Path, num_docs: int = 400, seed: int = 1234, ids: bool = False
 ) -> Path:
     """Write ``num_docs`` documents as JSONL ``{"text": ...}`` lines; ``ids`` adds an ``"id"``
     (``tiny-00000``, ...) to each for ``preprocess --provenance-key id``, same texts."""
     rng = random.Random(seed)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for number in range(num_docs):
-            record = {"text": _document(rng)} | ({"id": f"tiny-{number:05d}"} if ids else {})
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    return path
+    records = (
+        {"text": _document(rng)} | ({"id": f"tiny-{n:05d}"} if ids else {}) for n in range(num_docs)
+    )
+    return _write_jsonl(path, records)
 
 
 def write_code_corpus(path: str | Path, num_docs: int = 400, lines_per_doc: int = 30) -> Path:
     """Write the standard library's top-level modules, in name order, as JSONL documents of
     ``lines_per_doc`` lines (depends only on the arguments and the Python version)."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    written = 0
-    with path.open("w", encoding="utf-8") as f:
-        for module in sorted(stdlib.glob("*.py")):
+
+    def documents() -> Iterator[dict[str, str]]:
+        for module in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
             lines = module.read_text(encoding="utf-8", errors="replace").splitlines()
             for start in range(0, len(lines), lines_per_doc):
                 text = "\n".join(lines[start : start + lines_per_doc]).strip()
-                if text and written < num_docs:
-                    f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-                    written += 1
-            if written >= num_docs:
-                return path
-    return path
+                if text:
+                    yield {"text": text}
+
+    return _write_jsonl(path, islice(documents(), num_docs))

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -134,10 +134,10 @@ class _Output:
     documents: int = 0
     tokens: int = 0
     skipped: int = 0
-    tmp: str = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.tmp = f"{self.prefix}.tmp{os.getpid()}"
+    @property
+    def tmp(self) -> str:
+        return f"{self.prefix}.tmp{os.getpid()}"
 
     def add(self, document: np.ndarray, source: tuple[int, int, int, str | None] | None) -> None:
         self.builder.add_document(document, [len(document)])
@@ -147,7 +147,6 @@ class _Output:
         self.tokens += len(document)
 
     def finish(self, provenance: bool) -> None:
-        """Finalize the temporary pair, fingerprint it and write its sidecar."""
         self.builder.finalize(self.tmp + ".idx")
         append_fingerprint(self.tmp + ".idx", self.tmp + ".bin")
         if provenance:
@@ -169,10 +168,6 @@ class _Output:
             Path(self.tmp + ext).unlink(missing_ok=True)
 
 
-def _columns(args: argparse.Namespace) -> list[str]:
-    return [*args.json_keys, *([args.provenance_key] if args.provenance_key else [])]
-
-
 def _numbered(
     path: Path, columns: list[str], positions: deque[tuple[int, int, int]]
 ) -> Iterator[tuple[int, Payload]]:
@@ -187,23 +182,18 @@ def _encode_into(
     args: argparse.Namespace, tokenizer_dir: Path, outputs: dict[str, _Output], eod: np.ndarray
 ) -> None:
     """Tokenize every input (with a progress bar over its bytes) into ``outputs``."""
-    total_bytes = sum(path.stat().st_size for path in args.input)
+    total = sum(path.stat().st_size for path in args.input)
     progress = tqdm(
-        total=total_bytes,
-        unit="B",
-        unit_scale=True,
-        file=sys.stderr,
-        disable=None,
-        desc="preprocess",
+        total=total, unit="B", unit_scale=True, file=sys.stderr, disable=None, desc="preprocess"
     )
+    columns = [*args.json_keys, *([args.provenance_key] if args.provenance_key else [])]
     with worker_pool(args.workers, args.chunksize, tokenizer_dir) as mapper, progress as bar:
         for shard, path in enumerate(args.input):
             positions: deque[tuple[int, int, int]] = deque()
             encode = partial(
                 encode_chunk, path=path, keys=args.json_keys, id_key=args.provenance_key
             )
-            numbered = _numbered(path, _columns(args), positions)
-            for ids_per_key, record_id in mapper(encode, numbered):
+            for ids_per_key, record_id in mapper(encode, _numbered(path, columns, positions)):
                 line, offset, size = positions.popleft()
                 bar.update(size)
                 source = (shard, line, offset, record_id) if args.provenance else None

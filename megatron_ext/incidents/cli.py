@@ -171,7 +171,7 @@ def _number(ckpt_dir: Path, ident: str) -> int:
     """The incident's number: the one an earlier plan of the same request got, else the next."""
     incidents = incident_stem(ckpt_dir, 1).parent
     numbers = {}
-    for path in incidents.glob("incident-*.json") if incidents.is_dir() else []:
+    for path in incidents.glob("incident-*.json"):
         try:
             numbers[int(path.stem.removeprefix("incident-"))] = json.loads(path.read_text())
         except (ValueError, OSError):
@@ -360,13 +360,8 @@ def _write(
                 file=sys.stderr,
             )
             return exit_codes.USAGE
+    restart = f"not applied; restart with: {' '.join(plan.restart_args)}"
     print(plan.summary)
-    print(
-        f"plan: {stem.with_suffix('.json')}\nreport: {stem.with_suffix('.md')}"
-        + (
-            "\napplied: restart with the same command"
-            if args.apply
-            else f"\nnot applied; restart with: {' '.join(plan.restart_args)}"
-        )
-    )
+    print(f"plan: {stem.with_suffix('.json')}\nreport: {stem.with_suffix('.md')}")
+    print("applied: restart with the same command" if args.apply else restart)
     return 0

@@ -32,7 +32,7 @@ def pending(load: Path, ledger: Path) -> str | None:
     return ident if tracker is None or tracker <= int(requests[-1]["iteration"]) else None
 
 
-def apply_at_startup(argv: list[str], rank: int, timeout: float = 600.0) -> str | None:
+def apply_at_startup(argv: list[str], rank: int) -> str | None:
     """Apply (rank 0) or wait for (the others) a pending rollback request; its identity."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for flag in ("--load", "--signals-dir", "--spike-ledger", "--result-rejected-tracker-filename"):
@@ -66,7 +66,6 @@ def apply_at_startup(argv: list[str], rank: int, timeout: float = 600.0) -> str 
         return ident
     transaction.wait_for_rank_0(
         lambda: pending(load, ledger) is None,
-        timeout,
         f"rank {rank}: rank 0 did not apply the pending rollback request {ident} in {load}",
     )
     return ident

@@ -289,20 +289,6 @@ def _tried(chain: list[dict[str, Any]]) -> str:
     )
 
 
-def _refuse_if_exhausted(chain: list[dict[str, Any]], onset: int) -> None:
-    if len(chain) <= MAX_REPEATS:
-        return
-    raise PlanError(
-        f"the failure came back at onset {onset} after {len(chain)} rollbacks that each rolled "
-        f"back further and skipped more ({_tried(chain)}); stopping instead of rolling back "
-        "again. Likely: a checkpoint that fails after every load (Megatron-LM #5281: compare "
-        "the losses right after each resume), a persistent GPU fault (the ranks and nodes in "
-        "the ledger and Megatron's result-rejected tracker), or bad data longer than every "
-        "window (`megatron-ext lookup` of the onsets). Fix the cause, then relaunch; "
-        "`skiplist --undo` reverts the last rollback"
-    )
-
-
 def _skip_window(
     incident: dict[str, Any],
     chain: list[dict[str, Any]],
@@ -378,7 +364,16 @@ def make_plan(
     confirm = config.policy == "confirm"
     replay = confirm and not reproduced(incident, ledger)
     chain = [] if replay else repeated(incident, applied or [], config.batches())
-    _refuse_if_exhausted(chain, onset)
+    if len(chain) > MAX_REPEATS:
+        raise PlanError(
+            f"the failure came back at onset {onset} after {len(chain)} rollbacks that each "
+            f"rolled back further and skipped more ({_tried(chain)}); stopping instead of rolling "
+            "back again. Likely: a checkpoint that fails after every load (Megatron-LM #5281: "
+            "compare the losses right after each resume), a persistent GPU fault (the ranks and "
+            "nodes in the ledger and Megatron's result-rejected tracker), or bad data longer than "
+            "every window (`megatron-ext lookup` of the onsets). Fix the cause, then relaunch; "
+            "`skiplist --undo` reverts the last rollback"
+        )
     limit = min([onset - config.rollback_iters, *(int(r["rollback_to"]) - 1 for r in chain)])
     try:
         target, passed_over = choose_target(checkpoints, limit, problem, older)

@@ -54,9 +54,8 @@ class Report:
 
     def lead_time(self) -> int | None:
         """Iterations from the first precursor warning to the onset (None: no warning)."""
-        if not self.warnings:
-            return None
-        return self.plan.onset - min(w["iteration"] for w in self.warnings)
+        first = min((w["iteration"] for w in self.warnings), default=None)
+        return None if first is None else self.plan.onset - first
 
     def _warning_line(self) -> str:
         if not self.warnings:

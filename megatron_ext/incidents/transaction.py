@@ -148,7 +148,6 @@ def _carry_out(ckpt_dir: Path, journal: Journal) -> None:
 
 
 def apply(ckpt_dir: str | Path, journal: Journal) -> None:
-    """Record the intent, then carry it out."""
     ckpt_dir = Path(ckpt_dir)
     if pending(ckpt_dir) is not None:
         raise TransactionError(f"{journal_path(ckpt_dir)} exists: finish or undo it first")
@@ -199,7 +198,7 @@ def undo_pending(ckpt_dir: str | Path) -> Journal | None:
     return journal
 
 
-def settle_at_startup(load: str | None, rank: int, timeout: float = 600.0) -> Journal | None:
+def settle_at_startup(load: str | None, rank: int) -> Journal | None:
     """Training start-up: rank 0 finishes an interrupted apply in ``--load``; the others wait
     for the journal to go (the shared filesystem is the only channel yet)."""
     if not load or not journal_path(load).exists():
@@ -211,13 +210,12 @@ def settle_at_startup(load: str | None, rank: int, timeout: float = 600.0) -> Jo
             raise SystemExit(f"megatron-ext: {exc}") from None
     wait_for_rank_0(
         lambda: not journal_path(load).exists(),
-        timeout,
         f"rank {rank}: rank 0 did not finish the interrupted `skiplist --apply` in {load}",
     )
     return None
 
 
-def wait_for_rank_0(done: Callable[[], bool], timeout: float, what: str) -> None:
+def wait_for_rank_0(done: Callable[[], bool], what: str, timeout: float = 600.0) -> None:
     """Poll the shared filesystem until ``done()``; past ``timeout``, exit saying ``what``."""
     deadline = time.monotonic() + timeout
     while not done():

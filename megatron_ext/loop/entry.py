@@ -8,7 +8,7 @@ installs the features on the args object that is Megatron's global args.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -43,14 +43,17 @@ def _args_provider(step: Step, parser: Any) -> Any:
     return install.add_megatron_ext_args(parser)
 
 
-def _parse_and_validate(step: Step) -> Any:
+def _parse_and_wrap(step: Step) -> tuple[Any, Callable[..., Any], Any]:
+    """The parsed args, then ``pretrain`` and its store from the in-process-restart wrapper."""
+    from megatron.training import inprocess_restart, pretrain
     from megatron.training.arguments import parse_and_validate_args
 
     # Parse before Megatron's in-process-restart wrapper: it parses sys.argv without the
     # megatron-ext group, so `--help` would print (and exit) without the overlay's flags.
-    return parse_and_validate_args(
+    args = parse_and_validate_args(
         extra_args_provider=partial(_args_provider, step), args_defaults=step.args_defaults
     )
+    return args, *inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
 
 
 def _install(step: Step, args: Any) -> FeatureSet:
@@ -74,14 +77,12 @@ def _model_provider(step: Step, args: Any) -> Callable[..., Any]:
 def run_with_config_container(step: Step, broadcast: Broadcast) -> None:
     """megatron-core 0.19: ``pretrain(cfg_container, ...)`` with the GPT model config, or
     without one and with the script's model provider."""
-    from megatron.training import inprocess_restart, pretrain
     from megatron.training.argument_utils import (
         gpt_config_from_args,
         pretrain_cfg_container_from_args,
     )
 
-    args = _parse_and_validate(step)
-    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    args, run, store = _parse_and_wrap(step)
     features = _install(step, args)
     if step.model_provider is None:
         config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
@@ -104,11 +105,9 @@ def run_with_config_container(step: Step, broadcast: Broadcast) -> None:
 
 def run_with_model_provider(step: Step, broadcast: Broadcast) -> None:
     """megatron-core 0.18: ``pretrain(cfg_container, ..., model_provider, ...)``."""
-    from megatron.training import inprocess_restart, pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    args = _parse_and_validate(step)
-    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    args, run, store = _parse_and_wrap(step)
     model_provider = _model_provider(step, args)
     features = _install(step, args)
     forward_step, datasets_provider = step.bind(features, broadcast)
@@ -132,9 +131,9 @@ class ClassicInit:
     args: Any
     step: Step
     broadcast: Broadcast
-    features: FeatureSet | None = field(default=None)
-    bound: tuple[Callable[..., Any], Any] | None = field(default=None)
-    model_provider: Callable[..., Any] | None = field(default=None)
+    features: FeatureSet | None = None
+    bound: tuple[Callable[..., Any], Any] | None = None
+    model_provider: Callable[..., Any] | None = None
 
     def initialized(self) -> None:
         self.model_provider = _model_provider(self.step, self.args)

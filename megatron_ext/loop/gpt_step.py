@@ -96,8 +96,7 @@ def check_layout(args: Any) -> None:
 
 
 def _check_megatron_fsdp() -> None:
-    """Megatron-FSDP's wrapper fails with a traceback, on every rank, where it cannot run:
-    on the CPU runner (measured with megatron-core 0.19.2) and without einops (anywhere)."""
+    """Refuse where Megatron-FSDP's wrapper fails with a traceback on every rank."""
     if getattr(torch.cuda, "_megatron_ext_cpu_harness", False):
         raise SystemExit(
             "pretrain_gpt_ext.py: --use-megatron-fsdp is refused on the CPU runner: Megatron-"
@@ -117,8 +116,8 @@ def get_batch(
     data_iterator: Iterator[dict[str, Any]] | None,
     micro_batch: MicroBatch,
     features: FeatureSet,
-    vp_stage: int | None = None,
-    broadcast: Callable[..., dict[str, Any]] | None = None,
+    vp_stage: int | None,
+    broadcast: Callable[..., dict[str, Any]],
 ) -> dict[str, Any] | None:
     """Read on TP rank 0 (``on_batch`` sees it there), broadcast over TP, slice for CP
     (``broadcast``: the installed version's form of ``batch-on-this-rank``)."""
@@ -131,7 +130,7 @@ def get_batch(
         for key in BATCH_KEYS:
             value = batch.get(key)
             batch[key] = value.cuda(non_blocking=True) if value is not None else None
-    return (broadcast or broadcast_batch)(batch, features.args, tp_rank)
+    return broadcast(batch, features.args, tp_rank)
 
 
 def _tp_then_cp(batch: dict[str, Any], args: Any, tp_rank: int, **packed: bool) -> dict[str, Any]:
@@ -310,7 +309,7 @@ def train_valid_test_datasets_provider(
 
 
 def bind(
-    features: FeatureSet, broadcast: Callable[..., dict[str, Any]] = broadcast_batch
+    features: FeatureSet, broadcast: Callable[..., dict[str, Any]]
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """(forward step, dataset provider) for ``pretrain``, calling ``features``' hooks."""
     build = partial(train_valid_test_datasets_provider, features.args)

@@ -86,9 +86,8 @@ def used_flags(args: Any, exempt: frozenset[str] = frozenset()) -> list[str]:
 
 
 def refuse_under_megatron_fsdp(args: Any) -> None:
-    """Refuse the megatron-ext flags set in ``args`` when Megatron-FSDP wraps the model: it
-    does not start on the CPU runner, so no feature is checked there, and on a run made to start
-    telemetry and z-loss failed (no ChainedOptimizer or DDP buckets; a changed loss tensor)."""
+    """Refuse the megatron-ext flags set in ``args`` when Megatron-FSDP wraps the model (not
+    verified there: the message says why)."""
     if not getattr(args, "use_megatron_fsdp", False):
         return
     if used := used_flags(args, WRAPPER_FREE):

@@ -25,6 +25,12 @@ EventKind = Literal["spike", "recovered", "divergence", "rollback"]
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 
 
+def _middle(s: list[float]) -> float:
+    """The median of sorted ``s``."""
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
 class RollingWindow:
     """Fixed-size window with O(log n) median (sorted mirror of a deque)."""
 
@@ -46,15 +52,11 @@ class RollingWindow:
             del ordered[bisect.bisect_left(ordered, order.popleft())]
 
     def median(self) -> float:
-        s = self.values
-        n = len(s)
-        return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+        return _middle(self.values)
 
     def mad(self) -> float:
         med = self.median()
-        deviations = sorted(abs(v - med) for v in self.values)
-        n = len(deviations)
-        return deviations[n // 2] if n % 2 else 0.5 * (deviations[n // 2 - 1] + deviations[n // 2])
+        return _middle(sorted(abs(v - med) for v in self.values))
 
     def above(self, value: float, rel: float, k: float, scale: float | None = None) -> bool:
         """``value`` above both ``median + rel·scale`` (scale: the median itself unless given)
@@ -100,24 +102,20 @@ class SourceBaselines:
 
     def rising(self, record: SignalRecord, rel: float) -> bool:
         """Any member above ``median·(1+rel)`` (the cheap test, every step)."""
-        for name, loss in record.lm_loss_by_dataset.items():
-            window = self._armed(name)
-            if window is not None and loss > window.median() * (1 + rel):
-                return True
-        return False
+        return any(
+            (window := self._armed(name)) is not None and loss > window.median() * (1 + rel)
+            for name, loss in record.lm_loss_by_dataset.items()
+        )
 
     def jump(self, record: SignalRecord, rel: float, k: float) -> str | None:
         """The member above both its relative and its MAD threshold, the one furthest above
         its median when several are; None when none is."""
-        worst, name = 0.0, None
-        for member, loss in record.lm_loss_by_dataset.items():
-            window = self._armed(member)
-            if window is None or not window.above(loss, rel, k):
-                continue
-            rise = loss / window.median() - 1 if window.median() else float("inf")
-            if name is None or rise > worst:
-                worst, name = rise, member
-        return name
+        rises = {
+            name: loss / window.median() - 1 if window.median() else math.inf
+            for name, loss in record.lm_loss_by_dataset.items()
+            if (window := self._armed(name)) is not None and window.above(loss, rel, k)
+        }
+        return max(rises, key=rises.__getitem__, default=None)
 
     def threshold(self, name: str, rel: float, k: float) -> float | None:
         window = self._armed(name)
@@ -129,7 +127,7 @@ class SourceBaselines:
 
     def learn(self, record: SignalRecord) -> None:
         for name, loss in record.lm_loss_by_dataset.items():
-            if loss == loss and abs(loss) != float("inf"):  # finite only
+            if math.isfinite(loss):
                 self.windows.setdefault(name, RollingWindow(self.size)).push(loss)
 
 
@@ -221,10 +219,6 @@ class SpikeDetector:
     def armed(self) -> bool:
         return self.seen >= self.config.warmup and len(self.loss) >= self.config.window // 2
 
-    def threshold(self) -> float:
-        """The current moderate loss threshold (only meaningful once armed)."""
-        return self.loss.threshold(self.config.loss_rel, self.config.mad_k)
-
     def _read(self, record: SignalRecord) -> tuple[float, float | None, float | None, bool]:
         """The iteration's loss, grad norm (None when skipped), excess and skip flag."""
         scale, skipped = record.loss_scale, bool(record.skipped_iter)
@@ -233,14 +227,11 @@ class SpikeDetector:
                 skipped = True  # the scaler backed off: an overflow, counted or not
             self.last_scale = scale
         self.skips = self.skips + 1 if skipped else 0
-        loss, worst = record.lm_loss, record.max_local_loss
-        if loss is None:
-            loss = math.nan
-        excess = None
-        if worst is not None:
-            excess = worst - loss  # not finite when either is not (inf - inf is nan)
-            if not math.isfinite(excess):
-                excess = None
+        loss = math.nan if record.lm_loss is None else record.lm_loss
+        worst = record.max_local_loss
+        excess = None if worst is None else worst - loss  # inf - inf is nan
+        if excess is not None and not math.isfinite(excess):
+            excess = None
         return loss, None if skipped else record.grad_norm, excess, skipped
 
     def observe(self, record: SignalRecord) -> list[SpikeEvent]:
@@ -301,7 +292,11 @@ class SpikeDetector:
         if why is not None:
             self.incident = self._event("spike", step, why)
             self.incident.onset = self.raised_since
-            self.frozen = (self.incident.loss_threshold, self._excess_threshold())
+            median = self.loss.median()
+            excess = (
+                self.excess.threshold(c.loss_rel, c.mad_k, median) if self.excess.values else None
+            )
+            self.frozen = (self.incident.loss_threshold, excess)
             name = self.incident.culprit_source
             limit = None if name is None else self.sources.threshold(name, c.loss_rel, c.mad_k)
             self.frozen_source = None if limit is None else (name, limit)  # type: ignore[assignment]
@@ -376,12 +371,6 @@ class SpikeDetector:
             and grad >= self.config.grad_factor * self.grad.median()
         )
 
-    def _excess_threshold(self) -> float | None:
-        if not self.excess.values:
-            return None
-        c = self.config
-        return self.excess.threshold(c.loss_rel, c.mad_k, self.loss.median())
-
     def _learn(
         self, record: SignalRecord, loss: float, grad: float | None, excess: float | None
     ) -> None:
@@ -446,7 +435,7 @@ class SpikeDetector:
             culprit_dp_rank=record.max_loss_dp_rank,
             loss=record.lm_loss,
             loss_baseline=self.loss.median() if armed else None,
-            loss_threshold=self.threshold() if armed else None,
+            loss_threshold=self.loss.threshold(c.loss_rel, c.mad_k) if armed else None,
             grad_norm=record.grad_norm,
             grad_baseline=self.grad.median() if len(self.grad) else None,
             classification=why,

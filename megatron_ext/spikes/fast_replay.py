@@ -109,8 +109,7 @@ class FastReplay:
         learned = learned and detector.state == "healthy"
         if detector.state == "rollback":
             detector.resume()
-        same = pattern == self.live_pattern
-        self.streak = (self.streak + 1 if same else 1) if learned else 0
+        self.streak = (self.streak + 1 if pattern == self.live_pattern else 1) if learned else 0
         self.live_pattern = pattern
         if self.twin is not None:
             self._check(record, learned)

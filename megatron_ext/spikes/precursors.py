@@ -148,12 +148,12 @@ class PrecursorMonitor:
             reference = max(flat)
         drift = m - reference
         trend = rank_trend(list(track.values))
-        level = math.exp(m) if p.log else m
+        value, ref = (math.exp(m), math.exp(reference)) if p.log else (m, reference)
         rising = (
             bool(flat)
             and abs(drift) >= p.rise
             and trend * math.copysign(1.0, drift) >= c.trend
-            and (p.floor is None or level >= p.floor)
+            and (p.floor is None or value >= p.floor)
         )
         if abs(drift) < p.rise / 2:
             track.warned = False
@@ -161,7 +161,6 @@ class PrecursorMonitor:
         if track.warned or track.above < c.persist:
             return None
         track.warned = True
-        value, ref = (math.exp(m), math.exp(reference)) if p.log else (m, reference)
         change = f"{math.exp(drift):.2f}x" if p.log else f"{drift:+.2f} nats"
         why = (
             f"early warning: {p.field} {'rising' if drift > 0 else 'falling'} for "

@@ -52,15 +52,12 @@ class UpdateGate:
         self.norms = RollingWindow(config.window)
         self.seen = 0  # steps observed (healthy or not), for the warm-up
 
-    def armed(self) -> bool:
-        """As the detector: after ``warmup`` steps, with at least half a window of norms."""
-        return self.seen >= self.config.warmup and len(self.norms) >= self.config.window // 2
-
     def threshold(self) -> float:
-        """The grad norm above which the next update is withheld (inf while not armed)."""
-        if not self.armed():
-            return math.inf
+        """The grad norm above which the next update is withheld; inf until armed (as the
+        detector: after ``warmup`` steps, with at least half a window of norms)."""
         c = self.config
+        if self.seen < c.warmup or len(self.norms) < c.window // 2:
+            return math.inf
         return self.norms.threshold(c.factor - 1.0, c.mad_k)
 
     def learn(self, grad_norm: float | None, skipped: bool) -> None:

@@ -1,10 +1,6 @@
-"""The weight-decay feature in Megatron: the multipliers of :mod:`.core` (docs/weight-decay.md).
-
-With a flag set, ``weight-decay-overrides`` adds one ``wd_mult`` ``ParamKey`` per multiplier to
-the overrides ``get_megatron_optimizer_config`` builds, and ``weight-decay-map`` prints every
-stage's parameter → multiplier map once the optimizer exists. A GLOB matching nothing is
-refused in ``on_model_built``, the earliest point the names exist. The resume check runs in
-``validate`` for every run, flags or not, so dropping them on a resume is caught too.
+"""The weight-decay feature in Megatron: the multipliers of :mod:`.core` (docs/weight-decay.md)
+as one ``wd_mult`` ``ParamKey`` per multiplier, the start-up map, and the resume check (run for
+every run, flags or not, so dropping them on a resume is caught too).
 """
 
 from __future__ import annotations
@@ -91,7 +87,7 @@ class WeightDecayFeature(Feature):
         )
 
     def enabled(self, args: Any) -> bool:
-        """Always: a resume that drops the flags must be caught too (see the module doc)."""
+        """Always: a resume that drops the flags must be caught too."""
         return True
 
     def _policy_of(self, args: Any) -> WeightDecayPolicy:
@@ -250,8 +246,7 @@ def _param_entries(
 
 def _is_ours(key: Any) -> bool:
     """Whether a ParamKey is one :func:`extend_overrides` added."""
-    predicate = key.with_name_predicate
-    return getattr(predicate, "name", "").startswith(_KEY_PREFIX)
+    return getattr(key.with_name_predicate, "name", "").startswith(_KEY_PREFIX)
 
 
 def report_param_groups(

@@ -1,16 +1,13 @@
-"""Per-parameter weight-decay multipliers: which parameter decays how much, and why.
-
-The policy of ``--embedding-weight-decay-mult``, ``--output-layer-weight-decay-mult`` and
-``--weight-decay-override GLOB=MULT``: precedence (Megatron's 1-D/bias rule, then the last
-matching GLOB, then the embedding/output-layer flags, then 1.0), tied-embedding names, GLOB
-usage counts and the resume check (docs/weight-decay.md). No Megatron imports.
+"""Per-parameter weight-decay multipliers: which parameter decays how much, and why. The
+flags' precedence: Megatron's 1-D/bias rule, the last matching GLOB, the embedding/output-layer
+flags, then 1.0 (docs/weight-decay.md). No Megatron imports.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from megatron_ext.common.errors import Refusal
 
@@ -98,7 +95,7 @@ class WeightDecayPolicy:
 
     embedding_mult: float | None = None
     output_layer_mult: float | None = None
-    overrides: tuple[Override, ...] = field(default=())
+    overrides: tuple[Override, ...] = ()
     tied: bool = False
 
     @property

@@ -1,9 +1,7 @@
-"""The z-loss feature in Megatron: ``--z-loss-coeff``, ``--log-output-z`` and
-``--fused-output-loss`` (docs/z-loss.md). ``zloss-output-layer`` replaces
-``compute_language_model_loss`` by :mod:`.core`'s one-pass kernel (or Megatron's native fused
-CE composed with the z term); ``fused-output-loss`` makes ``fused_output_loss`` GPTModel's
-output processor. Each call keeps its per-token terms for ``on_loss``'s report.
-"""
+"""The z-loss feature: ``--z-loss-coeff``, ``--log-output-z``, ``--fused-output-loss``
+(docs/z-loss.md). Patch ``zloss-output-layer`` computes ``compute_language_model_loss`` by the
+one-pass kernel; ``fused-output-loss`` makes :func:`fused_output_processor` GPTModel's output
+processor. Each loss call keeps its per-token terms for ``on_loss``'s report."""
 
 from __future__ import annotations
 
@@ -88,8 +86,18 @@ class ZLossFeature(Feature):
         coeff = args.z_loss_coeff
         if not math.isfinite(coeff) or coeff < 0:
             raise FeatureError(f"--z-loss-coeff must be a finite number >= 0, got {coeff}.")
-        if args.fused_output_loss:
-            _validate_fused(args)
+        if args.fused_output_loss and args.fused_output_loss_chunk_tokens < 0:
+            raise FeatureError(
+                "--fused-output-loss-chunk-tokens must be >= 1 (or 0 for the automatic size), "
+                f"got {args.fused_output_loss_chunk_tokens}."
+            )
+        if args.fused_output_loss and getattr(args, "defer_embedding_wgrad_compute", False):
+            raise FeatureError(
+                "--fused-output-loss cannot be combined with --defer-embedding-wgrad-compute: it "
+                "defers the output layer's weight-gradient GEMM, which the fused output loss "
+                "computes during the forward: there is no deferred GEMM left to overlap. Drop "
+                "--defer-embedding-wgrad-compute."
+            )
 
     def install(self, args: Any) -> None:
         self.coeff = float(args.z_loss_coeff)
@@ -147,22 +155,6 @@ class ZLossFeature(Feature):
             )
             for name, term in reported
         }
-
-
-def _validate_fused(args: Any) -> None:
-    """Refuse what cannot work with ``--fused-output-loss``, saying why."""
-    if args.fused_output_loss_chunk_tokens < 0:
-        raise FeatureError(
-            "--fused-output-loss-chunk-tokens must be >= 1 (or 0 for the automatic size), got "
-            f"{args.fused_output_loss_chunk_tokens}."
-        )
-    if getattr(args, "defer_embedding_wgrad_compute", False):
-        raise FeatureError(
-            "--fused-output-loss cannot be combined with --defer-embedding-wgrad-compute: it "
-            "defers the output layer's weight-gradient GEMM, which the fused output loss "
-            "computes during the forward: there is no deferred GEMM left to overlap. Drop "
-            "--defer-embedding-wgrad-compute."
-        )
 
 
 class _FusedCrossEntropyWithZ(torch.autograd.Function):
@@ -228,9 +220,8 @@ def with_z_loss(
     def compute_language_model_loss(
         self: Any, labels: torch.Tensor, logits: torch.Tensor
     ) -> torch.Tensor:
-        """Per-token ``CE + c·log²Z`` as ``[b, s]``, keeping its terms; the logits are the
-        working buffer, as in Megatron's CE. Megatron's fused CE where it is the native one;
-        otherwise (unfused, or TE's) the overlay's one-pass kernel."""
+        """Per-token ``CE + c·log²Z`` as ``[b, s]``; the logits are the working buffer. Megatron's
+        native fused CE where configured, else (unfused, or TE's) the one-pass kernel."""
         target = labels.transpose(0, 1).contiguous()
         config = self.config
         if config.cross_entropy_loss_fusion and config.cross_entropy_fusion_impl == "native":
@@ -247,12 +238,8 @@ def with_z_loss(
 
 
 def _kept(loss: torch.Tensor, terms: Any) -> tuple[torch.Tensor, ...]:
-    """What a loss call leaves for :meth:`ZLossFeature.on_loss`: its ``[b, s]`` loss and
-    per-token CE, log²Z and log Z."""
+    """What a loss call leaves for ``on_loss``: ``[b, s]`` loss, CE, log²Z and log Z."""
     return (loss, *(t.transpose(0, 1) for t in (terms.cross_entropy, terms.z_loss, terms.log_z)))
-
-
-# -- --fused-output-loss: the main head's logits are never materialised -----------------------
 
 
 def fused_output_processor(
@@ -266,12 +253,10 @@ def fused_output_processor(
     config: Any,
     **_: Any,
 ) -> torch.Tensor:
-    """GPTModel's ``output_processor``: the main head's ``[b, s]`` per-token loss (what
-    ``compute_language_model_loss`` returns), fused; its terms are kept as that method keeps
-    them. Under Megatron DDP the weight gradient goes to ``main_grad`` in the forward."""
-    # The output layer's forward is not called, so run its forward pre-hooks as the call
-    # would: with --overlap-param-gather, Megatron DDP's hook finishes this layer's param
-    # all-gather there and starts the next bucket's (skipped, the next gather asserts).
+    """GPTModel's ``output_processor``: the main head's ``[b, s]`` per-token loss, fused (the
+    weight gradient goes to ``main_grad`` in the forward under Megatron DDP)."""
+    # The output layer's forward is not called: run its pre-hooks (--overlap-param-gather's
+    # all-gather of this layer and the next bucket's; skipping them, the next gather asserts).
     for pre_hook in tuple(output_layer._forward_pre_hooks.values()):
         pre_hook(output_layer, (hidden_states,))
     weight = output_layer.weight if output_weight is None else output_weight
@@ -316,13 +301,6 @@ def schedule_grad_scale(config: Any, loss_mask: torch.Tensor) -> torch.Tensor:
     return scale
 
 
-def _inference_mode_active() -> bool:
-    """Megatron's process-wide inference mode (registry ``inference-mode``; none before
-    megatron-core 0.18, where ``inference_context`` alone tells)."""
-    mode = getattr(inference_utils, "InferenceMode", None)
-    return bool(mode is not None and mode.is_active())
-
-
 def with_fused_output_loss(
     postprocess: Callable[..., Any], feature: ZLossFeature
 ) -> Callable[..., Any]:
@@ -335,11 +313,13 @@ def with_fused_output_loss(
         inference, no other processor)."""
         call = signature.bind(*args, **kwargs)
         given = call.arguments
+        # Registry ``inference-mode``: none before megatron-core 0.18 (inference_context tells).
+        mode = getattr(inference_utils, "InferenceMode", None)
         if (
             given.get("labels") is not None
             and given.get("output_processor") is None
             and given.get("inference_context") is None
-            and not _inference_mode_active()
+            and not (mode is not None and mode.is_active())
         ):
             given["output_processor"] = processor
         return postprocess(*call.args, **call.kwargs)

@@ -11,14 +11,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "ZLossTerms",
-    "cross_entropy_and_z_loss",
-    "default_chunk_tokens",
-    "fused_output_loss",
-    "vocab_parallel_cross_entropy_with_z_loss",
-]
-
 
 class ZLossTerms(NamedTuple):
     """Per-token float32 terms shaped like the target: ``loss = cross_entropy + coeff · z_loss``
@@ -29,17 +21,6 @@ class ZLossTerms(NamedTuple):
     cross_entropy: torch.Tensor
     z_loss: torch.Tensor
     log_z: torch.Tensor
-
-
-def _default_tp_group() -> dist.ProcessGroup | None:
-    """Megatron's tensor-parallel group when Megatron set one up, else none (full vocabulary)."""
-    try:
-        from megatron.core import parallel_state
-    except ImportError:  # the core is usable without Megatron, on unsharded logits
-        return None
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_group()
-    return None
 
 
 def _terms(
@@ -69,8 +50,7 @@ class _CrossEntropyWithZLoss(torch.autograd.Function):
         rank = 0 if tp_group is None else dist.get_rank(tp_group)
         world = 1 if tp_group is None else dist.get_world_size(tp_group)
 
-        # The fp32 buffer that becomes exp(logits - max), then the scaled softmax; fp32
-        # logits are used in place only when the caller allows it.
+        # The fp32 buffer that becomes exp(logits - max), then the scaled softmax.
         if logits.dtype != torch.float32:
             work = logits.to(torch.float32, memory_format=torch.contiguous_format)
             in_place = True
@@ -132,9 +112,15 @@ def cross_entropy_and_z_loss(
     overwrite_logits: bool = False,
 ) -> ZLossTerms:
     """All three per-token terms (:func:`vocab_parallel_cross_entropy_with_z_loss`).
-    ``overwrite_logits=True`` uses fp32 logits as the working buffer, as Megatron's CE does."""
+    ``overwrite_logits=True`` uses fp32 logits as the working buffer, as Megatron's CE does.
+    ``tp_group`` None: Megatron's TP group if it set one up, else the full vocabulary."""
     if tp_group is None:
-        tp_group = _default_tp_group()
+        try:
+            from megatron.core import parallel_state
+        except ImportError:  # the core is usable without Megatron, on unsharded logits
+            parallel_state = None
+        if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+            tp_group = parallel_state.get_tensor_model_parallel_group()
     return ZLossTerms(
         *_CrossEntropyWithZLoss.apply(
             logits, target, float(z_loss_coeff), tp_group, overwrite_logits
@@ -165,14 +151,10 @@ def vocab_parallel_cross_entropy_with_z_loss(
     return terms.loss, terms.z_loss
 
 
-# Auto chunk: this many fp32 logits per chunk (128 MiB), clamped to [64, 4096] tokens.
-CHUNK_ELEMENTS = 2**25
-
-
 def default_chunk_tokens(vocab_per_rank: int) -> int:
-    """Tokens per chunk so that one chunk's fp32 logits are ~128 MiB: large enough for
-    efficient matmuls, small next to the unfused ``[s·b, V/tp]`` buffers."""
-    tokens = 1 << max(0, (CHUNK_ELEMENTS // max(1, vocab_per_rank)).bit_length() - 1)
+    """Tokens per chunk (a power of two in [64, 4096]) for ~2^25 fp32 logits (128 MiB) a
+    chunk: large enough for efficient matmuls, small next to the unfused ``[s·b, V/tp]``."""
+    tokens = 1 << max(0, (2**25 // max(1, vocab_per_rank)).bit_length() - 1)
     return min(4096, max(64, tokens))
 
 
@@ -207,21 +189,15 @@ def _chunk_terms(
     return work, local, outside, stats[1], log_z, cross_entropy, z_loss, loss
 
 
-# Rows of the vocabulary per weight-gradient product when it is not accumulated in place
-# (bf16 products added to an fp32 buffer): the product's transient stays ~1/8 of the weight.
-PRODUCT_SLICES = 8
-
-
 def _add_weight_gradient(
     grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor
 ) -> None:
-    """``grad_weight += grad_logitsᵀ · hidden``: in place where the dtypes agree (one addmm),
-    else a vocabulary slice at a time (a bf16 product into an fp32 accumulator), so that no
-    weight-sized product is ever allocated."""
+    """``grad_weight += grad_logitsᵀ · hidden``: one addmm where the dtypes agree, else an
+    eighth of the vocabulary at a time (bf16 products into fp32): no weight-sized product."""
     if grad_weight.dtype == grad_logits.dtype == hidden.dtype:
         grad_weight.addmm_(grad_logits.t(), hidden)
         return
-    rows = -(-grad_weight.size(0) // PRODUCT_SLICES)
+    rows = -(-grad_weight.size(0) // 8)
     for first in range(0, grad_weight.size(0), rows):
         last = min(grad_weight.size(0), first + rows)
         grad_weight[first:last].add_(torch.matmul(grad_logits[:, first:last].t(), hidden))
@@ -287,9 +263,7 @@ class _FusedOutputLoss(torch.autograd.Function):
             torch.matmul(grad_logits, weight, out=grad_hidden[start:end])
             _add_weight_gradient(grad_weight, grad_logits, h)
             del grad_logits
-        if grads:
-            # The backward checks the incoming gradient against the scale used here (given) or
-            # applies it (read there); only the deferred weight gradient is kept for it.
+        if grads:  # the backward checks (given) or applies the scale; keep the deferred wgrad
             expected = options["grad_scale"] if into_main_grad else None
             ctx.save_for_backward(
                 grad_hidden, token_weights, expected, None if into_main_grad else grad_weight
@@ -352,9 +326,8 @@ _MISPREDICTED = (
 
 def _added_to_main_grad(weight: torch.Tensor, dummy: bool) -> torch.Tensor | None:
     """The weight's ``.grad`` once its gradient is in ``main_grad``, as Megatron's fused linear
-    does: the ``grad_added_to_main_grad`` mark, and a dummy ``.grad`` only where DDP's hook
-    must mark the weight ready (not for a weight shared with an embedding on this stage,
-    whose own gradient runs the hook)."""
+    does: the ``grad_added_to_main_grad`` mark, and a dummy ``.grad`` where DDP's hook must mark
+    the weight ready (not for one shared with this stage's embedding, whose gradient runs it)."""
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
