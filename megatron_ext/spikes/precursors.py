@@ -148,7 +148,7 @@ class PrecursorMonitor:
             reference = max(flat)
         drift = m - reference
         trend = rank_trend(list(track.values))
-        value, ref = (math.exp(m), math.exp(reference)) if p.log else (m, reference)
+        value = math.exp(m) if p.log else m
         rising = (
             bool(flat)
             and abs(drift) >= p.rise
@@ -161,6 +161,7 @@ class PrecursorMonitor:
         if track.warned or track.above < c.persist:
             return None
         track.warned = True
+        ref = math.exp(reference) if p.log else reference
         change = f"{math.exp(drift):.2f}x" if p.log else f"{drift:+.2f} nats"
         why = (
             f"early warning: {p.field} {'rising' if drift > 0 else 'falling'} for "
