@@ -36,7 +36,7 @@ from megatron_ext.common.io import atomic_write
 from megatron_ext.common.records.ledger import config_record
 from megatron_ext.common.records.signals import SignalRecord, history_before
 from megatron_ext.common.records.skip_ranges import WINDOWS_BATCH_FLAG, WINDOWS_FLAG, persisted_text
-from megatron_ext.common.records.sources import member_names, train_blend
+from megatron_ext.common.records.sources import train_members
 from megatron_ext.common.records.spike_config import add_detector_args, config_from_args
 from megatron_ext.common.validation import check_directory, check_exit_code
 from megatron_ext.spikes.detector import SpikeDetector, SpikeEvent, primed
@@ -397,12 +397,6 @@ def garbage_batch(
     return sequence[:, :-1].to(tokens.dtype), sequence[:, 1:].to(tokens.dtype)
 
 
-def _train_members(args: Any) -> list[str]:
-    from megatron.training.utils import get_blend_and_blend_per_split
-
-    return member_names(train_blend(*get_blend_and_blend_per_split(args)))
-
-
 class DrillFeature(Feature):
     """``--drill-corrupt-batch``: a bad batch on one DP rank, reproducibly across replays."""
 
@@ -445,7 +439,7 @@ class DrillFeature(Feature):
             parse_spec(args.drill_corrupt_batch)
         except ValueError as exc:
             raise FeatureError(str(exc)) from None
-        names = _train_members(args) if args.drill_corrupt_source else []
+        names = train_members(args) if args.drill_corrupt_source else []
         if args.drill_corrupt_source and args.drill_corrupt_source not in names:
             raise FeatureError(
                 f"--drill-corrupt-source {args.drill_corrupt_source!r} is not a member of the "
@@ -456,7 +450,7 @@ class DrillFeature(Feature):
         self.args = args
         self.spec = parse_spec(args.drill_corrupt_batch)
         if args.drill_corrupt_source:
-            self.source = _train_members(args).index(args.drill_corrupt_source)
+            self.source = train_members(args).index(args.drill_corrupt_source)
 
     def on_batch(self, batch: dict[str, Any], micro_batch: MicroBatch) -> None:
         assert self.spec is not None

@@ -19,7 +19,6 @@ from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_du
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.training import get_tensorboard_writer, get_wandb_writer
 from megatron.training import training as megatron_training
-from megatron.training.utils import get_blend_and_blend_per_split
 
 from megatron_ext.common.features import (
     LM_LOSS_PER_TOKEN,
@@ -32,7 +31,7 @@ from megatron_ext.common.features import (
     writing_rank,
 )
 from megatron_ext.common.records.signals import SignalRecord, SignalsWriter
-from megatron_ext.common.records.sources import member_names, train_blend
+from megatron_ext.common.records.sources import train_members
 from megatron_ext.common.validation import check_directory
 from megatron_ext.telemetry.bucket_layout import (
     BucketNormer,
@@ -68,12 +67,6 @@ NORM_CHECK_RTOL = 1e-5
 
 def _is_writer() -> bool:
     return is_writing_rank(dist.get_rank(), dist.get_world_size())
-
-
-def train_members(args: Any) -> list[str]:
-    """The names of this launch's train blend members (none with mock data), so a resume
-    under another blend (a new stage) names its own."""
-    return member_names(train_blend(*get_blend_and_blend_per_split(args)))
 
 
 def _counted(param: torch.Tensor, optimizer: Any) -> bool:

@@ -33,3 +33,11 @@ def member_names(prefixes: list[str]) -> list[str]:
         if seen[name] > 1:
             names[i] = f"{name}#{seen[name]}"
     return names
+
+
+def train_members(args: Any) -> list[str]:
+    """The names of this launch's train blend members, as Megatron reads ``args`` (a resume
+    under another blend, a new stage, names its own)."""
+    from megatron.training.utils import get_blend_and_blend_per_split  # late: a core
+
+    return member_names(train_blend(*get_blend_and_blend_per_split(args)))

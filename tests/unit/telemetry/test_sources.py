@@ -18,8 +18,8 @@ from megatron.core.tokenizers import MegatronTokenizer
 from megatron_ext.common.features import DATASET_ID_KEY, LossInputs, MicroBatch, StepRecord
 from megatron_ext.common.files import SIGNALS_FILE
 from megatron_ext.common.records.signals import read_signals
-from megatron_ext.common.records.sources import member_names
-from megatron_ext.telemetry.adapter import TelemetryFeature, train_members
+from megatron_ext.common.records.sources import member_names, train_members
+from megatron_ext.telemetry.adapter import TelemetryFeature
 from tests.support import megatron_world as mw
 
 DATA_FLAGS = dict.fromkeys(
