@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.common import bridge_state
 from megatron_ext.common.errors import Refusal
 from megatron_ext.common.files import (
     CHECKPOINT_COMMON_FILE,
@@ -54,10 +55,8 @@ _REAL: dict[tuple[str, str], Any] = {
 
 
 class UnreadableState(Exception):
-    """Not a layout this reader knows: use Megatron's ``load_common_state_dict`` instead.
-
-    An internal control-flow signal (caught inside this module and by the demo), not a
-    refusal, so it is no :class:`~megatron_ext.common.errors.MegatronExtError`."""
+    """Not a layout this reader knows (use Megatron's ``load_common_state_dict``): an internal
+    control-flow signal, caught by the callers, not a refusal."""
 
 
 class CheckpointUnreadable(Refusal, ValueError):
@@ -187,8 +186,6 @@ def read_common_state(directory: str | Path) -> dict[str, Any]:
     Megatron-Bridge checkpoint, made from its run configuration
     (:mod:`megatron_ext.common.bridge_state`)."""
     directory = Path(directory)
-    from megatron_ext.common import bridge_state
-
     if bridge_state.is_bridge_checkpoint(directory):
         return bridge_state.read_bridge_state(directory)
     legacy = directory / CHECKPOINT_COMMON_FILE

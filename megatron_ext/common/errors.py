@@ -55,9 +55,9 @@ def report(exc: MegatronExtError, program: str | None = None) -> int:
     return exc.exit_code
 
 
-def exit_on_error[T](main: Callable[[], T], program: str | None = None) -> T:
+def exit_on_error[T](main: Callable[[], T]) -> T:
     """Run ``main``; a :class:`MegatronExtError` ends the process with its message and code."""
     try:
         return main()
     except MegatronExtError as exc:
-        raise SystemExit(report(exc, program)) from None
+        raise SystemExit(report(exc)) from None

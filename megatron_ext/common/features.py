@@ -12,6 +12,7 @@ one produces for another goes on the :class:`StepRecord` or the :class:`MicroBat
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -32,8 +33,6 @@ def writing_rank(world_size: int) -> int:
 
 def print_rank_0(message: str) -> None:
     """Print on global rank 0 only, before or after torch.distributed is initialised."""
-    import os
-
     import torch  # late, as in collective_device
 
     dist = torch.distributed
@@ -186,7 +185,7 @@ class FeatureSet:
 
     args: Any
     features: tuple[Feature, ...]
-    built: ModelBuilt = field(default_factory=lambda: ModelBuilt())
+    built: ModelBuilt = field(default_factory=ModelBuilt)
 
     @classmethod
     def install(cls, features: list[Feature], args: Any) -> FeatureSet:

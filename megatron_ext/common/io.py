@@ -167,7 +167,6 @@ class JsonlAppender:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Held open for the run's lifetime: one flushed write per record.
         self._file: TextIO = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115
         if torn_tail(self.path):
             self._file.write("\n")

@@ -13,27 +13,19 @@ import signal
 from collections.abc import Callable
 
 
-def end_children() -> list[int]:
-    """SIGKILL every live ``multiprocessing`` child of this process; returns their pids.
+def ending_children_on_failure[T](run: Callable[[], T]) -> T:
+    """Run ``run``; if it fails, SIGKILL every live ``multiprocessing`` child before re-raising.
 
     SIGCHLD goes back to its default first: the data loader's handler raises in the main
-    thread when one of its workers dies by a signal, which would cut this loop short."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    killed = []
-    for child in multiprocessing.active_children():
-        if child.pid is not None:
-            child.kill()
-            killed.append(child.pid)
-    for child in multiprocessing.active_children():
-        child.join(timeout=5)
-    return killed
-
-
-def ending_children_on_failure[T](run: Callable[[], T]) -> T:
-    """Run ``run``; if it fails, end this process's helper processes before re-raising."""
+    thread when one of its workers dies by a signal, which would cut the kills short."""
     try:
         return run()
     except BaseException as exc:
         if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
-            end_children()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            children = multiprocessing.active_children()
+            for child in children:
+                child.kill()
+            for child in children:
+                child.join(timeout=5)
         raise

@@ -62,14 +62,6 @@ def job_id() -> str:
     return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
 
 
-def me(role: str) -> Holder:
-    pid = os.getpid()
-    start = _pid_start(pid) or ""
-    return Holder(
-        role, socket.gethostname(), pid, start, job_id(), time.time(), secrets.token_hex(8)
-    )
-
-
 def read_holder(path: Path) -> Holder | None:
     """The holder a lock file names; None when there is no lock."""
     try:
@@ -208,9 +200,12 @@ def acquire(directory: str | os.PathLike[str], role: str, what: str, force: bool
     """Hold ``directory`` for ``role``, or inherit the lease whose token is in
     :data:`TOKEN_ENV`; raise :class:`RunLockHeld` (naming the holder) while another live
     writer holds it. ``what`` names the refused action in the message."""
-    folder = Path(directory)
+    folder, pid = Path(directory), os.getpid()
     folder.mkdir(parents=True, exist_ok=True)
-    path, holder = folder / RUN_LOCK_FILE, me(role)
+    path, start = folder / RUN_LOCK_FILE, _pid_start(pid) or ""
+    holder = Holder(
+        role, socket.gethostname(), pid, start, job_id(), time.time(), secrets.token_hex(8)
+    )
     child = path.with_name(path.name + ".child")
     for _ in range(5):
         current = read_holder(path)

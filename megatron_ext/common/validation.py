@@ -49,11 +49,11 @@ def check_exit_code(flag: str, code: int) -> None:
         )
 
 
-def check_finite(flag: str, value: float, *, minimum: float | None = None) -> None:
-    """A finite number (NaN compares False with every loss, so it would flag nothing)."""
+def check_finite(flag: str, value: float, *, minimum: float) -> None:
+    """A finite number >= ``minimum`` (NaN compares False with every loss: it flags nothing)."""
     if not math.isfinite(value):
         raise ValueError(f"{flag} must be a finite number, got {value}")
-    if minimum is not None and value < minimum:
+    if value < minimum:
         raise ValueError(f"{flag} must be >= {minimum}, got {value}")
 
 

@@ -32,11 +32,8 @@ REQUIREMENT = f"megatron-core>={MIN_VERSION},<={MAX_VERSION}"
 
 
 class UnsupportedVersion(Exception):
-    """The installed megatron-core is outside the supported range.
-
-    An internal control-flow signal: the caller turns it into its own refusal
-    (``patching.UnsupportedMegatronCore``, exit 1), since this module imports nothing of the
-    package (``setup.py`` reads it)."""
+    """A megatron-core outside the range: an internal control-flow signal that the caller turns
+    into its refusal (``patching.UnsupportedMegatronCore``); ``setup.py`` reads this module."""
 
 
 def installed() -> str | None:
@@ -54,14 +51,6 @@ def parse(version: str) -> tuple[int, ...]:
     from packaging.version import Version  # here: setup.py runs this file before any install
 
     return Version(version).release[:3]
-
-
-def in_range(version: str) -> bool:
-    """Whether ``version`` lies in [MIN_VERSION, MAX_VERSION]."""
-    try:
-        return parse(MIN_VERSION) <= parse(version) <= parse(MAX_VERSION)
-    except ValueError:
-        return False
 
 
 def nearest_verified(version: str) -> str:
@@ -86,7 +75,11 @@ def check(found: str, environ: Mapping[str, str] = os.environ) -> str | None:
     if found in VERIFIED:
         return None
     supported = f"megatron-ext supports megatron-core {MIN_VERSION} to {MAX_VERSION}"
-    if in_range(found):
+    try:
+        in_range = parse(MIN_VERSION) <= parse(found) <= parse(MAX_VERSION)
+    except ValueError:
+        in_range = False
+    if in_range:
         return (
             f"megatron-ext WARNING: megatron-core {found} is in the supported range but not one "
             f"of the verified versions ({', '.join(VERIFIED)}); the registry's checks for "

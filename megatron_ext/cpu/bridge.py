@@ -11,10 +11,6 @@ import torch
 from megatron_ext.cpu import shims
 
 
-def _count_bridge(label: str) -> None:
-    shims._count(f"bridge.{label}")
-
-
 def install() -> None:
     """Install the Bridge additions (after :func:`megatron_ext.cpu.shims.install`); idempotent."""
     if getattr(torch.cuda, "_megatron_ext_cpu_bridge", False):
@@ -28,5 +24,5 @@ def install() -> None:
     for fix in table.BUGFIXES:  # Bridge alone (the runner's --plain scripts) needs it too
         fix.apply()
 
-    table.CPU_RUNNER[0].apply(_count_bridge)
+    table.CPU_RUNNER[0].apply(lambda label: shims._count(f"bridge.{label}"))
     torch.cuda._megatron_ext_cpu_bridge = True  # type: ignore[attr-defined]

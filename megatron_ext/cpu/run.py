@@ -26,13 +26,6 @@ def _skip_interpreter_teardown() -> None:
     os._exit(_EXIT_CODE[0])
 
 
-def _code(exit_code: object) -> int:
-    """The status the interpreter gives a ``SystemExit`` with this code."""
-    if exit_code is None:
-        return 0
-    return exit_code if isinstance(exit_code, int) else 1
-
-
 def _training(argv: list[str]) -> Callable[[], object]:
     """What to run: the entry point with ``argv``, or with ``--script PATH`` first, that
     script as ``__main__`` with the rest as its command line and its folder on ``sys.path``."""
@@ -72,7 +65,8 @@ if __name__ == "__main__":  # checkpoint saving spawns helper processes that re-
         train()
     except SystemExit as exc:
         shims.record_exit(exc.code)
-        _EXIT_CODE[0] = _code(exc.code)
+        # The status the interpreter gives this SystemExit.
+        _EXIT_CODE[0] = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
         raise
     shims.record_exit(0)
     _EXIT_CODE[0] = 0

@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import sys
+import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -123,8 +124,6 @@ class _FakeEvent:
         self._t = 0.0
 
     def record(self, *args: Any) -> None:
-        import time
-
         self._t = time.perf_counter()
 
     def synchronize(self) -> None:
@@ -207,12 +206,6 @@ RSS: list[list[int]] = []
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def resident_bytes() -> int:
-    """This process's resident set size now (one read of ``/proc/self/statm``)."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * _PAGE
-
-
 def record_batch_reads() -> None:
     """Count the micro-batches this rank reads from the data iterator (readers only), in
     ``hooks.read_batch``: the GPT step's and a script's own (``megatron_ext.fork``) alike."""
@@ -225,7 +218,8 @@ def record_batch_reads() -> None:
         batch = original(features, data_iterator, micro_batch)
         READS[micro_batch.dp_rank] += 1
         if sample_rss and micro_batch.training:
-            RSS.append([micro_batch.iteration, resident_bytes()])
+            with open("/proc/self/statm") as statm:  # resident pages, second field
+                RSS.append([micro_batch.iteration, int(statm.read().split()[1]) * _PAGE])
         return batch
 
     hooks.read_batch = read_batch
@@ -302,7 +296,9 @@ def install() -> None:
 
     _CudaToCpuMode().__enter__()
     _cpu_device_mesh()
-    _patch_megatron()
+    from megatron_ext.registry import table as registry
+
+    registry.patch("cpu-initialize-without-cuda").apply(_count)  # megatron-core's side
     cuda._megatron_ext_cpu_harness = True  # type: ignore[attr-defined]
     atexit.register(_dump, "rank", COUNTS)
 
@@ -322,10 +318,3 @@ def _cpu_device_mesh() -> None:
         return original(group, device_type, *args, **kwargs)
 
     DeviceMesh.from_group = staticmethod(from_group)  # type: ignore[method-assign]
-
-
-def _patch_megatron() -> None:
-    """megatron-core's side: the registry's ``cpu-initialize-without-cuda``, counted."""
-    from megatron_ext.registry import table as registry
-
-    registry.patch("cpu-initialize-without-cuda").apply(_count)

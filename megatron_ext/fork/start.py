@@ -28,20 +28,17 @@ def default_transformer_impl(argv: list[str]) -> list[str]:
     return [*argv, "--transformer-impl", "local"]
 
 
-# Where Megatron checks its flags with assertions (a traceback each; several ask what to do).
-MEGATRON_CHECK = ("megatron/training/arguments.py", "validate_args")
-
-
 def megatron_refusal(exc: AssertionError) -> str | None:
-    """An assertion of Megatron's own check of the flags as a one-line refusal; None for any
-    other assertion (a bug, which keeps its traceback)."""
-    path, function = MEGATRON_CHECK
+    """An assertion of Megatron's own check of the flags (``validate_args``: a traceback each,
+    several ask what to do) as a one-line refusal; None for any other assertion (a bug, which
+    keeps its traceback)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    if not any(f.name == function and f.filename.endswith(path) for f in frames):
+    path = "megatron/training/arguments.py"
+    if not any(f.name == "validate_args" and f.filename.endswith(path) for f in frames):
         return None
     message = " ".join(str(exc).split()) or "an assertion without a message"
     return (
-        f"megatron-ext: Megatron refuses these flags: {message} (its {function}); change the "
+        f"megatron-ext: Megatron refuses these flags: {message} (its validate_args); change the "
         "flags it names (docs/layouts.md lists what the overlay runs at)"
     )
 

@@ -43,11 +43,6 @@ class Bounds:
     first_timeout: float = 1800.0
     history: int = 50  # recent durations kept per phase
 
-    def of(self, durations: deque[float]) -> float:
-        if not durations:
-            return self.first_timeout
-        return max(self.min_timeout, self.factor * max(durations))
-
 
 def stacks() -> dict[str, list[str]]:
     """Every thread's Python stack, by thread name (innermost frame last)."""
@@ -119,9 +114,10 @@ class Watchdog:
             durations.extend(float(d) for d in saved.get(phase, []))
 
     def bound(self) -> float:
-        if self.phase == "start-up":
+        durations = self._durations.get(self.phase)  # None: start-up
+        if not durations:
             return self.bounds.first_timeout
-        return self.bounds.of(self._durations[self.phase])
+        return max(self.bounds.min_timeout, self.bounds.factor * max(durations))
 
     # -- the watching thread -------------------------------------------------------------
     def start(self) -> None:
@@ -163,8 +159,8 @@ class Watchdog:
             return self.rank if first is None else first
         return self.rank
 
-    def dump(self, detected_by: int, stalled: float) -> HangDump:
-        return HangDump(
+    def _fire(self, detected_by: int, stalled: float) -> None:
+        dump = HangDump(
             rank=self.rank,
             world_size=self.world_size,
             host=socket.gethostname(),
@@ -177,9 +173,6 @@ class Watchdog:
             detected_by=detected_by,
             stacks=stacks(),
         )
-
-    def _fire(self, detected_by: int, stalled: float) -> None:
-        dump = self.dump(detected_by, stalled)
         dump.write(self.directory)
         asked = "" if detected_by == self.rank else f", asked by rank {detected_by}"
         print(

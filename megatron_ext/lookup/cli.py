@@ -256,9 +256,7 @@ def forward(session: Session) -> int:
             raise ConfigError("--attempt needs the run's layout history (--from-checkpoint)")
         batch = session.config.schedule.batch(options.iteration)
     else:
-        iteration = session.iteration_at_consumed(options.consumed_samples)
-        batch = session.config.schedule.batch_at_consumed(options.consumed_samples)
-        assert batch.iteration == iteration
+        batch = session.batch_at_consumed(options.consumed_samples)
     index, records = batch_records(session, batch, options.microbatch, options.dp_rank)
     lines = _batch_lines(session, batch, index, attempts)
     if attempts is not None and chosen is not None:

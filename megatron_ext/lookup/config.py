@@ -26,6 +26,7 @@ from megatron_ext.common.files import (
     CHECKPOINT_COMMON_FILE,
     CHECKPOINT_METADATA_FILE,
     TrackerError,
+    checkpoint_dir,
     read_checkpoint_tracker,
 )
 from megatron_ext.common.records.pair import PairError, check_pair
@@ -68,7 +69,7 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> Checkpoint:
     except TrackerError as exc:
         raise ConfigError(f"{exc}; or choose a checkpoint with --ckpt-step") from None
     chosen = step if step is not None else tracked
-    directory = root if chosen is None else root / f"iter_{chosen:07d}"
+    directory = root if chosen is None else checkpoint_dir(root, chosen)
     if not any(
         (directory / f).is_file() for f in (CHECKPOINT_METADATA_FILE, CHECKPOINT_COMMON_FILE)
     ):

@@ -14,7 +14,7 @@ import json
 import math
 import mmap
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,8 +63,7 @@ def map_random(path: str | os.PathLike[str]) -> mmap.mmap | bytes:
         if os.fstat(handle.fileno()).st_size == 0:
             return b""  # mmap refuses empty files; an empty array views nothing
         mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-    if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-        mapping.madvise(mmap.MADV_RANDOM)
+    mapping.madvise(mmap.MADV_RANDOM)
     return mapping
 
 
@@ -199,20 +198,14 @@ class IndexedData:
         self.sequence_pointers = np.frombuffer(buffer, np.int64, sequences, offset)
         offset += self.sequence_pointers.nbytes
         self.document_indices = np.frombuffer(buffer, np.int64, documents, offset)
-        self._bin = map_random(prefix + ".bin")
-
-    def will_need(self, sequences: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
-        """Prefetch the ``.bin`` bytes of tokens [offset, offset + length) of ``sequences``."""
-        if isinstance(self._bin, mmap.mmap) and len(sequences):
-            starts = self.sequence_pointers[sequences] + offsets * self.dtype.itemsize
-            will_need(np.frombuffer(self._bin, np.uint8), starts, lengths * self.dtype.itemsize)
+        self.bin = map_random(prefix + ".bin")
 
     def get(self, sequence: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of one sequence, as ``IndexedDataset.get``."""
         if length is None:
             length = int(self.sequence_lengths[sequence]) - offset
         start = int(self.sequence_pointers[sequence]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin, self.dtype, length, start)
+        return np.frombuffer(self.bin, self.dtype, length, start)
 
 
 def blend_and_blend_per_split(
@@ -343,12 +336,20 @@ def _same(found: dict[str, Any], expected: dict[str, Any]) -> bool:
     return {k: v for k, v in found.items() if k != "tokenizer"} == expected
 
 
-def _scan(directory: Path, kind: str) -> list[Description]:
-    if not directory.is_dir():
-        return []
-    return [
-        read_description(path) for path in sorted(directory.glob(f"*-{kind}-train-description.txt"))
-    ]
+def _find(
+    directory: Path,
+    kind: str,
+    matches: Callable[[dict[str, Any]], bool],
+    expected: dict[str, Any],
+    tokenizer: dict[str, Any] | None,
+) -> Description:
+    """The one ``kind`` train cache in ``directory`` whose description ``matches`` the run."""
+    names = sorted(directory.glob(f"*-{kind}-train-description.txt")) if directory.is_dir() else []
+    candidates = [read_description(path) for path in names]
+    found = [c for c in candidates if matches(c.content)]
+    if not found:
+        raise _not_found(kind, directory, candidates, expected)
+    return _choose(found, tokenizer, kind)
 
 
 def _not_found(
@@ -422,11 +423,7 @@ def open_train_index(
         default = Path(remap(spec.prefixes[0], data_root), "cache", f"{GPT}_indices")  # Megatron's
         directory = Path(chosen) if chosen else default
         expected = _expected_gpt(spec, spec.prefixes[0], spec.target_samples)
-        candidates = _scan(directory, GPT)
-        found = [c for c in candidates if _same(c.content, expected)]
-        if not found:
-            raise _not_found(GPT, directory, candidates, expected)
-        trusted = _choose(found, tokenizer, GPT)
+        trusted = _find(directory, GPT, lambda c: _same(c, expected), expected, tokenizer)
         mid = _open_dataset(_dataset(directory, trusted), spec, data_root)
         return TrainIndex([mid], None, trusted.digest, GPT)
 
@@ -442,7 +439,6 @@ def open_train_index(
     expected_top = {"class": BLENDED, "split": "train"}
     if weights is not None:
         expected_top |= {"weights": weights, "size": size}
-    candidates = _scan(directory, BLENDED)
 
     def matches(description: dict[str, Any]) -> bool:
         inner = description.get("datasets", [])
@@ -452,10 +448,7 @@ def open_train_index(
             and all(_same(d, m) for d, m in zip(inner, members))
         )
 
-    found = [c for c in candidates if matches(c.content)]
-    if not found:
-        raise _not_found(BLENDED, directory, candidates, expected_top)
-    blend = _choose(found, tokenizer, BLENDED)
+    blend = _find(directory, BLENDED, matches, expected_top, tokenizer)
     datasets = [_member(blend, member, directory) for member in blend.content["datasets"]]
     files = _files(str(blend.path)[: -len("description.txt")], BLENDED, BLENDED_FILES)
     return _open_blend(blend, [_open_dataset(d, spec, data_root) for d in datasets], spec, files)
@@ -600,7 +593,9 @@ class MidIndex:
         size = np.minimum(
             self.lengths[first].astype(np.int64) - begin[:, 1], self.seq_length + self.extra
         )
-        self.data.will_need(first, begin[:, 1].astype(np.int64), np.maximum(size, 1))
+        itemsize = self.data.dtype.itemsize
+        starts = self.data.sequence_pointers[first] + begin[:, 1].astype(np.int64) * itemsize
+        will_need(np.frombuffer(self.data.bin, np.uint8), starts, np.maximum(size, 1) * itemsize)
 
     def sample(self, index: int, member: int, dataset_sample: int, pad_id: int | None) -> Sample:
         """Sample ``dataset_sample`` of this dataset (global ``index``, blend ``member``):
@@ -623,10 +618,6 @@ class MidIndex:
     def source(self, document: int) -> dict[str, Any] | None:
         """The raw record ``document`` was tokenized from (file, line, byte, id), or None."""
         return None if self.provenance is None else self.provenance.source(int(document))
-
-    def read_document(self, document: int) -> np.ndarray:
-        """A whole document's tokens (int64), e.g. for a blocklist's content hash."""
-        return np.asarray(self.data.get(int(document)), dtype=np.int64)
 
     def read(self, spans: Sequence[Span]) -> np.ndarray:
         """The tokens of ``spans``, concatenated (int64)."""

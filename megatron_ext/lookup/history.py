@@ -11,10 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.common.files import CHECKPOINT_DIR, LAYOUT_FILE, sample_log_file
+from megatron_ext.common.files import (
+    CHECKPOINT_DIR,
+    CHECKPOINT_METADATA_FILE,
+    LAYOUT_FILE,
+    sample_log_file,
+)
 from megatron_ext.common.io import read_jsonl
 from megatron_ext.common.records.sample_log import DATA_FIELDS, LAYOUT_FIELDS
-from megatron_ext.common.records.sample_log_reader import Attempt, AttemptRecords, RankLog
+from megatron_ext.common.records.sample_log_reader import Attempt, RankLog
 from megatron_ext.lookup.config import honours_rampup
 from megatron_ext.lookup.errors import ConfigError, NotTrained, PositionError
 
@@ -151,7 +156,7 @@ def read_history(save_dir: Path, sample_log_dir: str | None, load: Any) -> Histo
     checkpoints = []
     for child in sorted(save_dir.iterdir()) if save_dir.is_dir() else []:
         match = CHECKPOINT_DIR.match(child.name)
-        if match and (child / "metadata.json").is_file():
+        if match and (child / CHECKPOINT_METADATA_FILE).is_file():
             checkpoints.append((int(match[1]), load(child)["args"]))
     log_path = Path(sample_log_dir, LAYOUT_FILE) if sample_log_dir else None
     log_path = log_path if log_path and log_path.is_file() else None
@@ -175,6 +180,10 @@ def stage_args(
         f"{k}: {v!r} then, {getattr(base, k, None)!r} in the checkpoint read"
         for k, v in changed.items()
     )
+    said = (
+        f"the data changed at a resume ({what}); iteration {segment.first}'s stretch is "
+        "answered with its own data configuration, from "
+    )
     saved = [
         (n, a)
         for n, a in sorted(history.checkpoint_args.items())
@@ -183,10 +192,7 @@ def stage_args(
     own = [(n, a) for n, a in saved if int(getattr(a, "iteration", 0) or 0) == segment.first - 1]
     if own or saved:
         n, args = (own or saved)[0]
-        return args, (
-            f"the data changed at a resume ({what}); iteration {segment.first}'s stretch is "
-            f"answered with its own data configuration, from checkpoint iter_{n:07d}"
-        )
+        return args, f"{said}checkpoint iter_{n:07d}"
     if all(v is None for v in segment.data.values()):
         raise ConfigError(
             f"the data changed at a resume, and no record of the data configuration of "
@@ -195,9 +201,8 @@ def stage_args(
             "stage's data flags (--data-path ..., --split, --seed, --seq-length) to answer for it"
         )
     return argparse.Namespace(**{**vars(base), **segment.data}), (
-        f"the data changed at a resume ({what}); iteration {segment.first}'s stretch is "
-        f"answered with its own data configuration, from {segment.source} (no checkpoint of "
-        "that stage remains; other data flags as in the checkpoint read)"
+        f"{said}{segment.source} (no checkpoint of that stage remains; other data flags as in "
+        "the checkpoint read)"
     )
 
 
@@ -253,7 +258,6 @@ class Attempts:
 
     iteration: int
     at: list[AttemptAt]
-    logged: dict[int | None, list[AttemptRecords]]  # attempt number -> its records (one rank)
     log_read: bool  # a sample log was read for the evidence
     caveat: str | None = None  # said when no record tells whether the run got this far
 
@@ -288,15 +292,14 @@ class Attempts:
 def attempts_at(history: History, iteration: int, sample_log: str | None, rank: int) -> Attempts:
     """Judge every attempt at ``iteration`` from the history and one rank's sample log."""
     segments = history.attempts()
-    logged: dict[int | None, list[AttemptRecords]] = {}
+    logged: set[int | None] = set()  # the attempts the rank's log holds the iteration of
     last_logged = None
     path = sample_log_file(sample_log, rank) if sample_log else None
     log_read = path is not None and path.is_file()
     if log_read:
         assert path is not None
         with RankLog(path, rank) as log:
-            for group in log.iteration(iteration):
-                logged.setdefault(attempt_number(segments, group.attempt), []).append(group)
+            logged = {attempt_number(segments, g.attempt) for g in log.iteration(iteration)}
             last_logged = log.last_iteration()
     covering = [(n, s) for n, s in enumerate(segments, start=1) if s.first <= iteration]
     if not logged:
@@ -316,7 +319,7 @@ def attempts_at(history: History, iteration: int, sample_log: str | None, rank: 
             "is at hand: nothing says whether the run trained it yet (this is the batch it "
             "reads there)"
         )
-    return Attempts(iteration, at, logged, log_read, caveat)
+    return Attempts(iteration, at, log_read, caveat)
 
 
 def _judge(
@@ -324,7 +327,7 @@ def _judge(
     iteration: int,
     covering: list[tuple[int, Segment]],
     k: int,
-    logged: dict[int | None, list[AttemptRecords]],
+    logged: set[int | None],
     log_read: bool,
 ) -> AttemptAt | None:
     """What attempt ``covering[k]`` did with ``iteration`` (None: it never got that far)."""

@@ -1,10 +1,7 @@
-"""What a mock sample is (``--mock-data``; Bridge's recipes with no ``blend``): megatron-core's
-``MockGPTDataset`` built again in process, as training built it.
-
-A mock sample has no document and no raw record; Megatron's own classes compute its tokens
-from the run's seed, sequence length and sample count, so they equal what the run trained
-(the sample log's digests check it).
-"""
+"""Mock samples (``--mock-data``; Bridge's recipes with no ``blend``): megatron-core's
+``MockGPTDataset`` built again in process from the run's seed, sequence length and sample
+count, so its tokens are what the run trained (the sample log's digests check it). A mock
+sample has no document and no raw record."""
 
 from __future__ import annotations
 

@@ -233,10 +233,8 @@ class Schedule:
 
     def phase_bounds(self, phase: int) -> tuple[int, int | None]:
         """(iterations before the phase, its last iteration or None when open-ended)."""
-        edges = (0, *self.phase_transitions)
-        if phase < len(self.phase_transitions):
-            return edges[phase], self.phase_transitions[phase]
-        return edges[phase], self.train_iters
+        edges = (0, *self.phase_transitions, self.train_iters)
+        return edges[phase], edges[phase + 1]
 
     def batch(self, iteration: int) -> Batch:
         """The global batch of 1-indexed ``iteration``; refuses iterations the run never had."""

@@ -234,10 +234,10 @@ class Session:
         self.use_segment(chosen.segment)
         return answers
 
-    def iteration_at_consumed(self, consumed: int) -> int:
-        """The iteration that starts at ``consumed`` samples, under the layout in force there."""
+    def batch_at_consumed(self, consumed: int) -> Batch:
+        """The batch that starts at ``consumed`` samples, under the layout in force there."""
         if self.history is None:
-            return self.config.schedule.batch_at_consumed(consumed).iteration
+            return self.config.schedule.batch_at_consumed(consumed)
         history = self.history
         known = [
             s for s in (*history.from_checkpoints, *history.from_log) if s.consumed is not None
@@ -245,9 +245,9 @@ class Session:
         for segment in reversed(sorted(known, key=lambda s: s.consumed)):
             if segment.consumed <= consumed:
                 self.use_layout_of(segment.first)
-                iteration = self.config.schedule.batch_at_consumed(consumed).iteration
-                if history.segment_for(iteration) == segment:
-                    return iteration
+                batch = self.config.schedule.batch_at_consumed(consumed)
+                if history.segment_for(batch.iteration) == segment:
+                    return batch
         raise PositionError(
             f"consumed samples {consumed}: no segment of the run's layout history reaches it"
         )
@@ -401,7 +401,7 @@ def emit_blocklist(
         # Where the document is, a content hash that survives reordering, and its raw record
         # (None without a provenance sidecar), which `megatron-ext blocklist apply` removes.
         mid = index.mids[member]
-        tokens = mid.read_document(document)
+        tokens = np.asarray(mid.data.get(document), dtype=np.int64)  # the whole document
         records.append(
             {"dataset_path": path, "document": document, "num_tokens": len(tokens)}
             | {"token_sha1": token_sha1(tokens), "source": mid.source(document)}

@@ -320,7 +320,7 @@ def render(
 ) -> Figure:
     """The panels' figure (drawn on an Agg canvas; :func:`save_png` writes it); ``gaps``:
     the log's gap lines (attempt, gap), iterations whose records a write failure kept out."""
-    by_source = any(line.sources is not None and line.sources.envelopes for line in series)
+    by_source = any(line.sources.envelopes for line in series)
     recorded = {n for n, _, _ in PANELS if any(line.envelopes[n].recorded for line in series)}
     panels = [p for p in PANELS if p[2] is None or p[0] in recorded]
     by_layer = [f for f in LAYER_PANELS if any(line.layers.get(f) for line in series)]
@@ -360,16 +360,13 @@ def _draw_sources(axis, lines: list, colours: list[str]) -> None:
     axis.grid(True, alpha=0.3)
     drawn = False
     for index, line in enumerate(lines):
-        sources = line.sources
-        if sources is None:
-            continue
-        for number, (name, envelope) in enumerate(sorted(sources.envelopes.items())):
+        for number, (name, envelope) in enumerate(sorted(line.sources.envelopes.items())):
             xs, ys = envelope.points()
             label = name if len(lines) == 1 else f"{line.label}: {name}"
             colour = colours[(index + number) % len(colours)]
             axis.plot(xs, ys, color=colour, linewidth=1.0, label=label)
             drawn = True
-        for first, label in stage_changes(line.pieces, sources.mixtures):
+        for first, label in stage_changes(line.pieces, line.sources.mixtures):
             axis.axvline(first, color="0.3", linestyle="-.", linewidth=1.0)
             axis.annotate(
                 label,
@@ -422,11 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     ckpt_dir = options.ckpt_dir or ledger.save_dir()
     plans = read_incidents(ckpt_dir) if ckpt_dir else []
-    out = (
-        Path(options.out)
-        if options.out
-        else (path.with_suffix(".png") if options.signals else path.parent / SIGNALS_PLOT_FILE)
-    )
+    default_out = path.with_suffix(".png") if options.signals else path.parent / SIGNALS_PLOT_FILE
+    out = Path(options.out) if options.out else default_out
     if not path.is_file():
         print(
             f"megatron-ext plot: {path} not found (was the run started with --signals-dir?)",

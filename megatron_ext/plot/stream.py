@@ -96,10 +96,9 @@ class Envelope:
                 points = list(zip(x, y))
                 if column in columns:  # a column split over two blocks
                     kept = columns[column]
-                    points = [kept[0], *points[1:3], *kept[1:3], points[3]]
-                    low = min(points[1:5], key=lambda p: p[1])
-                    high = max(points[1:5], key=lambda p: p[1])
-                    points = [points[0], low, high, points[5]]
+                    both = [*points[1:3], *kept[1:3]]
+                    low, high = min(both, key=lambda p: p[1]), max(both, key=lambda p: p[1])
+                    points = [kept[0], low, high, points[3]]
                 columns[column] = points
         for x in self.bad().tolist():
             columns.setdefault((x - self.start) // self.width, []).append((x, math.nan))
@@ -184,13 +183,13 @@ class Series:
     label: str
     pieces: list[tuple[int, int, int]]  # (attempt, first, last iteration) it shows, in order
     envelopes: dict[str, Envelope]
+    sources: SourceLines  # the per-source panel's lines
     candidates: list[SpikeEvent] = field(default_factory=list)
     source: str = "replay"  # "ledger": what the tracker did; "replay": what it would flag
     marks: dict[str, dict[int, float]] = field(default_factory=dict)  # panel -> at events
     records: int = 0
     detector: FastReplay | None = None  # replays: fed in the pass
     hit: set[tuple[int, int]] = field(default_factory=set)  # (iteration, attempt) of marks
-    sources: SourceLines | None = None  # the per-source panel's lines
     layers: dict[str, dict[str, Envelope]] = field(default_factory=dict)  # field -> layer
     update_skips: int = 0  # records whose update --spike-skip-update withheld
     skipped_at: list[np.ndarray] = field(default_factory=list)  # their first per column
@@ -271,9 +270,7 @@ def plan_series(
     def new(label: str, pieces: list[tuple[int, int, int]], tracked: bool) -> Series:
         envelopes = {name: Envelope(start, width) for name in PANEL_FIELDS}
         source = "ledger" if tracked and not replay else "replay"
-        line = Series(label, pieces, envelopes, source=source)
-        line.sources = SourceLines(start, width)
-        return line
+        return Series(label, pieces, envelopes, SourceLines(start, width), source=source)
 
     chosen = choose(attempts, sorted({s.attempt for s in segments}))
     if chosen is None:
@@ -301,8 +298,7 @@ def plan_series(
 def _feed(line: Series, block: Block, rows: np.ndarray, wanted: np.ndarray) -> None:
     it = block.values["iteration"][rows]
     line.records += len(rows)
-    if line.sources is not None:
-        line.sources.add(block, rows)
+    line.sources.add(block, rows)
     lm_loss = line.envelopes["lm_loss"]
     for name, columns in block.dicts.items():
         envelopes = line.layers.setdefault(name, {})

@@ -55,10 +55,9 @@ class Copy:
     def covers(self) -> tuple[str, ...]:
         return tuple(v for source in self.sources for v in source.verified_on)
 
-    def source_for(self, version: str | None = None) -> Source:
-        """The verified form for ``version`` (installed when None)."""
-        found = installed_version() if version is None else version
-        proxy = versions.nearest_verified(found)
+    def source_for(self) -> Source:
+        """The verified form for the installed version."""
+        proxy = versions.nearest_verified(installed_version())
         for source in self.sources:
             if proxy in source.verified_on:
                 return source

@@ -34,9 +34,7 @@ def resolve(target: str) -> tuple[Any, str]:
     """``"pkg.module:Class.attr"`` -> (the object holding the attribute, its name)."""
     module_name, _, qual = target.partition(":")
     holder, _, attr = qual.rpartition(".")
-    if not holder:
-        return importlib.import_module(module_name), attr
-    return pkgutil.resolve_name(f"{module_name}:{holder}"), attr
+    return pkgutil.resolve_name(f"{module_name}:{holder}"), attr  # "module:" is the module
 
 
 def _original(value: Any) -> Any:
@@ -63,10 +61,9 @@ class Variant:
     signature: str | None = None
     assigned: tuple[str, ...] | None = None
     names: tuple[str, ...] | None = None
-    also_bound_in: tuple[str, ...] | None = None
 
 
-_VARIANT_FIELDS = ("target", "signature", "assigned", "names", "also_bound_in")
+_VARIANT_FIELDS = ("target", "signature", "assigned", "names")
 
 
 class _Versioned:
@@ -82,10 +79,10 @@ class _Versioned:
         found = {*self.verified_on, *(v for variant in self.variants for v in variant.verified_on)}
         return tuple(sorted(found, key=versions.parse))
 
-    def variant_for(self, version: str | None = None) -> Variant | None:
-        """The variant for ``version`` (installed when None); None when the entry's own fields
-        apply. Raises :class:`PatchTargetError` when no form was verified there."""
-        proxy = versions.nearest_verified(installed_version() if version is None else version)
+    def variant_for(self) -> Variant | None:
+        """The installed version's variant; None when the entry's own fields apply. Raises
+        :class:`PatchTargetError` when no form was verified there."""
+        proxy = versions.nearest_verified(installed_version())
         if proxy in self.verified_on:
             return None
         for variant in self.variants:
@@ -125,10 +122,10 @@ class _Versioned:
         if found != expected:
             raise self._error(f"changed signature: expected {expected}, found {found}")
 
-    def selected(self, version: str | None = None) -> Self:
-        """This entry as it applies to ``version`` (installed when None): the variant's fields
-        over the entry's, ``verified_on`` the variant's, no further variants."""
-        variant = self.variant_for(version)
+    def selected(self) -> Self:
+        """This entry as it applies to the installed version: the variant's fields over the
+        entry's, ``verified_on`` the variant's, no further variants."""
+        variant = self.variant_for()
         if variant is None:
             return self if not self.variants else replace(self, variants=())  # type: ignore[type-var]
         fields = {
@@ -201,12 +198,7 @@ class Patch(_Versioned):
         owner, attr = resolve(self.target)
         original = installed_over if name == self.name else getattr(owner, attr)
         replacement = self.wrap(original) if bound is None else self.wrap(original, bound)
-        try:
-            setattr(replacement, _MARK, (self.name, original, bound))
-        except AttributeError as exc:  # e.g. a bound builtin
-            raise PatchTargetError(
-                f"patch {self.name!r}: replacement cannot carry its marker"
-            ) from exc
+        setattr(replacement, _MARK, (self.name, original, bound))  # every wrap returns a function
         setattr(owner, attr, replacement)
         for module_name in self.also_bound_in:
             setattr(importlib.import_module(module_name), attr, replacement)

@@ -986,11 +986,6 @@ def verify_all() -> None:
     copies.verify(COPIES, scope="training")
 
 
-def verify_tools() -> None:
-    """Verify the copies the offline tools rely on (the lookup, when it runs)."""
-    copies.verify(COPIES)
-
-
 def applied() -> list[Patch]:
     """Patches installed in this process."""
     return [p for p in PATCHES if p.is_applied()]

@@ -78,7 +78,6 @@ class Supervisor:
     def __init__(self, config: Config, cli_args: list[str], env: dict[str, str]) -> None:
         self.config = config
         self.cli_args = cli_args
-        self.env = env
         user_args = commands.user_args(config, cli_args)
         self.facts: TrainingFacts = commands.training_facts(user_args)
         knobs.resolve_connections(config, user_args)

@@ -85,17 +85,13 @@ def _counted(param: torch.Tensor, optimizer: Any) -> bool:
     return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, **groups)
 
 
-def _main_of(holders: dict[int, torch.Tensor]) -> Any:
+def _main_of(param: torch.Tensor, holders: dict[int, torch.Tensor]) -> Any:
     """A parameter's fp32 main copy: the distributed optimizer's shard on it (registry
     ``distopt-main-param``), Float16Optimizer's whole one (``holders``), or None (fp32)."""
-
-    def main_of(param: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
-        shard = getattr(param, "main_param", None)
-        if shard is not None and getattr(param, "main_param_sharded", False):
-            return shard, True
-        return (holders[id(param)], False) if id(param) in holders else None
-
-    return main_of
+    shard = getattr(param, "main_param", None)
+    if shard is not None and getattr(param, "main_param_sharded", False):
+        return shard, True
+    return (holders[id(param)], False) if id(param) in holders else None
 
 
 def write_scalars(scalars: dict[str, float], step: int, tensorboard: bool = True) -> None:
@@ -248,18 +244,16 @@ class TelemetryFeature(Feature):
 
     def _layout_buckets(self) -> None:
         """Bucket views (FSDP2: ``fully_shard`` units) and their reduction slots."""
-        part = self.optimizer.chained_optimizers[0]  # every part carries the same TP groups
-        groups = grad_stats_groups(self.optimizer.chained_optimizers, bool(self.args.num_experts))
-        by_layer = self.args.log_layer_norms
+        parts, by_layer = self.optimizer.chained_optimizers, self.args.log_layer_norms
+        groups = grad_stats_groups(parts, bool(self.args.num_experts))
+        counted = lambda p: _counted(p, parts[0])  # every part carries the same TP groups
         if is_fully_sharded(self.model):
-            parts = self.optimizer.chained_optimizers
-            units, normer = fsdp_units(self.model, lambda p: _counted(p, part), parts, by_layer)
+            units, normer = fsdp_units(self.model, counted, parts, by_layer)
             views, layers, self.normer = {False: units, True: []}, normer.layers, normer
         else:
-            main_of = _main_of(main_params(self.optimizer.chained_optimizers))
-            views = bucket_views(
-                self.model, lambda p: _counted(p, part), param_is_not_shared, main_of
-            )
+            holders = main_params(parts)
+            main_of = lambda p: _main_of(p, holders)
+            views = bucket_views(self.model, counted, param_is_not_shared, main_of)
             layers, owners = layer_layout(views)
             self.normer = BucketNormer([*views[False], *views[True]], owners if by_layer else None)
         self.reductions = assign_slots(

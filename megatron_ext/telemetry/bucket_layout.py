@@ -169,12 +169,6 @@ def squared_norms(views: list[BucketView]) -> torch.Tensor:
     return BucketNormer(views)()
 
 
-def is_expert(param: torch.Tensor) -> bool:
-    """Megatron marks expert-parallel parameters ``allreduce=False`` (the optimizer copies the
-    mark onto its main parameters)."""
-    return not getattr(param, "allreduce", True)
-
-
 def bucket_views(
     chunks: Iterable[Any], counted: Counted, not_shared: Counted, main_of: MainOf | None = None
 ) -> dict[bool, list[BucketView]]:
@@ -248,11 +242,13 @@ def layer_layout(
 
 def grad_stats_groups(optimizers: Iterable[Any], has_experts: bool) -> dict[bool, Any]:
     """The group Megatron reduces each kind of parameter's norm over (expert: True), from the
-    parts of a ChainedOptimizer."""
+    parts of a ChainedOptimizer. Megatron marks expert-parallel parameters ``allreduce=False``
+    (the optimizer copies the mark onto its main parameters)."""
     groups: dict[bool, Any] = {}
     for opt in optimizers:
         for param in opt.get_parameters():
-            groups.setdefault(is_expert(param), opt.get_grad_stats_parallel_group())
+            expert = not getattr(param, "allreduce", True)
+            groups.setdefault(expert, opt.get_grad_stats_parallel_group())
     if has_experts and True not in groups:
         raise RuntimeError(
             "megatron-ext --log-bucket-grad-norms: this pipeline stage has no expert "
@@ -314,8 +310,8 @@ def _place(
     group's reduction; returns the next local index."""
     for expert in sorted(groups):
         owner = (stage, expert_rank) if expert else (stage,)
-        label = "" if staged is None else (f"pp{stage}." if staged else "")
-        label += f"ep{owner[-1]}." if expert and staged is not None else ""
+        label = f"pp{stage}." if staged else ""
+        label += f"ep{expert_rank}." if expert and staged is not None else ""
         names, offset = gather_slots(local[expert], owner, label, groups[expert])
         reduction = next((r for r in reductions if r.group is groups[expert]), None)
         if reduction is None:

@@ -64,17 +64,15 @@ def split_slots(
     """Reduced slots as (bucket norms², layer grad norms², layer weight norms²); a layer's
     squares from several owners (its dense and expert parts, each EP rank's experts) add up."""
     buckets: dict[str, float] = {}
-    grads: dict[str, float] = {}
-    params: dict[str, float] = {}
+    layers: dict[str, dict[str, float]] = {GRAD: {}, PARAM: {}}
     for name, value in zip(names, values):
-        if name.startswith(GRAD):
-            key = name.removeprefix(GRAD)
-            grads[key] = grads.get(key, 0.0) + value
-        elif name.startswith(PARAM):
-            key = name.removeprefix(PARAM)
-            params[key] = params.get(key, 0.0) + value
-        else:
+        prefix = next((p for p in layers if name.startswith(p)), None)
+        if prefix is None:
             buckets[name] = value
+        else:
+            sums, key = layers[prefix], name.removeprefix(prefix)
+            sums[key] = sums.get(key, 0.0) + value
+    grads, params = layers[GRAD], layers[PARAM]
     order = sorted(grads, key=layer_order)
     return buckets, {n: grads[n] for n in order}, {n: params[n] for n in order if n in params}
 

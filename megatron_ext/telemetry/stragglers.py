@@ -50,9 +50,8 @@ class StepClock:
         if self.start is None or self.end is None:
             return math.nan
         busy = self.end - self.start
-        start, end = self.events or (None, None)
-        if start is not None and end is not None and end.query():  # never waits
-            busy = max(busy, start.elapsed_time(end) / 1000)
+        if self.events is not None and self.events[1].query():  # never waits
+            busy = max(busy, self.events[0].elapsed_time(self.events[1]) / 1000)
         self.start = self.end = None
         return busy
 
@@ -146,15 +145,12 @@ class StragglerWatch:
         return self.named, None
 
 
-FACTOR, STEPS, MARGIN = 1.5, 5, 0.0  # the defaults of --straggler-factor, -steps, -min-seconds
-
-
 def add_straggler_args(group: Any) -> None:
     """The straggler rule's flags (recorded with --signals-dir)."""
     group.add_argument(
         "--straggler-factor",
         type=float,
-        default=FACTOR,
+        default=1.5,
         help="With --signals-dir: name a rank a straggler when its busy time per step (start "
         "to last forward) is over this many times its data-parallel peers' median "
         "(default %(default)s) ...",
@@ -162,14 +158,14 @@ def add_straggler_args(group: Any) -> None:
     group.add_argument(
         "--straggler-steps",
         type=int,
-        default=STEPS,
+        default=5,
         help="... for this many consecutive steps (default %(default)s): console, signals "
         "straggler_rank/straggler_node, incident report.",
     )
     group.add_argument(
         "--straggler-min-seconds",
         type=float,
-        default=MARGIN,
+        default=0.0,
         help="... and at least this many seconds over that median (default %(default)s: the "
         "factor alone), for hosts whose timing noise is absolute (shared CPUs).",
     )

@@ -73,7 +73,7 @@ def test_a_tools_copy_never_blocks_training_start_up(monkeypatch) -> None:
     monkeypatch.setattr(registry, "COPIES", (broken,))
     registry.verify_all()  # the training start-up check: the tools' copy is theirs
     with pytest.raises(CopyChanged):
-        registry.verify_tools()
+        copies.verify(registry.COPIES)  # the lookup's check (megatron_ext.lookup.cli)
     monkeypatch.setattr(registry, "COPIES", (dataclasses.replace(broken, scope="training"),))
     with pytest.raises(CopyChanged, match=broken.name):
         registry.verify_all()

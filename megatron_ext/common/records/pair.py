@@ -47,6 +47,7 @@ SAMPLE_BLOCK = 1 << 16
 SAMPLE_COUNT = 16
 CHUNK = 1 << 20  # entries per read: 29 MiB of reused buffers (+ the hash's 16 MiB block)
 _FIX = "Rerun the preprocessing of this prefix (or restore its .bin and .idx from a good copy)"
+_SHORTER = "it became shorter while it was read (rewritten meanwhile?)"
 
 
 class PairError(Refusal, ValueError):
@@ -138,22 +139,18 @@ def _read(
     """Fill ``into`` from ``offset`` (read, not mapped: a scan must not stay resident)."""
     handle.seek(offset)
     if handle.readinto(memoryview(into).cast("B")) != into.nbytes:
-        raise _damaged(idx_path, "it became shorter while it was read (rewritten meanwhile?)")
+        raise _damaged(idx_path, _SHORTER)
 
 
 def _body_digest(idx_path: str | os.PathLike[str], body: int) -> bytes:
     """SHA-256 of the ``.idx`` up to its trailer (header and arrays), read in large blocks."""
     digest = hashlib.sha256()
     with open(idx_path, "rb") as handle:
-        left = body
-        while left:
+        while (left := body - handle.tell()) > 0:
             block = handle.read(min(left, 1 << 24))
             if not block:
-                raise _damaged(
-                    idx_path, "it became shorter while it was read (rewritten meanwhile?)"
-                )
+                raise _damaged(idx_path, _SHORTER)
             digest.update(block)
-            left -= len(block)
     return digest.digest()
 
 

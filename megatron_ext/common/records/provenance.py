@@ -102,10 +102,7 @@ class Recorder:
     ``describe`` makes a shard's entry (:func:`shard_entry`, or one that adds its format)."""
 
     def __init__(
-        self,
-        files: list[Path],
-        id_key: str | None,
-        describe: Callable[[Path], dict[str, Any]] = shard_entry,
+        self, files: list[Path], id_key: str | None, describe: Callable[[Path], dict[str, Any]]
     ) -> None:
         self.files, self.id_key, self.describe = files, id_key, describe
         self.shard = array("I")

@@ -56,9 +56,12 @@ class SampleLog:
             self._indexed = True
             try:
                 index = JsonlAppender(self.attempts_path)
+                # Where the next record starts: past the newline the writer adds first when a
+                # torn tail (kill -9) left the last line open.
+                size = self.path.stat().st_size + torn_tail(self.path) if self.path.exists() else 0
                 index.append(
                     {
-                        "offset": _next_line_start(self.path),
+                        "offset": size,
                         "first_iteration": record.iteration,
                         "job_id": self.job_id,
                         "host": socket.gethostname(),
@@ -74,12 +77,6 @@ class SampleLog:
                     stacklevel=2,
                 )
         return self._out.append(asdict(record), record.iteration)
-
-
-def _next_line_start(path: Path) -> int:
-    """Where the next record will start: the end of ``path``, past the newline the writer
-    adds first when a torn tail (kill -9) left the last line open."""
-    return path.stat().st_size + torn_tail(path) if path.exists() else 0
 
 
 def read_records(path: str | os.PathLike[str]) -> Iterator[SampleRecord]:

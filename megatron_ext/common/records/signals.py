@@ -25,7 +25,7 @@ import numpy as np
 
 from megatron_ext.common.errors import Refusal
 from megatron_ext.common.files import SIGNALS_FILE
-from megatron_ext.common.gap_log import GAP_KEY, Gap, GapLog, is_gap, read_gaps
+from megatron_ext.common.gap_log import GAP_KEY, GapLog, is_gap
 from megatron_ext.common.io import from_json, read_jsonl
 
 
@@ -88,7 +88,6 @@ class SignalRecord:
 
 NON_FINITE = "non_finite"
 _FIELDS = {f.name for f in fields(SignalRecord)}
-__all__ = ["Gap", "SignalRecord", "latest_per_iteration", "read_gaps", "read_signals"]
 
 
 def _without_non_finite(value: Any) -> tuple[Any, Any]:
@@ -209,15 +208,8 @@ class SourceColumns:
     tokens: np.ndarray  # (rows, members) int64
     has_tokens: np.ndarray  # (rows, members) bool
 
-    def __len__(self) -> int:
-        return len(self.losses)
-
     def take(self, rows: np.ndarray) -> SourceColumns:
         return SourceColumns(self.names, *(a[rows] for a in self.arrays()))
-
-    def members(self) -> np.ndarray:
-        """How many members each row has a loss for (a blend record has more than one)."""
-        return self.has_loss.sum(axis=1)
 
     def dicts(self, row: int) -> tuple[dict[str, float], dict[str, int]]:
         """Row ``row`` as a record holds it: (lm_loss_by_dataset, tokens_by_dataset)."""
@@ -297,13 +289,12 @@ class Block:
         return len(self.values["iteration"])
 
     def take(self, rows: np.ndarray) -> Block:
-        taken = Block(
+        return Block(
             {k: v[rows] for k, v in self.values.items()},
             {k: v[rows] for k, v in self.present.items()},
+            sources=self.sources.take(rows) if self.sources is not None else None,
+            dicts={k: v.take(rows) for k, v in self.dicts.items()},
         )
-        taken.sources = self.sources.take(rows) if self.sources is not None else None
-        taken.dicts = {k: v.take(rows) for k, v in self.dicts.items()}
-        return taken
 
     @staticmethod
     def concat(blocks: list[Block]) -> Block:
@@ -492,22 +483,13 @@ def _json_block(data: bytes, offset: int, names: Collection[str], sources: bool)
         where, start = offset + start, start + len(line) + 1
         if not line.strip():
             continue
-        try:
-            raw = json.loads(line)
-        except ValueError:
-            problems.append(f"byte {where} (torn)")
+        raw, record = _record_at(line, where, problems)
+        if record is None:
+            if raw is not None:
+                gaps.append((len(records), raw[GAP_KEY]))
             slow += 1
             continue
-        if isinstance(raw, dict) and is_gap(raw):
-            gaps.append((len(records), raw[GAP_KEY]))
-            slow += 1
-            continue
-        try:
-            records.append(record_of(raw))
-        except TypeError as exc:
-            problems.append(f"byte {where} ({exc})")
-            slow += 1
-            continue
+        records.append(record)
         rest = {k: v for k, v in raw.items() if k != NON_FINITE}
         slow += from_json(rest) != rest  # an older writer's quoted non-finite
     # The records in the writer's format: pyarrow reads them, or the values are not a
@@ -534,7 +516,7 @@ def _pieces(data: bytes, offset: int, names: Collection[str], sources: bool) -> 
     except _NotArrow:
         pass
     cut = data.find(b"\n", len(data) // 2) + 1
-    if data.count(b"\n", 0, len(data)) <= _SMALL or cut in (0, len(data)):
+    if data.count(b"\n") <= _SMALL or cut in (0, len(data)):
         yield _json_block(data, offset, names, sources)
         return
     yield from _pieces(data[:cut], offset, names, sources)
@@ -764,7 +746,7 @@ class SignalsLog(KeyedLines):
             elif not line.strip():
                 continue
             self.lines_parsed += 1
-            record = _record_at(line, offset, problems)
+            record = _record_at(line, offset, problems)[1]
             if record is None:
                 continue
             if out and out[-1].iteration == record.iteration:
@@ -806,21 +788,21 @@ class SignalsLog(KeyedLines):
         return out
 
 
-def _record_at(line: bytes, offset: int, problems: list[str]) -> SignalRecord | None:
-    """The record of one line; None (and a problem named by byte) for a torn, foreign or
-    gap line."""
+def _record_at(line: bytes, offset: int, problems: list[str]) -> tuple[Any, SignalRecord | None]:
+    """One line's object and record: (the gap line, None) for a gap line; (None, None) and a
+    problem named by byte for a torn or foreign line."""
     try:
         raw = json.loads(line)
     except ValueError:
         problems.append(f"byte {offset} (torn)")
-        return None
-    if isinstance(raw, dict) and set(raw) == {GAP_KEY}:
-        return None  # a gap line names records that are not there
+        return None, None
+    if isinstance(raw, dict) and is_gap(raw):
+        return raw, None  # a gap line names records that are not there
     try:
-        return record_of(raw)
+        return raw, record_of(raw)
     except TypeError as exc:
         problems.append(f"byte {offset} ({exc})")
-        return None
+        return None, None
 
 
 def report(path: Path, problems: list[str]) -> None:

@@ -40,12 +40,6 @@ def parse_range(text: str, where: str = "") -> tuple[int, int]:
     return first, last
 
 
-def parse_item(text: str, where: str = "") -> list[int]:
-    """``"12"`` → [12]; ``"10-13"`` → [10, 11, 12, 13]; anything else is an error."""
-    first, last = parse_range(text, where)
-    return list(range(first, last + 1))
-
-
 def _parse_samples(text: str, where: str) -> tuple[int, int]:
     start, sep, end = text.partition("-")
     try:
@@ -77,14 +71,9 @@ def read_windows(path: str | os.PathLike[str]) -> list[Window]:
     return windows
 
 
-def read_ranges(path: str | os.PathLike[str]) -> list[tuple[int, int]]:
-    """Every item of a skip file, as (first, last) ranges (nothing expanded)."""
-    return [(w.first, w.last) for w in read_windows(path)]
-
-
 def read_file(path: str | os.PathLike[str]) -> list[int]:
     """Every iteration listed in a skip file (ranges expanded)."""
-    return [i for a, b in read_ranges(path) for i in range(a, b + 1)]
+    return [i for w in read_windows(path) for i in range(w.first, w.last + 1)]
 
 
 def clip(

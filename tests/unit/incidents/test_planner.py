@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.common.records.signals import SignalRecord
-from megatron_ext.common.records.skip_ranges import format_ranges, parse_item, resolve_argv
+from megatron_ext.common.records.skip_ranges import format_ranges, parse_range, resolve_argv
 from megatron_ext.incidents.planner import PlanConfig, PlanError, make_plan, tracker_lines
 from tests.support.checkpoints import write_loadable_checkpoint
 from tests.support.harness import run_skiplist
@@ -118,9 +118,9 @@ def test_confirm_policy_replays_first_then_skips_and_megatron_agrees(tmp_path: P
 
 
 def test_ranges_files_and_persisted_lists(tmp_path: Path) -> None:
-    assert parse_item("137000-137003") == [137000, 137001, 137002, 137003]
+    assert parse_range("137000-137003") == (137000, 137003)
     with pytest.raises(ValueError, match="bad range '9-3'"):
-        parse_item("9-3")
+        parse_range("9-3")
     skip_file = tmp_path / "skip.txt"
     skip_file.write_text("# incident 1\n10-12\n\n20\n")
     argv, sources = resolve_argv(
