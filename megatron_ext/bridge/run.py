@@ -134,9 +134,7 @@ def _pretrain(
     for feature in features.features:
         if isinstance(feature, WeightDecayFeature) and feature.needs_patch(""):
             wiring.with_weight_decay(config.optimizer_config_override_provider, feature.policy)
-        for patch in bridge_table.FEATURE_PATCHES:
-            if type(feature) is patch.feature and feature.needs_patch(patch.name):
-                patch.apply(feature)
+        loop.apply_patches_of(feature, bridge_table.FEATURE_PATCHES)
     register_allowed_target_prefix("megatron_ext.bridge.")
     config.checkpoint.custom_manager_class = checkpoints.CLASS_PATH
     for patch in bridge_table.PATCHES:

@@ -50,16 +50,14 @@ class _StandIn(types.ModuleType):
         return value
 
 
-def _importing_lora_layers() -> bool:
-    frames = traceback.walk_stack(sys._getframe(1))
-    return any(frame.f_globals.get("__name__") == IMPORTER for frame, _ in frames)
-
-
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds ``transformer_engine[.x]`` for :data:`IMPORTER` only."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name.split(".")[0] != STANDS_IN_FOR or not _importing_lora_layers():
+        if name.split(".")[0] != STANDS_IN_FOR or not any(
+            frame.f_globals.get("__name__") == IMPORTER
+            for frame, _ in traceback.walk_stack(sys._getframe(1))
+        ):
             return None
         return importlib.machinery.ModuleSpec(name, self, is_package=True)
 

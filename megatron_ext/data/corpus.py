@@ -6,7 +6,7 @@ import json
 import random
 import sysconfig
 from collections.abc import Iterable, Iterator
-from itertools import islice
+from itertools import batched, islice
 from pathlib import Path
 
 # Words by kind; "|" separates entries of several words.
@@ -85,16 +85,15 @@ def write_tiny_corpus(
     return _write_jsonl(path, records)
 
 
-def write_code_corpus(path: str | Path, num_docs: int = 400, lines_per_doc: int = 30) -> Path:
-    """Write the standard library's top-level modules, in name order, as JSONL documents of
-    ``lines_per_doc`` lines (depends only on the arguments and the Python version)."""
+def write_code_corpus(path: str | Path, num_docs: int = 400) -> Path:
+    """Write the standard library's top-level modules, in name order, as JSONL documents of 30
+    lines (depends only on ``num_docs`` and the Python version)."""
 
     def documents() -> Iterator[dict[str, str]]:
         for module in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
             lines = module.read_text(encoding="utf-8", errors="replace").splitlines()
-            for start in range(0, len(lines), lines_per_doc):
-                text = "\n".join(lines[start : start + lines_per_doc]).strip()
-                if text:
+            for chunk in batched(lines, 30):
+                if text := "\n".join(chunk).strip():
                     yield {"text": text}
 
     return _write_jsonl(path, islice(documents(), num_docs))

@@ -120,16 +120,6 @@ class Encoder:
             start = end
         return np.concatenate(parts)
 
-    def encode_line(
-        self, line: bytes | dict, path: Path, lineno: int, keys: list[str], id_key: str | None
-    ) -> tuple[list[np.ndarray], str | None]:
-        """Ids per key for one line (empty for a blank document), and the record's id."""
-        values, record_id = fields(line, path, lineno, keys, id_key)
-        encoded = [
-            self.encode(text) if text.strip() else np.empty(0, dtype=np.int32) for text in values
-        ]
-        return encoded, record_id
-
 
 _worker_encoder: Encoder | None = None
 
@@ -142,9 +132,15 @@ def _init_worker(tokenizer_dir: Path) -> None:
 def encode_chunk(
     chunk: tuple[tuple[int, bytes | dict], ...], path: Path, keys: list[str], id_key: str | None
 ) -> list[tuple[list[np.ndarray], str | None]]:
-    """(ids per key, record id) for each record (JSONL line or Parquet row) of a chunk."""
+    """(ids per key, empty for a blank document; record id) for each record (JSONL line or
+    Parquet row) of a chunk."""
     assert _worker_encoder is not None
-    return [_worker_encoder.encode_line(line, path, lineno, keys, id_key) for lineno, line in chunk]
+    encoded = []
+    for lineno, line in chunk:
+        values, record_id = fields(line, path, lineno, keys, id_key)
+        ids = [_worker_encoder.encode(t) if t.strip() else np.empty(0, np.int32) for t in values]
+        encoded.append((ids, record_id))
+    return encoded
 
 
 @contextmanager

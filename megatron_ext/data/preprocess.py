@@ -178,16 +178,14 @@ def _numbered(
         yield number, record
 
 
-def _encode_into(
-    args: argparse.Namespace, tokenizer_dir: Path, outputs: dict[str, _Output], eod: np.ndarray
-) -> None:
+def _encode_into(args: argparse.Namespace, outputs: dict[str, _Output], eod: np.ndarray) -> None:
     """Tokenize every input (with a progress bar over its bytes) into ``outputs``."""
     total = sum(path.stat().st_size for path in args.input)
     progress = tqdm(
         total=total, unit="B", unit_scale=True, file=sys.stderr, disable=None, desc="preprocess"
     )
     columns = [*args.json_keys, *([args.provenance_key] if args.provenance_key else [])]
-    with worker_pool(args.workers, args.chunksize, tokenizer_dir) as mapper, progress as bar:
+    with worker_pool(args.workers, args.chunksize, args.tokenizer_dir) as mapper, progress as bar:
         for shard, path in enumerate(args.input):
             positions: deque[tuple[int, int, int]] = deque()
             encode = partial(
@@ -206,9 +204,7 @@ def _encode_into(
                 bar.update(path.stat().st_size)
 
 
-def _write_datasets(
-    args: argparse.Namespace, tokenizer_dir: Path, tokenizer: LoadedTokenizer
-) -> dict[str, _Output]:
+def _write_datasets(args: argparse.Namespace, tokenizer: LoadedTokenizer) -> dict[str, _Output]:
     """Encode all inputs and publish one dataset per key; return each key's output."""
     say(
         f"tokenizing {len(args.input)} file(s) with {args.workers} worker(s) -> "
@@ -228,7 +224,7 @@ def _write_datasets(
     try:
         for output in outputs.values():
             output.builder = IndexedDatasetBuilder(output.tmp + ".bin", dtype=dtype)
-        _encode_into(args, tokenizer_dir, outputs, eod)
+        _encode_into(args, outputs, eod)
         empty = [key for key, output in outputs.items() if not output.documents]
         if empty and not args.allow_empty:
             raise PreprocessError(
@@ -266,13 +262,12 @@ def _texts(args: argparse.Namespace) -> Iterator[str]:
             yield from (t for t in values if t.strip())
 
 
-def _prepare_tokenizer(args: argparse.Namespace) -> tuple[Path, LoadedTokenizer]:
-    """The tokenizer dir to use and the tokenizer in it, training and saving one first if
-    asked to (training reads all inputs, so bad lines are reported before anything is saved)."""
+def _prepare_tokenizer(args: argparse.Namespace) -> LoadedTokenizer:
+    """The tokenizer in ``args.tokenizer_dir``, training and saving one there first if asked to
+    (training reads all inputs, so bad lines are reported before anything is saved)."""
     tokenizer_dir = args.tokenizer_dir
     try:
         if args.train_tokenizer:
-            tokenizer_dir = args.tokenizer_out or Path(f"{args.output_prefix}_tokenizer")
             if (tokenizer_dir / TOKENIZER_FILE).exists():
                 # Retraining would silently invalidate datasets already tokenized with it.
                 raise PreprocessError(
@@ -289,7 +284,7 @@ def _prepare_tokenizer(args: argparse.Namespace) -> tuple[Path, LoadedTokenizer]
                 _texts(args), tokenizer_dir, args.vocab_size, show_progress=sys.stderr.isatty()
             )
             say(f"tokenizer trained in {time.perf_counter() - start:.1f} s -> {tokenizer_dir}")
-        return tokenizer_dir, load_tokenizer(tokenizer_dir)
+        return load_tokenizer(tokenizer_dir)
     except (FileNotFoundError, ValueError) as e:  # bad --tokenizer-dir or --vocab-size
         raise PreprocessError(str(e)) from None
 
@@ -308,8 +303,7 @@ def _check_writable(directory: Path, what: str) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    missing = [str(p) for p in args.input if not p.is_file()]
-    if missing:
+    if missing := [str(p) for p in args.input if not p.is_file()]:
         raise PreprocessError(f"input file(s) not found: {', '.join(missing)}")
     if args.workers < 1 or args.chunksize < 1:
         raise PreprocessError("--workers and --chunksize must be >= 1")
@@ -318,9 +312,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.provenance_key is not None and not args.provenance:
         raise PreprocessError("--provenance-key records ids in the sidecar; drop --no-provenance")
     _check_writable(Path(args.output_prefix).absolute().parent, "the output directory")
-    if args.train_tokenizer:
-        out = args.tokenizer_out or Path(f"{args.output_prefix}_tokenizer")
-        _check_writable(out.absolute().parent, "the tokenizer output directory")
+    if args.train_tokenizer:  # --tokenizer-dir is the one trained (they are exclusive)
+        args.tokenizer_dir = args.tokenizer_out or Path(f"{args.output_prefix}_tokenizer")
+        _check_writable(args.tokenizer_dir.absolute().parent, "the tokenizer output directory")
     if not args.allow_empty and next(_texts(args), None) is None:
         raise PreprocessError(
             f"the input ({' '.join(map(str, args.input))}) holds no document with text under "
@@ -344,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         _check_args(args)
-        tokenizer_dir, tokenizer = _prepare_tokenizer(args)
-        outputs = _write_datasets(args, tokenizer_dir, tokenizer)
+        tokenizer = _prepare_tokenizer(args)
+        outputs = _write_datasets(args, tokenizer)
     except (PreprocessError, EncodeError) as e:
         return report(e, f"{PROG}: error")
     except _Terminated:
@@ -358,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{key}: {s.documents} documents, {s.tokens} tokens, {s.skipped} empty skipped, "
             f"{seconds:.1f} s -> {s.prefix}.bin/.idx{'/.prov' if args.provenance else ''} "
-            f"(tokenizer: {tokenizer_dir}, vocab {tokenizer.vocab_size}, eod {tokenizer.eod_id})"
+            f"(tokenizer: {args.tokenizer_dir}, vocab {tokenizer.vocab_size}, "
+            f"eod {tokenizer.eod_id})"
         )
     return 0

@@ -168,8 +168,7 @@ def _verify(
 
 def rebuild(args: argparse.Namespace) -> int:
     """Scan the inputs, map every sequence to its record, verify a sample, write the sidecar."""
-    missing = [str(p) for p in args.input if not p.is_file()]
-    if missing:
+    if missing := [str(p) for p in args.input if not p.is_file()]:
         raise RebuildError(f"input file(s) not found: {', '.join(missing)}")
     check_pair(args.dataset)
     recorder, empty = _scan(args.input, args.json_key, args.provenance_key)

@@ -18,7 +18,7 @@ MIN_VOCAB_SIZE = 257  # the 256 byte tokens + EOD; BPE needs room for at least o
 
 
 def train_bpe_tokenizer(
-    texts: Iterable[str], out_dir: str | Path, vocab_size: int = 2048, show_progress: bool = False
+    texts: Iterable[str], out_dir: str | Path, vocab_size: int, show_progress: bool = False
 ) -> Path:
     """Train a byte-level BPE on ``texts``, save it as a Hugging Face tokenizer dir, return it.
     ``vocab_size`` is an upper bound (a small corpus runs out of merges); EOD gets id 0."""

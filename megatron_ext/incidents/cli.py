@@ -259,11 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         with held(args.ckpt_dir, "skiplist", what, args.force):
             return _plan(args)
     except RunLockHeld as exc:
-        print(
-            f"megatron-ext skiplist: error: {str(exc).removeprefix('megatron-ext: ')}",
-            file=sys.stderr,
-        )
-        return 2
+        return _refuse(str(exc).removeprefix("megatron-ext: "))
+
+
+def _refuse(message: str) -> int:
+    print(f"megatron-ext skiplist: error: {message}", file=sys.stderr)
+    return exit_codes.USAGE
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -273,8 +274,7 @@ def _plan(args: argparse.Namespace) -> int:
             return status
         made = _make_plan(args)
     except (PlanError, ValueError, OSError, transaction.TransactionError) as exc:
-        print(f"megatron-ext skiplist: error: {exc}", file=sys.stderr)
-        return exit_codes.USAGE
+        return _refuse(str(exc))
     return 0 if made is None else _write(args, *made)
 
 
@@ -354,12 +354,10 @@ def _write(
         try:
             transaction.apply(args.ckpt_dir, journal)
         except (OSError, transaction.TransactionError) as exc:
-            print(
-                f"megatron-ext skiplist: error: applying incident {number:03d} failed ({exc}); "
-                f"rerun with --apply to finish it or with --undo to revert it",
-                file=sys.stderr,
+            return _refuse(
+                f"applying incident {number:03d} failed ({exc}); rerun with --apply to finish it "
+                "or with --undo to revert it"
             )
-            return exit_codes.USAGE
     restart = f"not applied; restart with: {' '.join(plan.restart_args)}"
     print(plan.summary)
     print(f"plan: {stem.with_suffix('.json')}\nreport: {stem.with_suffix('.md')}")

@@ -150,9 +150,15 @@ def choose_target(
     )
 
 
-def _checked(event: dict[str, Any]) -> dict[str, Any]:
-    """A ledger event with its iterations and measurements checked (else: a damaged line)."""
-    event = from_json(event)
+def latest_incident(ledger: list[dict[str, Any]]) -> dict[str, Any]:
+    """The newest rollback request in the ledger, its iterations and measurements checked."""
+    rollbacks = [e for e in ledger if e.get("kind") == "rollback"]
+    if not rollbacks:
+        raise PlanError(
+            "the spike ledger holds no rollback request: nothing to plan "
+            "(transient spikes that recovered need no rollback)"
+        )
+    event = from_json(rollbacks[-1])
     for key in ("iteration", "onset"):
         value = event.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -169,17 +175,6 @@ def _checked(event: dict[str, Any]) -> dict[str, Any]:
                 f"{event['iteration']} has {key}={value!r}, not a number: fix or remove the line"
             )
     return event
-
-
-def latest_incident(ledger: list[dict[str, Any]]) -> dict[str, Any]:
-    """The newest rollback request in the ledger."""
-    rollbacks = [e for e in ledger if e.get("kind") == "rollback"]
-    if not rollbacks:
-        raise PlanError(
-            "the spike ledger holds no rollback request: nothing to plan "
-            "(transient spikes that recovered need no rollback)"
-        )
-    return _checked(rollbacks[-1])
 
 
 def incident_id(incident: dict[str, Any]) -> str:

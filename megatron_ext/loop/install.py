@@ -128,9 +128,10 @@ def install(args: Any, features: list[Feature] | None = None) -> FeatureSet:
     return installed
 
 
-def apply_patches_of(feature: Feature) -> None:
-    """Apply the registry's patches of an installed ``feature`` that it asks for, bound to it."""
-    for patch in registry.FEATURE_PATCHES:
+def apply_patches_of(feature: Feature, patches: tuple = registry.FEATURE_PATCHES) -> None:
+    """Apply the ``patches`` (the registry's; Bridge's table) of an installed ``feature`` that
+    it asks for, bound to it."""
+    for patch in patches:
         if type(feature) is patch.feature and feature.needs_patch(patch.name):
             patch.apply(feature)
 

@@ -155,15 +155,17 @@ class RecoveryFeature(Feature):
             applied = read_jsonl(path).records if path.exists() else []
             if rollback_resumed(loaded, applied) is not None:
                 values[0] = 1.0
-                norms = self._past_norms(loaded + 1)[-window:]
-                values[1 : 1 + len(norms)] = torch.tensor(norms, dtype=torch.float64)
+                if self.config.clip_update is not None:  # its statistics start from these
+                    signals = Path(self.args.signals_dir) / SIGNALS_FILE
+                    norms = update_norms_from(history_before(signals, loaded + 1, window))[-window:]
+                    values[1 : 1 + len(norms)] = torch.tensor(norms, dtype=torch.float64)
         values = values.to(collective_device())
         dist.broadcast(values, src=writing_rank(world))
         self.active = values[0].item() == 1.0
         if not self.active:
             return
         self.norms = UpdateNorms(window)
-        self.norms.prime(n for n in values[1:].tolist() if math.isfinite(n))
+        self.norms.prime(values[1:].tolist())  # NaN: no norm
         if self.config.reset_moments:
             self._reset_moments()
         if dist.get_rank() == 0:
@@ -173,12 +175,6 @@ class RecoveryFeature(Feature):
                 f"{self.config.iters} updates ({chosen})",
                 flush=True,
             )
-
-    def _past_norms(self, first_iteration: int) -> list[float]:
-        if self.config.clip_update is None:
-            return []
-        path = Path(self.args.signals_dir) / SIGNALS_FILE
-        return update_norms_from(history_before(path, first_iteration, self.config.window))
 
     def _reset_moments(self) -> None:
         """Zero Adam's moments and step in every part's torch optimizer (distributed optimizer:

@@ -58,11 +58,9 @@ def chosen_options(lr_mult: float, reset_moments: bool, clip_update: float | Non
 def rollback_resumed(loaded_iteration: int, applied: list[dict[str, Any]]) -> dict | None:
     """The applied rollback this start resumes from: the newest applied plan whose target is
     the loaded iteration (None: a fresh start or an ordinary resume)."""
-    if loaded_iteration <= 0 or not applied:
-        return None
-    newest = applied[-1]
+    newest = applied[-1] if applied else {}
     target = newest.get("rollback_to")
-    return newest if isinstance(target, int) and target == loaded_iteration else None
+    return newest if isinstance(target, int) and target == loaded_iteration > 0 else None
 
 
 def lr_multiplier(config: RecoveryConfig, update: int) -> float:
@@ -105,9 +103,8 @@ def clip_scale(norm: float, threshold: float) -> float:
 def update_norms_from(records: Iterable[Any]) -> list[float]:
     """Past update norms from signals records: update ratio x params norm (the ratio's
     denominator is the counted parameters' norm after the step), where both were logged."""
-    norms = []
-    for r in records:
-        ratio, params = getattr(r, "update_ratio", None), getattr(r, "params_norm", None)
-        if ratio is not None and params is not None and not getattr(r, "skipped_iter", False):
-            norms.append(float(ratio) * float(params))
-    return norms
+    return [
+        float(r.update_ratio) * float(r.params_norm)
+        for r in records
+        if r.update_ratio is not None and r.params_norm is not None and not r.skipped_iter
+    ]

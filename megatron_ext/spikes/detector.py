@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from megatron_ext.common.io import json_safe
@@ -81,7 +81,7 @@ class SourceBaselines:
         self.size = window
         self.windows: dict[str, RollingWindow] = {}
 
-    def _armed(self, name: str) -> RollingWindow | None:
+    def armed(self, name: str) -> RollingWindow | None:
         window = self.windows.get(name)
         return window if window is not None and len(window) >= self.size // 2 else None
 
@@ -94,7 +94,7 @@ class SourceBaselines:
             return None
         moved, judged = 0.0, False
         for name, loss in losses.items():
-            window = self._armed(name)
+            window = self.armed(name)
             if window is not None:
                 moved += tokens.get(name, 0) / total * (loss - window.median())
                 judged = True
@@ -103,7 +103,7 @@ class SourceBaselines:
     def rising(self, record: SignalRecord, rel: float) -> bool:
         """Any member above ``median·(1+rel)`` (the cheap test, every step)."""
         return any(
-            (window := self._armed(name)) is not None and loss > window.median() * (1 + rel)
+            (window := self.armed(name)) is not None and loss > window.median() * (1 + rel)
             for name, loss in record.lm_loss_by_dataset.items()
         )
 
@@ -113,16 +113,12 @@ class SourceBaselines:
         rises = {
             name: loss / window.median() - 1 if window.median() else math.inf
             for name, loss in record.lm_loss_by_dataset.items()
-            if (window := self._armed(name)) is not None and window.above(loss, rel, k)
+            if (window := self.armed(name)) is not None and window.above(loss, rel, k)
         }
         return max(rises, key=rises.__getitem__, default=None)
 
-    def threshold(self, name: str, rel: float, k: float) -> float | None:
-        window = self._armed(name)
-        return window.threshold(rel, k) if window is not None else None
-
     def median(self, name: str) -> float | None:
-        window = self._armed(name)
+        window = self.armed(name)
         return window.median() if window is not None else None
 
     def learn(self, record: SignalRecord) -> None:
@@ -298,7 +294,8 @@ class SpikeDetector:
             )
             self.frozen = (self.incident.loss_threshold, excess)
             name = self.incident.culprit_source
-            limit = None if name is None else self.sources.threshold(name, c.loss_rel, c.mad_k)
+            window = None if name is None else self.sources.armed(name)
+            limit = None if window is None else window.threshold(c.loss_rel, c.mad_k)
             self.frozen_source = None if limit is None else (name, limit)  # type: ignore[assignment]
             self.state, self.elevated, self.suspicious = "watching", 0, 0
             return [self.incident]
@@ -414,9 +411,7 @@ class SpikeDetector:
         return []
 
     def _escalate(self, divergence: SpikeEvent) -> list[SpikeEvent]:
-        rollback = SpikeEvent(
-            **{**asdict(divergence), "kind": "rollback", "window": list(divergence.window)}
-        )
+        rollback = replace(divergence, kind="rollback", window=list(divergence.window))
         self.state = "rollback"
         return [divergence, rollback]
 
@@ -448,19 +443,15 @@ class SpikeDetector:
             source_loss=record.lm_loss_by_dataset.get(source) if source else None,
             source_baseline=self.sources.median(source) if source else None,
             adjusted_loss=step.loss if self._blend(record) and armed else None,
-            window=[_summary(r) for r in self.recent],
+            window=[{name: getattr(r, name) for name in _SUMMARY} for r in self.recent],
         )
 
 
+# An event's window: the few signals an on-call engineer reads first, per iteration.
 _SUMMARY = (
     "iteration", "lm_loss", "grad_norm", "max_local_loss", "max_loss_dp_rank",
     "lm_loss_by_dataset", "update_ratio", "lr", "skipped_iter",
 )  # fmt: skip
-
-
-def _summary(record: SignalRecord) -> dict[str, Any]:
-    """The few signals an on-call engineer reads first, per iteration."""
-    return {name: getattr(record, name) for name in _SUMMARY}
 
 
 def replay(records: list[SignalRecord], config: SpikeConfig) -> list[SpikeEvent]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.common.io import json_safe
@@ -96,20 +96,14 @@ def rank_trend(values: list[float]) -> float:
     return statistics.correlation(range(len(values)), values, method="ranked")
 
 
-@dataclass
 class PrecursorMonitor:
     """Feed :meth:`observe` one record per iteration; it returns the warnings it raises."""
 
-    config: WarnConfig = field(default_factory=WarnConfig)
-    seen: int = 0
-    tracks: dict[str, _Track] = field(default_factory=dict)
-    losses: deque[float] = field(default_factory=deque)
-
-    def __post_init__(self) -> None:
-        c = self.config
-        self.losses = deque(maxlen=c.recent)
-        for p in PRECURSORS:
-            self.tracks[p.field] = _Track(deque(maxlen=c.recent), deque())
+    def __init__(self, config: WarnConfig | None = None) -> None:
+        self.config = c = config or WarnConfig()
+        self.seen = 0
+        self.losses: deque[float] = deque(maxlen=c.recent)
+        self.tracks = {p.field: _Track(deque(maxlen=c.recent), deque()) for p in PRECURSORS}
 
     def observe(self, record: SignalRecord) -> list[PrecursorWarning]:
         self.seen += 1
@@ -173,6 +167,6 @@ class PrecursorMonitor:
 
 
 def replay(records: list[SignalRecord], config: WarnConfig | None = None) -> list[PrecursorWarning]:
-    """Offline: every warning over ``records`` (the benchmark, the plot)."""
-    monitor = PrecursorMonitor(config or WarnConfig())
+    """Offline: every warning over ``records`` (benchmarks, tests)."""
+    monitor = PrecursorMonitor(config)
     return [w for r in records for w in monitor.observe(r)]

@@ -19,6 +19,7 @@ from megatron_ext.weight_decay.core import (
     EMBEDDING_FLAG,
     OUTPUT_LAYER_FLAG,
     OVERRIDE_FLAG,
+    WEIGHT_DECAY_ARGS,
     GlobUsage,
     WeightDecayConfigError,
     WeightDecayPolicy,
@@ -35,7 +36,7 @@ _KEY_PREFIX = "megatron-ext:wd_mult="
 def _mult_arg(text: str) -> float:
     try:
         return check_mult(float(text), "weight-decay multiplier")
-    except (ValueError, WeightDecayConfigError) as exc:
+    except ValueError as exc:  # WeightDecayConfigError included
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -138,9 +139,7 @@ class WeightDecayFeature(Feature):
 def policy_from_args(args: Any) -> WeightDecayPolicy:
     """The policy of a Megatron args namespace (a checkpoint's saved args included)."""
     return policy_from_values(
-        getattr(args, "embedding_weight_decay_mult", None),
-        getattr(args, "output_layer_weight_decay_mult", None),
-        getattr(args, "weight_decay_override", None),
+        *(getattr(args, name, None) for name in WEIGHT_DECAY_ARGS),
         tied=not getattr(args, "untie_embeddings_and_output_weights", False),
     )
 
