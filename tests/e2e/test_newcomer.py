@@ -16,6 +16,8 @@ skipped with a stated reason, so a command added to README without a check fails
 - the demo runs twice (README: "Run again ..."), then its printed next steps (plot, lookup).
 - the sbatch header's ``--dry-run`` command (README points at it) runs after README's list, on a
   machine where ``scontrol`` may exist without a Slurm configuration.
+- no C toolchain: stand-ins for ``cc``, ``gcc``, ``make`` and the like come first on ``PATH``
+  (and ``CC``/``CXX``), and the test fails if any was called (#46: no command needs a compiler).
 """
 
 from __future__ import annotations
@@ -87,15 +89,33 @@ def _copy_checkout(root: Path) -> Path:
     return clone
 
 
+COMPILERS = ("cc", "gcc", "c++", "g++", "clang", "clang++", "make", "ld")
+
+
+def _without_compilers(clone: Path) -> Path:
+    """A folder of stand-ins for the C toolchain, put before the system's on ``PATH``: a call
+    fails and is noted in ``.compiler-called`` (#46: nothing needs a C compiler)."""
+    folder = clone / ".no-compiler"
+    folder.mkdir()
+    for name in COMPILERS:
+        tool = folder / name
+        tool.write_text(f'#!/bin/sh\necho "{name} $*" >> "{clone}/.compiler-called"\nexit 1\n')
+        tool.chmod(0o755)
+    return folder
+
+
 class Newcomer:
     """Runs shell commands in the fresh copy and keeps what each printed."""
 
     def __init__(self, clone: Path) -> None:
         self.clone = clone
+        tools = _without_compilers(clone)
         self.env = {
             **os.environ,
-            "PATH": f"{clone / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}",
+            "PATH": os.pathsep.join([str(clone / ".venv" / "bin"), str(tools), os.environ["PATH"]]),
             "PYTHONPATH": str(clone),
+            "CC": str(tools / "cc"),
+            "CXX": str(tools / "c++"),
         }
 
     def run(self, command: str, timeout: int = 900) -> str:
@@ -265,3 +285,5 @@ def test_every_readme_command_in_order_in_a_fresh_checkout(tmp_path: Path) -> No
             ran.append(step)
     assert ran == list(dict.fromkeys(ran)) and set(ran) == set(STEPS.values()), "order/coverage"
     _sbatch_dry_run(n)
+    called = n.clone / ".compiler-called"
+    assert not called.exists(), f"README's commands called a C toolchain:\n{called.read_text()}"
