@@ -1,21 +1,25 @@
 """Shared fixtures: one tiny real corpus, tokenized once per session; the real-shaped spike
-drill; the e2e and compat markers; which tests share an xdist worker; one CPU thread each."""
+drill; the e2e and compat markers; which tests share an xdist worker; one CPU thread each; no
+C toolchain."""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 # One intra-op thread per process, this one and every process a test starts (they inherit it),
 # set before torch loads: the tiny models gain nothing from more, and on a busy machine the
 # idle OpenMP threads spin (docs/testing.md). torchrun sets 1 itself only from two ranks.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from megatron_ext.demo import prepare_tiny_dataset
 from tests.compat import SELECTED
+from tests.support import toolchain
 
 TESTS = Path(__file__).resolve().parent
 E2E = TESTS / "e2e"
@@ -77,6 +81,34 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     config.option.loadscopereorder = False  # keep the collection's order (the sets first)
     return SharedLaunches(config, log)
+
+
+# Stand-ins for the C toolchain first on PATH for the whole session, every process a test
+# starts included (#46: the suite passes on a machine without a compiler). Set up once, by the
+# process that starts the session: xdist workers and the pytest runs tests start inherit it.
+_owned: list[Path] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Put the toolchain's stand-ins first on ``PATH`` unless an outer session did."""
+    if toolchain.CALLS in os.environ:
+        return
+    folder = Path(tempfile.mkdtemp(prefix="megatron-ext-no-compiler-"))
+    calls = folder / "calls.txt"
+    os.environ.update(toolchain.stand_ins(folder, calls), **{toolchain.CALLS: str(calls)})
+    os.environ["PATH"] = os.pathsep.join([str(folder), os.environ["PATH"]])
+    _owned.append(calls)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Fail the session that set the stand-ins up if anything called one, naming the calls."""
+    for calls in _owned:
+        if calls.exists():
+            report = session.config.pluginmanager.get_plugin("terminalreporter")
+            report.write_sep("=", "the suite called the C toolchain (#46)")
+            report.write_line(calls.read_text())
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        shutil.rmtree(calls.parent)
 
 
 @pytest.fixture(scope="session")

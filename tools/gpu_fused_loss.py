@@ -14,8 +14,9 @@ inputs (``torch.cuda.max_memory_allocated``):
   ``main_grad``, allocated before the measure as DDP's grad buffer is): the weight gradient
   goes into ``main_grad`` during the forward, what training runs.
 
-``--cpu`` rehearses the same code at a tiny size on CPU (gloo; wall-clock times, no peaks),
-so that the rung cannot rot between GPU loans. Prints one JSON line.
+``--cpu`` rehearses the same code at a tiny size on CPU (gloo; wall-clock times, no peaks;
+compiled functions run eagerly), so that the rung cannot rot between GPU loans. Prints one
+JSON line.
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ def main() -> None:
     device = "cpu" if cpu else "cuda"
     with tempfile.TemporaryDirectory() as rendezvous:
         if cpu:
+            # Megatron's fused CE is torch.compile'd; inductor's CPU code needs a C++ compiler
+            # (#46: none is needed). Eager, as the CPU runner's torch.compile shim runs it.
+            torch.compiler.set_stance("force_eager")
             dist.init_process_group("gloo", f"file://{rendezvous}/store", rank=0, world_size=1)
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

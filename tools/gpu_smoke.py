@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -98,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     work = options.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    env = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    # The launches get the caller's PATH (the CPU rehearsal: the tests' C toolchain stand-ins).
+    env = {
+        "PATH": os.environ.get("PATH", os.defpath),
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+    }
     if options.cpu_rehearsal:  # the tiny model on one intra-op thread: more only spin
         env["OMP_NUM_THREADS"] = "1"
     ctx = Context(options.cpu_rehearsal, work, sys.executable, options.wheels, env)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import toolchain
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -22,7 +24,7 @@ def test_cpu_rehearsal_of_the_gpu_ladder(tmp_path: Path) -> None:
         ["bash", str(REPO / "tools" / "gpu_smoke.sh"), "--cpu-rehearsal", "--work", str(tmp_path)],
         capture_output=True,
         text=True,
-        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
+        env={"PYTHON": sys.executable, "PATH": f"{toolchain.session_folder()}:/usr/bin:/bin"},
         timeout=1100,
     )
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

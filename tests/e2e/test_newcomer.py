@@ -38,6 +38,7 @@ import pytest
 from megatron_ext.common.checkpoint_state import Opaque, read_common_state
 from megatron_ext.data.corpus import write_tiny_corpus
 from megatron_ext.loop import install as loop
+from tests.support import toolchain
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
@@ -89,33 +90,17 @@ def _copy_checkout(root: Path) -> Path:
     return clone
 
 
-COMPILERS = ("cc", "gcc", "c++", "g++", "clang", "clang++", "make", "ld")
-
-
-def _without_compilers(clone: Path) -> Path:
-    """A folder of stand-ins for the C toolchain, put before the system's on ``PATH``: a call
-    fails and is noted in ``.compiler-called`` (#46: nothing needs a C compiler)."""
-    folder = clone / ".no-compiler"
-    folder.mkdir()
-    for name in COMPILERS:
-        tool = folder / name
-        tool.write_text(f'#!/bin/sh\necho "{name} $*" >> "{clone}/.compiler-called"\nexit 1\n')
-        tool.chmod(0o755)
-    return folder
-
-
 class Newcomer:
     """Runs shell commands in the fresh copy and keeps what each printed."""
 
     def __init__(self, clone: Path) -> None:
         self.clone = clone
-        tools = _without_compilers(clone)
+        tools = clone / ".no-compiler"
         self.env = {
             **os.environ,
             "PATH": os.pathsep.join([str(clone / ".venv" / "bin"), str(tools), os.environ["PATH"]]),
             "PYTHONPATH": str(clone),
-            "CC": str(tools / "cc"),
-            "CXX": str(tools / "c++"),
+            **toolchain.stand_ins(tools, clone / ".compiler-called"),
         }
 
     def run(self, command: str, timeout: int = 900) -> str:
