@@ -290,6 +290,11 @@ def install() -> None:
         setattr(cuda, name, _shim(name, fn))
     # Megatron's RNG tracker reads the CUDA generator state through torch.cuda.random.
     cuda.random.get_rng_state = _shim("random.get_rng_state", lambda *a, **k: torch.get_rng_state())
+    # Megatron's RNG tracker sets the CUDA generator state through torch.cuda._lazy_call, which
+    # queues the call and its formatted stack until CUDA initialises, here never: memory grew
+    # every attention layer and micro-batch (docs/megatron-facts.md). Drop the call. Megatron
+    # binds the name when imported, after this (the WS1_SHIMS check of tests/e2e/test_pretrain.py).
+    cuda._lazy_call = _shim("_lazy_call(dropped)", lambda *a, **k: None)
     cuda.Stream = _FakeStream  # type: ignore[misc,assignment]
     cuda.Event = _FakeEvent  # type: ignore[misc,assignment]
     torch.nn.Module.cuda = lambda self, *a, **k: (_count("Module.cuda"), self)[1]  # type: ignore[method-assign]

@@ -102,6 +102,7 @@ EXPECTED_SHIMS = {
     "Module.cuda",
     "initialize_megatron(allow_no_cuda)",
     "torch.compile(eager)",
+    "_lazy_call(dropped)",
     "DeviceMesh(cuda)",  # torch FSDP2's mesh (--use-torch-fsdp2)
 }
 
@@ -130,6 +131,7 @@ _WS1_SHIMS_0_19 = {
     "stream",
     "synchronize",
     "torch.compile(eager)",
+    "_lazy_call(dropped)",
 }
 # 0.17/0.18's classic get_model moves the built model with Module.cuda(); 0.19's builder
 # does not (the overlay's own model provider on 0.17/0.18 returns it to Megatron's get_model).
