@@ -12,6 +12,7 @@ one produces for another goes on the :class:`StepRecord` or the :class:`MicroBat
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +53,22 @@ def collective_device() -> str:
 def is_writing_rank(rank: int, world_size: int) -> bool:
     """Whether ``rank`` is :func:`writing_rank`."""
     return rank == writing_rank(world_size)
+
+
+def from_writing_rank(size: int, read: Callable[[], list[float]]) -> list[float]:
+    """``read()`` on the writing rank (which holds the run's files), broadcast to every rank
+    as ``size`` floats, NaN past what it returned. Call on every rank."""
+    import torch  # late, as in collective_device
+
+    dist = torch.distributed
+    values = torch.full((size,), math.nan, dtype=torch.float64)
+    world = dist.get_world_size()
+    if is_writing_rank(dist.get_rank(), world):
+        read_values = read()
+        values[: len(read_values)] = torch.tensor(read_values, dtype=torch.float64)
+    values = values.to(collective_device())
+    dist.broadcast(values, src=writing_rank(world))
+    return values.tolist()
 
 
 # What megatron-core's BlendedDataset adds to every sample: the index of its blend member.

@@ -21,8 +21,7 @@ from megatron_ext.common.features import (
     FeatureError,
     StepRecord,
     collective_device,
-    is_writing_rank,
-    writing_rank,
+    from_writing_rank,
 )
 from megatron_ext.common.files import SIGNALS_FILE, applied_incidents_file
 from megatron_ext.common.io import read_jsonl
@@ -148,24 +147,12 @@ class RecoveryFeature(Feature):
         self.optimizer = optimizer
         loaded = int(getattr(self.args, "iteration", 0) or 0)
         window = self.config.window
-        values = torch.full((window + 1,), math.nan, dtype=torch.float64)
-        world = dist.get_world_size()
-        if is_writing_rank(dist.get_rank(), world):
-            path = applied_incidents_file(self.args.load)
-            applied = read_jsonl(path).records if path.exists() else []
-            if rollback_resumed(loaded, applied) is not None:
-                values[0] = 1.0
-                if self.config.clip_update is not None:  # its statistics start from these
-                    signals = Path(self.args.signals_dir) / SIGNALS_FILE
-                    norms = update_norms_from(history_before(signals, loaded + 1, window))[-window:]
-                    values[1 : 1 + len(norms)] = torch.tensor(norms, dtype=torch.float64)
-        values = values.to(collective_device())
-        dist.broadcast(values, src=writing_rank(world))
-        self.active = values[0].item() == 1.0
+        values = from_writing_rank(window + 1, lambda: self._resumed_rollback(loaded))
+        self.active = values[0] == 1.0
         if not self.active:
             return
         self.norms = UpdateNorms(window)
-        self.norms.prime(values[1:].tolist())  # NaN: no norm
+        self.norms.prime(values[1:])  # NaN: no norm
         if self.config.reset_moments:
             self._reset_moments()
         if dist.get_rank() == 0:
@@ -175,6 +162,19 @@ class RecoveryFeature(Feature):
                 f"{self.config.iters} updates ({chosen})",
                 flush=True,
             )
+
+    def _resumed_rollback(self, loaded: int) -> list[float]:
+        """[1, the update norms before it (with --recovery-clip-update)] when this start resumed
+        from a rollback, else []."""
+        path = applied_incidents_file(self.args.load)
+        applied = read_jsonl(path).records if path.exists() else []
+        if rollback_resumed(loaded, applied) is None:
+            return []
+        if self.config.clip_update is None:
+            return [1.0]
+        signals = Path(self.args.signals_dir) / SIGNALS_FILE  # its statistics start from these
+        window = self.config.window
+        return [1.0, *update_norms_from(history_before(signals, loaded + 1, window))[-window:]]
 
     def _reset_moments(self) -> None:
         """Zero Adam's moments and step in every part's torch optimizer (distributed optimizer:

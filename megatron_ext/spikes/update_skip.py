@@ -12,17 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from megatron_ext.common.features import (
     Feature,
     FeatureError,
     StepRecord,
-    collective_device,
-    is_writing_rank,
+    from_writing_rank,
     print_rank_0,
-    writing_rank,
 )
 from megatron_ext.common.files import SIGNALS_FILE
 from megatron_ext.common.records.signals import history_before
@@ -149,9 +144,8 @@ class UpdateSkipFeature(Feature):
         first_iteration = int(getattr(self.args, "iteration", 0) or 0) + 1
         assert self.gate is not None
         config = self.gate.config
-        world = dist.get_world_size()
-        values = torch.full((config.window + 1,), math.nan, dtype=torch.float64)
-        if is_writing_rank(dist.get_rank(), world):
+
+        def healthy_history() -> list[float]:  # [records read, their healthy grad norms]
             path = Path(self.args.signals_dir) / SIGNALS_FILE
             history = history_before(path, first_iteration, config.warmup + config.window)
             norms = [
@@ -159,11 +153,9 @@ class UpdateSkipFeature(Feature):
                 for r in history
                 if not r.skipped_iter and r.grad_norm is not None and math.isfinite(r.grad_norm)
             ][-config.window :]
-            values[0] = len(history)
-            values[1 : 1 + len(norms)] = torch.tensor(norms, dtype=torch.float64)
-        values = values.to(collective_device())
-        dist.broadcast(values, src=writing_rank(world))
-        seen, norms = values[0].item(), values[1:].tolist()
+            return [len(history), *norms]
+
+        seen, *norms = from_writing_rank(config.window + 1, healthy_history)
         self.gate.prime(int(seen), [n for n in norms if math.isfinite(n)])
 
     def before_grad_norm(self, optimizer: Any) -> None:
