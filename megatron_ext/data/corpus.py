@@ -1,12 +1,9 @@
-"""Deterministic JSONL corpora for offline smoke tests: synthetic English-like prose with
-learnable structure (output depends only on ``num_docs`` and ``seed``), and Python's standard
-library as a second, different source for blends."""
+"""A deterministic JSONL corpus for offline smoke tests and the demo: synthetic English-like
+prose with learnable structure (output depends only on ``num_docs`` and ``seed``)."""
 
 import json
 import random
-import sysconfig
-from collections.abc import Iterable, Iterator
-from itertools import batched, islice
+from collections.abc import Iterable
 from pathlib import Path
 
 # Words by kind; "|" separates entries of several words.
@@ -83,17 +80,3 @@ def write_tiny_corpus(
         {"text": _document(rng)} | ({"id": f"tiny-{n:05d}"} if ids else {}) for n in range(num_docs)
     )
     return _write_jsonl(path, records)
-
-
-def write_code_corpus(path: str | Path, num_docs: int = 400) -> Path:
-    """Write the standard library's top-level modules, in name order, as JSONL documents of 30
-    lines (depends only on ``num_docs`` and the Python version)."""
-
-    def documents() -> Iterator[dict[str, str]]:
-        for module in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-            lines = module.read_text(encoding="utf-8", errors="replace").splitlines()
-            for chunk in batched(lines, 30):
-                if text := "\n".join(chunk).strip():
-                    yield {"text": text}
-
-    return _write_jsonl(path, islice(documents(), num_docs))

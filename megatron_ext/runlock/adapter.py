@@ -14,7 +14,6 @@ import atexit
 import os
 import signal
 import sys
-import time
 from typing import Any
 
 from megatron_ext.common.features import Feature, FeatureError
@@ -26,7 +25,6 @@ class RunLockFeature(Feature):
 
     def __init__(self) -> None:
         self.lease: Lease | None = None
-        self.acquire_s = 0.0
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -43,12 +41,10 @@ class RunLockFeature(Feature):
     def install(self, args: Any) -> None:
         if args.rank != 0:
             return
-        start = time.perf_counter()
         try:
             self.lease = acquire(args.save, "training", "training", args.force_run_lock)
         except RunLockHeld as exc:
             raise FeatureError(str(exc).removeprefix("megatron-ext: ")) from None
-        self.acquire_s = time.perf_counter() - start
         atexit.register(self.lease.release)
         self.lease.watch(self._lost)
 

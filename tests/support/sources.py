@@ -3,13 +3,37 @@ library source code, tokenized with the same BPE (the prose's), as real ``.bin``
 
 from __future__ import annotations
 
+import json
+import sysconfig
+from collections.abc import Iterator
+from itertools import batched, islice
 from pathlib import Path
 
 from megatron_ext.data import preprocess
-from megatron_ext.data.corpus import write_code_corpus, write_tiny_corpus
+from megatron_ext.data.corpus import write_tiny_corpus
 from megatron_ext.demo import prepare_tiny_dataset
 
 PROSE, CODE = "prose_text_document", "code_text_document"  # the members' names
+
+
+def write_code_corpus(path: Path, num_docs: int = 400) -> Path:
+    """Write the standard library's top-level modules, in name order, as JSONL documents of 30
+    lines (depends only on ``num_docs`` and the Python version)."""
+
+    def documents() -> Iterator[dict[str, str]]:
+        for module in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+            lines = module.read_text(encoding="utf-8", errors="replace").splitlines()
+            for chunk in batched(lines, 30):
+                if text := "\n".join(chunk).strip():
+                    yield {"text": text}
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        f.writelines(
+            json.dumps(record, ensure_ascii=False) + "\n"
+            for record in islice(documents(), num_docs)
+        )
+    return path
 
 
 def prepare_sources(root: Path) -> tuple[dict[str, str], list[str]]:
