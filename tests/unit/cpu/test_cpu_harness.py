@@ -44,6 +44,22 @@ def test_shims_count_and_redirect_cuda_allocations() -> None:
     assert result.stdout.split() == ["1", "1", "True"]
 
 
+def test_megatrons_rng_tracker_queues_nothing_without_cuda() -> None:
+    """Without CUDA, torch.cuda._lazy_call queues every call with its stack until CUDA starts,
+    i.e. forever here: Megatron's tracker forks per attention layer and micro-batch."""
+    result = _run(
+        "from megatron_ext.cpu import shims\nimport torch\nshims.install()\n"
+        "from megatron.core.tensor_parallel import random\n"
+        "random.get_cuda_rng_tracker().add('model-parallel-rng', 1234)\n"
+        "before = len(torch.cuda._queued_calls)\n"
+        "for _ in range(100):\n    with random.get_cuda_rng_tracker().fork():\n        pass\n"
+        "print(len(torch.cuda._queued_calls) - before, shims.COUNTS['_lazy_call(dropped)'])\n"
+    )
+    assert result.returncode == 0, result.stderr
+    queued, dropped = map(int, result.stdout.split())
+    assert (queued, dropped >= 200) == (0, True), result.stdout
+
+
 def test_harness_refuses_a_megatron_core_outside_the_range(tmp_path: Path) -> None:
     result = _run(
         "import importlib.metadata as m\nfrom megatron_ext.cpu import shims\n"
