@@ -62,7 +62,8 @@ def _document(rng: random.Random) -> str:
     return "\n\n".join(paragraphs)
 
 
-def _write_jsonl(path: str | Path, records: Iterable[dict[str, str]]) -> Path:
+def write_jsonl(path: str | Path, records: Iterable[dict[str, str]]) -> Path:
+    """Write ``records`` as JSON Lines (UTF-8 kept as is) at ``path``, its folder made."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
@@ -79,4 +80,4 @@ def write_tiny_corpus(
     records = (
         {"text": _document(rng)} | ({"id": f"tiny-{n:05d}"} if ids else {}) for n in range(num_docs)
     )
-    return _write_jsonl(path, records)
+    return write_jsonl(path, records)

@@ -3,14 +3,13 @@ library source code, tokenized with the same BPE (the prose's), as real ``.bin``
 
 from __future__ import annotations
 
-import json
 import sysconfig
 from collections.abc import Iterator
 from itertools import batched, islice
 from pathlib import Path
 
 from megatron_ext.data import preprocess
-from megatron_ext.data.corpus import write_tiny_corpus
+from megatron_ext.data.corpus import write_jsonl, write_tiny_corpus
 from megatron_ext.demo import prepare_tiny_dataset
 
 PROSE, CODE = "prose_text_document", "code_text_document"  # the members' names
@@ -27,13 +26,7 @@ def write_code_corpus(path: Path, num_docs: int = 400) -> Path:
                 if text := "\n".join(chunk).strip():
                     yield {"text": text}
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        f.writelines(
-            json.dumps(record, ensure_ascii=False) + "\n"
-            for record in islice(documents(), num_docs)
-        )
-    return path
+    return write_jsonl(path, islice(documents(), num_docs))
 
 
 def prepare_sources(root: Path) -> tuple[dict[str, str], list[str]]:
