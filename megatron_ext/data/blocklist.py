@@ -26,6 +26,7 @@ from megatron_ext.common.records.pair import fingerprint
 from megatron_ext.data.shards import located, write_without
 
 PROG = "megatron-ext blocklist"
+_SOURCE_KEYS = frozenset({"file", "file_size", "file_fingerprint", "byte", "line"})
 
 
 class BlocklistError(Refusal):
@@ -94,6 +95,11 @@ def _entries(paths: list[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
                 entry = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise BlocklistError(f"{path}:{number}: not JSON ({exc})") from None
+            if not isinstance(entry, dict):
+                raise BlocklistError(
+                    f"{path}:{number}: not a JSON object; a blocklist holds the records of "
+                    "`megatron-ext lookup --emit-blocklist`"
+                )
             yield f"{path}:{number}", entry
 
 
@@ -102,12 +108,18 @@ def _shards(paths: list[Path], roots: list[tuple[str, str]]) -> dict[Path, Shard
     two entries that name one line differently."""
     shards: dict[Path, Shard] = {}
     for where, entry in _entries(paths):
-        source = entry.get("source") if isinstance(entry, dict) else None
+        source = entry.get("source")
         if not source:
             raise BlocklistError(
                 f"{where}: document {entry.get('document')} of {entry.get('dataset_path')} names "
                 "no raw record (its dataset had no provenance sidecar). Write one with "
                 "`megatron-ext provenance rebuild`, emit the blocklist again, then apply it"
+            )
+        fields = set(source) if isinstance(source, dict) else set()
+        if missing := _SOURCE_KEYS - fields:
+            raise BlocklistError(
+                f"{where}: its source lacks {', '.join(sorted(missing))}: not a raw record of "
+                "`megatron-ext lookup --emit-blocklist`; emit the blocklist again"
             )
         path = _remap(source["file"], roots)
         shard = shards.setdefault(

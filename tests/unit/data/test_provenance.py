@@ -193,3 +193,13 @@ def test_blocklist_apply_writes_filtered_copies_and_refuses_a_changed_shard(
     blocklist.write_text("".join(json.dumps(e) + "\n" for e in entries))
     assert cli.main([*apply, str(tmp_path / "f4")]) == 1
     assert "names no raw record" in capsys.readouterr().err
+    # A line that is JSON but no entry, or an entry whose source lost a field: refused, named.
+    entry = entries[1] | {"source": provenance.source(entries[1]["document"])}
+    blocklist.write_text(json.dumps([entry]) + "\n")
+    assert cli.main([*apply, str(tmp_path / "f5")]) == 1
+    assert f"{blocklist}:1: not a JSON object" in capsys.readouterr().err
+    del entry["source"]["file_size"]
+    blocklist.write_text(json.dumps(entry) + "\n")
+    assert cli.main([*apply, str(tmp_path / "f6")]) == 1
+    assert f"{blocklist}:1: its source lacks file_size" in capsys.readouterr().err
+    assert not (tmp_path / "f5").exists() and not (tmp_path / "f6").exists()
