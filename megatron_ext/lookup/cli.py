@@ -395,10 +395,7 @@ def inverse(session: Session) -> int:
 def from_sample_log(options: argparse.Namespace) -> int:
     """``--from-sample-log``: the iteration's samples as training logged them; reads the
     checkpoint's args without torch and imports no Megatron."""
-    args = None
-    if not options.sample_log and options.from_checkpoint:
-        args = load_checkpoint(options.from_checkpoint, options.ckpt_step).args
-    directory = sample_log_dir(options, args, "--from-sample-log")
+    directory = _sample_log_dir(options, "--from-sample-log")
     records = log_answer(directory, options.iteration, options.dp_rank, options.microbatch)
     ranks = sorted({r["dp_rank"] for r in records})
     lines = [
@@ -417,12 +414,12 @@ def from_sample_log(options: argparse.Namespace) -> int:
     return 0
 
 
-def _refuse_worst_without_a_sample_log(options: argparse.Namespace) -> None:
-    """``--worst`` of a run that wrote no sample log, refused from the checkpoint's args (read
-    without torch) before Megatron's seconds of import: the planner asks on every rollback."""
-    if options.worst is not None and options.from_checkpoint and not options.sample_log:
-        checkpoint = load_checkpoint(options.from_checkpoint, options.ckpt_step)
-        sample_log_dir(options, checkpoint.args, "--worst")
+def _sample_log_dir(options: argparse.Namespace, flag: str) -> str:
+    """``--sample-log``, else the checkpoint's ``--sample-log-dir`` (read without torch)."""
+    args = None
+    if not options.sample_log and options.from_checkpoint:
+        args = load_checkpoint(options.from_checkpoint, options.ckpt_step).args
+    return sample_log_dir(options, args, flag)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -437,8 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if options.from_sample_log:
             return from_sample_log(options)
-        if not megatron_flags:
-            _refuse_worst_without_a_sample_log(options)
+        if options.worst is not None and options.from_checkpoint and not megatron_flags:
+            # A run that wrote no sample log, refused before Megatron's seconds of import:
+            # the planner asks on every rollback.
+            _sample_log_dir(options, "--worst")
         # The Megatron logic copied here must still be the installed megatron-core's.
         copies.verify(COPIES)
         session = Session(options, megatron_flags)

@@ -104,43 +104,34 @@ def read_description(path: Path) -> Description:
     return Description(path, text, content if isinstance(content, dict) else {})
 
 
-def _npy_layout(path: str) -> tuple[int, np.dtype, tuple[int, ...]]:
-    """(data offset, dtype, shape) of a C-order .npy file, from its header."""
+def _open_npy(path: str) -> np.memmap:
+    """A C-order numeric .npy cache array, memory-mapped read-only (nothing read yet)."""
     try:
-        with open(path, "rb") as handle:
-            version = np.lib.format.read_magic(handle)
-            read_header = (
-                np.lib.format.read_array_header_1_0
-                if version == (1, 0)
-                else np.lib.format.read_array_header_2_0
-            )
-            shape, fortran, dtype = read_header(handle)
-            offset = handle.tell()
-    except ValueError as exc:
-        raise DataChanged(f"{path} is not a readable .npy array: {exc}") from exc
-    if fortran or dtype.hasobject:
+        array = np.load(path, mmap_mode="r")
+    except (ValueError, EOFError) as exc:  # not an .npy, or shorter than its header says
+        raise DataChanged(f"{path} is not a readable .npy array (truncated?): {exc}") from exc
+    if not array.flags.c_contiguous:
         raise DataChanged(f"{path} is not a C-order numeric .npy array (not a Megatron cache)")
-    return offset, dtype, tuple(shape)
+    return array
 
 
 def map_array(path: str) -> np.ndarray:
     """A cache array, memory-mapped read-only and advised for random access."""
-    offset, dtype, shape = _npy_layout(path)
-    count = int(np.prod(shape, dtype=np.int64))
-    if os.path.getsize(path) < offset + count * dtype.itemsize:
-        raise DataChanged(f"{path} is shorter than its header says (truncated?)")
-    return np.frombuffer(map_random(path), dtype, count, offset).reshape(shape)
+    array = _open_npy(path)
+    array.base.madvise(mmap.MADV_RANDOM)
+    return array.view(np.ndarray)  # np.memmap's Python-level indexing would slow bisection
 
 
 def array_chunks(path: str, rows: int) -> Iterator[tuple[int, np.ndarray]]:
-    """(first row, rows) of a cache array, ``rows`` at a time, read from the file."""
-    offset, dtype, shape = _npy_layout(path)
-    per_row = int(np.prod(shape[1:], dtype=np.int64))
+    """(first row, rows) of a cache array, ``rows`` at a time, read from the file (a scan
+    through the mapping would keep every page it touched resident)."""
+    layout = _open_npy(path)
+    shape, per_row = layout.shape, int(np.prod(layout.shape[1:], dtype=np.int64))
     with open(path, "rb") as handle:
-        handle.seek(offset)
+        handle.seek(layout.offset)
         for start in range(0, shape[0], rows):
             count = min(rows, shape[0] - start)
-            chunk = np.fromfile(handle, dtype, count * per_row)
+            chunk = np.fromfile(handle, layout.dtype, count * per_row)
             if len(chunk) != count * per_row:
                 raise DataChanged(f"{path} is shorter than its header says (truncated?)")
             yield start, chunk.reshape((count, *shape[1:]))
@@ -561,10 +552,7 @@ class MidIndex:
             raise PositionError(f"dataset {self.path} has samples 0..{len(self) - 1}")
         j = int(self.shuffle_index[dataset_sample])
         self._verify(j)
-        (p0, o0), (p1, o1) = (
-            tuple(map(int, self.sample_index[j])),
-            tuple(map(int, self.sample_index[j + 1])),
-        )
+        (p0, o0), (p1, o1) = self.sample_index[j : j + 2].tolist()
         out = []
         for position in range(p0, p1 + 1):
             document = int(self.document_index[position])
@@ -654,9 +642,7 @@ def _open_dataset(
         path=path,
         prefix=prefix,
         files=found.files,
-        document_index=arrays["document_index"],
-        sample_index=arrays["sample_index"],
-        shuffle_index=arrays["shuffle_index"],
+        **arrays,  # document_index, sample_index, shuffle_index
         data=data,
         begin=begin,
         end=end,
@@ -847,8 +833,10 @@ def _scan_rows(
 ) -> tuple[np.ndarray, np.ndarray]:
     """One chunked pass: rows whose last file's value is in ``targets`` (and whose first
     file's value equals ``keep`` when given). Returns (row numbers, matched values)."""
-    wanted, low, table = _matcher(targets)
     rows, values = [np.empty(0, dtype=np.int64)], [np.empty(0, dtype=np.int64)]
+    if not len(targets):
+        return rows[0], values[0]
+    wanted, low, table = _matcher(targets)
     first = array_chunks(paths[0], CHUNK) if keep is not None else None
     for start, chunk in _progress(paths[-1], entries, paths[-1].rsplit("-", 1)[-1]):
         mask = _members(chunk, wanted, low, table)
@@ -873,11 +861,7 @@ def find_document(index: TrainIndex, member: int, document: int) -> DocumentHits
     for stream, offset, count in zip(streams.tolist(), offsets.tolist(), counts.tolist()):
         reads.setdefault(stream, []).append((offset, count))
     # shuffle_index[i] is a stream sample that reads the document -> dataset sample i.
-    samples, sample_streams = (
-        _scan_rows((mid.files["shuffle_index"],), len(mid), streams)
-        if streams.size
-        else (streams, streams)
-    )
+    samples, sample_streams = _scan_rows((mid.files["shuffle_index"],), len(mid), streams)
     scanned += len(mid.shuffle_index)
     via: dict[int, int] = dict(zip(samples.tolist(), sample_streams.tolist()))
     if index.blend is None:
@@ -885,11 +869,7 @@ def find_document(index: TrainIndex, member: int, document: int) -> DocumentHits
     else:
         # dataset_index[g] == member and dataset_sample_index[g] is such a sample -> global g.
         assert index.blend_files is not None
-        owners, owned = (
-            _scan_rows(index.blend_files, len(index), samples, keep=member)
-            if samples.size
-            else (samples, samples)
-        )
+        owners, owned = _scan_rows(index.blend_files, len(index), samples, keep=member)
         scanned += len(index.blend[0])
     rows = [
         (g, i, offset, count)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.common.checkpoint_state import CheckpointUnreadable, load_common_state
 from megatron_ext.common.files import (
     CHECKPOINT_DIR,
     CHECKPOINT_METADATA_FILE,
@@ -150,14 +151,20 @@ class History:
         return len({json.dumps(s.layout, sort_keys=True) for s in segments})  # lists inside
 
 
-def read_history(save_dir: Path, sample_log_dir: str | None, load: Any) -> History:
-    """Gather both records. ``load(directory) -> state`` reads a checkpoint's common state
-    (injected so this module needs no Megatron import)."""
+def read_history(checkpoint: Path, sample_log_dir: str | None) -> History:
+    """Gather both records of the run whose checkpoint (--save or iter_* directory) is read."""
+    save_dir = checkpoint.parent if CHECKPOINT_DIR.match(checkpoint.name) else checkpoint
     checkpoints = []
     for child in sorted(save_dir.iterdir()) if save_dir.is_dir() else []:
         match = CHECKPOINT_DIR.match(child.name)
         if match and (child / CHECKPOINT_METADATA_FILE).is_file():
-            checkpoints.append((int(match[1]), load(child)["args"]))
+            try:
+                checkpoints.append((int(match[1]), load_common_state(child)["args"]))
+            except CheckpointUnreadable as exc:
+                raise ConfigError(
+                    f"{exc}. The lookup reads every checkpoint of the run for its layout "
+                    "history; pass --data-parallel-size/--micro-batch-size to answer without it"
+                ) from None
     log_path = Path(sample_log_dir, LAYOUT_FILE) if sample_log_dir else None
     log_path = log_path if log_path and log_path.is_file() else None
     return History(

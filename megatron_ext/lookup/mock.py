@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.lookup.config import build_datasets
 from megatron_ext.lookup.data import Sample
 from megatron_ext.lookup.errors import PositionError
 
@@ -53,8 +54,6 @@ def open_mock_index(args: Any, target_samples: int, add_extra_token: bool) -> Mo
     """The train split of the run's ``MockGPTDataset`` (``target_samples`` samples), built by
     megatron-core with the run's tokenizer, writing no cache."""
     from megatron.core.datasets.gpt_dataset import MockGPTDataset
-
-    from megatron_ext.lookup.config import build_datasets
 
     args = copy.copy(args)
     args.data_path = args.train_data_path = args.valid_data_path = args.test_data_path = None

@@ -260,12 +260,9 @@ class Schedule:
 
     def batch_at_consumed(self, consumed: int) -> Batch:
         """The iteration Megatron runs next when ``consumed_train_samples == consumed``."""
-        if self.phase_transitions:
-            iteration = consumed // self.global_batch_size + 1
-            inside = consumed % self.global_batch_size
-        else:
-            iterations, inside_arr = self._locate(np.array([consumed], dtype=np.int64), phase=0)
-            iteration, inside = int(iterations[0]), int(inside_arr[0])
+        # (phase 0's stream is the whole run's under phase transitions: a constant batch)
+        iterations, offsets = self._locate(np.array([consumed], dtype=np.int64), phase=0)
+        iteration, inside = int(iterations[0]), int(offsets[0])
         batch = self.batch(iteration)
         if inside:
             raise PositionError(

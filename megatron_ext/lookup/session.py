@@ -10,14 +10,12 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from megatron_ext.common.checkpoint_state import CheckpointUnreadable, load_common_state
-from megatron_ext.common.files import CHECKPOINT_DIR
 from megatron_ext.common.io import atomic_write, token_sha1
 from megatron_ext.common.records.provenance import place
 from megatron_ext.lookup.config import (
@@ -28,6 +26,7 @@ from megatron_ext.lookup.config import (
     load_checkpoint,
     megatron_namespace,
     pad_token_id,
+    rebuild_caches,
     run_config,
     tokenizer_from_args,
 )
@@ -43,7 +42,7 @@ from megatron_ext.lookup.history import (
     segment_args,
     stage_args,
 )
-from megatron_ext.lookup.mock import MOCK_PATH
+from megatron_ext.lookup.mock import MOCK_PATH, open_mock_index
 from megatron_ext.lookup.schedule import Batch, CyclicOrder
 
 
@@ -171,9 +170,6 @@ class Session:
         self.checkpoint = checkpoint
         self.remaps = [tuple(item.split("=", 1)) for item in options.data_root]
         self.tokenizer: Any = tokenizer_from_args(args, self.remaps) if options.text else None
-        self.decode: Callable[[list[int]], str] | None = None
-        if self.tokenizer is not None:
-            self.decode = self.tokenizer.detokenize
         # An explicit --sample-log names the run's sample log; else the run's --sample-log-dir.
         self.sample_log = options.sample_log or getattr(args, "sample_log_dir", None)
         # Explicit layout flags assert the layout: the history is then not consulted.
@@ -181,7 +177,7 @@ class Session:
         if checkpoint is not None and not (
             options.data_parallel_size or _given(megatron_flags, LAYOUT_FLAGS)
         ):
-            self.history = _history(checkpoint, self.sample_log)
+            self.history = read_history(checkpoint.directory, self.sample_log)
 
     def use_layout_of(self, iteration: int) -> None:
         """Answer ``iteration`` with the layout the run had when it trained it last."""
@@ -274,8 +270,6 @@ class Session:
         """Open (and with --rebuild-caches, first build) the run's train caches; with mock
         data, megatron-core's MockGPTDataset built again (:mod:`megatron_ext.lookup.mock`)."""
         if getattr(self.config.args, "mock_data", False):
-            from megatron_ext.lookup.mock import open_mock_index
-
             target = self.config.train_target(phase)
             return open_mock_index(self.config.args, target, self.config.add_extra_token)
         tokenizer = None
@@ -300,8 +294,6 @@ class Session:
         except CacheMissing:
             if not self.options.rebuild_caches:
                 raise
-        from megatron_ext.lookup.config import rebuild_caches
-
         rebuild_caches(self.config, phase, self.options.cache_dir)
         return open_index()
 
@@ -363,8 +355,8 @@ def batch_records(
                 f"mock sample {sample.index}, no document/raw record (megatron-core's "
                 "MockGPTDataset)"
             )
-        if session.decode is not None:
-            record["text"] = session.decode(sample.tokens.tolist())
+        if tokenizer is not None:
+            record["text"] = tokenizer.detokenize(sample.tokens.tolist())
         records.append(record)
     return index, records
 
@@ -374,28 +366,11 @@ def _stage_key(segment: Segment) -> str:
     return repr((sorted(segment.layout.items()), sorted(segment.data.items())))
 
 
-def _history(checkpoint: Checkpoint, sample_log: str | None) -> History:
-    """The layout history of the checkpoint's run (its --save directory and layout log)."""
-    directory = checkpoint.directory
-    save_dir = directory.parent if CHECKPOINT_DIR.match(directory.name) else directory
-
-    def load(path: Any) -> dict[str, Any]:
-        try:
-            return load_common_state(path)
-        except CheckpointUnreadable as exc:
-            raise ConfigError(
-                f"{exc}. The lookup reads every checkpoint of the run for its layout history; "
-                "pass --data-parallel-size/--micro-batch-size to answer without it"
-            ) from None
-
-    return read_history(save_dir, sample_log, load)
-
-
 def emit_blocklist(
     session: Session, index: TrainIndex, documents: set[tuple[int, str, int]]
 ) -> None:
     """Write ``documents`` ((blend member, dataset path, document)) to ``--emit-blocklist``."""
-    decode, target = session.decode, session.options.emit_blocklist
+    tokenizer, target = session.tokenizer, session.options.emit_blocklist
     records = []
     for member, path, document in sorted(documents):
         # Where the document is, a content hash that survives reordering, and its raw record
@@ -405,7 +380,7 @@ def emit_blocklist(
         records.append(
             {"dataset_path": path, "document": document, "num_tokens": len(tokens)}
             | {"token_sha1": token_sha1(tokens), "source": mid.source(document)}
-            | ({} if decode is None else {"text": decode(tokens.tolist())})
+            | ({} if tokenizer is None else {"text": tokenizer.detokenize(tokens.tolist())})
         )
     write_jsonl(target, records)
     note = "each names its raw record (`megatron-ext blocklist apply` removes them)"
