@@ -318,7 +318,7 @@ def render(
     plans: list[dict] | None = None,
     gaps: list[tuple[int, dict]] | None = None,
 ) -> Figure:
-    """The panels' figure (drawn on an Agg canvas; :func:`save_png` writes it); ``gaps``:
+    """The panels' figure (drawn on an Agg canvas; ``savefig`` writes it); ``gaps``:
     the log's gap lines (attempt, gap), iterations whose records a write failure kept out."""
     by_source = any(line.sources.envelopes for line in series)
     recorded = {n for n, _, _ in PANELS if any(line.envelopes[n].recorded for line in series)}
@@ -329,11 +329,13 @@ def render(
     FigureCanvasAgg(figure)
     axes = figure.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
     colours = rcParams["axes.prop_cycle"].by_key()["color"]
-    _draw_plans(list(axes), plans or [])
-    _draw_gaps(list(axes), gaps or [])
-    for axis, (name, panel_title, _) in zip(axes, panels):
+    titles = [t for _, t, _ in panels] + ["LM loss by data source"] * by_source
+    for axis, panel_title in zip(axes, titles + [LAYER_PANELS[f] for f in by_layer]):
         axis.set_title(panel_title, loc="left", fontsize=10)
         axis.grid(True, alpha=0.3)
+    _draw_plans(list(axes), plans or [])
+    _draw_gaps(list(axes), gaps or [])
+    for axis, (name, _, _) in zip(axes, panels):
         if name not in recorded:
             _not_recorded(axis)
         _draw_panel(axis, name, series, colours)
@@ -356,8 +358,6 @@ def render(
 
 def _draw_sources(axis, lines: list, colours: list[str]) -> None:
     """The panel: each member of each line, stage changes as dash-dotted lines."""
-    axis.set_title("LM loss by data source", loc="left", fontsize=10)
-    axis.grid(True, alpha=0.3)
     drawn = False
     for index, line in enumerate(lines):
         for number, (name, envelope) in enumerate(sorted(line.sources.envelopes.items())):
@@ -384,8 +384,6 @@ def _draw_sources(axis, lines: list, colours: list[str]) -> None:
 
 def _draw_layers(axis, name: str, lines: list[Series]) -> None:
     """One per-layer panel: a line per layer entry, coloured by depth (viridis)."""
-    axis.set_title(LAYER_PANELS[name], loc="left", fontsize=10)
-    axis.grid(True, alpha=0.3)
     cmap = colormaps["viridis"]
     for line in lines:
         layers = sorted(line.layers.get(name, {}).items(), key=lambda item: layer_order(item[0]))
@@ -398,11 +396,6 @@ def _draw_layers(axis, name: str, lines: list[Series]) -> None:
             axis.plot(xs, ys, color=colour, linewidth=0.9, label=label)
     log_axis(axis, [e for line in lines for e in line.layers.get(name, {}).values()])
     axis.legend(loc="upper right", fontsize=7, ncols=2)
-
-
-def save_png(figure: Figure, out: Path) -> None:
-    """Write ``figure`` atomically (the plot is often re-run while someone has it open)."""
-    atomic_write(out, lambda stream: figure.savefig(stream, format="png"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -421,13 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     plans = read_incidents(ckpt_dir) if ckpt_dir else []
     default_out = path.with_suffix(".png") if options.signals else path.parent / SIGNALS_PLOT_FILE
     out = Path(options.out) if options.out else default_out
-    if not path.is_file():
-        print(
-            f"megatron-ext plot: {path} not found (was the run started with --signals-dir?)",
-            file=sys.stderr,
-        )
-        return 1
     try:
+        if not path.is_file():
+            raise ValueError(f"{path} not found (was the run started with --signals-dir?)")
         series, stats = build_series(path, options.attempts, config, ledger, flags_given(options))
         if not stats.records:
             raise ValueError(f"{path} holds no signals records (did the run reach iteration 1?)")
@@ -438,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{path}  |  {stats.records} records, attempts {sorted(stats.attempts)}, "
         f"iterations {stats.first}-{stats.last}"
     )
-    save_png(render(series, title, plans, stats.gaps), out)
+    figure = render(series, title, plans, stats.gaps)  # atomically: someone may have it open
+    atomic_write(out, lambda stream: figure.savefig(stream, format="png"))
     tracked = [e for s in series if s.source == "ledger" for e in s.candidates]
     candidates = [e for s in series if s.source == "replay" for e in s.candidates]
     print(

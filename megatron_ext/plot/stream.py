@@ -26,6 +26,7 @@ from megatron_ext.common.records.signals import (
     OrderError,
     Segment,
     SignalsLog,
+    SourceColumns,
     parse_block,
     report,
 )
@@ -43,7 +44,6 @@ class Envelope:
     def __init__(self, start: int, width: int) -> None:
         self.start, self.width = start, width
         self.recorded = 0  # points with a value (finite or not)
-        self._bins: list[np.ndarray] = []
         self._xs: list[np.ndarray] = []  # (columns, 4): first, min, max, last
         self._ys: list[np.ndarray] = []
         self._bad: list[np.ndarray] = []  # first non-finite iteration per column
@@ -55,17 +55,19 @@ class Envelope:
         finite = np.isfinite(y)
         if not finite.all():
             self._bad.append(self.firsts(x[~finite]))
-            x, y = x[finite], y[finite]
-        if not len(x):
-            return
+        if finite.any():
+            xs, ys = self._m4(x[finite], y[finite])
+            self._xs.append(xs)
+            self._ys.append(ys)
+
+    def _m4(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per column of points ``x`` (increasing): its first, lowest, highest and last point."""
         bins = (x - self.start) // self.width
         starts = np.flatnonzero(np.r_[True, bins[1:] != bins[:-1]])
         ends = np.r_[starts[1:], len(x)] - 1
         order = np.lexsort((y, bins))  # bins are sorted: each column keeps its index range
         index = np.stack([starts, order[starts], order[ends], ends], axis=1)
-        self._bins.append(bins[starts])
-        self._xs.append(x[index])
-        self._ys.append(y[index])
+        return x[index], y[index]
 
     def finite_min(self) -> float | None:
         """The lowest finite value (kept exactly: it is some column's minimum)."""
@@ -87,62 +89,56 @@ class Envelope:
         return x[np.r_[True, bins[1:] != bins[:-1]]]
 
     def points(self) -> tuple[np.ndarray, np.ndarray]:
-        """The line to draw: x and y in order, NaN where a non-finite value breaks it."""
-        columns: dict[int, list[tuple[int, float]]] = {}
-        if self._bins:
-            bins = np.concatenate(self._bins).tolist()
-            xs, ys = np.concatenate(self._xs).tolist(), np.concatenate(self._ys).tolist()
-            for column, x, y in zip(bins, xs, ys):
-                points = list(zip(x, y))
-                if column in columns:  # a column split over two blocks
-                    kept = columns[column]
-                    both = [*points[1:3], *kept[1:3]]
-                    low, high = min(both, key=lambda p: p[1]), max(both, key=lambda p: p[1])
-                    points = [kept[0], low, high, points[3]]
-                columns[column] = points
-        for x in self.bad().tolist():
-            columns.setdefault((x - self.start) // self.width, []).append((x, math.nan))
-        line: dict[int, float] = {}  # columns hold disjoint, increasing iterations
-        for column in sorted(columns):
-            for x, y in sorted(columns[column], key=lambda p: p[0]):
-                line.setdefault(x, y)
-        if not line:
-            return np.array([], dtype=np.int64), np.array([], dtype=np.float64)
-        return np.array(list(line)), np.array(list(line.values()))
+        """The line to draw: x and y in order, NaN where a non-finite value breaks it (a
+        column split over two blocks: the M4 of both parts' points)."""
+        x, y = np.array([], dtype=np.int64), np.array([], dtype=np.float64)
+        if self._xs:
+            x, y = np.concatenate(self._xs).ravel(), np.concatenate(self._ys).ravel()
+            order = np.argsort(x, kind="stable")
+            x, y = (a.ravel() for a in self._m4(x[order], y[order]))
+        bad = self.bad()
+        x, first = np.unique(np.r_[x, bad], return_index=True)
+        return x, np.r_[y, np.full(len(bad), np.nan)][first]
 
 
 STAGE_SHIFT = 0.1  # half the L1 distance of two mixtures' token shares that is a new stage
+
+
+def _members(
+    envelopes: dict[str, Envelope],
+    like: Envelope,
+    x: np.ndarray,
+    names: list[str],
+    values: np.ndarray,
+    present: np.ndarray,
+) -> None:
+    """Each member's points (columns of ``values``) into its envelope, one like ``like``."""
+    for index, name in enumerate(names):
+        if present[:, index].any():
+            envelope = envelopes.setdefault(name, Envelope(like.start, like.width))
+            envelope.add(x, values[:, index], present[:, index])
 
 
 @dataclass
 class SourceLines:
     """A line's per-member envelopes and, per piece (attempt), the tokens of each member."""
 
-    start: int
-    width: int
     envelopes: dict[str, Envelope] = field(default_factory=dict)
     mixtures: dict[int, dict[str, int]] = field(default_factory=dict)  # attempt -> tokens
 
-    def add(self, block: Block, rows: np.ndarray) -> None:
-        sources = block.sources
-        if sources is None:
-            return
-        iterations = block.values["iteration"][rows]
-        attempts = block.values["attempt"][rows]
-        has_tokens, tokens = sources.has_tokens[rows], sources.tokens[rows]
+    def add(
+        self, sources: SourceColumns, attempts: np.ndarray, x: np.ndarray, like: Envelope
+    ) -> None:
+        """The rows' members (``sources``, ``attempts``: of the rows) at iterations ``x``."""
         for attempt in np.unique(attempts).tolist():
             mine = attempts == attempt
-            totals = np.where(has_tokens[mine], tokens[mine], 0).sum(axis=0).tolist()
-            named = has_tokens[mine].any(axis=0).tolist()
+            has_tokens = sources.has_tokens[mine]
+            totals = np.where(has_tokens, sources.tokens[mine], 0).sum(axis=0).tolist()
             mixture = self.mixtures.setdefault(attempt, {})
-            for name, total, seen in zip(sources.names, totals, named):
+            for name, total, seen in zip(sources.names, totals, has_tokens.any(axis=0).tolist()):
                 if seen:
                     mixture[name] = mixture.get(name, 0) + total
-        for index, name in enumerate(sources.names):
-            has = sources.has_loss[rows, index]
-            if has.any():
-                envelope = self.envelopes.setdefault(name, Envelope(self.start, self.width))
-                envelope.add(iterations, sources.losses[rows, index], has)
+        _members(self.envelopes, like, x, sources.names, sources.losses, sources.has_loss)
 
 
 def stage_changes(
@@ -223,18 +219,6 @@ def _ledger_events(ledger: Ledger, attempt: int) -> list[SpikeEvent]:
     ]
 
 
-def final_timeline(segments: list[Segment]) -> list[tuple[int, int, int]]:
-    """(attempt, first, last) pieces of what the run finally trained, in iteration order."""
-    pieces: list[tuple[int, int, int]] = []
-    bound = math.inf  # the first iteration a later attempt restarted at
-    for segment in reversed(segments):
-        top = min(bound - 1, segment.last_iteration)
-        if top >= segment.first_iteration:
-            pieces.append((segment.attempt, segment.first_iteration, top))
-        bound = min(bound, segment.first_iteration)
-    return pieces[::-1]
-
-
 def choose(attempts: str, present: list[int]) -> list[int] | None:
     """The attempts ``--attempts`` asks for (None: ``latest``); ValueError on a bad spec."""
     if attempts == "latest":
@@ -270,11 +254,11 @@ def plan_series(
     def new(label: str, pieces: list[tuple[int, int, int]], tracked: bool) -> Series:
         envelopes = {name: Envelope(start, width) for name in PANEL_FIELDS}
         source = "ledger" if tracked and not replay else "replay"
-        return Series(label, pieces, envelopes, SourceLines(start, width), source=source)
+        return Series(label, pieces, envelopes, SourceLines(), source=source)
 
     chosen = choose(attempts, sorted({s.attempt for s in segments}))
     if chosen is None:
-        pieces = final_timeline(segments)
+        pieces = [(s.attempt, s.first_iteration, top) for s, top in log.timeline()]
         line = new("latest per iteration", pieces, pieces[-1][0] in ledger.configs)
         if line.source == "ledger":
             line.candidates = [e for a in sorted(ledger.configs) for e in _ledger_events(ledger, a)]
@@ -298,15 +282,12 @@ def plan_series(
 def _feed(line: Series, block: Block, rows: np.ndarray, wanted: np.ndarray) -> None:
     it = block.values["iteration"][rows]
     line.records += len(rows)
-    line.sources.add(block, rows)
     lm_loss = line.envelopes["lm_loss"]
+    if block.sources is not None:
+        line.sources.add(block.sources.take(rows), block.values["attempt"][rows], it, lm_loss)
     for name, columns in block.dicts.items():
-        envelopes = line.layers.setdefault(name, {})
-        for index, layer in enumerate(columns.names):
-            present = columns.present[rows, index]
-            if present.any():
-                envelope = envelopes.setdefault(layer, Envelope(lm_loss.start, lm_loss.width))
-                envelope.add(it, columns.values[rows, index], present)
+        layers = line.layers.setdefault(name, {})
+        _members(layers, lm_loss, it, columns.names, columns.values[rows], columns.present[rows])
     for name, envelope in line.envelopes.items():
         envelope.add(it, block.values[name][rows], block.present[name][rows])
     skipped = it[block.values["update_skipped"][rows]]

@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import numpy as np
 
@@ -45,8 +45,7 @@ class SignalRecord:
     max_loss_dp_rank: int | None = None
     grad_norm: float | None = None  # pre-clip, as Megatron computes it
     bucket_grad_norms: dict[str, float] = field(default_factory=dict)
-    # Per blend member (its --data-path prefix, the basename when unambiguous): the
-    # token-weighted pure-CE loss of its samples in this global batch, and its loss tokens.
+    # Per blend member: its samples' token-weighted pure-CE loss and loss tokens (docs/signals.md).
     lm_loss_by_dataset: dict[str, float] = field(default_factory=dict)
     tokens_by_dataset: dict[str, int] = field(default_factory=dict)
     params_norm: float | None = None
@@ -57,25 +56,21 @@ class SignalRecord:
     max_attention_logit: float | None = None
     skipped_iter: bool = False  # the optimizer skipped the update (inf/NaN grads)
     nan_iter: bool = False
-    # Appended later (older logs lack them): mean log Z of the output softmax
-    # (--log-output-z); whether --spike-skip-update withheld this step's update.
+    # Appended later (older logs lack them): --log-output-z, --spike-skip-update.
     log_z: float | None = None
     update_skipped: bool = False
-    # --log-layer-norms: per layer entry (global names, docs/signals.md), the gradient, weight
-    # and (with --signals-update-ratio) update L2 norms.
+    # --log-layer-norms: per layer entry, the gradient, weight and update L2 norms.
     layer_grad_norms: dict[str, float] = field(default_factory=dict)
     layer_param_norms: dict[str, float] = field(default_factory=dict)
     layer_update_norms: dict[str, float] = field(default_factory=dict)
-    # Stragglers (--signals-dir): the step's slowest rank by busy time (first to last training
-    # forward) against its DP peers' median, in seconds; the rank (and its node) named once it
-    # stayed over --straggler-factor x the median for --straggler-steps steps.
+    # Stragglers: the step's slowest rank by busy time against its DP peers' median (seconds);
+    # the rank and node named once over --straggler-factor x median for --straggler-steps.
     slowest_rank: int | None = None
     slowest_step_time: float | None = None
     median_step_time: float | None = None
     straggler_rank: int | None = None
     straggler_node: str | None = None
-    # --recovery-iters, inside the window after a rollback's resume: the update's number,
-    # its lr factor and, with --recovery-clip-update, update_norm, clip_threshold, clip_scale.
+    # --recovery-iters, after a rollback's resume: update number, lr factor, clip (docs/signals.md).
     recovery: dict[str, float] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
@@ -198,18 +193,45 @@ _SMALL = 32  # lines: a piece pyarrow refuses is read line by line from this siz
 
 
 @dataclass
-class SourceColumns:
+class MemberColumns:
+    """An object field's members as (rows, names) arrays, one per later field; :attr:`FILLS`:
+    each array's value where a row does not name the member."""
+
+    names: list[str]  # in order of first appearance
+    FILLS: ClassVar[tuple] = ()
+
+    def arrays(self) -> list[np.ndarray]:
+        return [getattr(self, f.name) for f in fields(self)[1:]]
+
+    def take(self, rows: np.ndarray) -> Self:
+        return type(self)(self.names, *(a[rows] for a in self.arrays()))
+
+    @classmethod
+    def concat(cls, parts: list[tuple[Self | None, int]]) -> Self:
+        """Blocks' columns one after the other (each with its row count; None: no member),
+        over the union of their names."""
+        names = list(dict.fromkeys(n for c, _ in parts if c is not None for n in c.names))
+        out = [np.full((sum(n for _, n in parts), len(names)), fill) for fill in cls.FILLS]
+        row = 0
+        for columns, count in parts:
+            if columns is not None:
+                index = [names.index(n) for n in columns.names]
+                for array, values in zip(out, columns.arrays()):
+                    array[row : row + count, index] = values
+            row += count
+        return cls(names, *out)
+
+
+@dataclass
+class SourceColumns(MemberColumns):
     """Each member's loss and tokens, a row per record (``has_*``: False where a record does
     not name the member, or names it with null)."""
 
-    names: list[str]  # in order of first appearance
     losses: np.ndarray  # (rows, members) float64
     has_loss: np.ndarray  # (rows, members) bool
     tokens: np.ndarray  # (rows, members) int64
     has_tokens: np.ndarray  # (rows, members) bool
-
-    def take(self, rows: np.ndarray) -> SourceColumns:
-        return SourceColumns(self.names, *(a[rows] for a in self.arrays()))
+    FILLS: ClassVar[tuple] = (math.nan, False, 0, False)
 
     def dicts(self, row: int) -> tuple[dict[str, float], dict[str, int]]:
         """Row ``row`` as a record holds it: (lm_loss_by_dataset, tokens_by_dataset)."""
@@ -220,56 +242,15 @@ class SourceColumns:
             {n: v for n, v, h in zip(self.names, tokens, has_tokens) if h},
         )
 
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        return self.losses, self.has_loss, self.tokens, self.has_tokens
-
-
-_SOURCE_FILLS = (math.nan, False, 0, False)  # an absent member: SourceColumns.arrays()
-
-
-def _spread(
-    parts: list[tuple[list[str], tuple[np.ndarray, ...]] | None], rows: list[int], fills: tuple
-) -> tuple[list[str], list[np.ndarray]]:
-    """Name-keyed (rows, names) arrays of blocks (``rows`` each; None: no name) one after the
-    other, over the union of their names; a block's absent names get ``fills``."""
-    names = list(dict.fromkeys(n for part in parts if part is not None for n in part[0]))
-    out = [np.full((sum(rows), len(names)), fill) for fill in fills]
-    row = 0
-    for part, count in zip(parts, rows):
-        if part is not None:
-            index = [names.index(n) for n in part[0]]
-            for array, values in zip(out, part[1]):
-                array[row : row + count, index] = values
-        row += count
-    return names, out
-
-
-def concat_sources(parts: list[tuple[SourceColumns | None, int]]) -> SourceColumns | None:
-    """Blocks' columns one after the other (each with its row count; None: no member)."""
-    if all(columns is None for columns, _ in parts):
-        return None
-    named = [(c.names, c.arrays()) if c is not None else None for c, _ in parts]
-    names, arrays = _spread(named, [n for _, n in parts], _SOURCE_FILLS)
-    return SourceColumns(names, *arrays)
-
 
 @dataclass
-class DictColumns:
+class DictColumns(MemberColumns):
     """A float-valued object field (per-layer norms): each name's value per row (``present``:
     False where a record does not name it, or names it with null)."""
 
-    names: list[str]
     values: np.ndarray  # (rows, names) float64
     present: np.ndarray  # (rows, names) bool
-
-    def take(self, rows: np.ndarray) -> DictColumns:
-        return DictColumns(self.names, self.values[rows], self.present[rows])
-
-    @staticmethod
-    def concat(parts: list[tuple[DictColumns | None, int]]) -> DictColumns:
-        named = [(c.names, (c.values, c.present)) if c is not None else None for c, _ in parts]
-        names, (values, present) = _spread(named, [n for _, n in parts], (math.nan, False))
-        return DictColumns(names, values, present)
+    FILLS: ClassVar[tuple] = (math.nan, False)
 
 
 @dataclass
@@ -304,8 +285,9 @@ class Block:
         out = Block(
             {k: np.concatenate([b.values[k] for b in blocks]) for k in blocks[0].values},
             {k: np.concatenate([b.present[k] for b in blocks]) for k in blocks[0].present},
-            sources=concat_sources([(b.sources, len(b)) for b in blocks]),
         )
+        if any(b.sources is not None for b in blocks):
+            out.sources = SourceColumns.concat([(b.sources, len(b)) for b in blocks])
         for name in {n for b in blocks for n in b.dicts}:
             out.dicts[name] = DictColumns.concat([(b.dicts.get(name), len(b)) for b in blocks])
         rows = 0
@@ -374,8 +356,12 @@ def _arrow_block(data: bytes, names: Collection[str], sources: bool) -> Block:
             filled = column.cast(pa.float64(), safe=False).fill_null(math.nan)
             block.values[name] = filled.to_numpy(zero_copy_only=False)
     if sources:
-        block.sources = _arrow_sources(table, rows)
-    block.dicts = {n: _dict_columns(table, n, rows) for n in LAYERS if n in names}
+        kinds = {_SOURCES[0]: pa.float64(), _SOURCES[1]: pa.int64()}
+        columns = _arrow_columns(table, SourceColumns, rows, kinds)
+        block.sources = columns if columns.names else None
+    block.dicts = {
+        n: _arrow_columns(table, DictColumns, rows, {n: pa.float64()}) for n in LAYERS if n in names
+    }
     if NON_FINITE in table.column_names:
         _mark_non_finite(block, table[NON_FINITE])
     return block
@@ -402,31 +388,19 @@ def _struct_columns(table: Any, name: str, kind: Any) -> dict[str, tuple[np.ndar
     return out
 
 
-def _dict_columns(table: Any, name: str, rows: int) -> DictColumns:
-    import pyarrow as pa
-
-    members = _struct_columns(table, name, pa.float64())
-    if not members:
-        return DictColumns([], np.zeros((rows, 0)), np.zeros((rows, 0), dtype=bool))
-    values, present = zip(*members.values())
-    return DictColumns(list(members), np.stack(values, axis=1), np.stack(present, axis=1))
-
-
-def _arrow_sources(table: Any, rows: int) -> SourceColumns | None:
-    import pyarrow as pa
-
-    losses = _struct_columns(table, _SOURCES[0], pa.float64())
-    tokens = _struct_columns(table, _SOURCES[1], pa.int64())
-    names = list(dict.fromkeys([*losses, *tokens]))
-    if not names:
-        return None
-    columns = SourceColumns(names, *(np.full((rows, len(names)), f) for f in _SOURCE_FILLS))
-    for k, name in enumerate(names):
-        if name in losses:
-            columns.losses[:, k], columns.has_loss[:, k] = losses[name]
-        if name in tokens:
-            columns.tokens[:, k], columns.has_tokens[:, k] = tokens[name]
-    return columns
+def _arrow_columns[C: MemberColumns](
+    table: Any, cls: type[C], rows: int, kinds: dict[str, Any]
+) -> C:
+    """Object fields (name -> pyarrow type of its members) as ``cls``'s columns, a (values,
+    present) pair per field, over the union of their members."""
+    fields_members = [_struct_columns(table, name, kind) for name, kind in kinds.items()]
+    names = list(dict.fromkeys(m for members in fields_members for m in members))
+    out = [np.full((rows, len(names)), fill) for fill in cls.FILLS]
+    for values, present, members in zip(out[::2], out[1::2], fields_members):
+        for k, name in enumerate(names):
+            if name in members:
+                values[:, k], present[:, k] = members[name]
+    return cls(names, *out)
 
 
 def _mark_non_finite(block: Block, marks: Any) -> None:
@@ -465,14 +439,6 @@ def _mark(names: list[str], values: np.ndarray, present: np.ndarray, row: int, m
             values[row, k], present[row, k] = value, True
 
 
-def _empty_block(names: Collection[str]) -> Block:
-    kinds = {n: np.int64 if n in INTEGERS else bool if n in BOOLEANS else np.float64 for n in names}
-    return Block(
-        {n: np.empty(0, dtype=kinds[n]) for n in _ORDER if n in names},
-        {n: np.empty(0, dtype=bool) for n in _ORDER if n in names},
-    )
-
-
 def _json_block(data: bytes, offset: int, names: Collection[str], sources: bool) -> Block:
     """A piece read line by line with ``json.loads``, as a full read reads it: torn and
     foreign lines reported by byte offset, gap lines kept with the row they precede."""
@@ -495,8 +461,8 @@ def _json_block(data: bytes, offset: int, names: Collection[str], sources: bool)
     # The records in the writer's format: pyarrow reads them, or the values are not a
     # record's (a string or a null where a number must be).
     lines = "".join(json.dumps(r.as_json(), separators=(",", ":")) + "\n" for r in records)
-    try:
-        block = _arrow_block(lines.encode(), names, sources) if records else _empty_block(names)
+    try:  # no record: an empty line, which pyarrow reads as no rows
+        block = _arrow_block(lines.encode() or b"\n", names, sources)
     except (_NotArrow, TypeError, ValueError) as exc:
         raise ValueError(
             f"a signals record at bytes {offset}-{offset + len(data)} holds a value of the "
@@ -530,8 +496,6 @@ def parse_block(
     :data:`COLUMNS`; the iteration and attempt always), in line order; ``sources``: also the
     per-source fields (:attr:`Block.sources`)."""
     names = {"iteration", "attempt", *names}
-    if not data.strip():
-        return _empty_block(names)
     return Block.concat(list(_pieces(data, offset, names, sources)))
 
 
@@ -598,9 +562,6 @@ class KeyedLines:
         return self
 
     def __exit__(self, *_: object) -> None:
-        self.close()
-
-    def close(self) -> None:
         os.close(self._fd)
 
     @staticmethod
@@ -764,17 +725,29 @@ class SignalsLog(KeyedLines):
         report(self.path, problems)
         return out
 
-    def history(self, attempt: int, before: int, count: int) -> list[SignalRecord]:
-        """The last ``count`` iterations (oldest first) that an attempt starting at
-        iteration ``before`` continued from: for each iteration, the latest earlier attempt
-        that logged it, never one past a later attempt's restart."""
-        out: list[SignalRecord] = []
-        problems: list[str] = []
-        bound = before
+    def timeline(
+        self, attempt: int = sys.maxsize, before: int = sys.maxsize
+    ) -> list[tuple[Segment, int]]:
+        """What an attempt starting at iteration ``before`` continued from (default: what the run
+        finally trained): each earlier attempt's segment and its last iteration before a later
+        attempt restarted, in file order."""
+        pieces = []
+        bound = before  # the first iteration a later attempt restarted at
         for segment in reversed([s for s in self.segments() if s.attempt < attempt]):
             top = min(bound - 1, segment.last_iteration)
+            if top >= segment.first_iteration:
+                pieces.append((segment, top))
+            bound = min(bound, segment.first_iteration)
+        return pieces[::-1]
+
+    def history(self, attempt: int, before: int, count: int) -> list[SignalRecord]:
+        """The last ``count`` iterations (oldest first) of :meth:`timeline`: for each iteration,
+        the latest earlier attempt that logged it."""
+        out: list[SignalRecord] = []
+        problems: list[str] = []
+        for segment, top in reversed(self.timeline(attempt, before)):
             span = count - len(out)
-            while span > 0 and top >= segment.first_iteration:
+            while span > 0:
                 low = max(segment.first_iteration, top - span + 1)
                 got = self.records(segment, low, top, problems)
                 if len(got) >= count - len(out) or low == segment.first_iteration:
@@ -783,7 +756,6 @@ class SignalsLog(KeyedLines):
                 span *= 2  # holes in the stretch: look further back
             if len(out) >= count:
                 break
-            bound = min(bound, segment.first_iteration)
         report(self.path, problems)
         return out
 
@@ -851,17 +823,16 @@ def next_attempt(path: Path) -> int:
         return 1
     try:
         with SignalsLog(path) as log:
-            segments = log.segments()
-            if segments:  # a line appended after the last record is named, as a full read did
-                problems: list[str] = []
-                last = segments[-1]
-                log.records(last, last.last_iteration, last.last_iteration, problems)
-                report(path, problems)
-            attempts = [segment.attempt for segment in segments]
+            if not log.segments():
+                return 1
+            last = log.segments()[-1]  # the latest attempt: attempts increase down the file
+            problems: list[str] = []  # a line appended after the last record is named
+            log.records(last, last.last_iteration, last.last_iteration, problems)
+            report(path, problems)
+            return last.attempt + 1
     except OrderError as exc:
         warnings.warn(f"{exc}; reading the whole log for its attempts", stacklevel=2)
-        attempts = [record.attempt for record in read_signals(path)]
-    return max(attempts, default=0) + 1
+        return max((record.attempt for record in read_signals(path)), default=0) + 1
 
 
 class SignalsWriter:
