@@ -1,12 +1,7 @@
-"""Streaming loss-spike detector over the per-step signals (no Megatron imports).
-
-Rolling median/MAD baselines of the loss, of the worst DP rank's excess over the DP average,
-of the grad norm and (blends) of each member's own loss, learned on healthy iterations only; a
-large jump flags alone, a moderate one when corroborated; a flag starts an incident that
-recovers or, after ``patience`` iterations, asks for a rollback. The rules and why:
-docs/incidents.md "Spike detector", chosen on real curves (BENCHMARKS.md "detector"). The
-per-step cost is a bisect into fixed-size sorted windows; a MAD is only computed when a value
-is already above its relative threshold.
+"""Streaming loss-spike detector over the per-step signals (no Megatron imports): rolling
+median/MAD baselines learned on healthy iterations; a large jump flags alone, a moderate one
+when corroborated (rules: docs/incidents.md "Spike detector"). Per step: a bisect into sorted
+windows; a MAD only where a value is already above its relative threshold.
 """
 
 from __future__ import annotations

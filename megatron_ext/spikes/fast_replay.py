@@ -1,14 +1,8 @@
 """The spike detector replayed over a long log without a Python call per quiet record
 (``megatron-ext plot``): exactly the events of :func:`~megatron_ext.spikes.detector.replay`.
-
-A record is *quiet* when the arrays show it changes nothing but the baselines: finite, no skip
-of any kind, not a blend record, the same fields recorded as the previous one, and below the
-rising tests (a bound by the window's minimum first, the median only where it does not
-decide). Records go live through ``observe`` until ``R = max(window, context)`` learned ones in
-a row make the detector's windows those records' values; then quiet records are skipped, and
-at the next loud one the detector takes the stretch's last ``R`` through its own ``_read`` and
-``_learn``. The first skip is done both ways and the states compared: a detector whose quiet
-path does more stays live to the end. No Megatron imports.
+Quiet records (the arrays show they only feed the baselines) are skipped once ``R`` learned
+ones in a row fill the windows; the first skip is checked against a live twin. How and why:
+docs/signals.md "The plot". No Megatron imports.
 """
 
 from __future__ import annotations
@@ -46,15 +40,6 @@ def _windows(tail: np.ndarray, values: np.ndarray, size: int) -> np.ndarray:
     where the stream had fewer)."""
     padded = np.concatenate([np.full(max(0, size - len(tail)), np.nan), tail[-size:], values])
     return sliding_window_view(padded, size)[: len(values)]
-
-
-def _median(windows: np.ndarray) -> np.ndarray:
-    """Each row's median as :meth:`RollingWindow.median` computes it (bit for bit)."""
-    size = windows.shape[1]
-    parts = np.partition(windows, [size // 2 - 1, size // 2] if size % 2 == 0 else size // 2)
-    if size % 2:
-        return parts[:, size // 2]
-    return 0.5 * (parts[:, size // 2 - 1] + parts[:, size // 2])
 
 
 class FastReplay:
@@ -221,7 +206,7 @@ class FastReplay:
             certain = (low >= 0) & (loss[rows] <= low + low * rel)
         median = low.copy()  # where certain: a lower bound, enough for the excess test too
         unsure = np.flatnonzero(~certain & np.isfinite(low))
-        median[unsure] = _median(windows[rows[unsure]])
+        median[unsure] = np.median(windows[rows[unsure]], axis=1)
         with np.errstate(invalid="ignore"):
             fine = certain | (loss[rows] <= median + np.abs(median) * rel)
         # The worst rank's excess, against its last `window` values (none yet: not judged).
@@ -237,11 +222,11 @@ class FastReplay:
                 x_fine = excess[rows][full] <= windows_x.min(axis=1) + margin
             unsure = np.flatnonzero(~x_fine)
             if len(unsure):
-                exact = _median(windows[rows[full[unsure]]])
+                exact = np.median(windows[rows[full[unsure]]], axis=1)
                 with np.errstate(invalid="ignore"):
                     x_fine[unsure] = (
                         excess[rows][full][unsure]
-                        <= _median(windows_x[unsure]) + np.abs(exact) * rel
+                        <= np.median(windows_x[unsure], axis=1) + np.abs(exact) * rel
                     )
             fine[full] &= x_fine
         below = np.zeros(len(loss), dtype=bool)

@@ -1,12 +1,6 @@
-"""Early warning: divergence precursors in the signals, before the loss moves (no Megatron
-imports).
-
-Per signal (log grad norm, log max attention logit, log Z), the median ``m`` of the last
-``recent`` values is compared with a reference over the ``horizon`` before them, chosen among
-the points the loss has not improved on since (learning itself grows these signals); ``m``
-``rise`` past it for ``persist`` steps with a rank trend ≥ ``trend`` warns: a ledger
-``warning`` and a console line, never a rollback. One warning per episode; re-armed once back
-within half the rise. Rule and reasons: docs/instabilities.md "Early warning".
+"""Early warning: divergence precursors in the signals before the loss moves (no Megatron
+imports): a ledger ``warning`` and a console line, never a rollback. One warning per episode,
+re-armed once back within half the rise. Rule and reasons: docs/instabilities.md "Early warning".
 """
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ class TelemetryFeature(Feature):
             for reduction, slots in zip(self.reductions, self.pending):
                 dist.all_reduce(slots, group=reduction.group)
         if self.args.signals_update_ratio:
-            self.snapshot = snapshot(self._params())
+            self.snapshot = snapshot(params_by_group(optimizer.chained_optimizers, _counted))
             if self.args.log_layer_norms and self.normer is not None:
                 self.layer_snapshot = self.normer.snapshot()
 
@@ -290,10 +290,6 @@ class TelemetryFeature(Feature):
                 slots[offset : offset + count] = local[first : first + count]
             out.append(slots)
         return out
-
-    def _params(self) -> list[tuple[Any, list[torch.Tensor]]]:
-        """This rank's counted optimizer parameters per grad-stats group."""
-        return params_by_group(self.optimizer.chained_optimizers, _counted)
 
     def on_loss(self, inputs: LossInputs) -> dict[str, Any]:
         """Accumulate this rank's token-summed lm loss (pure CE, as ``lm loss``; no sync)."""
@@ -346,9 +342,10 @@ class TelemetryFeature(Feature):
         if self.layer_snapshot is not None and self.normer is not None:
             local = self.normer.update_squares(self.layer_snapshot)
             riders = [(r.group, s) for r, s in zip(self.reductions, self._slots(local))]
-        ratio = (
-            None if self.snapshot is None else update_ratio(self._params(), self.snapshot, riders)
-        )
+        ratio = None
+        if self.snapshot is not None:
+            sets = params_by_group(self.optimizer.chained_optimizers, _counted)
+            ratio = update_ratio(sets, self.snapshot, riders)
         self.snapshot = self.layer_snapshot = None
         values = [v for _, slots in riders for v in slots.tolist()]
         updates = roots(split_slots(names, values)[1]) if riders else {}

@@ -22,7 +22,6 @@ class AttentionLogitFeature(Feature):
 
     def __init__(self) -> None:
         self.step_max: torch.Tensor | None = None  # this rank's max since the last step
-        self.causal: Any = None  # Megatron's AttnMaskType.causal, looked up on first use
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -71,20 +70,14 @@ class AttentionLogitFeature(Feature):
         if softmax.scale is not None:
             scores = scores * softmax.scale
         sq, sk = scores.shape[-2:]
-        if mask is None and softmax.attn_mask_type == self._causal() and sq > 1:
+        causal = softmax.attn_mask_type.name == "causal"  # AttnMaskType, by name: no import
+        if mask is None and causal and sq > 1:
             # Megatron's default causal mask (the future of each query), on the scores' device.
             mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
         if mask is not None:
             scores = scores.float().masked_fill(mask.to(scores.device), -torch.inf)
         peak = scores.amax().float().reshape(1)
         self.step_max = peak if self.step_max is None else torch.maximum(self.step_max, peak)
-
-    def _causal(self) -> Any:
-        if self.causal is None:  # imported late: this module loads without Megatron
-            from megatron.core.transformer.enums import AttnMaskType
-
-            self.causal = AttnMaskType.causal
-        return self.causal
 
     def after_step(self, record: StepRecord) -> None:
         """Every rank: the max over every rank's layers and micro-batches."""

@@ -288,17 +288,17 @@ def assign_slots(
     (prefixed ``pp<stage>.`` when pipelined, ``ep<rank>.`` for experts) and where this rank's
     dense and expert buckets (in :func:`bucket_views` order, dense first) go in it; then,
     with ``layers``, every owner's layer slots (global names, :func:`.layers.slot_names`)."""
-    reductions: list[Reduction] = []
+    reductions: dict[Any, Reduction] = {}  # by group (process groups compare by identity)
     local = {k: [v.name for v in vs] for k, vs in views.items()}
     first_local = _place(reductions, local, groups, stage, expert_rank, staged, 0)
     if layers is not None:
         named = {k: slot_names(layers.get(k, [])) for k in views}
         _place(reductions, named, groups, stage, expert_rank, None, first_local)
-    return reductions
+    return list(reductions.values())
 
 
 def _place(
-    reductions: list[Reduction],
+    reductions: dict[Any, Reduction],
     local: dict[bool, list[str]],
     groups: dict[bool, Any],
     stage: int,
@@ -313,10 +313,7 @@ def _place(
         label = f"pp{stage}." if staged else ""
         label += f"ep{expert_rank}." if expert and staged is not None else ""
         names, offset = gather_slots(local[expert], owner, label, groups[expert])
-        reduction = next((r for r in reductions if r.group is groups[expert]), None)
-        if reduction is None:
-            reduction = Reduction(groups[expert], [], [])
-            reductions.append(reduction)
+        reduction = reductions.setdefault(groups[expert], Reduction(groups[expert], [], []))
         count = len(local[expert])
         reduction.parts.append((first_local, count, len(reduction.names) + offset))
         reduction.names += names
@@ -329,13 +326,8 @@ def params_by_group(
 ) -> list[tuple[Any, list[torch.Tensor]]]:
     """This rank's counted optimizer (main) parameters per grad-stats group;
     ``counted(param, optimizer_part)`` is Megatron's grad-norm filter."""
-    sets: list[tuple[Any, list[torch.Tensor]]] = []
+    sets: dict[Any, list[torch.Tensor]] = {}  # by group, as in assign_slots
     for opt in optimizers:
-        group = opt.get_grad_stats_parallel_group()
         params = [p for p in opt.get_parameters() if counted(p, opt)]
-        found = next((ps for g, ps in sets if g is group), None)
-        if found is None:
-            sets.append((group, params))
-        else:
-            found.extend(params)
-    return sets
+        sets.setdefault(opt.get_grad_stats_parallel_group(), []).extend(params)
+    return list(sets.items())

@@ -203,18 +203,15 @@ class Stragglers:
         self.watch = watch
         self.nodes = nodes
 
-    def node(self, rank: int) -> str:
-        return self.nodes[rank] if rank < len(self.nodes) else "?"
-
     def observe(self, iteration: int, step: Slowest | None) -> StragglerStep:
         """What one step adds to the signals, TensorBoard and the console."""
         before = self.watch.named
         named, change = self.watch.observe(step)
         out = StragglerStep({"straggler_rank": named})
-        out.fields["straggler_node"] = None if named is None else self.node(named)
+        out.fields["straggler_node"] = None if named is None else self.nodes[named]
         if change == "cleared" and before is not None:
             out.news = (
-                f"iteration {iteration}: rank {before} on {self.node(before)} is no longer slow"
+                f"iteration {iteration}: rank {before} on {self.nodes[before]} is no longer slow"
             )
         if step is None:
             return out
@@ -230,12 +227,12 @@ class Stragglers:
         }
         if change == "named":
             out.news = (
-                f"iteration {iteration}: rank {step.rank} on {self.node(step.rank)} is a "
+                f"iteration {iteration}: rank {step.rank} on {self.nodes[step.rank]} is a "
                 f"straggler: busy {step.seconds:.3f} s per step, {step.ratio:.1f}x its peers' "
                 f"median {step.median:.3f} s, for {self.watch.streak} consecutive steps"
             )
         out.line = (
-            f"slowest rank {step.rank} ({self.node(step.rank)}): busy {step.seconds:.3f} s, "
+            f"slowest rank {step.rank} ({self.nodes[step.rank]}): busy {step.seconds:.3f} s, "
             f"peers' median {step.median:.3f} s"
         )
         return out

@@ -236,10 +236,9 @@ def evaluating_by_dataset(
         )
         try:
             result = original(*args, **kwargs)
-        except BaseException:
-            feature.evaluation = None
-            raise
-        feature.report()
+            feature.report()
+        finally:
+            feature.evaluation = None  # report() took it; or Megatron's evaluation raised
         return result
 
     return evaluate_and_print_results
