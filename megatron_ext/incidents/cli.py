@@ -161,9 +161,8 @@ def _skip_text(plan: Plan, ckpt_dir: Path) -> str:
     persisted = ckpt_dir / SKIPPED_ITERATIONS_FILE
     windows = read_windows(persisted) if persisted.exists() else []
     if plan.skip_window:
-        first, last = plan.skip_window
-        samples = (plan.skip_samples[0], plan.skip_samples[1]) if plan.skip_samples else None
-        windows.append(Window(first, last, samples))
+        samples = plan.skip_samples
+        windows.append(Window(*plan.skip_window, (samples[0], samples[1]) if samples else None))
     return format_windows(windows)
 
 

@@ -74,8 +74,7 @@ class Plan:
     restart_args: list[str]
     summary: str
     tracker_lines: list[str] = field(default_factory=list)
-    # The batch the window was planned at and the samples [first, last] it stands for (None:
-    # the target's args could not be read); a resume places them at its own global batch.
+    # The window's batch and samples [first, last] (None: the target's args were unreadable).
     global_batch_size: int | None = None
     skip_samples: list[int] | None = None
     # Newer candidates that Megatron could not load: [{"checkpoint": N, "problem": "..."}].

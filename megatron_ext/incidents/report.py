@@ -47,6 +47,7 @@ class Report:
     number: int
     diagnosis: Diagnosis
     lookup_command: list[str]
+    blocklist: Path  # where --emit-blocklist writes these documents
     documents: list[dict[str, Any]] = field(default_factory=list)
     lookup_lines: list[str] = field(default_factory=list)
     lookup_error: str | None = None
@@ -69,14 +70,10 @@ class Report:
             f"({first['signal']} at iteration {first['iteration']}: {first['classification']})"
         )
 
-    def _blocklist(self) -> Path:
-        ckpt_dir = self.lookup_command[self.lookup_command.index("--from-checkpoint") + 1]
-        return incident_blocklist(ckpt_dir, self.number)
-
     def blocklist_command(self) -> str:
         """The lookup that writes these documents as a blocklist (``--emit-blocklist``)."""
         command = [a for a in self.lookup_command[3:] if a != "--json"]
-        return " ".join(["megatron-ext", *command, "--emit-blocklist", str(self._blocklist())])
+        return " ".join(["megatron-ext", *command, "--emit-blocklist", str(self.blocklist)])
 
     def apply_command(self) -> str | None:
         """The command that writes the raw shards without these documents' records (None: no
@@ -87,7 +84,7 @@ class Report:
             return None
         common = os.path.commonpath([os.path.dirname(f) for f in files])
         out = Path(common) / f"filtered-incident-{self.number:03d}"
-        return f"megatron-ext blocklist apply --blocklist {self._blocklist()} --out-dir {out}"
+        return f"megatron-ext blocklist apply --blocklist {self.blocklist} --out-dir {out}"
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -233,7 +230,8 @@ def build_report(
         and e.get("attempt") == attempt
         and plan.onset - WARNING_HORIZON <= e.get("iteration", -1) <= plan.onset
     ]
-    report = Report(plan, number, diagnosis, command, warnings=warnings)
+    blocklist = incident_blocklist(ckpt_dir, number)
+    report = Report(plan, number, diagnosis, command, blocklist, warnings=warnings)
     if worst is None:
         report.lookup_error = "not looked up (--no-lookup)"
         return report

@@ -67,9 +67,8 @@ def _check_clip(args: Any) -> None:
 
 def _counted(part: Any) -> list[tuple[torch.Tensor, bool]]:
     """A part's parameters and whether Megatron's grad norm counts them on this rank."""
-    groups = {"tp_group": part.tp_group}
     return [
-        (p, param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, **groups))
+        (p, param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, part.tp_group))
         for p in part.get_parameters()
     ]
 
@@ -196,10 +195,7 @@ class RecoveryFeature(Feature):
         self.stepped = True
         self.mult = lr_multiplier(self.config, self.updates)
         for group in optimizer.param_groups:
-            if torch.is_tensor(group["lr"]):
-                group["lr"].mul_(self.mult)
-            else:
-                group["lr"] = group["lr"] * self.mult
+            group["lr"] *= self.mult  # in place when a tensor
         if self.config.clip_update is not None:
             with torch.no_grad():
                 self.snapshot = [

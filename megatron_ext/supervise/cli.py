@@ -94,7 +94,3 @@ def main(argv: list[str] | None = None) -> int:
         log(scheduler, f"ERROR: {exc}")
         return exc.exit_code
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

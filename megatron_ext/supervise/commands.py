@@ -61,11 +61,10 @@ def training_facts(user_args: list[str]) -> TrainingFacts:
         check_exit_code("--spike-exit-code", known.spike_exit_code)
     except ValueError as exc:
         raise KnobError(str(exc)) from None
-    ledger = known.spike_ledger or (
-        str(Path(known.signals_dir) / SPIKE_LEDGER_FILE) if known.signals_dir else None
-    )
+    signals = known.signals_dir
+    ledger = known.spike_ledger or (signals and Path(signals) / SPIKE_LEDGER_FILE)
     return TrainingFacts(
-        known.signals_dir,
+        signals,
         Path(ledger) if ledger else None,
         known.spike_exit_code,
         known.result_rejected_tracker_filename,

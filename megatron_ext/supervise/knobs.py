@@ -162,8 +162,7 @@ def load(env: Mapping[str, str], scheduler: str, root: Path, cwd: Path) -> Confi
     """Read every knob from ``env`` (defaults above), validate, resolve relative paths."""
     # As bash's ${X:=default}: unset or empty takes the default.
     values = {knob.name: env.get(knob.name) or knob.default(scheduler) for knob in KNOBS}
-    values["CKPT_DIR"] = _absolute(values["CKPT_DIR"].replace("$PWD", str(cwd)), cwd)
-    ckpt = values["CKPT_DIR"]
+    ckpt = values["CKPT_DIR"] = _absolute(values["CKPT_DIR"].replace("$PWD", str(cwd)), cwd)
     values["TRAIN_SCRIPT"] = values["TRAIN_SCRIPT"].replace("$MEGATRON_EXT_ROOT", str(root))
     for name in ("TRACKER_FILE", "LAUNCH_STATE_DIR"):
         values[name] = _absolute(values[name].replace("$CKPT_DIR", ckpt), cwd)
@@ -194,11 +193,9 @@ def _problem(knob: Knob, value: str) -> str | None:
 
 
 def _validate(values: dict[str, str]) -> None:
-    for kinds in (("choice",), ("uint", "words"), ("bool",)):
-        for knob in KNOBS:
-            problem = _problem(knob, values[knob.name]) if knob.kind in kinds else None
-            if problem:
-                raise KnobError(problem)
+    for knob in KNOBS:
+        if problem := _problem(knob, values[knob.name]):
+            raise KnobError(problem)
     if int(values["GPUS_PER_NODE"]) < 1:
         raise KnobError("GPUS_PER_NODE must be at least 1")
     for pair in shlex.split(values["EXTRA_ENV"]):

@@ -27,14 +27,12 @@ class Outcome:
     # Whether the spike ledger gained a rollback request during the attempt; None when the
     # run keeps no ledger (no --signals-dir: a custom MEGATRON_EXT_ON_SPIKE hook decides).
     ledger_confirms: bool | None = None
-    # Who reported each of rank_codes ("rank 1 on n2"), for log lines; may be empty.
-    workers: tuple[str, ...] = ()
-    # How the training said it ended (None: it did not say: a crash, or a script of the
-    # user's own), and the checkpoint tracker before and after the attempt.
+    workers: tuple[str, ...] = ()  # who reported each rank code ("rank 1 on n2"); may be empty
+    # How the training said it ended (None: a crash, or a script of the user's own), and the
+    # checkpoint tracker before and after the attempt.
     ended: AttemptEnd | None = None
     tracker: tuple[int | None, int | None] = (None, None)
-    # The hang watchdog's finding (exit 43): who hung where, and whether the previous
-    # attempt hung at the same iteration and place.
+    # The hang watchdog's finding (exit 43), and whether the previous attempt hung alike.
     hang: str | None = None
     hang_repeats: bool = False
 
@@ -44,10 +42,9 @@ class Outcome:
         return after is not None and (before is None or after > before)
 
     def effective(self) -> int:
-        """The code that matters: 17, then the spike code, then 16, then a hang (the
-        watchdog's 43: its peers' failures follow from it), then a worker killed by SIGKILL,
-        then the first other non-zero code a worker exited with (not a signal death), else
-        the launcher's."""
+        """The code that matters: 17, the spike code, 16, a hang (43: its peers' failures follow)
+        or a SIGKILL (137) that a worker reported, in that order; then a worker's first other
+        non-zero code below 128 (not a signal death); else the launcher's."""
         if self.launcher_rc == 0:
             return 0
         if self.rank_codes and not any(self.rank_codes) and self.launcher_rc < 128:

@@ -1,10 +1,6 @@
-"""The supervisor: run training attempts and act on how each one ended.
-
-Per attempt it builds the command (:mod:`.commands`), runs it with the stop signals forwarded
-(SIGUSR1/TERM/INT/HUP: the training saves and exits), collects what each rank reported, and
-carries out the :mod:`.policy` decision: finish, restart (relaunch here or ``scontrol
-requeue``), roll back (the spike hook, then relaunch) or stop. Log lines go to stderr as
-``[megatron-ext <scheduler>] ...``.
+"""The supervisor: run training attempts, forwarding the stop signals (the training saves and
+exits), and carry out the :mod:`.policy` decision on how each ended: finish, restart (here or
+``scontrol requeue``), roll back (the spike hook, then relaunch) or stop.
 """
 
 from __future__ import annotations
@@ -82,6 +78,8 @@ class Supervisor:
         self.facts: TrainingFacts = commands.training_facts(user_args)
         knobs.resolve_connections(config, user_args)
         self.tracker_file = self.facts.tracker_file or config["TRACKER_FILE"]
+        self.launch_state = Path(config["LAUNCH_STATE_DIR"])
+        self.attempt_end_file = self.launch_state / ATTEMPT_END_FILE
         self.state = State(slurm={k: v for k, v in env.items() if k.startswith("SLURM_")})
         if config.scheduler == "slurm" and not self.state.slurm.get("SLURM_JOB_NODELIST"):
             raise KnobError(
@@ -92,7 +90,6 @@ class Supervisor:
     def say(self, message: str) -> None:
         log(self.config.scheduler, message)
 
-    # -- commands -------------------------------------------------------------------------
     def attempt_tag(self, attempt: int) -> str:
         slurm = self.state.slurm
         return (
@@ -108,24 +105,16 @@ class Supervisor:
         """Where this attempt's hang watchdogs meet and dump (fresh per attempt)."""
         return self.launch_state / "hangs" / self.attempt_tag(attempt)
 
-    @property
-    def launch_state(self) -> Path:
-        return Path(self.config["LAUNCH_STATE_DIR"])
-
-    def attempt_end_file(self) -> Path:
-        return self.launch_state / ATTEMPT_END_FILE
-
     def command(self, attempt: int) -> list[str]:
         config = self.config
         env = commands.training_env(
-            config, self.rc_dir(attempt), self.attempt_end_file(), self.hang_dir(attempt)
+            config, self.rc_dir(attempt), self.attempt_end_file, self.hang_dir(attempt)
         )
         worker = commands.worker_command(config, commands.train_args(config, self.cli_args))
         if config.scheduler == "slurm":
             return commands.slurm_command(config, env, worker, self.state.slurm, attempt)
         return commands.local_command(config, env, worker)
 
-    # -- running one attempt ---------------------------------------------------------------
     def _on_signal(self, number: int, _frame: object) -> None:
         name = signal.Signals(number).name.removeprefix("SIG")
         if self.state.stop_signal is None:
@@ -163,7 +152,7 @@ class Supervisor:
             rc_dir.mkdir(parents=True)
         before = self._rollback_requests()
         shutil.rmtree(self.hang_dir(attempt), ignore_errors=True)
-        self.attempt_end_file().unlink(missing_ok=True)
+        self.attempt_end_file.unlink(missing_ok=True)
         tracker_before = tracker(self.config.ckpt_dir)
         command = self.command(attempt)
         self.say(f"attempt {attempt}: launching training (checkpoints: {self.config.ckpt_dir})")
@@ -190,7 +179,7 @@ class Supervisor:
             self.facts.spike_exit_code,
             None if after is None else after > (before or 0),
             workers,
-            attempt_end.read(self.attempt_end_file()),
+            attempt_end.read(self.attempt_end_file),
             (tracker_before, tracker(self.config.ckpt_dir)),
             *(hang or (None, False)),
         )
@@ -229,7 +218,6 @@ class Supervisor:
             return 0
         return sum(e.get("kind") == "rollback" for e in read_jsonl(ledger, warn=False).records)
 
-    # -- acting on the outcome ------------------------------------------------------------
     def budget(self) -> Budget:
         config = self.config
         restarts = int(self.state.slurm.get("SLURM_RESTART_COUNT") or 0)
