@@ -1,8 +1,5 @@
-"""The Megatron-style args the features are installed on, made from a Bridge ``ConfigContainer``.
-
-Bridge has no Megatron ``args``, so one is made: Megatron's parser with the overlay's group on
-the user's megatron-ext flags, then the fields the features read copied from the
-ConfigContainer; it is also Megatron's global args (``calc_params_l2_norm`` reads them). What
+"""The Megatron-style args the features are installed on (Bridge has none): Megatron's parser
+on the megatron-ext flags, then the fields the features read from the ``ConfigContainer``. What
 cannot work under Bridge is refused here, before anything starts (:class:`BridgeRefusal`).
 """
 
@@ -75,7 +72,7 @@ def refuse_pipeline_p2p(config: Any) -> None:
 
 def megatron_args(config: Any, flags: list[str]) -> Any:
     """Megatron's parser (with the overlay's group) on ``flags``, then the ConfigContainer's
-    fields the features read. Also Megatron's global args."""
+    fields the features read; also Megatron's global args (``calc_params_l2_norm`` reads them)."""
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
 

@@ -1,10 +1,6 @@
 """The checkpoint manager Bridge builds from ``CheckpointConfig.custom_manager_class``: Bridge's
-default manager behind the features' ``on_checkpoint`` (the save veto).
-
-Bridge's ``on_checkpoint_save`` fires after the save, too late to keep a spiking model from
-becoming the rollback target; every save passes the manager first. Bridge builds it from the
-checkpoint config alone, so the features come from the ``CallbackManager``'s ``user_state``.
-Registry assumption ``bridge-checkpoint-manager``.
+default manager behind the features' ``on_checkpoint`` (the save veto; Bridge's
+``on_checkpoint_save`` fires after the save, too late). Registry ``bridge-checkpoint-manager``.
 """
 
 from __future__ import annotations
@@ -23,9 +19,8 @@ SAVED_ARGS = (*WEIGHT_DECAY_ARGS, "untie_embeddings_and_output_weights")
 
 
 def write_layout(save: str, iteration: int, args: Any) -> None:
-    """Rank 0: the world and DP sizes and the overlay's flags a resume is checked against,
-    beside Bridge's files in the checkpoint (its run_config.yaml lacks them;
-    :mod:`megatron_ext.common.bridge_state` reads them)."""
+    """Rank 0: the world and DP sizes and the overlay's flags a resume is checked against, which
+    Bridge's run_config.yaml lacks (:mod:`megatron_ext.common.bridge_state` reads them)."""
     import torch
 
     from megatron_ext.common.files import BRIDGE_LAYOUT_FILE, checkpoint_dir

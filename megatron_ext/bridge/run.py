@@ -1,9 +1,6 @@
-""":func:`pretrain`: Bridge's ``pretrain`` with every megatron-ext feature, in one call.
-
-It starts and ends as ``pretrain_gpt_ext.py`` does (:mod:`megatron_ext.fork.start`): skip
-lists resolved into ``train.iterations_to_skip``, every registry entry (megatron-core's and
-Bridge's) verified and the fixes applied, refusals with the reason, the attempt's end recorded
-for the supervisor, and a refusal ending the rank with its message and code.
+""":func:`pretrain`: Bridge's ``pretrain`` with every megatron-ext feature, in one call. It
+starts and ends as ``pretrain_gpt_ext.py`` does (:mod:`megatron_ext.fork.start`), the skip
+lists resolved into ``train.iterations_to_skip`` and Bridge's registry entries verified too.
 """
 
 from __future__ import annotations
@@ -51,9 +48,8 @@ def final_save(features: FeatureSet, config: Any, manager: Any, context: Any) ->
 
 
 def apply_launcher_flags(config: Any, flags: list[str]) -> None:
-    """The launchers' ``--save``, ``--load`` and ``--exit-signal-handler`` set the same things
-    in Bridge's config (winning over the script's), so the supervisor relaunches a Bridge job
-    as it does ``pretrain_gpt_ext.py``."""
+    """The launchers' ``--save``, ``--load`` and ``--exit-signal-handler`` win over Bridge's
+    config, so the supervisor relaunches a Bridge job as it does ``pretrain_gpt_ext.py``."""
     import argparse
 
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -99,10 +95,9 @@ def pretrain(
     forward_step_func: Callable[..., Any] | None = None,
     callbacks: Any = None,
 ) -> None:
-    """Train ``config`` with Bridge's ``pretrain`` and the features ``flags`` ask for
-    (``--z-loss-coeff 1e-4 --spike-detect ...``). ``forward_step_func``: Bridge's GPT step
-    (default) or one of its form, whose loss partial's first argument is the loss mask;
-    ``callbacks``: the user's own, run before the features' (docs/bridge.md)."""
+    """Train ``config`` with Bridge's ``pretrain`` and the features ``flags`` ask for.
+    ``forward_step_func``: Bridge's GPT step (default) or one of its form, whose loss partial's
+    first argument is the loss mask; ``callbacks``: run before the features' (docs/bridge.md)."""
     from megatron_ext.common.errors import exit_on_error
     from megatron_ext.common.process_exit import ending_children_on_failure
 

@@ -1,9 +1,6 @@
-"""Every touch of Megatron-Bridge internals, in one table, with the Bridge version verified.
-
-The registry's :class:`Patch` / :class:`Assumption`, all verified on megatron-core 0.19.2 (what
-Bridge 0.6.2 runs on). Public mechanisms are declared too, so a renamed one is a start-up
-refusal, not an AttributeError mid-run. :func:`verify_all` refuses an unverified Bridge or a
-moved target.
+"""Every touch of Megatron-Bridge internals (public mechanisms too, so a renamed one is a
+start-up refusal), as the registry's entries verified on megatron-core 0.19.2, Bridge 0.6.2.
+:func:`verify_all` refuses an unverified Bridge or a moved target.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""A Transformer Engine import stand-in shown to exactly one Bridge module.
-
-``megatron.bridge.peft.lora_layers`` imports ``transformer_engine`` unguarded, so Bridge does
-not import without TE; a meta-path finder answers it only while that module imports, with
-classes that refuse to be built. Registry entry ``bridge-te-import``; docs/bridge.md.
+"""A Transformer Engine import stand-in shown to exactly one Bridge module, which imports it
+unguarded: a meta-path finder answers only while that module imports, with classes that refuse
+to be built. Registry entry ``bridge-te-import``; docs/bridge.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Where Megatron-Bridge's loop meets the installed features: one function per mechanism.
-
-Each feature hook is reached through a public Bridge mechanism (callbacks, the pre-wrap hook,
-the forward step's data iterator and loss partial, the checkpoint manager) or a registry entry,
-through the same :mod:`megatron_ext.registry.hooks` callers as the overlay's GPT step
-(docs/bridge.md). No Bridge import at module level.
+"""Where Megatron-Bridge's loop meets the installed features, one function per mechanism:
+Bridge's callbacks, forward step, checkpoint manager or a registry entry, through the same
+:mod:`megatron_ext.registry.hooks` callers as the overlay's GPT step (docs/bridge.md).
 """
 
 from __future__ import annotations
@@ -16,7 +13,8 @@ import torch
 
 from megatron_ext.bridge import checkpoints
 from megatron_ext.common.errors import StartupError
-from megatron_ext.common.features import Feature, FeatureSet, LossInputs, MicroBatch, StepRecord
+from megatron_ext.common.features import Feature, FeatureSet, MicroBatch, StepRecord
+from megatron_ext.fork.overlay import observed_loss
 from megatron_ext.registry import hooks
 from megatron_ext.telemetry.validation import ValidationFeature
 
@@ -42,10 +40,9 @@ def with_train_dataset_hook(
 
 
 class ObservedBatches:
-    """The data iterator Bridge's ``get_batch`` reads from. Bridge reads the batch on every TP
-    rank, Megatron on TP rank 0 only: here TP rank 0 reads through :func:`hooks.read_batch`
-    (``on_batch`` sees the whole batch once per DP rank, ``dataset_id`` included) and its
-    tokens and labels, which ``on_batch`` may change (drill), replace the other TP ranks'."""
+    """The data iterator Bridge's ``get_batch`` reads on every TP rank: TP rank 0 reads through
+    :func:`hooks.read_batch` (``on_batch`` sees the batch once per DP rank, ``dataset_id``
+    included), and its tokens and labels, which the drill may change, replace the others'."""
 
     def __init__(self, features: FeatureSet, data: Iterator[Any], micro_batch: MicroBatch) -> None:
         self.features, self.data, self.micro_batch = features, data, micro_batch
@@ -83,10 +80,9 @@ def forward_step(
     model: Any,
     return_schedule_plan: bool = False,
 ) -> tuple[Any, Callable[[Any], Any]]:
-    """The forward step handed to Bridge (its first free parameter is ``state``, so Bridge
-    injects its GlobalState): the user's step (Bridge's GPT step by default; given the state
-    when ``wants_state``, Bridge's own rule) reading through :class:`ObservedBatches`, its
-    loss partial (the loss mask first, as ``bridge-gpt-forward-step``'s) observed."""
+    """The forward step handed to Bridge (``state`` first, so Bridge injects its GlobalState):
+    the user's step (given the state when ``wants_state``) reading through
+    :class:`ObservedBatches`, its loss partial (the loss mask first) observed."""
     from megatron.core import parallel_state
 
     batch = MicroBatch(
@@ -118,19 +114,6 @@ def _loss_mask(loss_function: Any) -> Any:
     if loss_function.args:
         return loss_function.args[0]
     return loss_function.keywords.get("loss_mask", False)
-
-
-def observed_loss(
-    features: FeatureSet,
-    batch: MicroBatch,
-    loss_function: Callable[[Any], tuple[Any, Any, dict[str, Any]]],
-    loss_mask: Any,
-    output_tensor: Any,
-) -> tuple[Any, Any, dict[str, Any]]:
-    """Bridge's ``(loss, token count, report)``, the features' ``on_loss`` entries joined."""
-    loss, num_tokens, report = loss_function(output_tensor)
-    inputs = LossInputs(batch, output_tensor, loss_mask.view(-1).float(), loss, num_tokens)
-    return loss, num_tokens, hooks.loss_report(features, inputs, dict(report))
 
 
 def sync_counters(args: Any, state: Any, after_step: bool) -> None:
@@ -171,10 +154,9 @@ def on_train_step_start(features: FeatureSet, context: Any) -> None:
 
 
 def on_train_step_end(features: FeatureSet, context: Any) -> None:
-    """``after_step`` in hook order (the spike detector last: a rollback ends the process
-    here, before Bridge's interval save of this iteration), with the iteration as Megatron's
-    ``training_log`` sees it; what Bridge does not report (params norm, zeros, attention
-    logit) is None, "not measured"."""
+    """``after_step`` in hook order (a rollback ends the process here, before Bridge's interval
+    save), the iteration as Megatron's ``training_log`` sees it; what Bridge does not report
+    (params norm, zeros, attention logit) is None, "not measured"."""
     sync_counters(features.args, context.state, after_step=True)
     optimizer = context.optimizer
     learning_rate = None

@@ -1,7 +1,6 @@
-"""The data checks in Megatron: before distributed init, refuse a blend prefix whose
-``.bin``/``.idx`` pair is incomplete, damaged or not the one recorded
-(:mod:`megatron_ext.common.records.pair`), or with a split Megatron builds that cannot hold a
-sample (:mod:`.checks`). Every rank checks; rank 0 prints the reason.
+"""Before distributed init, refuse a blend prefix whose ``.bin``/``.idx`` pair is incomplete,
+damaged or not the one recorded, or with a split that cannot hold a sample (:mod:`.checks`).
+Every rank checks; rank 0 prints the reason.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ def _splits(args: Any) -> list[tuple[str, list[tuple[float, float] | None], str]
 
 
 class DataCheckFeature(Feature):
-    """Complete, unmixed, undamaged ``.bin``/``.idx`` pairs, and no split too small to hold a
-    sample."""
+    """Complete, unmixed, undamaged ``.bin``/``.idx`` pairs; no split too small for a sample."""
 
     name = "data_check"
 

@@ -1,9 +1,6 @@
-"""Splits that can hold a sample: each split's documents and tokens as megatron-core's
-builder splits them, from two reads of the ``.idx`` (no Megatron import).
-
-megatron-core 0.19.2 builds a ``GPTDataset`` for every split with a non-zero weight, and
-``GPTDataset._get_num_epochs`` loops forever on a split with 0 tokens (e.g. the test split of
-``--split 949,50,1`` on 400 documents) while the other ranks wait in a barrier.
+"""Each split's documents and tokens as megatron-core's builder splits them, from the ``.idx``
+(no Megatron import): ``GPTDataset._get_num_epochs`` loops forever on a split with 0 tokens
+(e.g. the test split of ``--split 949,50,1`` on 400 documents) while the other ranks wait.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""JSONL lines -> token ids for ``megatron-ext preprocess``: parsing, windowed encoding with
-bounded memory (long texts cut at pre-tokenizer boundaries where that is provably exact;
-bound: BENCHMARKS.md "preprocess"), and the order-preserving worker pool. Spawned workers
-import this module, so it stays free of Megatron and torch imports.
+"""Records -> token ids for ``megatron-ext preprocess``: parsing, windowed encoding with bounded
+memory (BENCHMARKS.md "preprocess") and the order-preserving worker pool. Spawned workers import
+this module, so it stays free of Megatron and torch imports.
 """
 
 from __future__ import annotations
@@ -130,16 +129,20 @@ def _init_worker(tokenizer_dir: Path) -> None:
 
 
 def encode_chunk(
-    chunk: tuple[tuple[int, bytes | dict], ...], path: Path, keys: list[str], id_key: str | None
-) -> list[tuple[list[np.ndarray], str | None]]:
-    """(ids per key, empty for a blank document; record id) for each record (JSONL line or
-    Parquet row) of a chunk."""
+    chunk: tuple[tuple[int, int, bytes | dict], ...],
+    path: Path,
+    keys: list[str],
+    id_key: str | None,
+) -> list[tuple[int, int, int, list[np.ndarray], str | None]]:
+    """(number, locator, bytes read, ids per key (empty for a blank document), record id) of
+    each ``(number, locator, record)`` of a chunk (a JSONL line or a Parquet row)."""
     assert _worker_encoder is not None
     encoded = []
-    for lineno, line in chunk:
-        values, record_id = fields(line, path, lineno, keys, id_key)
+    for number, locator, record in chunk:
+        values, record_id = fields(record, path, number, keys, id_key)
         ids = [_worker_encoder.encode(t) if t.strip() else np.empty(0, np.int32) for t in values]
-        encoded.append((ids, record_id))
+        size = len(record) if isinstance(record, bytes) else 0
+        encoded.append((number, locator, size, ids, record_id))
     return encoded
 
 
@@ -159,7 +162,7 @@ def worker_pool(workers: int, chunksize: int, tokenizer_dir: Path) -> Iterator[C
         initargs=(tokenizer_dir,),
     )
 
-    def ordered(fn: Callable, items: Iterator[tuple[int, bytes]]) -> Iterator:
+    def ordered(fn: Callable, items: Iterator[tuple]) -> Iterator:
         pending: deque[Future] = deque()
         for chunk in batched(items, chunksize):
             pending.append(executor.submit(fn, chunk))

@@ -1,9 +1,6 @@
-"""``megatron-ext preprocess``: JSONL or Parquet -> Megatron ``.bin``/``.idx`` indexed datasets.
-
-Megatron-LM's ``tools/preprocess_data.py`` (megatron-core's ``IndexedDatasetBuilder`` writes),
-plus an offline tokenizer, bad input named as ``file:line``, the provenance sidecar and nothing
-half-written (docs/data.md). Megatron is imported in :func:`_write_datasets`: spawned workers
-re-import this module.
+"""``megatron-ext preprocess``: JSONL or Parquet -> Megatron ``.bin``/``.idx``, as Megatron-LM's
+``tools/preprocess_data.py`` plus an offline tokenizer, the provenance sidecar and nothing
+half-written (docs/data.md). Megatron is imported late: spawned workers re-import this module.
 """
 
 import argparse
@@ -13,7 +10,6 @@ import signal
 import sys
 import tempfile
 import time
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -29,7 +25,7 @@ from megatron_ext.common.io import remove_durably, rename_durably
 from megatron_ext.common.records.pair import append_fingerprint, publish
 from megatron_ext.common.records.provenance import SUFFIX, Recorder
 from megatron_ext.data.encode import EncodeError, encode_chunk, fields, worker_pool
-from megatron_ext.data.shards import Payload, entry, is_parquet, records
+from megatron_ext.data.shards import entry, is_parquet, records
 from megatron_ext.data.tokenizer import (
     TOKENIZER_FILE,
     LoadedTokenizer,
@@ -168,16 +164,6 @@ class _Output:
             Path(self.tmp + ext).unlink(missing_ok=True)
 
 
-def _numbered(
-    path: Path, columns: list[str], positions: deque[tuple[int, int, int]]
-) -> Iterator[tuple[int, Payload]]:
-    """``path``'s records for the workers; each one's (number, locator, bytes read) goes to
-    ``positions``, for the results that come back in the same order."""
-    for number, locator, record in records(path, columns):
-        positions.append((number, locator, len(record) if isinstance(record, bytes) else 0))
-        yield number, record
-
-
 def _encode_into(args: argparse.Namespace, outputs: dict[str, _Output], eod: np.ndarray) -> None:
     """Tokenize every input (with a progress bar over its bytes) into ``outputs``."""
     total = sum(path.stat().st_size for path in args.input)
@@ -187,12 +173,12 @@ def _encode_into(args: argparse.Namespace, outputs: dict[str, _Output], eod: np.
     columns = [*args.json_keys, *([args.provenance_key] if args.provenance_key else [])]
     with worker_pool(args.workers, args.chunksize, args.tokenizer_dir) as mapper, progress as bar:
         for shard, path in enumerate(args.input):
-            positions: deque[tuple[int, int, int]] = deque()
             encode = partial(
                 encode_chunk, path=path, keys=args.json_keys, id_key=args.provenance_key
             )
-            for ids_per_key, record_id in mapper(encode, _numbered(path, columns, positions)):
-                line, offset, size = positions.popleft()
+            for line, offset, size, ids_per_key, record_id in mapper(
+                encode, records(path, columns)
+            ):
                 bar.update(size)
                 source = (shard, line, offset, record_id) if args.provenance else None
                 for key, ids in zip(args.json_keys, ids_per_key, strict=True):

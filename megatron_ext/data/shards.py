@@ -1,7 +1,5 @@
-"""Raw shards as records: JSONL lines or Parquet rows, and where each record is: ``(number,
-locator)``, a JSONL line's 1-based number and byte offset, or a Parquet row's 1-based number
-and its row group (the sidecar's ``line`` and ``byte`` columns). Parquet is read one record
-batch at a time, so memory stays bounded.
+"""Raw shards as records, each at ``(number, locator)`` (the sidecar's ``line`` and ``byte``):
+a JSONL line's 1-based number and byte offset, or a Parquet row's 1-based number and row group.
 """
 
 from __future__ import annotations

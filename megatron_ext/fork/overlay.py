@@ -1,7 +1,6 @@
 """The overlay in a pretrain script of the user's own: :class:`Overlay` and :class:`Forward`.
-A handle object, not module functions: the features are installed inside
-:meth:`Overlay.pretrain` and the script reaches them through the handle it made, never a module
-global; every hook goes through :mod:`megatron_ext.registry.hooks`, as the overlay's GPT step.
+The features are installed inside :meth:`Overlay.pretrain` and reached through its handle,
+never a module global; every hook goes through :mod:`megatron_ext.registry.hooks`.
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ class ScriptError(StartupError):
 
 
 def check_script(args: Any) -> None:
-    """Refuse, before distributed init, the data modes whose batches are not the standard GPT
-    batch the features read, and the layouts :func:`~megatron_ext.loop.gpt_step.check_layout`
-    refuses."""
+    """Refuse, before distributed init, the data modes whose batch is not the standard GPT batch
+    the features read, and the layouts :func:`~megatron_ext.loop.gpt_step.check_layout` refuses."""
     from megatron_ext.loop import gpt_step
 
     if used := gpt_step.flags_set(args, gpt_step.BATCH_MODES):
@@ -54,23 +52,24 @@ class Forward:
     def loss(
         self, loss_func: Callable[[Any], tuple[Any, Any, dict[str, Any]]], loss_mask: Any
     ) -> Callable[[Any], tuple[Any, Any, dict[str, Any]]]:
-        """What the forward step returns instead of ``loss_func``: ``loss_func(output_tensor)``
-        (Megatron's ``(token-summed loss, token count, report)``), then ``on_loss``, whose
-        entries join the report."""
-        return partial(_observed_loss, self.features, self.micro_batch, loss_func, loss_mask)
+        """What the forward step returns instead of ``loss_func``: ``loss_func``, then
+        ``on_loss`` (:func:`observed_loss`)."""
+        return partial(observed_loss, self.features, self.micro_batch, loss_func, loss_mask)
 
 
-def _observed_loss(
+def observed_loss(
     features: FeatureSet,
     micro_batch: MicroBatch,
     loss_func: Callable[[Any], tuple[Any, ...]],
     loss_mask: Any,
     output_tensor: Any,
 ) -> tuple[Any, Any, dict[str, Any]]:
+    """``loss_func``'s ``(loss, token count, report)``, the features' ``on_loss`` entries
+    joined (a script's :meth:`Forward.loss` and the Bridge forward step's loss partial)."""
     outputs = loss_func(output_tensor)
     if len(outputs) != 3:
         raise ScriptError(
-            f"the loss function given to Forward.loss returned {len(outputs)} values; it must "
+            f"the forward step's loss function returned {len(outputs)} values; it must "
             "return (token-summed loss, token count, report), as Megatron-LM's pretrain_gpt.py "
             "loss_func does: the features read the loss and its token count"
         )
@@ -117,11 +116,9 @@ class Overlay:
         program_start: float | None = None,
         argv: list[str] | None = None,
     ) -> None:
-        """Train with the script's functions, as Megatron's classic ``pretrain`` takes them, on
-        whichever megatron-core is installed. ``model_provider`` None: the standard GPT model,
-        as ``pretrain_gpt_ext.py`` builds it. ``argv`` defaults to the command line. Returns
-        when training is complete; every other end ends the process as
-        ``pretrain_gpt_ext.py`` does (:mod:`megatron_ext.fork.start`)."""
+        """Train with the script's functions, as Megatron's classic ``pretrain`` takes them
+        (``model_provider`` None: the standard GPT model; ``argv`` None: the command line).
+        Returns when training is complete; every other end ends the process (:mod:`.start`)."""
         observed = (
             None
             if model_provider is None

@@ -1,11 +1,6 @@
-"""How a training script starts and ends under megatron-ext: ``pretrain_gpt_ext.py`` and a
-script of the user's own (:class:`megatron_ext.fork.Overlay`) both run exactly this.
-
-Start: the megatron-core version is checked before any Megatron import; the skip lists are
-resolved into Megatron's argv; every registry entry is verified and the upstream fixes
-applied; the installed version's runner (:mod:`megatron_ext.loop.entry`) trains. End: rank 0
-records whether ``pretrain`` returned or Megatron stopped early; a refusal ends the rank with
-its message and exit code, no traceback; every other exit passes through unchanged.
+"""How ``pretrain_gpt_ext.py`` and a script of the user's own (:class:`megatron_ext.fork.Overlay`)
+start and end: version check, skip lists, verified registry and fixes, then the installed
+version's runner; rank 0 records how it ended and a refusal ends the rank without a traceback.
 """
 
 from __future__ import annotations
@@ -29,9 +24,8 @@ def default_transformer_impl(argv: list[str]) -> list[str]:
 
 
 def megatron_refusal(exc: AssertionError) -> str | None:
-    """An assertion of Megatron's own check of the flags (``validate_args``: a traceback each,
-    several ask what to do) as a one-line refusal; None for any other assertion (a bug, which
-    keeps its traceback)."""
+    """An assertion of Megatron's ``validate_args`` as a one-line refusal; None for any other
+    assertion (a bug, which keeps its traceback)."""
     frames = traceback.extract_tb(exc.__traceback__)
     path = "megatron/training/arguments.py"
     if not any(f.name == "validate_args" and f.filename.endswith(path) for f in frames):
@@ -49,10 +43,9 @@ def rank() -> int:
 
 
 def prepare_skips(argv: list[str]) -> list[str]:
-    """Megatron's argv with one flat ``--iterations-to-skip``: the union of the skip flags and
-    the list persisted with the checkpoints being loaded, printed once. An interrupted
-    ``skiplist --apply`` in ``--load`` is finished first (rank 0, as the run's one writer) and
-    a pending rollback request applied."""
+    """Megatron's argv with one flat ``--iterations-to-skip``: the skip flags and the list
+    persisted in ``--load``, printed once; first an interrupted ``skiplist --apply`` there is
+    finished (rank 0, the run's one writer) and a pending rollback request applied."""
     from megatron_ext.common.records.skip_ranges import load_dir, resolve_argv
     from megatron_ext.common.run_lock import RunLockHeld, held
     from megatron_ext.incidents.transaction import journal_path, settle_at_startup
@@ -107,8 +100,8 @@ def _require_cuda(script: str | None) -> None:
 
 
 def main(argv: list[str], step: Step | None = None, program_start: float | None = None) -> None:
-    """:func:`train`; a refusal ends the rank with its message and exit code, no traceback, and
-    a failed rank ends its helper processes first."""
+    """:func:`train`; a refusal ends the rank with its message and exit code, and a failed rank
+    ends its helper processes first."""
     from megatron_ext.common.errors import exit_on_error
     from megatron_ext.common.process_exit import ending_children_on_failure
 
@@ -116,9 +109,8 @@ def main(argv: list[str], step: Step | None = None, program_start: float | None 
 
 
 def train(argv: list[str], step: Step | None = None, program_start: float | None = None) -> None:
-    """Parse Megatron + megatron-ext arguments, install patches and run ``pretrain`` with
-    ``step`` (None: the overlay's GPT step). ``program_start``: when the script started, for
-    Megatron's start-up timing report (None: Megatron's own estimate)."""
+    """Parse the arguments, install patches and run ``pretrain`` with ``step`` (None: the
+    overlay's GPT step). ``program_start``: when the script started, for Megatron's timers."""
     wants_help = "-h" in argv or "--help" in argv
     if wants_help:  # help is not training: keep optional-dependency import warnings out of it
         from megatron_ext.common.quiet import silence_import_noise
@@ -169,8 +161,8 @@ def train(argv: list[str], step: Step | None = None, program_start: float | None
 
 
 def _early_exit_reason() -> str:
-    """Which of Megatron's early exits ended training (all of them save first, then exit 0);
-    a collective on Megatron's signal handler, so every rank calls it."""
+    """Which of Megatron's early exits (each saves, then exits 0) ended training; a collective
+    on Megatron's signal handler, so every rank calls it."""
     from megatron.training import get_args, get_signal_handler
 
     try:

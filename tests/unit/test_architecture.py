@@ -370,7 +370,7 @@ def _patched_code() -> list[Any]:
     functions: list[Any] = [p.wrap for p in registry.PATCHES]
     functions += [call.called_from for call in registry.ENTRY_POINT_HOOKS]
     functions += [hooks.pre_wrap_hook, gpt_step_forward()]
-    functions += [overlay.Overlay.forward, overlay.Forward.read, overlay._observed_loss]
+    functions += [overlay.Overlay.forward, overlay.Forward.read, overlay.observed_loss]
     for feature in all_features():
         functions += [getattr(type(feature), h.__name__) for h in HOOKS if feature.implements(h)]
     return functions
