@@ -12,9 +12,7 @@ from megatron_ext.cpu import shims
 
 
 def install() -> None:
-    """Install the Bridge additions (after :func:`megatron_ext.cpu.shims.install`); idempotent."""
-    if getattr(torch.cuda, "_megatron_ext_cpu_bridge", False):
-        return
+    """Install the Bridge additions (after :func:`megatron_ext.cpu.shims.install`), once."""
     torch.cuda.memory_stats = shims._shim("memory_stats", lambda *a, **k: {})  # type: ignore[assignment]
     from megatron_ext.bridge import te_standin
 
@@ -25,4 +23,3 @@ def install() -> None:
         fix.apply()
 
     table.CPU_RUNNER[0].apply(lambda label: shims._count(f"bridge.{label}"))
-    torch.cuda._megatron_ext_cpu_bridge = True  # type: ignore[attr-defined]

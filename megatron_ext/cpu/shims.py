@@ -31,31 +31,12 @@ from megatron_ext.registry import patching
 
 COUNTS: collections.Counter[str] = collections.Counter()
 
-# torch.cuda attributes that are not device calls (types, submodules, constants) or that
-# are safe on a CUDA-less host; everything else callable becomes a tripwire.
+# Public torch.cuda functions that are safe on a CUDA-less host; every other public function
+# becomes a tripwire (private names, types, submodules and constants are left as they are).
 _LEAVE_ALONE = {
     "is_available",
     "is_initialized",
     "is_bf16_supported",
-    "device",
-    "_lazy_init",
-    "_is_compiled",
-    "_initialized",
-    "nvtx",
-    "amp",
-    "graphs",
-    "memory",
-    "random",
-    "streams",
-    "comm",
-    "sparse",
-    "jiterator",
-    "profiler",
-    "nccl",
-    "tunable",
-    "gds",
-    "_utils",
-    "_sleep",
     "get_rng_state_all",
     "set_rng_state_all",
 }
@@ -248,14 +229,11 @@ def run_compiled_code_eagerly() -> None:
     """Make ``torch.compile`` a no-op (counted): Megatron's fusion warm-up would otherwise build
     Inductor C++ kernels that the CPU flags never call (docs/megatron-facts.md). Must run before
     megatron-core is imported; idempotent."""
-    if getattr(torch.compile, "_megatron_ext_eager", False):
-        return
 
     def eager(model: Any = None, **options: Any) -> Any:
         _count("torch.compile(eager)")
         return (lambda fn: fn) if model is None else model
 
-    eager._megatron_ext_eager = True  # type: ignore[attr-defined]
     torch.compile = eager  # type: ignore[assignment]
 
 

@@ -20,10 +20,8 @@ FLAGS = ("hang_detect", "hang_timeout_factor", "hang_min_timeout", "hang_first_t
 
 class HangFeature(Feature):
     name = "hang"
-
-    def __init__(self) -> None:
-        self.watchdog: Watchdog | None = None
-        self.history = Path()
+    watchdog: Watchdog  # from install on, as every hook
+    history: Path  # the phases' durations, kept across attempts
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument(
@@ -103,7 +101,6 @@ class HangFeature(Feature):
         assert directory is not None
         bounds = Bounds(args.hang_timeout_factor, args.hang_min_timeout, args.hang_first_timeout)
         self.watchdog = Watchdog(args.rank, args.world_size, directory, bounds)
-        # The durations outlive the attempt: beside the per-attempt folders.
         self.history = directory.parent / "durations.json"
         self.watchdog.recall(self.history)
         self.watchdog.start()
@@ -117,16 +114,13 @@ class HangFeature(Feature):
         return {}
 
     def after_step(self, record: StepRecord) -> None:
-        assert self.watchdog is not None
         self.watchdog.step_end(record.iteration)
 
     def on_checkpoint(self, iteration: int) -> bool:
-        assert self.watchdog is not None
         if self.watchdog.iteration and self.watchdog.rank == 0:
             self.watchdog.remember(self.history)
         self.watchdog.beat("save", "save")
         return True
 
     def _beat(self, what: str, training: bool) -> None:
-        assert self.watchdog is not None
         self.watchdog.beat(what if training else f"eval {what}", "train" if training else "eval")

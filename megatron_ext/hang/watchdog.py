@@ -1,13 +1,7 @@
-"""Forward-progress watchdog: a rank that stops making progress is a hang incident (no torch,
-no Megatron).
-
-The training calls :meth:`Watchdog.beat` at each hook; a daemon thread compares the time since the
-last beat with ``factor`` times the slowest recent duration of the phase (at least
-``min_timeout``; ``first_timeout`` until the phase has a history). Past it, the rank asks every
-rank to dump through the attempt's hang folder (a collective is what is stuck), writes its
-stacks, waits for its peers' and exits :data:`~megatron_ext.common.exit_codes.HUNG`, which the
-supervisor reads as "relaunch from the last checkpoint". docs/hangs.md.
-"""
+"""Forward-progress watchdog (no torch, no Megatron): a daemon thread bounds the time since the
+last :meth:`Watchdog.beat` by the phase's own history; past it every rank dumps its stacks
+through the attempt's hang folder and exits :data:`~megatron_ext.common.exit_codes.HUNG`
+(docs/hangs.md)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ from megatron_ext.loop import gpt_model, gpt_step, install
 from megatron_ext.loop.step import Step
 from megatron_ext.registry import table as registry
 
-ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 Broadcast = Callable[..., dict[str, Any]]
 
 
@@ -32,7 +31,7 @@ def overlay_step() -> Step:
         check=gpt_step.check_supported,
         model_type=ModelType.encoder_or_decoder,
         get_embedding_ranks=gpt_step.get_embedding_ranks,
-        args_defaults=ARGS_DEFAULTS,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     )
 
 
@@ -131,20 +130,18 @@ class ClassicInit:
     args: Any
     step: Step
     broadcast: Broadcast
-    features: FeatureSet | None = None
-    bound: tuple[Callable[..., Any], Any] | None = None
-    model_provider: Callable[..., Any] | None = None
+    ready: tuple[FeatureSet, tuple[Callable[..., Any], Any], Callable[..., Any]] | None = None
 
     def initialized(self) -> None:
-        self.model_provider = _model_provider(self.step, self.args)
-        self.features = _install(self.step, self.args)
-        self.bound = self.step.bind(self.features, self.broadcast)
+        model_provider = _model_provider(self.step, self.args)
+        features = _install(self.step, self.args)
+        self.ready = features, self.step.bind(features, self.broadcast), model_provider
 
     def get(self) -> tuple[FeatureSet, tuple[Callable[..., Any], Any], Callable[..., Any]]:
         """The features, the script's (forward step, dataset provider) and model provider."""
-        if self.features is None or self.bound is None or self.model_provider is None:
+        if self.ready is None:
             raise StartupError("pretrain called a step before initialize_megatron; re-verify")
-        return self.features, self.bound, self.model_provider
+        return self.ready
 
 
 def run_classic(step: Step, broadcast: Broadcast) -> None:

@@ -20,13 +20,13 @@ from megatron_ext.loop import gpt_step
 from megatron_ext.registry import hooks
 
 # Megatron-LM's builder options this provider does not implement: refused, not ignored.
-UNSUPPORTED = {
-    "spec": "--spec",
-    "yaml_cfg": "--yaml-cfg",
-    "mtp_num_layers": "--mtp-num-layers",
-    "heterogeneous_layers_config_path": "--heterogeneous-layers-config-path",
-    "experimental_attention_variant": "--experimental-attention-variant",
-}
+UNSUPPORTED = (
+    "spec",
+    "yaml_cfg",
+    "mtp_num_layers",
+    "heterogeneous_layers_config_path",
+    "experimental_attention_variant",
+)
 
 
 def check_supported(args: Any) -> None:

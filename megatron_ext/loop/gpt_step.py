@@ -33,23 +33,18 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 # Megatron data modes whose batches are not the standard [micro-batch, sequence] GPT batch
 # (packed sequences, FIM-permuted tokens) that this step and the features read.
-BATCH_MODES = {
-    "sft": "--sft",
-    "fim_data": "--fim-data",
-    "dataloader_inter_document_masking": "--dataloader-inter-document-masking",
-    "hybrid_context_parallel": "--hybrid-context-parallel",
-}
-UNSUPPORTED_FLAGS = {
-    **BATCH_MODES,
-    "logits_load_dir": "--logits-load-dir",
-    "use_legacy_models": "--use-legacy-models",
-    "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm",
-}
+BATCH_MODES = ("sft", "fim_data", "dataloader_inter_document_masking", "hybrid_context_parallel")
+UNSUPPORTED_FLAGS = (
+    *BATCH_MODES,
+    "logits_load_dir",
+    "use_legacy_models",
+    "overlap_moe_expert_parallel_comm",
+)
 
 
-def flags_set(args: Any, flags: dict[str, str]) -> list[str]:
-    """The flags of ``flags`` (Megatron's attribute name -> its flag) that ``args`` sets."""
-    return [flag for attr, flag in flags.items() if getattr(args, attr, None)]
+def flags_set(args: Any, attributes: tuple[str, ...]) -> list[str]:
+    """The flags, as typed, of the Megatron ``attributes`` that ``args`` sets."""
+    return ["--" + a.replace("_", "-") for a in attributes if getattr(args, a, None)]
 
 
 def check_supported(args: Any) -> None:

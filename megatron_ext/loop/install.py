@@ -88,9 +88,7 @@ def used_flags(args: Any, exempt: frozenset[str] = frozenset()) -> list[str]:
 def refuse_under_megatron_fsdp(args: Any) -> None:
     """Refuse the megatron-ext flags set in ``args`` when Megatron-FSDP wraps the model (not
     verified there: the message says why)."""
-    if not getattr(args, "use_megatron_fsdp", False):
-        return
-    if used := used_flags(args, WRAPPER_FREE):
+    if getattr(args, "use_megatron_fsdp", False) and (used := used_flags(args, WRAPPER_FREE)):
         raise FeatureError(
             f"{', '.join(used)} with --use-megatron-fsdp: megatron-ext's features are not "
             "verified under Megatron-FSDP (telemetry needs Megatron's ChainedOptimizer and DDP "

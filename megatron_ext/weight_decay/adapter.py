@@ -55,7 +55,6 @@ class WeightDecayFeature(Feature):
     name = "weight_decay"
 
     def __init__(self) -> None:
-        self.args: Any = None
         self.policy: WeightDecayPolicy | None = None
 
     def add_args(self, group: argparse._ArgumentGroup) -> None:
@@ -91,19 +90,14 @@ class WeightDecayFeature(Feature):
         """Always: a resume that drops the flags must be caught too."""
         return True
 
-    def _policy_of(self, args: Any) -> WeightDecayPolicy:
-        """The run's policy, derived from its args once."""
-        if self.policy is None or self.args is not args:
-            self.args, self.policy = args, policy_from_args(args)
-        return self.policy
-
     def validate(self, args: Any) -> None:
         """Refuse a resume under other multipliers (:class:`WeightDecayResumeError`)."""
-        check_resume_compatible(args, self._policy_of(args))
+        check_resume_compatible(args, policy_from_args(args))
 
     def install(self, args: Any) -> None:
         """Warn about ineffective settings (the patches follow when a flag is set)."""
-        for warning in self._policy_of(args).warnings():
+        self.policy = policy_from_args(args)
+        for warning in self.policy.warnings():
             print_rank_0(f"megatron-ext: WARNING: {warning}")
 
     def needs_patch(self, name: str) -> bool:

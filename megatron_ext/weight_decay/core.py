@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from dataclasses import dataclass
 
 from megatron_ext.common.errors import Refusal
@@ -14,7 +15,6 @@ from megatron_ext.common.errors import Refusal
 EMBEDDING_PREFIX = "embedding."
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
 OUTPUT_LAYER_WEIGHT = "output_layer.weight"
-_WRAPPER_PREFIX = "module."
 
 EMBEDDING_FLAG = "--embedding-weight-decay-mult"
 OUTPUT_LAYER_FLAG = "--output-layer-weight-decay-mult"
@@ -76,9 +76,7 @@ def parse_override(text: str) -> Override:
 
 def strip_wrappers(name: str) -> str:
     """The model's own parameter name, without DDP / Float16Module ``module.`` prefixes."""
-    while name.startswith(_WRAPPER_PREFIX):
-        name = name[len(_WRAPPER_PREFIX) :]
-    return name
+    return re.sub(r"^(module\.)+", "", name)
 
 
 @dataclass(frozen=True)

@@ -115,11 +115,9 @@ def cross_entropy_and_z_loss(
     ``overwrite_logits=True`` uses fp32 logits as the working buffer, as Megatron's CE does.
     ``tp_group`` None: Megatron's TP group if it set one up, else the full vocabulary."""
     if tp_group is None:
-        try:
-            from megatron.core import parallel_state
-        except ImportError:  # the core is usable without Megatron, on unsharded logits
-            parallel_state = None
-        if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
             tp_group = parallel_state.get_tensor_model_parallel_group()
     return ZLossTerms(
         *_CrossEntropyWithZLoss.apply(
