@@ -1,11 +1,8 @@
-"""``megatron-ext demo``: a tiny corpus and model made on the fly, trained by the real loop.
-
-On a GPU machine it runs ``pretrain_gpt_ext.py`` directly; without one, the same entry point
-through the package's CPU runner (as ``megatron-ext train --cpu`` does).
+"""``megatron-ext demo``: a tiny corpus and model made on the fly, trained by the real loop
+(``pretrain_gpt_ext.py`` on a GPU, else through the CPU runner).
 
 Each mode has its own work directory (``runs/demo``, ``runs/demo-drill``). A plain demo resumes
-from its checkpoints and says when nothing is left to train; ``--fresh`` starts over. The drill
-always starts over: it is about the incident, not the model.
+from its checkpoints; ``--fresh`` starts over, as the drill always does.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """``megatron-ext train --cpu``: train on your own data on CPU, through the CPU runner.
 
-Megatron requires CUDA; the package's CPU runner (:mod:`megatron_ext.cpu`: shims for the few
-CUDA calls on the training path, gloo instead of NCCL) runs the real ``pretrain_gpt_ext.py``
-on CPU. This points ``torchrun`` at that runner with :data:`CPU_FLAGS`, then yours::
+The CPU runner (:mod:`megatron_ext.cpu`: shims for the few CUDA calls, gloo) runs the real
+``pretrain_gpt_ext.py``; this points ``torchrun`` at it with :data:`CPU_FLAGS`, then yours::
 
     megatron-ext train --cpu --nproc-per-node 2 -- --data-path data/corpus_text_document \\
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model data/corpus_tokenizer ...
 
-It names the runner's file and never imports :mod:`megatron_ext.cpu` (the shims exist only
-in the processes the runner starts). On GPUs: ``torchrun pretrain_gpt_ext.py ...`` or the
-launchers in ``launch/``.
+On GPUs: ``torchrun pretrain_gpt_ext.py ...`` or the launchers in ``launch/``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""How a training attempt ended, in the training's own words, for the supervisor.
-
-Megatron exits 0 both at ``--train-iters`` and when it stops early with a checkpoint saved, and
-only the latter must be relaunched: rank 0 writes a small JSON file (at :data:`ENV`'s path)
-saying ``pretrain`` returned or raised ``SystemExit(0)``, and why. No file: the training did
-not say (a crash, or a script that does not start through ``megatron_ext.fork``).
+"""How a training attempt ended, for the supervisor: Megatron exits 0 both at ``--train-iters``
+and when it stops early, and only the latter must be relaunched, so rank 0 writes (at
+:data:`ENV`'s path) whether ``pretrain`` returned, and why. No file: the training did not say.
 """
 
 from __future__ import annotations
@@ -25,16 +22,14 @@ class AttemptEnd:
 
 
 def record(complete: bool, reason: str) -> None:
-    """Write this attempt's end where the supervisor asked (the caller is rank 0; nothing
-    when the training was not started by the supervisor)."""
+    """Write this attempt's end where the supervisor asked (rank 0; nothing when unsupervised)."""
     path = os.environ.get(ENV)
     if path:
         atomic_write_json(path, {"complete": complete, "reason": reason})
 
 
 def read(path: Path) -> AttemptEnd | None:
-    """The recorded end, or None when the training wrote none (or the file is damaged: then
-    the supervisor cannot know either, and says so)."""
+    """The recorded end; None when the training wrote none (or the file is damaged)."""
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError):

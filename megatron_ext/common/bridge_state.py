@@ -1,9 +1,6 @@
-"""A Megatron-Bridge checkpoint's common state, as the offline tools read Megatron's.
-
-A Bridge checkpoint holds no Megatron ``args``: the namespace
-:func:`~megatron_ext.common.checkpoint_state.read_common_state` gives is built from Megatron's
-parser defaults, ``run_config.yaml``, ``train_state.pt`` and the overlay's layout file. Megatron,
-torch and yaml are imported only when one is read.
+"""A Megatron-Bridge checkpoint's common state, as the offline tools read Megatron's: its
+``args`` are built from Megatron's parser defaults, ``run_config.yaml``, ``train_state.pt`` and
+the overlay's layout file (Megatron, torch and yaml imported only when one is read).
 """
 
 from __future__ import annotations
@@ -65,10 +62,8 @@ def _megatron_defaults() -> argparse.Namespace:
 
 
 def data_path_words(data_path: Any, blend: Any) -> list[str] | None:
-    """Megatron's ``--data-path`` words (``[weight] prefix ...``) for a Bridge dataset
-    config's ``data_path`` and ``blend`` (``(prefixes, weights or None)``), from the live
-    ``GPTDatasetConfig`` (:mod:`megatron_ext.bridge.args`) or a checkpoint's
-    ``run_config.yaml`` (here) alike."""
+    """Megatron's ``--data-path`` words (``[weight] prefix ...``) for a Bridge dataset config's
+    ``data_path`` and ``blend`` (``(prefixes, weights or None)``), live or from a checkpoint."""
     if isinstance(data_path, str):
         return data_path.split()
     if data_path:

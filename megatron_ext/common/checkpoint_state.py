@@ -11,7 +11,6 @@ import argparse
 import builtins
 import codecs
 import collections
-import contextlib
 import functools
 import io
 import json
@@ -21,7 +20,6 @@ import pickle
 import signal
 import types
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,8 +53,7 @@ _REAL: dict[tuple[str, str], Any] = {
 
 
 class UnreadableState(Exception):
-    """Not a layout this reader knows (use Megatron's ``load_common_state_dict``): an internal
-    control-flow signal, caught by the callers, not a refusal."""
+    """Not a layout this reader knows: an internal control-flow signal (callers fall back)."""
 
 
 class CheckpointUnreadable(Refusal, ValueError):
@@ -128,18 +125,17 @@ def _torch_archive(blob: bytes) -> Any:
 
 @dataclass(frozen=True)
 class _Stored:
-    """Where torch's FileSystemWriter put one item of a DCP checkpoint (a ``_StorageInfo``)."""
+    """Where torch's FileSystemWriter put one DCP item (``path`` relative to the checkpoint)."""
 
     fqn: str
-    path: str  # relative to the checkpoint directory
+    path: str
     offset: int
     length: int
     transforms: Any  # compression or other transforms applied on save (None/empty: none)
 
 
 def _dcp_index(directory: Path) -> list[_Stored]:
-    """Every item's location in a DCP checkpoint, from its ``.metadata`` pickle read by the
-    restricted unpickler (no torch, no code from the file)."""
+    """Every item's location in a DCP checkpoint, from ``.metadata`` (restricted unpickler)."""
     try:
         metadata = _unpickle((directory / DCP_METADATA_FILE).read_bytes())
     except OSError as exc:
@@ -182,9 +178,8 @@ def _dcp_item(directory: Path, fqn: str) -> bytes:
 
 
 def read_common_state(directory: str | Path) -> dict[str, Any]:
-    """The common state dict of one checkpoint directory (``iter_NNNNNNN``); for a
-    Megatron-Bridge checkpoint, made from its run configuration
-    (:mod:`megatron_ext.common.bridge_state`)."""
+    """The common state dict of one ``iter_NNNNNNN`` (a Bridge one's is made from its run
+    configuration, :mod:`megatron_ext.common.bridge_state`)."""
     directory = Path(directory)
     if bridge_state.is_bridge_checkpoint(directory):
         return bridge_state.read_bridge_state(directory)
@@ -209,32 +204,20 @@ def read_saved_args(directory: str | Path) -> argparse.Namespace:
     return args
 
 
-@contextlib.contextmanager
-def _quiet_root_logger() -> Iterator[None]:
-    """torch's checkpoint loader logs each failed metadata read with its traceback on the
-    *root* logger before raising; the refusal says it once, readably."""
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        root.setLevel(level)
-
-
 def load_common_state(directory: str | Path) -> dict[str, Any]:
-    """The common state of one ``iter_NNNNNNN`` directory, holding Megatron's saved ``args``:
-    read here if this reader knows the layout, else by Megatron's ``load_common_state_dict``;
-    any failure is a :class:`CheckpointUnreadable`."""
+    """The common state (with Megatron's saved ``args``) of one ``iter_NNNNNNN``: read here,
+    else by Megatron's ``load_common_state_dict``; any failure is :class:`CheckpointUnreadable`."""
     try:
         state = read_common_state(directory)
     except UnreadableState:
         from megatron.core.dist_checkpointing.serialization import load_common_state_dict
         from torch.distributed.checkpoint.api import CheckpointException
 
+        root = logging.getLogger()  # torch logs each failed read there, with a traceback
+        level = root.level
+        root.setLevel(logging.ERROR)
         try:
-            with _quiet_root_logger():
-                state = load_common_state_dict(str(directory))
+            state = load_common_state_dict(str(directory))
         except (Exception, CheckpointException) as exc:
             detail = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
             reason = detail[-1] if detail else type(exc).__name__
@@ -243,6 +226,8 @@ def load_common_state(directory: str | Path) -> dict[str, Any]:
                 "it is corrupt or was copied partially. Restore it from a backup, or move it "
                 "out of the checkpoint directory so that an older one is used"
             ) from None
+        finally:
+            root.setLevel(level)
     if not isinstance(state, dict) or not isinstance(state.get("args"), argparse.Namespace):
         raise CheckpointUnreadable(
             f"checkpoint {directory} holds no saved Megatron args (not a Megatron training "
@@ -252,8 +237,8 @@ def load_common_state(directory: str | Path) -> dict[str, Any]:
 
 
 def _zip_problem(path: Path, directory: Path) -> str | None:
-    """What is wrong with a ``torch.save`` archive Megatron loads (None: nothing seen): its
-    zip directory, at the end of the file, is missing from a truncated one (no member read)."""
+    """What is wrong with a ``torch.save`` archive (None: nothing seen); a truncated one lacks
+    its zip directory."""
     name = path.relative_to(directory)
     try:
         with zipfile.ZipFile(path) as archive:
@@ -268,9 +253,8 @@ def _zip_problem(path: Path, directory: Path) -> str | None:
 
 
 def _dcp_index_by_torch(directory: Path) -> list[_Stored]:
-    """The DCP index as torch (and so Megatron's load) reads it, a plain unpickling: for a
-    ``.metadata`` the restricted unpickler does not know (a newer torch's classes), so that a
-    layout change is never taken for damage."""
+    """The DCP index as torch reads it: for a ``.metadata`` of classes the restricted
+    unpickler does not know (a newer torch), so a layout change is not taken for damage."""
     from torch.distributed.checkpoint import FileSystemReader
 
     storage = FileSystemReader(str(directory)).read_metadata().storage_data
@@ -311,9 +295,8 @@ def _data_files_problem(directory: Path, index: list[_Stored]) -> str | None:
 
 
 def _torch_dist_problem(directory: Path) -> str | None:
-    """What keeps Megatron's ``dist_checkpointing.load`` from loading a torch_dist checkpoint:
-    ``metadata.json``, the DCP index, its data files, and the common state (``common.pt`` when
-    present, as ``load_common_state_dict`` prefers it; else its item in the index)."""
+    """What keeps Megatron from loading a torch_dist checkpoint: ``metadata.json``, the DCP
+    index, its data files, the common state (``common.pt`` if present, else its index item)."""
     problem = _metadata_problem(directory)
     if problem is not None:
         return problem

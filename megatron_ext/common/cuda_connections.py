@@ -1,10 +1,8 @@
 """``CUDA_DEVICE_MAX_CONNECTIONS`` for a training command line: one rule for the launchers, the
 CPU runner and the entry point (standard library only: the supervisor imports it).
 
-Megatron asserts opposite values: tensor and context parallelism rely on ``1`` (kernels in issue
-order on Hopper and earlier), torch FSDP2 and Megatron-FSDP assert it is not ``1``; with both,
-FSDP wins. So ``1`` by default, ``8`` (CUDA's default) with an FSDP flag, and an explicit ``1``
-with an FSDP flag is refused before Megatron's assertion.
+TP/CP rely on ``1``, FSDP asserts it is not ``1`` (and wins): ``1`` by default, ``8`` with an
+FSDP flag, and an explicit ``1`` with an FSDP flag is refused before Megatron's assertion.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ def default_for(argv: Iterable[str]) -> str:
 
 
 def problem(argv: Iterable[str], value: str | None) -> str | None:
-    """Why ``value`` (the environment's, None when unset) cannot train ``argv``; None if it
-    can."""
+    """Why ``value`` (the environment's, None when unset) cannot train ``argv``; None if it can."""
     flag = fsdp_flag(argv)
     if flag is None or value is None or value.strip() != ORDERED:
         return None

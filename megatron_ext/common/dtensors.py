@@ -1,9 +1,6 @@
-"""Torch FSDP2's sharded tensors, as the overlay's sums read them (torch only, no Megatron).
-
-Under ``--use-torch-fsdp2`` each parameter and gradient is a ``DTensor`` of which a rank holds
-one ``Shard(0)`` slice: a local sum of squares is this rank's part, and the global value adds
-the parts over the groups the tensors are sharded over (:func:`shard_groups`). For plain
-tensors every function is the identity.
+"""Torch FSDP2's sharded tensors, as the overlay's sums read them (torch only, no Megatron): a
+rank's local sum of squares is its part, the global value adds the parts over the groups the
+tensors are sharded over (:func:`shard_groups`). For plain tensors every function is the identity.
 """
 
 from __future__ import annotations

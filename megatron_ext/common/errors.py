@@ -1,10 +1,8 @@
 """The one exception base of megatron-ext: a refusal that carries its message and exit code.
 
-Every error raised on purpose is a :class:`MegatronExtError`: its message says what is wrong
-and what to do, its ``exit_code`` is what the process ends with, and :func:`report` /
-:func:`exit_on_error` print it without a traceback. :class:`Refusal` (exit 1: the input) and
-:class:`UsageError` (exit 2: the arguments) keep their messages as written (``prefix = ""``);
-classes that callers also catch as a built-in error keep it as a second base.
+Every error raised on purpose is a :class:`MegatronExtError` (its message says what to do,
+:func:`report` / :func:`exit_on_error` print it without a traceback); classes that callers also
+catch as a built-in error keep that as a second base.
 """
 
 from __future__ import annotations

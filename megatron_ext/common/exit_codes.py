@@ -5,12 +5,10 @@ free, so the supervisor and the training read the same constants.
 from __future__ import annotations
 
 REFUSED = 1
-"""A refusal of the input (a lookup that cannot be answered, a corpus that cannot be
-preprocessed, flags a feature cannot work with), said in one readable message."""
+"""A refusal of the input (a lookup, a corpus, feature flags), said in one readable message."""
 
 USAGE = 2
-"""A usage error: what argparse exits with, and the tools' refusals of their own arguments
-(skip-list planning, launcher knobs, a Megatron target the overlay was not verified on)."""
+"""A usage error: argparse's, and the tools' refusals of their own arguments."""
 
 NOT_TRAINED = 3
 """``megatron-ext lookup`` of an iteration the run has not reached yet (no answer given)."""
@@ -22,8 +20,7 @@ FAILED_ON_RESULT_VALIDATION = 17
 """Megatron's ``EXIT_CODE_FAILED_ON_RESULT_VALIDATION``: a result failed validation twice."""
 
 STOPPED_EARLY = 75
-"""The supervisor's exit when the training keeps stopping early (exit 0 before its last
-iteration) without saving progress: not complete, not a crash (75 is EX_TEMPFAIL)."""
+"""The supervisor's exit when the training keeps stopping early without progress (EX_TEMPFAIL)."""
 
 SPIKE_ROLLBACK = 42
 """The default ``--spike-exit-code``: every rank asks the supervisor for a rollback."""
@@ -32,5 +29,4 @@ KILLED = 128 + 9
 """What a shell (the rank wrapper) reports for a child killed by SIGKILL."""
 
 HUNG = 43
-"""A rank's hang watchdog saw no progress within its bound: every rank dumped its stacks
-(``megatron_ext.common.records.hangs``); the supervisor restarts from the last checkpoint."""
+"""A rank's hang watchdog saw no progress within its bound (stacks dumped; restart)."""

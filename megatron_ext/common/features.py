@@ -1,11 +1,8 @@
-"""The feature protocol: one object per feature (z-loss, weight decay, telemetry, spike
-detector, sample log, drill), with its flags, checks, state and hooks.
+"""The feature protocol: one object per feature, with its flags, checks, state and hooks.
 
-A run calls ``add_args``, ``enabled`` (a disabled feature never runs), ``validate`` (raises
-:class:`FeatureError` before distributed init), ``install`` (then the installer applies its
-registry patches where ``needs_patch``), and the hooks the feature overrides, in
-:func:`megatron_ext.loop.install.all_features` order, from the registry's hook wrappers and
-the entry point (:mod:`megatron_ext.loop.gpt_step`). Features never import each other: what
+A run calls ``add_args``, ``enabled``, ``validate`` (before distributed init), ``install``
+(then its registry patches where ``needs_patch``) and the hooks it overrides, in
+:func:`megatron_ext.loop.install.all_features` order. Features never import each other: what
 one produces for another goes on the :class:`StepRecord` or the :class:`MicroBatch`.
 """
 
@@ -22,13 +19,11 @@ from megatron_ext.common.errors import StartupError
 
 
 class FeatureError(StartupError):
-    """A feature's flags cannot work as given; the message says what to do (exit 1, no
-    traceback: the entry point reports it)."""
+    """A feature's flags cannot work as given; the message says what to do (exit 1)."""
 
 
 def writing_rank(world_size: int) -> int:
-    """The rank that writes the per-step records and runs the spike detector: the last one,
-    which holds the last pipeline stage's losses."""
+    """The rank writing the per-step records (the last: it holds the last stage's losses)."""
     return world_size - 1
 
 
@@ -43,8 +38,7 @@ def print_rank_0(message: str) -> None:
 
 
 def collective_device() -> str:
-    """Where a feature's collective tensor must live: NCCL reduces CUDA tensors only, gloo
-    (the CPU harness) CPU ones."""
+    """Where a collective's tensor must live: CUDA for NCCL, CPU for gloo (the CPU harness)."""
     import torch  # late: this module is imported by cores that never communicate
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,10 +85,8 @@ class MicroBatch:
 
 
 LM_LOSS_PER_TOKEN = "lm_loss_per_token"
-"""``MicroBatch.extras`` key: the ``[b, s]`` per-token loss that Megatron's ``lm loss``
-averages, published in ``on_loss`` by a feature whose training loss is not that (z-loss adds
-``c·log²Z``). Absent, the training loss (``LossInputs.per_token``) is the lm loss. Readers
-(worst-rank loss, sample log) use it so that they measure what ``lm loss`` measures."""
+"""``MicroBatch.extras`` key: the ``[b, s]`` per-token ``lm loss``, published in ``on_loss`` by
+a feature whose training loss differs (z-loss); absent, ``LossInputs.per_token`` is it."""
 
 
 @dataclass
@@ -187,9 +179,8 @@ HOOKS: tuple[Callable[..., Any], ...] = (
 
 @dataclass
 class ModelBuilt:
-    """``on_model_built``'s progress: the chunks the overlay's own model provider built so far
-    (megatron-core 0.17/0.18) and whether the hook ran, so that a version whose builder skips
-    it fails loudly (:meth:`FeatureSet.check_model_built`)."""
+    """The chunks the overlay's model provider built so far (0.17/0.18) and whether
+    ``on_model_built`` ran (:meth:`FeatureSet.check_model_built`)."""
 
     chunks: list[Any] = field(default_factory=list)
     hook_ran: bool = False
@@ -219,9 +210,8 @@ class FeatureSet:
         return [f for f in self.features if f.implements(hook)]
 
     def check_model_built(self) -> None:
-        """Fail loudly when ``on_model_built`` never ran though a feature uses it (a
-        megatron-core whose model builder skips the hook): its checks would otherwise
-        silently not run (registry ``model-pre-wrap-hooks``)."""
+        """Fail loudly when ``on_model_built`` never ran though a feature uses it (registry
+        ``model-pre-wrap-hooks``): its checks would silently not run."""
         if self.using(Feature.on_model_built) and not self.built.hook_ran:
             raise StartupError(
                 "on_model_built never ran: this megatron-core's model builder did not call "

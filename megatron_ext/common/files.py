@@ -1,9 +1,5 @@
 """Every file name megatron-ext reads or writes, and the Megatron names it must match: one
 place, so a reader and the writer never disagree about a name.
-
-Three "trackers": ``CHECKPOINT_TRACKER_FILE`` (Megatron's newest complete checkpoint),
-``RESULT_REJECTED_TRACKER_FILE`` (the launchers' default for Megatron's
-``--result-rejected-tracker-filename``), and the spike detector's ledger (``SPIKE_LEDGER_FILE``).
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ LEGACY_MODEL_FILE = "model_optim_rng.pt"
 BRIDGE_TRAIN_STATE_FILE = "train_state.pt"
 BRIDGE_TRACKER_FILE = "latest_train_state.pt"
 BRIDGE_RUN_CONFIG_FILE = "run_config.yaml"
-# Written by megatron-ext beside them (megatron_ext.bridge.checkpoints): the world and
-# data-parallel sizes, which Bridge's files do not hold and the lookup needs.
+# megatron-ext's beside them (megatron_ext.bridge.checkpoints): the world and DP sizes.
 BRIDGE_LAYOUT_FILE = "megatron_ext_bridge_layout.json"
 
 

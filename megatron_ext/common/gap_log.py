@@ -1,8 +1,6 @@
-"""An append-only JSONL log whose write failures never stop training, and leave a gap record.
-
-A full disk must not end a run: a failed write warns (at most once per :data:`WARN_EVERY_S`),
-later records retry, and the first that succeeds is preceded by a gap record
-(:func:`gap_record`) so readers say "not logged", not "not trained". No torch.
+"""An append-only JSONL log whose write failures never stop training: a failed write warns (at
+most once per :data:`WARN_EVERY_S`), later records retry, and the first that succeeds follows a
+gap record (:func:`gap_record`) so readers say "not logged", not "not trained". No torch.
 """
 
 from __future__ import annotations
@@ -24,8 +22,8 @@ WARN_EVERY_S = 60.0
 
 @dataclass(frozen=True)
 class Gap:
-    """Iterations whose records a write failure kept out of a log (a full disk): trained,
-    not logged. Read back from the gap record :class:`GapLog` wrote once writing worked."""
+    """Iterations whose records a write failure (a full disk) kept out of a log: trained, not
+    logged."""
 
     first_iteration: int
     last_iteration: int
@@ -44,8 +42,7 @@ class Gap:
 
 
 def gap_record(first: int, last: int, lost: int, reason: str, wall_time: float) -> dict:
-    """The line that stands for ``lost`` records of iterations ``first..last`` that could not
-    be written (``reason``: the error), appended once writing works again."""
+    """The line standing for ``lost`` records of iterations ``first..last`` not written."""
     return {GAP_KEY: asdict(Gap(first, last, lost, reason, wall_time))}
 
 

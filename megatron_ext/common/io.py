@@ -1,9 +1,6 @@
-"""Crash-safe files: append-only JSON Lines, atomic whole-file writes, JSON-safe records.
-
-Every file here is read by someone else, often after a kill -9: a JSONL record is one flushed
-``write`` (a kill leaves at most one torn line, terminated by the next writer, skipped by
-readers); whole files are replaced atomically, keeping their mode; non-finite floats are
-written as the strings ``"nan"``, ``"inf"``, ``"-inf"``.
+"""Crash-safe files: append-only JSON Lines (one flushed ``write`` a record: a kill -9 leaves at
+most one torn line, ended by the next writer, skipped by readers), atomic whole-file writes
+keeping the mode, and JSON-safe records (non-finite floats as ``"nan"``, ``"inf"``, ``"-inf"``).
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ from typing import Any, BinaryIO, TextIO
 
 DEFAULT_FILE_MODE = 0o666  # masked by the process umask, as open() does
 
-# Tests only: SIGKILL this process right after its k-th kill point (a step boundary of a
-# multi-step write), so fault tests kill a real process exactly there.
+# Tests only: SIGKILL this process right after its k-th kill point (a multi-step write's step).
 KILL_AT_STEP_ENV = "MEGATRON_EXT_TEST_KILL_AT_STEP"
 _kill_points_passed = 0
 
@@ -101,9 +97,8 @@ def _fsync_directory(directory: Path) -> None:
 def atomic_write(
     path: str | os.PathLike[str], data: str | bytes | Callable[[BinaryIO], None]
 ) -> Path:
-    """Replace ``path`` with ``data`` (text, bytes, or a function writing to a binary file)
-    so that readers never see a partial file; on any error the target is left untouched and
-    the temporary file is removed (a full disk leaves nothing behind)."""
+    """Replace ``path`` with ``data`` (text, bytes, or a function writing to a binary file);
+    readers never see a partial file, and an error leaves the target and no temporary."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     mode = _mode_for(target)
@@ -126,8 +121,7 @@ def atomic_write(
 
 
 def rename_durably(source: str | os.PathLike[str], destination: str | os.PathLike[str]) -> None:
-    """``os.rename`` (atomic on one filesystem, never a copy) made durable: both parent
-    directories are fsynced, so after a crash the entry is in exactly one of the two places."""
+    """``os.rename`` made durable: both parent directories are fsynced."""
     source, destination = Path(source), Path(destination)
     destination.parent.mkdir(parents=True, exist_ok=True)
     os.rename(source, destination)

@@ -1,9 +1,6 @@
-"""A training rank that fails ends, and takes its helper processes with it.
-
-Data-loader workers inherit Megatron's SIGTERM handler (``--exit-signal-handler``), so at a
-failed rank's exit ``multiprocessing`` SIGTERMs them, they ignore it, and it waits forever. On
-failure (an exception, or a non-zero ``SystemExit``) the rank SIGKILLs its children first;
-normal ends and Megatron's early exits are left alone.
+"""A training rank that fails ends, and takes its helper processes with it: data-loader workers
+inherit Megatron's SIGTERM handler, so ``multiprocessing`` would SIGTERM them at exit and wait
+forever.
 """
 
 from __future__ import annotations
@@ -14,10 +11,9 @@ from collections.abc import Callable
 
 
 def ending_children_on_failure[T](run: Callable[[], T]) -> T:
-    """Run ``run``; if it fails, SIGKILL every live ``multiprocessing`` child before re-raising.
-
-    SIGCHLD goes back to its default first: the data loader's handler raises in the main
-    thread when one of its workers dies by a signal, which would cut the kills short."""
+    """Run ``run``; if it fails (an exception, a non-zero ``SystemExit``), SIGKILL every live
+    ``multiprocessing`` child before re-raising (SIGCHLD reset first: the data loader's
+    handler would raise when a worker dies by a signal)."""
     try:
         return run()
     except BaseException as exc:

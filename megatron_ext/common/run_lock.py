@@ -48,8 +48,7 @@ class Holder:
 
 
 def _pid_start(pid: int) -> str | None:
-    """The kernel start time of ``pid`` (None: no such process on this host, or a zombie:
-    a killed process nobody reaped, as under a container's PID 1, is dead)."""
+    """The kernel start time of ``pid`` (None: no such process here, or a zombie: dead)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -116,8 +115,7 @@ def _publish(path: Path, holder: Holder) -> bool:
 
 
 def _take_over(path: Path, stale: Holder, why: str) -> None:
-    """Move a dead holder's lock aside (only the contender whose rename moved that very
-    lock wins; one that moved a newer lock puts it back)."""
+    """Move a dead holder's lock aside (a contender that moved a newer lock puts it back)."""
     aside = path.with_name(f".{path.name}.stale.{secrets.token_hex(4)}")
     try:
         os.rename(path, aside)
@@ -154,8 +152,8 @@ class Lease:
         return self.child if self.inherited_from else self.path
 
     def beat(self) -> str | None:
-        """Renew the heartbeat; a sentence when the lease is lost (taken over, or the
-        supervisor it was inherited from died)."""
+        """Renew the heartbeat; a sentence when the lease is lost (taken over, or its
+        supervisor died)."""
         current = read_holder(self.own_file)
         if current is None or current.token != self.holder.token:
             taker = f" by {current.describe()}" if current else ""
@@ -197,9 +195,8 @@ class Lease:
 
 
 def acquire(directory: str | os.PathLike[str], role: str, what: str, force: bool = False) -> Lease:
-    """Hold ``directory`` for ``role``, or inherit the lease whose token is in
-    :data:`TOKEN_ENV`; raise :class:`RunLockHeld` (naming the holder) while another live
-    writer holds it. ``what`` names the refused action in the message."""
+    """Hold ``directory`` for ``role``, or inherit the lease whose token is in :data:`TOKEN_ENV`;
+    :class:`RunLockHeld` (naming the holder and ``what`` was refused) while another holds it."""
     folder, pid = Path(directory), os.getpid()
     folder.mkdir(parents=True, exist_ok=True)
     path, start = folder / RUN_LOCK_FILE, _pid_start(pid) or ""

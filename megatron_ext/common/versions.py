@@ -14,9 +14,8 @@ from collections.abc import Mapping
 MIN_VERSION = "0.17.1"
 MAX_VERSION = "0.19.2"
 DEFAULT_VERSION = "0.19.2"  # the one the full test suite runs on
+# Every registry entry was verified on these (0.19.0's targets are source-identical to 0.19.2's).
 VERIFIED: tuple[str, ...] = ("0.17.1", "0.18.2", "0.19.0", "0.19.2")
-"""The exact versions every registry entry was verified on (CI proves 0.17.1, 0.18.2 and
-0.19.2; 0.19.0's registry targets are source-identical to 0.19.2's)."""
 
 # The verified versions by minor, as registry variants name them.
 ALL = VERIFIED  # an entry whose one form was verified on every supported version
@@ -24,9 +23,8 @@ V17 = tuple(v for v in VERIFIED if v.startswith("0.17."))
 V18 = tuple(v for v in VERIFIED if v.startswith("0.18."))
 V19 = tuple(v for v in VERIFIED if v.startswith("0.19."))
 
+# Set to 1 to try a megatron-core outside the range (warned; the registry's checks still apply).
 OVERRIDE_ENV = "MEGATRON_EXT_ALLOW_UNVERIFIED_MEGATRON_CORE"
-"""Set to 1 to try a megatron-core outside the range: it warns loudly, and every registry
-entry's own check still decides whether the run may start."""
 
 REQUIREMENT = f"megatron-core>={MIN_VERSION},<={MAX_VERSION}"
 
@@ -54,10 +52,9 @@ def parse(version: str) -> tuple[int, ...]:
 
 
 def nearest_verified(version: str) -> str:
-    """The verified version whose registry variants apply to ``version``: one of its own
-    minor line (the newest not newer than it, else the oldest: 0.18.1 -> 0.18.2), else the
-    newest verified one not newer than it (an override-tried 0.20.0 -> 0.19.2), else the
-    oldest."""
+    """The verified version whose variants apply to ``version``: the newest of its minor line not
+    newer than it, else that line's oldest (0.18.1 -> 0.18.2); without one, the same over all
+    verified versions (0.20.0 -> 0.19.2)."""
     try:
         key = parse(version)
     except ValueError:

@@ -1,9 +1,6 @@
 """The torch FSDP2 feature: on with Megatron's own ``--use-torch-fsdp2``, no flag of its own.
-
-Three megatron-core paths read a ``DTensor`` shard as the whole parameter (the params norm,
-torch_dist's parameter ids, Adam's step on resume); this feature's registry patches
-(``fsdp2-*`` in ``megatron_ext.registry.table``) put them right. Megatron is imported inside
-the wrappers.
+Its registry patches (``fsdp2-*``) put right three megatron-core paths that read a ``DTensor``
+shard as the whole parameter: the params norm, torch_dist's parameter ids, Adam's step on resume.
 """
 
 from __future__ import annotations
@@ -57,9 +54,8 @@ def optimizer_ids_of_shards(
     """Wrapper of ``fsdp2-checkpoint-param-ids``."""
 
     def get_optim_param_to_id_map(optim_params_iter: Any) -> dict[int, int]:
-        """Megatron's map, plus each DTensor parameter keyed by the local tensor object it
-        keeps: what the model's sharded state dict holds (``make_sharded_tensor_for_checkpoint``
-        stores ``_local_tensor``)."""
+        """Megatron's map, plus each DTensor parameter keyed by the local tensor object it keeps
+        (what ``make_sharded_tensor_for_checkpoint`` stores)."""
         params = list(optim_params_iter)
         mapping = original(params)
         for index, param in enumerate(params):

@@ -1,10 +1,8 @@
 """Megatron logic the overlay copies instead of calling, and the check that the copy is still right.
 
-The lookup re-implements a few pieces (sampler order, micro-batch calculator, dataset caches,
-tokenizer description, data-flag rules) where Megatron's own cannot serve: vectorised and
-inverted (document -> samples), as the megatron-core that trained the run did rather than the
-installed one, or finding caches without building datasets. Each
-:class:`Copy` records, per megatron-core line, the digest of its targets' code as verified;
+The lookup re-implements a few pieces where Megatron's own cannot serve (vectorised, inverted,
+as the megatron-core that trained the run did, or without building datasets). Each :class:`Copy`
+records, per megatron-core line, the digest of its targets' code as verified;
 :meth:`Copy.verify` compares the installed source's (read with :mod:`ast`, no import).
 """
 

@@ -1,8 +1,6 @@
-"""Where Megatron's loop and the training script call the installed features: the wrappers
-of the registry's ``hook-*`` patches (each bound to the run's FeatureSet, calling the features
-that override its hook, in hook order) and the functions a script's side calls for
-``on_model_built``, ``on_train_dataset``, ``on_batch`` and ``on_loss`` (the overlay's GPT step,
-a script of the user's own and the Bridge wiring alike: one path to the features).
+"""Where Megatron's loop and the training script call the installed features: the wrappers of
+the registry's ``hook-*`` patches (bound to the run's FeatureSet) and the functions a script's
+side calls for ``on_model_built``, ``on_train_dataset``, ``on_batch`` and ``on_loss``.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ from megatron_ext.common.features import (
     StepRecord,
 )
 
-# The report entries an evaluation keeps of those the features add: those whose exp() is a
-# perplexity (z loss and log z are training signals, logged while training).
+# The feature report entries an evaluation keeps: those whose exp() is a perplexity.
 EVALUATED = ("lm loss",)
 
 
@@ -134,9 +131,8 @@ def datasets(
     train_val_test_num_samples: list[int],
     vp_stage: int | None = None,
 ) -> tuple[Any, Any, Any]:
-    """The script's dataset provider, then ``on_train_dataset`` on its train dataset (on the
-    data-reading ranks, the only ones where it is not None). ``vp_stage`` is passed on only
-    when Megatron gives one (interleaved pipelines), as Megatron itself does."""
+    """The script's dataset provider (given ``vp_stage`` only when Megatron gives one), then
+    ``on_train_dataset`` on its train dataset where it is not None (data-reading ranks)."""
     features.check_model_built()  # pretrain builds the model before the datasets
     kwargs = {} if vp_stage is None else {"vp_stage": vp_stage}
     train, valid, test = provider(train_val_test_num_samples, **kwargs)
@@ -149,9 +145,8 @@ def datasets(
 def read_batch(
     features: FeatureSet, data_iterator: Iterator[dict[str, Any]], micro_batch: MicroBatch
 ) -> dict[str, Any]:
-    """TP rank 0 of a data-reading stage: the next micro-batch, as the data loader made it,
-    after ``on_batch`` saw it (and may have changed it). Its blend member ids (``dataset_id``,
-    which Megatron's own batch helpers drop) go on ``micro_batch`` first."""
+    """TP rank 0 of a data-reading stage: the next micro-batch after ``on_batch`` saw it (and
+    may have changed it); its blend member ids go on ``micro_batch`` first."""
     batch = next(data_iterator)
     micro_batch.reads_data = True
     micro_batch.dataset_ids = batch.get(DATASET_ID_KEY)
@@ -161,9 +156,8 @@ def read_batch(
 
 
 def loss_report(features: FeatureSet, inputs: LossInputs, report: dict[str, Any]) -> dict[str, Any]:
-    """The script's loss ``report`` with the entries ``on_loss`` adds (z-loss replaces
-    ``lm loss`` by the pure cross entropy); in evaluation only those of :data:`EVALUATED`,
-    since Megatron prints every evaluated entry with exp(value) as its perplexity."""
+    """The script's loss ``report`` with the entries ``on_loss`` adds; in evaluation only
+    :data:`EVALUATED` ones (Megatron prints exp(value) of each as a perplexity)."""
     for feature in features.using(Feature.on_loss):
         added = feature.on_loss(inputs) or {}
         report.update(

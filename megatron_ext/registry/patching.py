@@ -1,10 +1,8 @@
 """The registry's mechanism: a :class:`Patch` replaces a Megatron attribute with a wrapper, an
 :class:`Assumption` is a private name read without replacing it. Each names its target
-(``module:qualname``, resolved only when verified or applied), why, and the megatron-core
-versions it was verified on, with a :class:`Variant` for each other line of megatron-core;
-:meth:`~_Versioned.selected` is the form for the installed version. Verification fails loudly
-when a target moved or changed shape; applying is idempotent. :func:`check_version` refuses a
-megatron-core outside the supported range.
+(``module:qualname``), why, and the versions it was verified on, with a :class:`Variant` per
+other megatron-core line. Verification fails loudly when a target changed; applying is
+idempotent; :func:`check_version` refuses a megatron-core outside the supported range.
 """
 
 from __future__ import annotations
@@ -138,14 +136,10 @@ class _Versioned:
 
 @dataclass(frozen=True)
 class Patch(_Versioned):
-    """One runtime replacement of a Megatron attribute.
-
-    ``wrap(original)`` (or ``wrap(original, bound)``, with what :meth:`apply` is given: the
-    feature or feature set the replacement reads) returns the replacement. ``also_bound_in``
-    lists modules holding their own ``from target_module import name`` reference, rebound too.
-    ``hook`` is the Feature hook a ``kind="hook"`` patch dispatches to, ``feature`` the class a
-    ``kind="feature"`` patch belongs to.
-    """
+    """One runtime replacement of a Megatron attribute: ``wrap(original)`` (or ``wrap(original,
+    bound)``, ``bound`` given to :meth:`apply`) returns it. ``also_bound_in``: modules whose own
+    ``from module import name`` is rebound too; ``hook`` / ``feature``: the Feature hook or
+    class a ``kind="hook"`` / ``"feature"`` patch belongs to."""
 
     name: str
     target: str

@@ -1,10 +1,8 @@
 """The run lock in training: global rank 0 holds ``--save`` before anything is written.
 
-The first feature installed: rank 0 takes the lease in ``install``, before distributed init;
-the other ranks write only after rank 0 joined the process group. Under the supervisor the
-lease is the supervisor's (its token in the environment) and a dead supervisor stops the
-training with SIGTERM (save and exit); a training whose own lease was taken over
-(``--force-run-lock`` elsewhere) exits at once without saving.
+The first feature installed: rank 0 takes the lease in ``install``, before distributed init.
+Under the supervisor the lease is inherited, and a dead supervisor stops the training with
+SIGTERM (save and exit); a training whose own lease was taken over exits without saving.
 """
 
 from __future__ import annotations

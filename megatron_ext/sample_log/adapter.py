@@ -1,12 +1,9 @@
 """The sample-log feature in Megatron: ``--sample-log-dir``.
 
-On the rank that reads the data and computes the loss (TP rank 0 of the last stage): every
-train sample carries its global index (:class:`SampleIdDataset`); ``on_batch`` takes each
-micro-batch's sample ids and token SHA-1s from the host batch as trained (drill corruption
-included); ``on_loss`` keeps its losses as device tensors; ``after_step`` makes one host
-transfer per iteration and writes one record per micro-batch. Under context parallelism the
-sums are added over the CP group and CP rank 0 writes. Global rank 0 appends the attempt's
-layout line at ``on_setup``.
+On TP rank 0 of the last stage, ``on_batch`` takes each micro-batch's sample ids (added by
+:class:`SampleIdDataset`) and token SHA-1s as trained, ``on_loss`` keeps its losses on the
+device, and ``after_step`` makes one host transfer and writes one record per micro-batch (CP
+rank 0, the sums added over the CP group). Global rank 0 appends the layout line at ``on_setup``.
 """
 
 from __future__ import annotations

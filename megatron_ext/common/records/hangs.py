@@ -1,9 +1,6 @@
 """Hang dumps: what a rank's watchdog writes when training stops making progress, and the
-report the supervisor builds from them (no torch, no Megatron).
-
-An attempt's folder (``MEGATRON_EXT_HANG_DIR``) holds ``request.json``, ``rank-R.json`` per
-rank and ``report.json``. The hung rank is the one not waiting in a collective; failing that,
-the first to stop progressing; a rank without a dump is named silent.
+report the supervisor builds from them (no torch, no Megatron). An attempt's folder
+(``MEGATRON_EXT_HANG_DIR``) holds ``request.json``, ``rank-R.json`` per rank and ``report.json``.
 """
 
 from __future__ import annotations
@@ -18,9 +15,8 @@ from megatron_ext.common.io import atomic_write_json, json_safe
 HANG_DIR_ENV = "MEGATRON_EXT_HANG_DIR"
 REQUEST_FILE = "request.json"
 REPORT_FILE = "report.json"  # the attempt's report, beside the dumps
-# An innermost frame inside torch.distributed means the thread waits on its peers (a
-# collective or a store), not that it is stuck alone. Only the innermost frames count: the
-# whole forward runs inside Megatron's DDP wrapper.
+# An innermost frame inside torch.distributed: the thread waits on its peers, not stuck alone
+# (only the innermost frames count: the whole forward runs inside Megatron's DDP wrapper).
 COLLECTIVE_PATH = "torch/distributed/"
 INNERMOST = 2
 
@@ -124,7 +120,8 @@ class HangReport:
 
 
 def report(dumps: list[HangDump], world_size: int | None = None) -> HangReport | None:
-    """The hang the dumps describe; None when there are none."""
+    """The hang the dumps describe (None: no dumps): the ranks not waiting in a collective, else
+    the silent ones (no dump), else the first to stop progressing."""
     if not dumps:
         return None
     world = world_size or max(d.world_size for d in dumps)

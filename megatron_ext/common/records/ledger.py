@@ -1,9 +1,6 @@
-"""The spike ledger and the incident plans, as readers see them (no Megatron imports).
-
-The ledger (``SIGNALS_DIR/spikes.jsonl``) holds the detector's events and, per attempt, a
-``config`` line (thresholds, ``--save``, ``--sample-log-dir``), so a plot made weeks later
-judges the run by the thresholds it had. The plans (``megatron-ext skiplist``) are
-``CKPT/megatron_ext_incidents/incident-NNN.json``.
+"""The spike ledger (``SIGNALS_DIR/spikes.jsonl``: the detector's events and a ``config`` line
+per attempt) and the incident plans (``CKPT/megatron_ext_incidents/incident-NNN.json``), as
+readers see them (no Megatron imports).
 """
 
 from __future__ import annotations

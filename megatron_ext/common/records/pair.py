@@ -1,9 +1,6 @@
-"""A ``.bin``/``.idx`` pair that no reader can see mixed or damaged (docs/data.md).
-
-Megatron opens the two files independently, so a new ``.bin`` beside an old ``.idx`` returns
-wrong tokens silently: :func:`publish` removes the old ``.idx`` before renaming the pair into
-place, and :func:`check_pair` checks the ``.idx`` layout and ``preprocess``'s fingerprint
-trailer (registry ``idx-trailing-bytes``). No Megatron import here.
+"""A ``.bin``/``.idx`` pair that no reader can see mixed or damaged (docs/data.md): :func:`publish`
+removes the old ``.idx`` before renaming the pair into place, :func:`check_pair` checks the
+``.idx`` layout and ``preprocess``'s fingerprint trailer (registry ``idx-trailing-bytes``).
 """
 
 from __future__ import annotations
@@ -25,17 +22,9 @@ from megatron_ext.common.io import kill_point, remove_durably, rename_durably
 INDEX_MAGIC = b"MMIDIDX\x00\x00"  # indexed_dataset._INDEX_HEADER
 INDEX_VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
-# indexed_dataset.DType: the code stored in the .idx -> the token dtype of the .bin
-DTYPES = {
-    1: np.uint8,
-    2: np.int8,
-    3: np.int16,
-    4: np.int32,
-    5: np.int64,
-    6: np.float64,
-    7: np.float32,
-    8: np.uint16,
-}
+# indexed_dataset.DType: the code stored in the .idx (1-8, in this order) -> the .bin's dtype
+_CODED = (np.uint8, np.int8, np.int16, np.int32, np.int64, np.float64, np.float32, np.uint16)
+DTYPES = dict(enumerate(_CODED, start=1))
 ITEM_SIZES = {code: np.dtype(dtype).itemsize for code, dtype in DTYPES.items()}
 MAGIC = b"MXEXPAIR"  # trailer version 1: the .bin's fingerprint
 MAGIC_V2 = b"MXEXPAI2"  # version 2: and the SHA-256 of the .idx's header and arrays
@@ -55,8 +44,7 @@ class PairError(Refusal, ValueError):
 
 
 class IndexDamaged(PairError):
-    """The ``.idx`` is not a consistent index (truncated, a pointer, length or count changed,
-    an edit its recorded SHA-256 disagrees with); the message names the file, what and the fix."""
+    """The ``.idx`` is not a consistent index (truncated, edited); the message says how."""
 
 
 @dataclass(frozen=True)
@@ -222,9 +210,8 @@ def _check_arrays(
 def _check_index(
     handle: BinaryIO, idx_path: str | os.PathLike[str], layout: _Layout, bin_path: str
 ) -> bytes:
-    """Check the arrays (:func:`_check_arrays`) while another thread hashes the same bytes
-    (both release the GIL: the two cost about the larger of them, not their sum); the
-    digest of header and arrays."""
+    """:func:`_check_arrays` while another thread hashes header and arrays (both release the
+    GIL); the digest."""
     with ThreadPoolExecutor(1) as pool:
         digest = pool.submit(_body_digest, idx_path, layout.body)
         _check_arrays(handle, idx_path, layout, bin_path)
@@ -285,10 +272,8 @@ def check_pair(prefix: str) -> None:
 
 
 def index_identity(idx_path: str | os.PathLike[str], *, checked: bool) -> tuple[int, int, bytes]:
-    """(sequences, bytes of header and arrays, their SHA-256): what identifies an ``.idx``
-    whatever its trailer (a provenance sidecar binds to it). ``checked``: the pair just passed
-    :func:`check_pair`, so a version-2 trailer's SHA-256 is used as is; else the arrays are
-    hashed."""
+    """(sequences, bytes of header and arrays, their SHA-256): what a provenance sidecar binds
+    to. ``checked``: the pair just passed :func:`check_pair`, so a v2 trailer's digest is used."""
     with open(idx_path, "rb") as handle:
         layout = _layout(handle, idx_path)
     recorded = layout.trailer[2] if layout.trailer is not None else None
@@ -298,10 +283,8 @@ def index_identity(idx_path: str | os.PathLike[str], *, checked: bool) -> tuple[
 
 
 def publish(temporary: str, prefix: str) -> None:
-    """Move ``TEMPORARY.bin``/``.idx`` to ``PREFIX.bin``/``.idx`` in the order above.
-
-    Kill points (tests only, ``MEGATRON_EXT_TEST_KILL_AT_STEP``) follow steps 1 and 2.
-    """
+    """Move ``TEMPORARY.bin``/``.idx`` to ``PREFIX.bin``/``.idx`` (old ``.idx`` removed first;
+    kill points for the fault tests follow steps 1 and 2)."""
     remove_durably(f"{prefix}.idx")
     kill_point()
     rename_durably(f"{temporary}.bin", f"{prefix}.bin")

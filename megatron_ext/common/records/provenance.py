@@ -1,24 +1,8 @@
 """The provenance sidecar ``PREFIX.prov``: for every sequence of a ``.bin``/``.idx`` pair, the
-raw record it was tokenized from (shard, line, byte offset, and its id when one was named;
-a Parquet shard's row from 1 and its row group in the line and byte columns).
-
-The lookup names documents by their ``.idx`` index; removing them from a corpus needs what
-Megatron's ``preprocess_data.py`` drops. ``preprocess`` and ``provenance rebuild`` write it; the
-lookup, the incident report and ``blocklist apply`` read it. Layout (little-endian, sections
-8-byte aligned; columns memory-mapped, so a lookup reads a few pages)::
-
-    header  magic MXEXPROV, version, sequences, meta bytes, .idx body bytes, .idx SHA-256
-    meta    UTF-8 JSON: the shards (absolute path, size, sampled fingerprint), the id key,
-            the dtype of the shard column
-    shard   per sequence: its shard's index in meta["files"] (uint16; uint32 past 65,535)
-    line    per sequence: the 1-based line of its record in the shard (uint64)
-    byte    per sequence: that line's byte offset in the shard (uint64)
-    id_end  with ids: per sequence, where its id ends in the blob (uint64)
-    blob    with ids: the ids, UTF-8, back to back
-
-:func:`open_sidecar` refuses a sidecar whose ``.idx`` differs
-(:func:`~megatron_ext.common.records.pair.index_identity`), a truncated one or another
-version; each shard's size and fingerprint let a blocklist refuse a changed shard.
+raw record it was tokenized from (shard, line, byte offset, id when one was named; a Parquet
+shard's row from 1 and its row group). Written by ``preprocess`` and ``provenance rebuild``,
+read by the lookup, the incident report and ``blocklist apply``; its layout: docs/lookup.md.
+:func:`open_sidecar` refuses one whose ``.idx`` differs, a truncated one or another version.
 """
 
 from __future__ import annotations
@@ -54,8 +38,7 @@ def _align(offset: int) -> int:
 
 
 def shard_entry(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A shard as the sidecar records it: absolute path, size and sampled fingerprint (the
-    ``.bin``'s, :func:`~megatron_ext.common.records.pair.fingerprint`: O(1) reads of any file)."""
+    """A shard as the sidecar records it: absolute path, size, sampled fingerprint (as a .bin's)."""
     size, digest = fingerprint(path)
     return {"path": os.path.abspath(path), "size": size, "fingerprint": digest.hex()}
 
@@ -70,9 +53,8 @@ def write_sidecar(
     ids: tuple[np.ndarray, bytes | bytearray] | None,
     checked: bool,
 ) -> None:
-    """Write the sidecar of ``idx_path`` atomically: ``columns`` (shard index, line, byte
-    offset per sequence), with ``id_key`` the ``ids`` (end offsets, UTF-8 blob); ``checked``:
-    as :func:`~megatron_ext.common.records.pair.index_identity`."""
+    """Write the sidecar of ``idx_path`` atomically: ``columns`` (shard index, line, byte per
+    sequence), with ``id_key`` the ``ids`` (end offsets, UTF-8 blob); ``checked``: the pair's."""
     sequences, body, digest = index_identity(idx_path, checked=checked)
     if any(len(column) != sequences for column in columns) or (ids and len(ids[0]) != sequences):
         raise ProvenanceError(
@@ -97,8 +79,7 @@ def write_sidecar(
 
 
 class Recorder:
-    """The sources of a preprocessing, collected as it adds documents: compact arrays (20
-    bytes per sequence plus its id; a list of Python ints would take 80), one writer each.
+    """The sources of a preprocessing in compact arrays (20 bytes a sequence plus its id);
     ``describe`` makes a shard's entry (:func:`shard_entry`, or one that adds its format)."""
 
     def __init__(
@@ -204,9 +185,7 @@ def place(source: dict[str, Any]) -> str:
 
 def open_sidecar(prefix: str, *, checked: bool) -> Provenance | None:
     """``PREFIX.prov`` opened and checked against ``PREFIX.idx``; None when there is none.
-
-    ``checked``: the pair has just passed ``check_pair`` (a trailer's digest is then trusted,
-    :func:`~megatron_ext.common.records.pair.index_identity`)."""
+    ``checked``: the pair has just passed ``check_pair`` (its trailer's digest is trusted)."""
     path = prefix + SUFFIX
     if not os.path.isfile(path):
         return None

@@ -1,9 +1,6 @@
 """Per-rank record of which global sample ids each micro-batch trained on, and their losses
-(append-only JSONL, no Megatron imports): what was in a batch, on which rank.
-
-Beside each rank's file, ``attempts-dp{rank}.jsonl`` names where each attempt's records start
-(:mod:`~megatron_ext.common.records.sample_log_reader` bisects each run), and
-``layout.jsonl`` the DP size, batch sizes, skips and start point each attempt ran with.
+(append-only JSONL, no Megatron imports). Beside each rank's file, ``attempts-dp{rank}.jsonl``
+says where each attempt's records start, ``layout.jsonl`` the layout each attempt ran with.
 """
 
 from __future__ import annotations
@@ -114,9 +111,8 @@ DATA_FIELDS = ("data_path", "split", "seed", "seq_length", "dataloader_type")
 
 
 def layout_record(args: Any, job_id: str, wall_time: float) -> dict[str, Any]:
-    """An attempt's data layout, from Megatron's args after the checkpoint load: with its first
-    iteration and consumed samples the lookup places every later iteration without the
-    checkpoints."""
+    """An attempt's data layout, from Megatron's args after the checkpoint load (the lookup
+    places every later iteration from it, without the checkpoints)."""
     return {
         "first_iteration": int(args.iteration) + 1,
         "consumed_samples": int(args.consumed_train_samples),
@@ -132,9 +128,8 @@ def layout_record(args: Any, job_id: str, wall_time: float) -> dict[str, Any]:
 
 
 def append_layout(directory: str | os.PathLike[str], record: dict[str, Any]) -> None:
-    """Append one attempt's layout to ``DIR/layout.jsonl`` (one flushed line). A write
-    failure (a full disk) warns and training goes on: the lookup then places this attempt's
-    iterations from its checkpoints."""
+    """Append one attempt's layout to ``DIR/layout.jsonl``; a write failure only warns (the
+    lookup then places this attempt's iterations from its checkpoints)."""
     out = GapLog(Path(directory) / LAYOUT_FILE, "layout log")
     out.append(record, int(record["first_iteration"]))
     out.close()

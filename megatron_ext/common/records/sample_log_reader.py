@@ -34,9 +34,7 @@ class Attempt:
     ordinal: int  # 1-based, in file order (a scanned stretch's runs share its number)
     start: int  # byte offsets [start, end) of its records
     end: int
-    # False: no attempt line names it (older log, or a broken index), so it was scanned. The
-    # runs an indexed attempt splits into when it is not sorted (two writers) stay True.
-    indexed: bool
+    indexed: bool  # False: no attempt line names it (older log, broken index): scanned
     info: dict[str, Any] = field(default_factory=dict)  # the attempt line: job, host, pid, time
 
 
@@ -107,8 +105,7 @@ class RankLog(KeyedLines):
         return attempts
 
     def last_iteration(self) -> int | None:
-        """The highest iteration the file's attempts end with (a few tail reads): how far the
-        run got, as this rank recorded it."""
+        """The highest iteration the file's attempts end with (a few tail reads)."""
         ends = [self._last_keyed(attempt.end, attempt.start) for attempt in self.attempts]
         return max(end[0][0] for end in ends if end) if any(ends) else None
 
@@ -140,8 +137,7 @@ class RankLog(KeyedLines):
         return found, previous is None or previous <= last
 
     def _unsorted(self, stretch: Attempt, iteration: int) -> list[AttemptRecords]:
-        """Every line of a stretch no attempt line vouches for, split into runs where the keys
-        stop rising (each run one attempt, as far as the file can tell)."""
+        """A stretch no attempt line vouches for, split into runs where the keys stop rising."""
         runs: list[tuple[int, list[SampleRecord]]] = [(stretch.start, [])]
         previous = None
         lines = self.lines(stretch.start, stretch.end, READ)
@@ -228,9 +224,8 @@ def latest(groups: list[AttemptRecords]) -> dict[int, SampleRecord]:
 def read_iteration(
     directory: str | os.PathLike[str], iteration: int, dp_ranks: list[int]
 ) -> dict[int, list[AttemptRecords]]:
-    """``iteration``'s records in each rank's file (ranks without a file are left out), with a
-    progress bar on stderr when the ranks take more than two seconds (64 ranks of a cold
-    filesystem)."""
+    """``iteration``'s records in each rank's file (ranks without one left out); a progress bar
+    on stderr after two seconds."""
     from tqdm import tqdm
 
     out = {}

@@ -1,9 +1,6 @@
-"""Iteration ranges for ``--iterations-to-skip`` (no Megatron imports).
-
-Megatron takes a flat list of iterations; megatron-ext also takes ranges (``137000-137400``),
-files of them, and a rollback's ``A-B samples S-T`` windows (placed again at the global batch
-in force, :mod:`~megatron_ext.common.records.skip_windows`). :func:`resolve_argv` gives the
-entry point the union of every source, less what the loaded checkpoint already trained.
+"""Iteration ranges for ``--iterations-to-skip`` (no Megatron imports): ranges, files of them
+and a rollback's ``A-B samples S-T`` windows; :func:`resolve_argv` gives Megatron the flat union
+of every source, less what the loaded checkpoint already trained.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ from megatron_ext.common.records.skip_windows import (
     resume_point,
 )
 
-# Most iterations one start-up may skip: Megatron keeps the list flat (in args and every
-# checkpoint), and a skip list is for incidents (hundreds of iterations): more is a typo.
+# Most iterations one start-up may skip: Megatron keeps the list flat; more is a typo.
 MAX_SKIPPED = 100_000
 
 
@@ -187,8 +183,7 @@ class SkipSources:
         resume: ResumePoint | None,
     ) -> list[int]:
         """One source's iterations: its windows placed at :attr:`global_batch`, clipped to
-        ``train_iters`` (None: not clipped), less what the checkpoint's run trained; what
-        changed is added to :attr:`notes`."""
+        ``train_iters``, less what the checkpoint's run trained; changes go to :attr:`notes`."""
         placed: list[Window] = []
         for window in windows:
             if resume is None or self.global_batch is None:
@@ -227,18 +222,16 @@ def load_dir(argv: list[str]) -> str | None:
     return _flag(argv, "--load")
 
 
-# Megatron-ext's own flags, added to Megatron's argv here and read by the skip-list feature:
-# the placed windows it persists with the checkpoints, and the global batch they were placed
-# at (checked against Megatron's once it has parsed: taken from the checkpoint when not given).
+# Added to Megatron's argv here for the skip-list feature: the placed windows it persists,
+# and the global batch they were placed at.
 WINDOWS_FLAG = "--skip-sample-windows"
 WINDOWS_BATCH_FLAG = "--skip-windows-global-batch"
 
 
 def resolve_argv(argv: list[str]) -> tuple[list[str], SkipSources]:
-    """Megatron's argv with one flat ``--iterations-to-skip`` (the union of the flags, parsed
-    as argparse does, and the list persisted in ``--load``, its windows placed at the global
-    batch in force, less what the loaded checkpoint trained), and where each came from.
-    ``ValueError``/``OSError`` name a bad item or file, or a batch change Megatron refuses."""
+    """Megatron's argv with one flat ``--iterations-to-skip`` (flags, files and the list
+    persisted in ``--load``, settled as above), and where each came from. ``ValueError`` /
+    ``OSError`` name a bad item or file, or a batch change Megatron refuses."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--iterations-to-skip", nargs="*", action="extend", default=[])
     parser.add_argument("--iterations-to-skip-file", action="append", default=[])

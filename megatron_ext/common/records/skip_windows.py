@@ -1,10 +1,8 @@
 """Skip windows kept in samples, and the checkpoint a start-up resumes from (no Megatron).
 
-A rollback's window must keep its data out of training: its consumed-sample indices. At
-another ``--global-batch-size`` the same iteration numbers hold other samples, so
-:func:`place` maps a window's samples to the iterations that hold them now, from the
-checkpoint being loaded (:func:`resume_point`). :func:`check_batch_change` says in one line
-what Megatron's LR scheduler asserts on when the global batch changes.
+At another ``--global-batch-size`` the same iterations hold other samples: :func:`place` maps
+a rollback window's samples to the iterations that hold them now, from the checkpoint being
+loaded (:func:`resume_point`). :func:`check_batch_change` refuses a batch change in one line.
 """
 
 from __future__ import annotations
@@ -18,9 +16,8 @@ from megatron_ext.common.files import checkpoint_dir, read_checkpoint_tracker
 
 @dataclass(frozen=True)
 class Window:
-    """One skip-list item: iterations ``first``-``last``, and for a rollback's window the
-    consumed-sample indices ``samples`` (inclusive) they stand for, which outlive a change of
-    the global batch."""
+    """One skip-list item: iterations ``first``-``last`` and, for a rollback's window, the
+    consumed-sample indices ``samples`` (inclusive) they stand for."""
 
     first: int
     last: int
@@ -122,17 +119,10 @@ def check_batch_change(argv: list[str], resume: ResumePoint | None, batch: int |
         "--no-load-optim",
         "--finetune",
     ):
-        parser.add_argument(
-            flag, *([flag.replace("_", "-")] if "_" in flag else []), action="store_true"
-        )
+        spellings = {flag, flag.replace("_", "-")}
+        parser.add_argument(*sorted(spellings), action="store_true", dest="chosen")
     known = parser.parse_known_args(argv)[0]
-    chosen = (
-        known.override_opt_param_scheduler
-        or known.use_checkpoint_opt_param_scheduler
-        or known.no_load_optim
-        or known.finetune
-    )
-    if not (resume and resume.global_batch and batch and known.train_iters) or chosen:
+    if not (resume and resume.global_batch and batch and known.train_iters) or known.chosen:
         return
     if batch != resume.global_batch:
         raise ValueError(

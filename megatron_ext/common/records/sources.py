@@ -1,6 +1,5 @@
-"""Blend members as the per-source records name them (signals, the ledger's culprit, the
-drill's corrupted source): one rule in the record core, since features do not import each
-other, applied to the blend Megatron's ``get_blend_and_blend_per_split`` reads.
+"""Blend members as the per-source records name them (signals, the ledger's culprit, the drill's
+corrupted source): one rule, applied to the blend ``get_blend_and_blend_per_split`` reads.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """The spike detector's thresholds and their ``--spike-*`` flags (no Megatron imports), shared
-by training, ``megatron-ext plot`` (the run's recorded thresholds by default) and the
-benchmarks; docs/incidents.md "Spike detector" says how the defaults were chosen.
+by training, ``megatron-ext plot`` and the benchmarks; defaults: docs/incidents.md.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ def _flag(default: float, text: str) -> Any:
 class SpikeConfig:
     """Detector thresholds; the defaults and their reasons: docs/incidents.md "Spike detector"."""
 
-    # The thresholds with a --spike-* flag (its help) for training and plot alike.
     window: int = _flag(100, "healthy iterations in the rolling median/MAD")
     warmup: int = _flag(100, "iterations before the detector arms")
     loss_rel: float = _flag(
@@ -44,8 +42,7 @@ class SpikeConfig:
         "elevated loss may last, before a rollback",
     )
     context: int = 20  # signal records kept in each ledger event
-    # Per-source baselines (lm_loss_by_dataset): the average judged under the baseline's
-    # mixture, a member's own jump corroborates or flags (spikes/detector.py).
+    # Per-source baselines (lm_loss_by_dataset): a member's own jump corroborates or flags.
     per_source: bool = True
 
     def __post_init__(self) -> None:
