@@ -1,6 +1,8 @@
-"""A ``.bin``/``.idx`` pair that no reader can see mixed or damaged (docs/data.md): :func:`publish`
-removes the old ``.idx`` before renaming the pair into place, :func:`check_pair` checks the
-``.idx`` layout and ``preprocess``'s fingerprint trailer (registry ``idx-trailing-bytes``).
+"""A ``.bin``/``.idx`` pair that no reader can see mixed or damaged (docs/data.md). Megatron
+opens the two independently, so a new ``.bin`` beside an old ``.idx`` reads wrong tokens
+silently: :func:`publish` removes the old ``.idx`` before renaming the pair into place, and
+:func:`check_pair` checks the ``.idx`` layout and ``preprocess``'s fingerprint trailer (registry
+``idx-trailing-bytes``). No Megatron import here.
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ from megatron_ext.common.io import kill_point, remove_durably, rename_durably
 INDEX_MAGIC = b"MMIDIDX\x00\x00"  # indexed_dataset._INDEX_HEADER
 INDEX_VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
-# indexed_dataset.DType: the code stored in the .idx (1-8, in this order) -> the .bin's dtype
-_CODED = (np.uint8, np.int8, np.int16, np.int32, np.int64, np.float64, np.float32, np.uint16)
-DTYPES = dict(enumerate(_CODED, start=1))
+# indexed_dataset.DType: the code stored in the .idx -> the token dtype of the .bin
+DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 ITEM_SIZES = {code: np.dtype(dtype).itemsize for code, dtype in DTYPES.items()}
 MAGIC = b"MXEXPAIR"  # trailer version 1: the .bin's fingerprint
 MAGIC_V2 = b"MXEXPAI2"  # version 2: and the SHA-256 of the .idx's header and arrays
