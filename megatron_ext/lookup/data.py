@@ -108,8 +108,8 @@ def _open_npy(path: str) -> np.memmap:
     """A C-order numeric .npy cache array, memory-mapped read-only (nothing read yet)."""
     try:
         array = np.load(path, mmap_mode="r")
-    except (ValueError, EOFError) as exc:  # not an .npy, or shorter than its header says
-        raise DataChanged(f"{path} is not a readable .npy array (truncated?): {exc}") from exc
+    except (ValueError, EOFError) as exc:  # not an .npy, truncated, or Python objects
+        raise DataChanged(f"{path} is not a readable .npy array: {exc}") from exc
     if not array.flags.c_contiguous:
         raise DataChanged(f"{path} is not a C-order numeric .npy array (not a Megatron cache)")
     return array

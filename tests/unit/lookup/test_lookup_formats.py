@@ -11,7 +11,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from megatron_ext.lookup import data as formats
-from megatron_ext.lookup.errors import ConfigError
+from megatron_ext.lookup.errors import ConfigError, DataChanged
 
 # The compatibility tier runs this module on every supported megatron-core (tests/compat).
 pytestmark = pytest.mark.compat
@@ -64,3 +64,25 @@ def test_a_split_megatron_rejects_is_refused() -> None:
     assert formats.split_matrix("98,2,0")[0] == (0, 0.98)
     with pytest.raises(ConfigError, match="--split"):
         formats.split_matrix("1,2,3,4")
+
+
+def test_a_damaged_cache_array_is_refused_by_both_readers(tmp_path: Path) -> None:
+    """Megatron's index caches: mapped (answers) and read in chunks (inverse scans) alike."""
+    good = tmp_path / "good.npy"
+    np.save(good, np.arange(12, dtype=np.int64).reshape(6, 2))
+    assert np.array_equal(formats.map_array(str(good)), np.load(good))
+    chunks = [chunk for _, chunk in formats.array_chunks(str(good), 4)]
+    assert np.array_equal(np.concatenate(chunks), np.load(good))
+    truncated, objects, fortran = (tmp_path / f"{n}.npy" for n in ("cut", "obj", "f"))
+    truncated.write_bytes(good.read_bytes()[:-8])
+    np.save(objects, np.array([1, "a"], dtype=object))
+    np.save(fortran, np.asfortranarray(np.arange(12).reshape(3, 4)))
+    damaged = {
+        truncated: "mmap length is greater than file size",
+        objects: "Python objects in dtype",
+        fortran: "is not a C-order numeric .npy array",
+    }
+    for path, why in damaged.items():
+        for read in (formats.map_array, lambda p: next(formats.array_chunks(p, 4))):
+            with pytest.raises(DataChanged, match=why):
+                read(str(path))
