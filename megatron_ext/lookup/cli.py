@@ -188,6 +188,10 @@ def _usage(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None
         parser.error("--worst K (K >= 1) ranks one iteration's samples; not with --microbatch")
     if options.attempt is not None and (options.iteration is None or options.attempt < 1):
         parser.error("--attempt N (N >= 1) chooses whose training of an --iteration to answer")
+    if options.iteration is not None and options.iteration < 1:
+        parser.error(
+            f"--iteration must be >= 1 (iterations are 1-indexed), got {options.iteration}"
+        )
     if options.consumed_samples is not None and options.consumed_samples < 0:
         parser.error(f"--consumed-samples must be >= 0, got {options.consumed_samples}")
     needs_indices = (options.text, options.emit_blocklist, options.worst, options.attempt)

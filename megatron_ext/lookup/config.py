@@ -64,6 +64,11 @@ class Checkpoint:
 def load_checkpoint(path: str | Path, step: int | None = None) -> Checkpoint:
     """Read the saved args of a torch_dist checkpoint (a --save dir or one ``iter_*`` dir)."""
     root = Path(path)
+    if root.is_file():
+        raise ConfigError(
+            f"{root} is a file, not a checkpoint; pass the --save directory or an iter_NNNNNNN "
+            "directory, and --ckpt-step to choose one"
+        )
     try:
         tracked = None if step is not None else read_checkpoint_tracker(root)
     except TrackerError as exc:

@@ -6,6 +6,7 @@ where a recorded drill corrupted that batch.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,7 +291,13 @@ def ranked_samples(
         )
     if not by_loss:
         return sorted(out, key=lambda r: (r.microbatch, r.dp_rank, r.position))
-    return sorted(out, key=lambda r: (-(r.loss or 0.0), r.dp_rank, r.microbatch, r.position))
+    return sorted(out, key=lambda r: (-_badness(r.loss), r.dp_rank, r.microbatch, r.position))
+
+
+def _badness(loss: float | None) -> float:
+    """A sample's loss as a sort key: NaN (a diverged sample) is the worst, like inf (as a
+    key it would scramble the whole order); no loss logged is 0."""
+    return math.inf if loss is not None and math.isnan(loss) else loss or 0.0
 
 
 def log_answer(

@@ -59,6 +59,8 @@ def log_segments(path: Path) -> list[Segment]:
     segments = []
     for number, record in zip(content.line_numbers, content.records):
         try:
+            for name in LAYOUT_FIELDS[:6]:  # the sizes: null or not a number is no layout
+                int(record[name])
             segments.append(
                 Segment(
                     first=int(record["first_iteration"]),

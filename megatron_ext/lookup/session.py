@@ -31,7 +31,7 @@ from megatron_ext.lookup.config import (
     tokenizer_from_args,
 )
 from megatron_ext.lookup.data import TrainIndex, open_train_index, remap
-from megatron_ext.lookup.errors import CacheMissing, ConfigError, PositionError
+from megatron_ext.lookup.errors import CacheMissing, ConfigError, PositionError, Refused
 from megatron_ext.lookup.history import (
     AttemptAt,
     Attempts,
@@ -128,7 +128,13 @@ def spans_of(records: list[dict[str, Any]]) -> set[tuple[int, str, int]]:
 def write_jsonl(path: str | os.PathLike[str], records: Iterable[dict[str, Any]]) -> None:
     """Write ``records`` as compact JSON Lines, atomically (all or nothing)."""
     lines = (json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n" for r in records)
-    atomic_write(path, "".join(lines))
+    try:
+        atomic_write(path, "".join(lines))
+    except OSError as exc:
+        raise Refused(
+            f"cannot write {path}: {exc.strerror or exc}; nothing was written. Pass a file path "
+            "in a writable directory"
+        ) from None
 
 
 LAYOUT_FLAGS = ("--micro-batch-size", "--global-batch-size", "--data-parallel-size")

@@ -5,14 +5,22 @@ opens one): a rollback that skipped the onset, then a second rollback that train
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
 import pytest
 
-from megatron_ext.common.records.sample_log import SampleLog, SampleRecord
-from megatron_ext.lookup.errors import NotTrained
-from megatron_ext.lookup.history import History, Segment, attempts_at
+from megatron_ext.common.files import LAYOUT_FILE
+from megatron_ext.common.records.sample_log import (
+    LAYOUT_FIELDS,
+    SampleLog,
+    SampleRecord,
+    append_layout,
+    layout_record,
+)
+from megatron_ext.lookup.errors import ConfigError, NotTrained
+from megatron_ext.lookup.history import History, Segment, attempts_at, log_segments
 
 LAYOUT = {"data_parallel_size": 1, "micro_batch_size": 2, "global_batch_size": 2}
 
@@ -89,3 +97,24 @@ def test_judging_the_attempts_reads_only_the_asked_iteration(tmp_path: Path) -> 
     used = rchar() - before
     assert [a.number for a in found.at] == [1, 2] and found.answer(None).number == 2
     assert used < 64 << 10 < path.stat().st_size / 20, (used, path.stat().st_size)
+
+
+def test_a_layout_line_without_its_sizes_is_refused_naming_the_line(tmp_path: Path) -> None:
+    """A layout-log line whose DP/batch/parallel sizes are null or not numbers (an edited or
+    foreign line) is refused where it is read, naming file and line, not a TypeError from deep
+    inside the schedule when an iteration of its stretch is asked."""
+    sizes = dict.fromkeys(LAYOUT_FIELDS[:6], 1) | {"global_batch_size": 2}
+    args = argparse.Namespace(
+        iteration=0, consumed_train_samples=0, iterations_to_skip=None, **sizes
+    )
+    append_layout(tmp_path, layout_record(args, "job", time.time()))
+    assert log_segments(tmp_path / LAYOUT_FILE)[0].layout["global_batch_size"] == 2
+    for name, value in (("data_parallel_size", None), ("micro_batch_size", "two")):
+        append_layout(
+            tmp_path,
+            layout_record(argparse.Namespace(**{**vars(args), name: value}), "job", time.time()),
+        )
+        with pytest.raises(ConfigError, match=rf"{LAYOUT_FILE} line 2 is not a layout record"):
+            log_segments(tmp_path / LAYOUT_FILE)
+        lines = (tmp_path / LAYOUT_FILE).read_text().splitlines(keepends=True)
+        (tmp_path / LAYOUT_FILE).write_text(lines[0])

@@ -177,3 +177,61 @@ def test_worst_of_a_run_without_a_sample_log_is_refused_before_megatron(tmp_path
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert json.loads(result.stdout) == {"rc": 1, "heavy": []}, result.stderr[-2000:]
     assert "refused: --worst reads the sample log training wrote" in result.stderr
+
+
+def test_an_out_file_that_cannot_be_written_is_refused(tmp_path: Path, capsys) -> None:
+    """``--out`` (and ``--emit-blocklist``) to a directory, or under a file: a refusal naming
+    the path, not an OSError traceback; nothing is left beside it."""
+    logs, blocker = tmp_path / "logs", tmp_path / "a-file"
+    _write(logs, 7, {(0, 0): [3.0, 3.1]})
+    blocker.write_text("keep\n")
+    flags = ["--sample-log", str(logs), "--iteration", "7", "--from-sample-log", "--out"]
+    for target in (logs, blocker / "batch.jsonl"):
+        assert cli.main([*flags, str(target)]) == 1
+        err = capsys.readouterr().err
+        assert f"refused: cannot write {target}" in err and "Traceback" not in err
+    assert blocker.read_text() == "keep\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "logs"]
+    assert not [p for p in logs.iterdir() if p.name.startswith(".")]
+
+
+def test_a_checkpoint_path_that_is_a_file_is_refused(tmp_path: Path, capsys) -> None:
+    """``--from-checkpoint`` naming a file of the checkpoint (its tracker, ``metadata.json``):
+    the refusal says to pass the directory, not a NotADirectoryError traceback."""
+    ckpt = tmp_path / "ckpt"
+    write_loadable_checkpoint(ckpt / "iter_0000006", saved_args=(("sample_log_dir", None),))
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("6\n")
+    for path in (ckpt / "latest_checkpointed_iteration.txt", ckpt / "iter_0000006/metadata.json"):
+        argv = ["--from-checkpoint", str(path), "--iteration", "7", "--worst", "3"]
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert f"refused: {path} is a file" in err and "iter_NNNNNNN directory" in err
+
+
+@pytest.mark.parametrize("iteration", ["0", "-3"])
+def test_an_iteration_below_1_is_a_usage_error(tmp_path: Path, capsys, iteration: str) -> None:
+    """Iterations are 1-indexed: 0 or a negative one is said so, not answered with a gap of
+    the layout history or a sample log lacking it."""
+    _write(tmp_path, 7, {(0, 0): [3.0, 3.1]})
+    for more in (["--from-sample-log"], ["--data-parallel-size", "1"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["--sample-log", str(tmp_path), "--iteration", iteration, *more])
+        assert exit_.value.code == 2
+        assert f"--iteration must be >= 1 (iterations are 1-indexed), got {iteration}" in (
+            capsys.readouterr().err
+        )
+
+
+def test_a_nan_or_infinite_loss_ranks_worst(tmp_path: Path) -> None:
+    """A diverged sample (loss NaN or inf, as the sample log writes them) is the worst, not
+    sorted at random: a NaN key used to scramble the whole ranking (3.0 came first)."""
+    nan, inf = float("nan"), float("inf")
+    _write(tmp_path, 7, {(0, 0): [3.0, nan], (0, 1): [2.9, 7.0], (1, 0): [6.5, inf]})
+    ranked = ranked_samples(tmp_path, 7)
+    assert [(r.dp_rank, r.microbatch, r.position) for r in ranked[:4]] == [
+        (0, 0, 1),
+        (1, 0, 1),
+        (0, 1, 1),
+        (1, 0, 0),
+    ]
+    assert [r.loss for r in ranked[2:]] == [7.0, 6.5, 3.0, 2.9]
