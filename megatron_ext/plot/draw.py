@@ -398,6 +398,17 @@ def _draw_layers(axis, name: str, lines: list[Series]) -> None:
     axis.legend(loc="upper right", fontsize=7, ncols=2)
 
 
+def _check_paths(path: Path, ledger_path: Path, out: Path) -> None:
+    """ValueError for a log that is not there, or an ``--out`` that would replace a log (a PNG
+    over the run's record) or is a folder."""
+    if not path.is_file():
+        raise ValueError(f"{path} not found (was the run started with --signals-dir?)")
+    if out.resolve() in (path.resolve(), ledger_path.resolve()):
+        raise ValueError(f"--out {out} is a log this plot reads; name a .png file")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; name a .png file in it")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Plot a signals log; 0 written, 1 refused, 2 usage error."""
     parser = build_parser()
@@ -415,8 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     default_out = path.with_suffix(".png") if options.signals else path.parent / SIGNALS_PLOT_FILE
     out = Path(options.out) if options.out else default_out
     try:
-        if not path.is_file():
-            raise ValueError(f"{path} not found (was the run started with --signals-dir?)")
+        _check_paths(path, ledger_path, out)
         series, stats = build_series(path, options.attempts, config, ledger, flags_given(options))
         if not stats.records:
             raise ValueError(f"{path} holds no signals records (did the run reach iteration 1?)")
@@ -428,7 +438,15 @@ def main(argv: list[str] | None = None) -> int:
         f"iterations {stats.first}-{stats.last}"
     )
     figure = render(series, title, plans, stats.gaps)  # atomically: someone may have it open
-    atomic_write(out, lambda stream: figure.savefig(stream, format="png"))
+    try:
+        atomic_write(out, lambda stream: figure.savefig(stream, format="png"))
+    except OSError as exc:
+        print(
+            f"megatron-ext plot: cannot write {out} ({exc.strerror or exc}); choose another "
+            "--out or fix its folder's permissions",
+            file=sys.stderr,
+        )
+        return 1
     tracked = [e for s in series if s.source == "ledger" for e in s.candidates]
     candidates = [e for s in series if s.source == "replay" for e in s.candidates]
     print(

@@ -365,6 +365,12 @@ def _blocks(log: SignalsLog, segment: Segment, stats: Stats, names: set[str]) ->
         stats.gaps += [(segment.attempt, gap) for _, gap in block.gaps]
         offset += len(data)  # the end of the block's lines: where an order error is reported
         it = block.values["iteration"]
+        if len(it) and segment.first_iteration > segment.last_iteration:  # no keyed line
+            raise OrderError(
+                f"{log.path}: before byte {offset}: signals records whose lines do not start "
+                '{"iteration":N,"attempt":M, as the writer\'s do (rewritten by another tool?); '
+                "write them back in the writer's key order"
+            )
         if len(it) and segment.first_iteration <= segment.last_iteration:
             before = np.r_[it[0] if previous is None else previous, it[:-1]]
             if ((block.values["attempt"] != segment.attempt) | (it < before)).any():

@@ -8,6 +8,7 @@ wrote (its config and events) and the incident plan of ``megatron-ext skiplist``
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -203,6 +204,36 @@ def test_cli_refusals(tmp_path: Path, log: Path, capsys: pytest.CaptureFixture[s
     assert main(["--signals", str(log), "--attempts", "7"]) == 1  # refused before reading
     assert "no attempt [7]" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_an_out_that_cannot_be_written_is_refused_and_no_log_is_overwritten(
+    log: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _ledger(log, tmp_path / "ckpt")
+    kept = {p: p.read_bytes() for p in (log, log.parent / "spikes.jsonl")}
+    for out in kept:  # a typo: the log itself, or the ledger beside it
+        assert main(["--signals", str(log), "--out", str(out)]) == 1
+        assert f"--out {out} is a log this plot reads" in capsys.readouterr().err
+    (tmp_path / "a_dir").mkdir()
+    assert main(["--signals", str(log), "--out", str(tmp_path / "a_dir")]) == 1
+    assert "is a directory; name a .png file" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match="torn"):  # its folder is a file: not writable
+        assert main(["--signals", str(log), "--out", str(log / "plot.png")]) == 1
+    assert f"cannot write {log / 'plot.png'}" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in kept} == kept
+    assert sorted(p.name for p in log.parent.iterdir()) == ["signals.jsonl", "spikes.jsonl"]
+    assert not list((tmp_path / "a_dir").iterdir())
+
+
+def test_records_rewritten_in_another_key_order_are_refused_as_such(
+    log: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = [json.loads(line) for line in log.read_text().splitlines()[:60]]
+    log.write_text("".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
+    assert main(["--signals", str(log)]) == 1
+    err = capsys.readouterr().err
+    assert 'do not start {"iteration":N,"attempt":M,' in err and "holds no" not in err
+    assert not log.with_suffix(".png").exists()
 
 
 @pytest.mark.parametrize(
