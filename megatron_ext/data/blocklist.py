@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,11 @@ def _entries(paths: list[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
             lines = path.read_text(encoding="utf-8").splitlines()
         except OSError as exc:
             raise BlocklistError(f"{path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise BlocklistError(
+                f"{path}: not UTF-8 text; a blocklist is the JSON Lines file that "
+                "`megatron-ext lookup --emit-blocklist` writes"
+            ) from None
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -249,6 +255,15 @@ def apply(args: argparse.Namespace) -> int:
             )
     for shard in shards.values():
         _check(shard)
+    try:
+        if not args.dry_run:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            tempfile.NamedTemporaryFile(dir=out_dir, prefix=".megatron-ext-write-test.").close()
+    except OSError as exc:
+        raise BlocklistError(
+            f"--out-dir {args.out_dir}: cannot write there ({exc.strerror or exc}); choose "
+            "another directory; nothing was written"
+        ) from None
     total = 0
     for path, shard in sorted(shards.items()):
         counts: list[tuple[int, int]] = []

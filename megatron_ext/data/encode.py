@@ -62,11 +62,11 @@ def fields(
         if key not in record:
             raise EncodeError(
                 f"{where}: missing key {key!r} (present: {sorted(record)}); "
-                "choose the key with --json-keys"
+                "choose the key with --json-keys (--json-key in `provenance rebuild`)"
             )
         if not isinstance(record[key], str):
             raise EncodeError(f"{where}: {key!r} is {type(record[key]).__name__}, not a string")
-        values.append(record[key])
+        values.append(_unicode(record[key], key, where))
     if id_key is None:
         return values, None
     record_id = record.get(id_key)
@@ -76,7 +76,20 @@ def fields(
             f"{where}: the record's id {id_key!r} (--provenance-key) is {what}, not a string or "
             "an integer; give every record one, or name another field"
         )
-    return values, str(record_id)
+    return values, _unicode(str(record_id), id_key, where)
+
+
+def _unicode(value: str, key: str, where: str) -> str:
+    """``value``, refused when it holds a lone surrogate (JSON's ``\\ud83d`` of a cut emoji):
+    valid JSON, but no UTF-8 tokenizer or sidecar can take it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise EncodeError(
+            f"{where}: {key!r} is not valid Unicode (a lone surrogate "
+            f"{value[exc.start]!r} at character {exc.start}); fix or remove this record"
+        ) from None
+    return value
 
 
 class Encoder:

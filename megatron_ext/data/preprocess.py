@@ -297,9 +297,17 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PreprocessError("--tokenizer-out only applies with --train-tokenizer")
     if args.provenance_key is not None and not args.provenance:
         raise PreprocessError("--provenance-key records ids in the sidecar; drop --no-provenance")
+    if repeated := next((k for k in args.json_keys if args.json_keys.count(k) > 1), None):
+        # One dataset per key: each of its documents would be written into it twice.
+        raise PreprocessError(f"--json-keys names {repeated!r} twice; give each key once")
     _check_writable(Path(args.output_prefix).absolute().parent, "the output directory")
     if args.train_tokenizer:  # --tokenizer-dir is the one trained (they are exclusive)
         args.tokenizer_dir = args.tokenizer_out or Path(f"{args.output_prefix}_tokenizer")
+        if args.tokenizer_dir.exists() and not args.tokenizer_dir.is_dir():
+            raise PreprocessError(
+                f"{args.tokenizer_dir}, where --train-tokenizer saves the tokenizer (a "
+                "directory), is a file; choose another --tokenizer-out"
+            )
         _check_writable(args.tokenizer_dir.absolute().parent, "the tokenizer output directory")
     if not args.allow_empty and next(_texts(args), None) is None:
         raise PreprocessError(

@@ -50,10 +50,16 @@ def records(path: Path, columns: list[str]) -> Iterator[tuple[int, int, Payload]
     parquet, number = _open(path, columns), 0
     for group in range(parquet.num_row_groups):
         batches = parquet.iter_batches(BATCH_ROWS, row_groups=[group], columns=columns)
-        for batch in batches:
-            for row in batch.to_pylist():
-                number += 1
-                yield number, group, row
+        try:
+            for batch in batches:
+                for row in batch.to_pylist():
+                    number += 1
+                    yield number, group, row
+        except (OSError, pa.ArrowException) as exc:  # a damaged page: not the output's fault
+            raise EncodeError(
+                f"{path}: row group {group} cannot be read ({exc}); the Parquet file is damaged, "
+                "restore it from a good copy"
+            ) from None
 
 
 def group_rows(parquet: pq.ParquetFile) -> list[int]:

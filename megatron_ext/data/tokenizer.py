@@ -86,8 +86,18 @@ def load_tokenizer(tokenizer_dir: str | Path) -> LoadedTokenizer:
             f"{tokenizer_dir} is not a Hugging Face tokenizer dir (missing {', '.join(missing)}); "
             "train one with `megatron-ext preprocess --train-tokenizer`"
         )
-    tokenizer = Tokenizer.from_file(str(tokenizer_dir / TOKENIZER_FILE))
-    eos = json.loads((tokenizer_dir / CONFIG_FILE).read_text(encoding="utf-8")).get("eos_token")
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_dir / TOKENIZER_FILE))
+    except Exception as exc:  # the Rust library raises a bare Exception
+        raise ValueError(
+            f"{tokenizer_dir / TOKENIZER_FILE} is not a readable tokenizer ({exc}); restore it "
+            "or train one with `megatron-ext preprocess --train-tokenizer`"
+        ) from None
+    try:
+        config = json.loads((tokenizer_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{tokenizer_dir / CONFIG_FILE} is not valid JSON ({exc})") from None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
     eos = eos.get("content") if isinstance(eos, dict) else eos  # older configs store an AddedToken
     eod_id = tokenizer.token_to_id(eos) if eos else None
     if eod_id is None:

@@ -152,7 +152,14 @@ class Provenance:
         and what ``blocklist apply`` checks the shard with (id key, size, fingerprint)."""
         if not 0 <= sequence < self.sequences:
             raise ProvenanceError(f"{self.path} has sequences 0..{self.sequences - 1}: {sequence}")
-        entry = self.files[int(self.shard[sequence])]
+        shard = int(self.shard[sequence])
+        if shard >= len(self.files):
+            raise ProvenanceError(
+                f"{self.path} is damaged: sequence {sequence} names file {shard}, but it lists "
+                f"{len(self.files)}. Rebuild it (megatron-ext provenance rebuild) or rerun the "
+                "preprocessing of its prefix"
+            )
+        entry = self.files[shard]
         record_id = None
         if self.id_end is not None and self.blob is not None:
             start = int(self.id_end[sequence - 1]) if sequence else 0

@@ -154,3 +154,24 @@ def test_the_lookup_names_the_parquet_row_of_each_document(
         assert source["id"] == corpus["rows"][row]["id"]
     assert lookup_cli.main([*flags, "--iteration", "2"]) == 0
     assert f"from: {place(documents[0]['source'])} (id " in capsys.readouterr().out
+
+
+def test_a_damaged_row_group_is_refused_naming_the_shard(
+    corpus: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    damaged = tmp_path / "damaged.parquet"
+    pq.write_table(pq.read_table(corpus["parquet"]), damaged, row_group_size=GROUP_ROWS)
+    chunk = pq.ParquetFile(damaged).metadata.row_group(2).column(1)  # row group 2's text
+    data = bytearray(damaged.read_bytes())
+    start = (chunk.dictionary_page_offset or chunk.data_page_offset) + 16
+    data[start : start + 32] = bytes(b ^ 0xFF for b in data[start : start + 32])
+    damaged.write_bytes(data)
+    out = tmp_path / "out"
+    command = ["preprocess", "--input", str(damaged), "--output-prefix", str(out / "d")]
+    assert cli.main([*command, "--tokenizer-dir", str(corpus["tok"])]) == 1
+    err = capsys.readouterr().err
+    assert f"{damaged}: row group 2 cannot be read" in err and "Free space" not in err
+    assert list(out.iterdir()) == []
+    rebuild = ["provenance", "rebuild", "--dataset", corpus["p"], "--input", str(damaged)]
+    assert cli.main([*rebuild, "--tokenizer-dir", str(corpus["tok"])]) == 1
+    assert f"{damaged}: row group 2 cannot be read" in capsys.readouterr().err

@@ -183,3 +183,54 @@ def test_missing_input_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> No
     assert rc == 1
     assert "nope.jsonl" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_lone_surrogate_names_the_line(
+    prepared: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # Valid JSON that no UTF-8 tokenizer (nor the sidecar's id column) can take.
+    tokenizer = ["--tokenizer-dir", str(prepared["tokenizer_dir"])]
+    bad = _run_expecting_error(tmp_path, ['{"text": "ok"}', '{"text": "cut \\ud83d"}'], *tokenizer)
+    err = capsys.readouterr().err
+    assert f"{bad}:2: 'text' is not valid Unicode" in err and "Traceback" not in err
+    lines = ['{"text": "ok", "id": "a\\udc80"}']
+    bad = _run_expecting_error(tmp_path, lines, *tokenizer, "--provenance-key", "id")
+    assert f"{bad}:1: 'id' is not valid Unicode" in capsys.readouterr().err
+    _run_expecting_error(tmp_path, ['{"text": "cut \\ud83d"}'], "--train-tokenizer")
+    assert f"{bad}:1: 'text' is not valid Unicode" in capsys.readouterr().err
+
+
+def test_a_damaged_tokenizer_dir_is_refused(
+    prepared: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    damaged = tmp_path / "tok"
+    damaged.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (damaged / name).write_bytes((prepared["tokenizer_dir"] / name).read_bytes())
+    (damaged / "tokenizer.json").write_text('{"truncated": ')
+    argv = ["--input", str(prepared["corpus"]), "--output-prefix", str(tmp_path / "d")]
+    assert main([*argv, "--tokenizer-dir", str(damaged)]) == 1
+    err = capsys.readouterr().err
+    assert f"{damaged / 'tokenizer.json'} is not a readable tokenizer" in err
+    (damaged / "tokenizer.json").write_bytes(
+        (prepared["tokenizer_dir"] / "tokenizer.json").read_bytes()
+    )
+    (damaged / "tokenizer_config.json").write_text("not json")
+    assert main([*argv, "--tokenizer-dir", str(damaged)]) == 1
+    assert f"{damaged / 'tokenizer_config.json'} is not valid JSON" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"]
+
+
+def test_a_repeated_json_key_or_a_file_as_tokenizer_out_is_refused(
+    prepared: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    argv = ["--input", str(prepared["corpus"]), "--output-prefix", str(tmp_path / "d")]
+    tokenizer = ["--tokenizer-dir", str(prepared["tokenizer_dir"])]
+    # Each document would be written twice into the one dataset of the key.
+    assert main([*argv, *tokenizer, "--json-keys", "text", "text"]) == 1
+    assert "--json-keys names 'text' twice" in capsys.readouterr().err
+    taken = tmp_path / "taken"
+    taken.write_text("a file, not a directory")
+    assert main([*argv, "--train-tokenizer", "--tokenizer-out", str(taken)]) == 1
+    assert f"{taken}, where --train-tokenizer saves the tokenizer" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]

@@ -203,3 +203,40 @@ def test_blocklist_apply_writes_filtered_copies_and_refuses_a_changed_shard(
     assert cli.main([*apply, str(tmp_path / "f6")]) == 1
     assert f"{blocklist}:1: its source lacks file_size" in capsys.readouterr().err
     assert not (tmp_path / "f5").exists() and not (tmp_path / "f6").exists()
+
+
+def test_blocklist_apply_refuses_a_binary_blocklist_and_an_out_dir_that_is_a_file(
+    corpus: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    apply = ["blocklist", "apply", "--blocklist"]
+    # The sidecar itself passed by mistake: not text.
+    assert cli.main([*apply, corpus["prefix"] + SUFFIX, "--out-dir", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert f"{corpus['prefix']}{SUFFIX}: not UTF-8 text" in err and "Traceback" not in err
+    provenance = open_sidecar(corpus["prefix"], checked=False)
+    blocklist = tmp_path / "bad.jsonl"
+    entry = {"dataset_path": corpus["prefix"], "document": 3, "source": provenance.source(3)}
+    blocklist.write_text(json.dumps(entry) + "\n")
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    assert cli.main([*apply, str(blocklist), "--out-dir", str(taken)]) == 1
+    assert f"--out-dir {taken}: cannot write there" in capsys.readouterr().err
+    assert taken.read_text() == "a file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "taken"]
+
+
+def test_a_sidecar_naming_a_shard_it_does_not_list_is_refused(corpus: dict, tmp_path: Path) -> None:
+    copy = tmp_path / "c_text_document"
+    for ext in (".bin", ".idx", SUFFIX):
+        shutil.copy(corpus["prefix"] + ext, f"{copy}{ext}")
+    provenance = open_sidecar(str(copy), checked=False)
+    column = provenance.shard.offset
+    damaged = bytearray(Path(f"{copy}{SUFFIX}").read_bytes())
+    damaged[column + 2 * 3] = 7  # one flipped byte: sequence 3 names shard 7 of 2
+    Path(f"{copy}{SUFFIX}").write_bytes(damaged)
+    provenance = open_sidecar(str(copy), checked=False)
+    with pytest.raises(
+        ProvenanceError, match=r"is damaged: sequence 3 names file 7, but it lists 2"
+    ):
+        provenance.source(3)
+    assert provenance.source(2)["line"] == 3
