@@ -281,6 +281,11 @@ def _make_plan(
     args: argparse.Namespace,
 ) -> tuple[Plan, list[dict[str, Any]], list[SignalRecord], str] | None:
     """The plan, the ledger, the signals read and the incident's identity (None: applied)."""
+    if args.train_iters is not None and args.train_iters < 1:
+        raise PlanError(
+            f"--train-iters {args.train_iters}: must be >= 1 (leave it out to read it from the "
+            "checkpoint)"
+        )
     ledger_path = args.ledger or args.signals_dir / SPIKE_LEDGER_FILE
     signals_path = args.signals_dir / SIGNALS_FILE
     for path in (ledger_path, signals_path):

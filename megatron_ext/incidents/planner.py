@@ -166,6 +166,19 @@ def latest_incident(ledger: list[dict[str, Any]]) -> dict[str, Any]:
                 "iteration number: the ledger line is damaged or was not written by the "
                 f"detector; fix or remove it (record: {str(event)[:200]})"
             )
+    if event["onset"] > event["iteration"]:
+        raise PlanError(
+            f"a {event.get('kind')} record of the spike ledger has onset={event['onset']} after "
+            f"its iteration {event['iteration']}: the ledger line is damaged; fix or remove it"
+        )
+    for key in ("attempt", "culprit_dp_rank"):
+        value = event.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise PlanError(
+                f"a {event.get('kind')} record of the spike ledger at iteration "
+                f"{event['iteration']} has {key}={value!r}, not a whole number: fix or remove "
+                "the line"
+            )
     for key in ("loss", "loss_baseline", "grad_norm", "grad_baseline"):
         value = event.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
@@ -353,6 +366,11 @@ def make_plan(
 ) -> Plan:
     """Decide the rollback target and skip window for the newest incident. ``batch_at(c)``:
     checkpoint c's consumed samples and global batch; ``problem(c)``: why c cannot load."""
+    if config.rollback_iters < 1:
+        raise PlanError(
+            f"--rollback-iters {config.rollback_iters}: must be >= 1 (the checkpoint at the "
+            "onset already holds the onset's update, and the skip window starts after it)"
+        )
     incident = latest_incident(ledger)
     onset = find_onset(incident, signals)
     confirm = config.policy == "confirm"

@@ -85,9 +85,35 @@ def _restore(path: Path, text: str | None) -> None:
         atomic_write(path, text)
 
 
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def applied_records(ckpt_dir: str | Path) -> list[dict[str, Any]]:
+    """The applied incidents; a line whose iteration fields are not whole numbers is refused
+    (the planner and the undo compute with them)."""
     path = applied_incidents_file(ckpt_dir)
-    return read_jsonl(path).records if path.exists() else []
+    if not path.exists():
+        return []
+    content = read_jsonl(path)
+    for number, record in zip(content.line_numbers, content.records, strict=True):
+        bad = [
+            f"{key}={record.get(key)!r}"
+            for key in ("incident", "onset", "rollback_to")
+            if not _whole(record.get(key))
+        ]
+        window = record.get("skip_window")
+        if window is not None and not (
+            isinstance(window, list) and len(window) == 2 and all(map(_whole, window))
+        ):
+            bad.append(f"skip_window={window!r}")
+        if bad:
+            raise TransactionError(
+                f"{path}:{number}: an applied incident with {', '.join(bad)}, not iteration "
+                "numbers: the line is damaged or was not written by `skiplist --apply`; restore "
+                "it from that incident's plan (incident-NNN.json next to it)"
+            )
+    return content.records
 
 
 def _move(ckpt_dir: Path, source: str, destination: str, journal: Journal) -> None:

@@ -52,11 +52,17 @@ def build_parser(scheduler: str) -> argparse.ArgumentParser:
     )
 
 
+def _scheduler(argv: list[str]) -> tuple[str, list[str]]:
+    """``--scheduler X`` or ``--scheduler=X`` first (default: local), and the other arguments."""
+    if argv[:1] == ["--scheduler"]:
+        return (argv[1:2] or [""])[0], argv[2:]
+    if argv[:1] and argv[0].startswith("--scheduler="):
+        return argv[0].partition("=")[2], argv[1:]
+    return "local", argv
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    scheduler = "local"
-    if argv[:1] == ["--scheduler"] and len(argv) > 1:
-        scheduler, argv = argv[1], argv[2:]
+    scheduler, argv = _scheduler(sys.argv[1:] if argv is None else list(argv))
     if scheduler not in NAMES:
         print(
             f"megatron-ext supervise: --scheduler must be local or slurm, got {scheduler!r}",

@@ -151,7 +151,10 @@ class Config:
         value = self.values["PYTHON"]
         if Path(value).exists() or shutil.which(value):
             return [value]
-        return shlex.split(value)
+        try:
+            return shlex.split(value)
+        except ValueError as exc:
+            raise KnobError(f"PYTHON: {exc} in {value!r}") from None
 
 
 def _absolute(value: str, cwd: Path) -> str:

@@ -249,9 +249,15 @@ class Supervisor:
 
     def main(self) -> NoReturn:
         config = self.config
-        self.take_run_lock()
-        for path in (config.ckpt_dir, self.launch_state, Path(self.tracker_file).parent):
-            path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.take_run_lock()
+            for path in (config.ckpt_dir, self.launch_state, Path(self.tracker_file).parent):
+                path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise KnobError(
+                f"cannot create the run's directories ({exc}): CKPT_DIR, LAUNCH_STATE_DIR and "
+                "the folder of TRACKER_FILE must be directories this user can write"
+            ) from None
         for name in STOP_SIGNALS:
             signal.signal(getattr(signal, f"SIG{name}"), self._on_signal)
         while True:

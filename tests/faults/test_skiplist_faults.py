@@ -307,6 +307,100 @@ def test_a_ledger_rollback_without_onset_is_refused(template, tmp_path) -> None:
 
 
 @fault(
+    "a rollback record without `onset` in the spike ledger when a launcher restarts the "
+    "training in place (ft_launcher, torchrun --max-restarts: the start-up applies it)",
+    "the start-up refuses naming the field and the damaged line, as `skiplist` does; no "
+    "KeyError traceback; nothing changed",
+    area="skiplist",
+)
+def test_a_damaged_pending_request_is_refused_at_start_up(template, tmp_path, monkeypatch):
+    from megatron_ext.common.run_lock import TOKEN_ENV
+    from megatron_ext.fork.start import prepare_skips
+    from megatron_ext.incidents.planner import PlanError
+
+    root = shutil.copytree(template, tmp_path / "run")
+    _rewrite_ledger(root, lambda e: {k: v for k, v in e.items() if k != "onset"})
+    monkeypatch.delenv(TOKEN_ENV, raising=False)  # no supervisor: the start-up applies it
+    monkeypatch.setenv("RANK", "0")
+    before = state(root)
+    argv = ["--load", str(root / "ckpt"), "--signals-dir", str(root / "signals")]
+    with pytest.raises(PlanError, match="has onset=None, not an iteration number"):
+        prepare_skips([*argv, "--spike-detect"])
+    assert state(root) == before
+
+
+APPLIED = {
+    "incident": 1,
+    "incident_id": "attempt1-iteration30-onset28",
+    "onset": 28,
+    "rollback_to": 25,
+    "skip_window": [26, 45],
+    "action": "rollback-and-skip",
+}
+
+
+@fault(
+    "a hand-edited `megatron_ext_incidents/applied.jsonl`: a record without `rollback_to`, "
+    'with `rollback_to: null`, `incident: "one"` or a one-number `skip_window`',
+    "refused (exit 2) naming the file, the line and the field; nothing changed; no "
+    "KeyError/TypeError/IndexError traceback",
+    area="skiplist",
+)
+@pytest.mark.parametrize(
+    ("record", "words"),
+    [
+        ({k: v for k, v in APPLIED.items() if k != "rollback_to"}, "rollback_to=None"),
+        ({**APPLIED, "rollback_to": None}, "rollback_to=None"),
+        ({**APPLIED, "incident": "one"}, "incident='one'"),
+        ({**APPLIED, "skip_window": [26]}, "skip_window=[26]"),
+    ],
+)
+def test_a_damaged_applied_record_is_refused(template, tmp_path, record, words) -> None:
+    root = shutil.copytree(template, tmp_path / "run")
+    applied = root / "ckpt" / "megatron_ext_incidents" / "applied.jsonl"
+    applied.parent.mkdir()
+    other = {**APPLIED, "incident_id": "attempt1-iteration20-onset18", "rollback_to": 15}
+    applied.write_text(json.dumps(other) + "\n" + json.dumps(record) + "\n")
+    before = state(root)
+    status, output = rerun(root, "--apply")
+    assert status == 2, output
+    assert f"{applied}:2: an applied incident with {words}" in output, output
+    assert "incident-NNN.json" in output
+    assert state(root) == before
+
+
+@fault(
+    "a typo in the persisted skip list `megatron_ext_skipped_iterations.txt` (`1-3000000`)",
+    "`skiplist` refuses (exit 2) as the training's start-up would, before expanding it (no "
+    "minutes of CPU and gigabytes of memory); nothing changed",
+    area="skiplist",
+)
+def test_a_huge_persisted_skip_list_is_refused(template, tmp_path) -> None:
+    root = shutil.copytree(template, tmp_path / "run")
+    (root / "ckpt" / "megatron_ext_skipped_iterations.txt").write_text("3\n1-3000000\n")
+    before = state(root)
+    status, output = rerun(root, "--apply")
+    assert status == 2, output
+    assert "megatron_ext_skipped_iterations.txt: skipping 3000000 iterations is more" in output
+    assert state(root) == before
+
+
+@fault(
+    "`skiplist --train-iters 0` or a negative value",
+    "refused (exit 2) naming the flag; 0 is not taken as 'not given'",
+    area="skiplist",
+)
+def test_train_iters_below_one_is_refused(template, tmp_path) -> None:
+    root = shutil.copytree(template, tmp_path / "run")
+    before = state(root)
+    for bad in ("0", "-1"):
+        status, output = rerun(root, "--train-iters", bad, "--apply")
+        assert status == 2, output
+        assert f"--train-iters {bad}: must be >= 1" in output, output
+    assert state(root) == before
+
+
+@fault(
     '`"NaN"` / `"Infinity"` strings (the JavaScript spellings) in the signals log and ledger',
     "read as floats: the plan is made as with numbers",
     area="skiplist",

@@ -4,6 +4,7 @@ checkpoints) and Megatron's own tracker parser agreeing with the confirm policy.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,31 @@ def test_planner_merges_applied_skips_but_not_an_unapplied_earlier_plan(tmp_path
     assert not (ckpt / "megatron_ext_incidents" / "incident-002.json").exists()
     plan = json.loads((ckpt / "megatron_ext_incidents" / "incident-001.json").read_text())
     assert plan["skip_ranges"] == [[20, 21], [141, 200]]
+
+
+def test_rollback_iters_below_one_is_refused() -> None:
+    """A target at or after the onset keeps the bad update and never skips the onset's batch."""
+    records = _records(200, STUCK)
+    for bad in (0, -5):
+        with pytest.raises(PlanError, match=rf"--rollback-iters {bad}: must be >= 1"):
+            make_plan(
+                _ledger(records), records, [100, 150, 155], [], PlanConfig(bad, 60), 1000, "/c"
+            )
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        ({"attempt": "2"}, "has attempt='2', not a whole number"),
+        ({"attempt": [1]}, "has attempt=[1], not a whole number"),
+        ({"culprit_dp_rank": "x"}, "has culprit_dp_rank='x', not a whole number"),
+        ({"culprit_dp_rank": 1.5}, "has culprit_dp_rank=1.5, not a whole number"),
+        ({"onset": 170}, "has onset=170 after its iteration 155"),
+    ],
+)
+def test_a_hand_edited_rollback_record_is_refused(edit: dict, words: str) -> None:
+    records = _records(200, STUCK)
+    ledger = _ledger(records)
+    ledger[-1] = {**ledger[-1], **edit}
+    with pytest.raises(PlanError, match=re.escape(words)):
+        make_plan(ledger, records, [100], [], PlanConfig(10, 60), 1000, "/c")

@@ -4,9 +4,11 @@ PATH), host lists and the knobs' validation."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -308,6 +310,31 @@ def test_invalid_knobs_rejected(h: Harness):
     assert h.run(SINGLE, "--dry-run", LAUNCHER="mpirun").returncode == 2
     assert h.run(SINGLE, "--dry-run", MAX_RESTARTS="many").returncode == 2
     assert h.run(SINGLE, "--dry-run", DRY_RUN="maybe").returncode == 2
+
+
+def test_unusable_paths_and_python_are_refused_without_a_traceback(h: Harness):
+    h.fake_launcher("0")
+    (h.tmp / "afile").write_text("")
+    r = h.run(SINGLE, "--dry-run", PYTHON="/opt/my python'3/bin/python")
+    assert r.returncode == 2 and "PYTHON: No closing quotation" in r.stderr, r.stderr
+    for knob in ("CKPT_DIR", "LAUNCH_STATE_DIR", "TRACKER_FILE"):
+        r = h.run(SINGLE, **{knob: str(h.tmp / "afile" / "x")})
+        assert r.returncode == 2, r.stderr
+        assert "cannot create the run's directories" in r.stderr and "afile" in r.stderr
+        assert "Traceback" not in r.stderr
+    assert h.launches == 0
+
+
+def test_scheduler_given_with_an_equals_sign_or_without_a_value(h: Harness):
+    supervise = [sys.executable, "-m", "megatron_ext.cli", "supervise"]
+    run = functools.partial(
+        subprocess.run, env=h.env, cwd=h.tmp, capture_output=True, text=True, timeout=60
+    )
+    r = run([*supervise, "--scheduler=slurm", "--dry-run"])
+    assert r.returncode == 2 and "SLURM_JOB_NODELIST is not set" in r.stderr, r.stderr
+    r = run([*supervise, "--scheduler"])
+    assert r.returncode == 2 and "--scheduler must be local or slurm, got ''" in r.stderr
+    assert h.launches == 0
 
 
 # ---------------------------------------------------------------------------
