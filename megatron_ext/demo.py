@@ -208,7 +208,13 @@ def _left_to_train(workdir: Path, iters: int, global_batch: int) -> int | None:
     tracker = ckpt / CHECKPOINT_TRACKER_FILE
     if not tracker.is_file():
         return None
-    done = int(tracker.read_text().strip())
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise SystemExit(
+            f"megatron-ext demo: {tracker} holds {text!r}, not an iteration number (a save cut "
+            "short?). Add --fresh to start over, or --workdir DIR to train elsewhere."
+        )
+    done = int(text)
     try:
         saved = read_saved_args(checkpoint_dir(ckpt, done))
     except (UnreadableState, OSError):
@@ -275,23 +281,36 @@ def _run(args: argparse.Namespace, command: list[str], workdir: Path, log_path: 
     return status
 
 
+def _settings(args: argparse.Namespace, shown: Path, workdir: Path) -> tuple[int, int]:
+    """``--iters`` and ``--nproc`` (their defaults when not given); refuses values that cannot
+    train and a ``--workdir`` that is, or lies under, a file."""
+    error = build_parser().error
+    taken = next((p for p in (workdir, *workdir.parents) if p.exists() and not p.is_dir()), None)
+    if taken is not None:
+        error(f"--workdir {shown}: {taken} is a file; give a folder (made if missing)")
+    iters = (60 if args.drill else 40) if args.iters is None else args.iters
+    if iters <= WARMUP_ITERS:
+        error(
+            f"--iters {iters}: the demo warms the learning rate up over {WARMUP_ITERS} "
+            f"iterations (--lr-warmup-iters), so it needs at least {WARMUP_ITERS + 1}"
+        )
+    nproc = (2 if args.drill else 1) if args.nproc is None else args.nproc
+    if nproc < 1:
+        error(f"--nproc {nproc}: give at least 1 process")
+    return iters, nproc
+
+
 def main(argv: list[str] | None = None) -> int:
     """Prepare data, train (drill: plan, apply and restart), print where everything went."""
     args = build_parser().parse_args(argv)
     shown = args.workdir or WORKDIRS[args.drill]
     workdir = shown.resolve()
+    iters, nproc = _settings(args, shown, workdir)
     if args.fresh or args.drill:
         for sub in ("checkpoints", "tensorboard", "samples", "signals", "train.log"):
             shutil.rmtree(workdir / sub, ignore_errors=True)
             (workdir / sub).unlink(missing_ok=True)
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
-    iters = args.iters or (60 if args.drill else 40)
-    if iters <= WARMUP_ITERS:
-        build_parser().error(
-            f"--iters {iters}: the demo warms the learning rate up over {WARMUP_ITERS} "
-            f"iterations (--lr-warmup-iters), so it needs at least {WARMUP_ITERS + 1}"
-        )
-    nproc = args.nproc or (2 if args.drill else 1)
     extra = [
         *(DRILL_FLAGS if args.drill else []),
         "--log-layer-norms",

@@ -138,3 +138,53 @@ def test_train_cpu_without_its_runner_says_how_to_reinstall(monkeypatch) -> None
     monkeypatch.setattr(train, "CPU_RUNNER", train.REPO / "no" / "run.py")
     with pytest.raises(SystemExit, match="reinstall megatron-ext"):
         train.main(["--cpu", "--", "--num-layers", "2"])
+
+
+def _no_launch(*_args: object) -> list[str]:
+    pytest.fail("the demo prepared data and launched training for arguments it should refuse")
+
+
+def test_iterations_and_processes_below_one_are_refused_not_replaced_by_defaults(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`--iters 0` trained the default 40 and `--nproc 0` ran the default 1 (a falsy value
+    read as "not given"); `--nproc -1` preprocessed, then died in torchrun's AssertionError."""
+    monkeypatch.setattr(demo, "training_command", _no_launch)
+    for argv, message in (
+        (["--iters", "0"], "warms the learning rate up over 5 iterations"),
+        (["--iters", "-3", "--drill"], "warms the learning rate up over 5 iterations"),
+        (["--nproc", "0"], "--nproc 0: give at least 1 process"),
+        (["--nproc", "-1"], "--nproc -1: give at least 1 process"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            demo.main(["--workdir", str(tmp_path / "w"), *argv])
+        assert exit_.value.code == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_workdir_that_is_a_file_is_refused_and_left_alone(tmp_path: Path, capsys) -> None:
+    """A file as --workdir (or above it) ended in NotADirectoryError from mkdir or, with
+    --fresh, from the clean-up."""
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine\n")
+    for workdir, fresh in ((taken, []), (taken, ["--fresh"]), (taken / "sub", [])):
+        with pytest.raises(SystemExit) as exit_:
+            demo.main(["--workdir", str(workdir), *fresh])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--workdir {workdir}: {taken} is a file" in err and "Traceback" not in err
+    assert taken.read_text() == "mine\n"
+
+
+def test_a_checkpoint_tracker_without_an_iteration_is_refused(tmp_path: Path) -> None:
+    """An empty (cut short) or garbled latest_checkpointed_iteration.txt ended in int()'s
+    ValueError; it names the file and what to do."""
+    _checkpoint(tmp_path, 20, 40, 8)
+    tracker = tmp_path / "checkpoints" / CHECKPOINT_TRACKER_FILE
+    for text in ("", "2x\n", "release\n"):
+        tracker.write_text(text)
+        with pytest.raises(SystemExit, match="not an iteration number") as exit_:
+            demo._left_to_train(tmp_path, 40, 8)
+        assert str(tracker) in str(exit_.value.code) and "--fresh" in str(exit_.value.code)
+        assert tracker.read_text() == text
