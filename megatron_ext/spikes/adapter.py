@@ -432,13 +432,36 @@ class DrillFeature(Feature):
         )
 
     def enabled(self, args: Any) -> bool:
-        return bool(args.drill_corrupt_batch)
+        # The other drill flags are validated too: without a batch they would do nothing.
+        return bool(
+            args.drill_corrupt_batch
+            or args.drill_corrupt_source
+            or args.drill_corruption != "garbage"
+        )
 
     def validate(self, args: Any) -> None:
+        if not args.drill_corrupt_batch:
+            given = "--drill-corrupt-source" if args.drill_corrupt_source else "--drill-corruption"
+            raise FeatureError(
+                f"{given} needs --drill-corrupt-batch START[-END]:DP_RANK (the batches it "
+                "corrupts); without it nothing is corrupted"
+            )
         try:
-            parse_spec(args.drill_corrupt_batch)
+            first, _, rank = parse_spec(args.drill_corrupt_batch)
         except ValueError as exc:
             raise FeatureError(str(exc)) from None
+        dp_size = getattr(args, "data_parallel_size", None)
+        if rank is not None and dp_size is not None and rank >= dp_size:
+            raise FeatureError(
+                f"--drill-corrupt-batch {args.drill_corrupt_batch!r}: DP rank {rank} does not "
+                f"exist (data-parallel size {dp_size}: ranks 0-{dp_size - 1}, or * for every "
+                "rank); nothing would be corrupted"
+            )
+        if args.train_iters is not None and first > args.train_iters:
+            raise FeatureError(
+                f"--drill-corrupt-batch {args.drill_corrupt_batch!r}: --train-iters "
+                f"{args.train_iters} never reaches {first}; nothing would be corrupted"
+            )
         names = train_members(args) if args.drill_corrupt_source else []
         if args.drill_corrupt_source and args.drill_corrupt_source not in names:
             raise FeatureError(

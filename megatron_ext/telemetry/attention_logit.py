@@ -36,6 +36,10 @@ class AttentionLogitFeature(Feature):
         return bool(args.signals_attention_logit)
 
     def validate(self, args: Any) -> None:
+        if not args.signals_dir:
+            raise FeatureError(
+                "--signals-attention-logit needs --signals-dir (it is a signals field)"
+            )
         if args.transformer_impl != "local":
             raise FeatureError(
                 "--signals-attention-logit reads the local attention implementation; with "

@@ -80,12 +80,22 @@ class ZLossFeature(Feature):
         )
 
     def enabled(self, args: Any) -> bool:
-        return args.z_loss_coeff != 0 or args.fused_output_loss or args.log_output_z
+        return bool(
+            args.z_loss_coeff != 0
+            or args.fused_output_loss
+            or args.log_output_z
+            or args.fused_output_loss_chunk_tokens  # validated: it needs --fused-output-loss
+        )
 
     def validate(self, args: Any) -> None:
         coeff = args.z_loss_coeff
         if not math.isfinite(coeff) or coeff < 0:
             raise FeatureError(f"--z-loss-coeff must be a finite number >= 0, got {coeff}.")
+        if args.fused_output_loss_chunk_tokens and not args.fused_output_loss:
+            raise FeatureError(
+                "--fused-output-loss-chunk-tokens needs --fused-output-loss (it sizes its "
+                "chunks); add --fused-output-loss or drop it."
+            )
         if args.fused_output_loss and args.fused_output_loss_chunk_tokens < 0:
             raise FeatureError(
                 "--fused-output-loss-chunk-tokens must be >= 1 (or 0 for the automatic size), "

@@ -99,3 +99,29 @@ def test_feature_set_validates_before_installing(tmp_path) -> None:
     with pytest.raises(FeatureError, match="--z-loss-coeff must be a finite number"):
         FeatureSet.install(loop.all_features(), args)
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--signals-attention-logit", "--transformer-impl", "local"], "needs --signals-dir"),
+        (["--fused-output-loss-chunk-tokens", "48"], "needs --fused-output-loss"),
+        (["--drill-corrupt-batch", "5:2"], "DP rank 2 does not exist"),
+        (["--drill-corrupt-batch", "30-40:1", "--train-iters", "20"], "never reaches 30"),
+        (["--drill-corrupt-source", "code"], "needs --drill-corrupt-batch"),
+        (["--drill-corruption", "mis-encoded"], "needs --drill-corrupt-batch"),
+    ],
+)
+def test_flags_that_would_silently_do_nothing_are_refused(tmp_path, flags, message) -> None:
+    """A value argparse accepts whose feature would never act (a drill on a DP rank the run does
+    not have, a signals field without the signals log): refused, not silently ignored."""
+    args = _args(tmp_path, *flags)
+    args.data_parallel_size = 2  # set by Megatron's validation
+    with pytest.raises(FeatureError, match=message):
+        FeatureSet.install(loop.all_features(), args)
+    assert not (tmp_path / "ckpt").exists()  # refused before the run lock
+    args = _args(tmp_path, "--drill-corrupt-batch", "5:1", "--train-iters", "20")
+    args.data_parallel_size = 2
+    for feature in loop.all_features():  # the drill on a rank and iteration the run has
+        if feature.enabled(args):
+            feature.validate(args)

@@ -83,12 +83,14 @@ def test_every_attention_of_a_real_gpt_is_hooked() -> None:
         ({"transformer_impl": "transformer_engine"}, "use Megatron's --log-max-attention-logit"),
         ({"log_max_attention_logit": True}, "keep one"),
         ({"window_size": (128, 0)}, "sliding-window"),
+        ({"signals_dir": None}, "needs --signals-dir"),  # recorded nowhere else
     ],
 )
 def test_what_it_cannot_read_is_refused(overrides: dict, message: str) -> None:
     args = SimpleNamespace(
         **{
             "signals_attention_logit": True,
+            "signals_dir": "signals",
             "transformer_impl": "local",
             "log_max_attention_logit": False,
             "window_size": None,
