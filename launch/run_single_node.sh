@@ -12,7 +12,8 @@
 # (default: the parent of launch/).
 set -euo pipefail
 
-root=${MEGATRON_EXT_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+# >/dev/null: through an exported CDPATH, cd prints the directory it went to
+root=${MEGATRON_EXT_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." >/dev/null && pwd)}
 if [[ ! -f $root/megatron_ext/supervise/runner.py ]]; then
     echo "run_single_node.sh: MEGATRON_EXT_ROOT=$root is not a megatron-ext checkout" \
         "(no megatron_ext/supervise/runner.py); unset it or point it at the repository" >&2

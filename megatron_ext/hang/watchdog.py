@@ -6,6 +6,7 @@ through the attempt's hang folder and exits :data:`~megatron_ext.common.exit_cod
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -23,7 +24,6 @@ from megatron_ext.common.records.hangs import (
     REPORT_FILE,
     REQUEST_FILE,
     HangDump,
-    dump_file,
     read_dumps,
     repeats_previous,
     report,
@@ -97,15 +97,27 @@ class Watchdog:
     def remember(self, path: Path) -> None:
         """Keep the durations for the next attempt (:meth:`recall`): a hang soon after a
         restart is then bounded by this run's history, not the first timeout."""
-        atomic_write_json(path, {p: list(d) for p, d in self._durations.items()})
+        try:
+            atomic_write_json(path, {p: list(d) for p, d in self._durations.items()})
+        except OSError as exc:  # a hint for the next attempt: never worth stopping training
+            print(
+                f"megatron-ext hang watchdog: cannot keep the durations in {path} ({exc}); "
+                "the next attempt starts from --hang-first-timeout",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def recall(self, path: Path) -> None:
+        """The durations :meth:`remember` kept; a damaged file (not this shape, or a duration
+        that is not a finite number >= 0) is ignored like a missing one."""
         try:
             saved = json.loads(path.read_text())
-        except (OSError, ValueError):
+            recalled = {p: [float(d) for d in saved.get(p, [])] for p in self._durations}
+        except (OSError, ValueError, TypeError, AttributeError):
             return
-        for phase, durations in self._durations.items():
-            durations.extend(float(d) for d in saved.get(phase, []))
+        if all(math.isfinite(d) and d >= 0 for ds in recalled.values() for d in ds):
+            for phase, durations in recalled.items():
+                self._durations[phase].extend(durations)
 
     def bound(self) -> float:
         durations = self._durations.get(self.phase)  # None: start-up
@@ -138,7 +150,7 @@ class Watchdog:
             if path.stat().st_mtime < self._started - 1.0:
                 return None
             return int(json.loads(path.read_text())["rank"])
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):  # damaged: as if none
             return None
 
     def _ask(self, stalled: float) -> int:
@@ -151,6 +163,8 @@ class Watchdog:
         except FileExistsError:
             first = self._request()
             return self.rank if first is None else first
+        except OSError:  # the folder went away or turned read-only: this rank dumps anyway
+            return self.rank
         return self.rank
 
     def _fire(self, detected_by: int, stalled: float) -> None:
@@ -167,26 +181,38 @@ class Watchdog:
             detected_by=detected_by,
             stacks=stacks(),
         )
-        dump.write(self.directory)
+        try:
+            stacks_at = f"stacks in {dump.write(self.directory)}"
+        except OSError as exc:  # a full disk, a read-only folder: the rank still exits
+            stacks_at = f"stacks not written ({exc})"
         asked = "" if detected_by == self.rank else f", asked by rank {detected_by}"
         print(
             f"megatron-ext hang watchdog: rank {self.rank}: no progress for {stalled:.1f} s at "
             f"iteration {dump.iteration} ({dump.phase}, last: {dump.last_progress}; bound "
             f"{dump.bound_s:.1f} s{asked}"
-            f"); stacks in {dump_file(self.directory, self.rank)}; exiting {exit_codes.HUNG} "
+            f"); {stacks_at}; exiting {exit_codes.HUNG} "
             "so that the launcher restarts from the last checkpoint",
             file=sys.stderr,
             flush=True,
         )
         # Nobody exits before the report is written: a launcher stops the other ranks as soon
         # as one exits, and the rank that fired writes the report once every rank dumped.
-        deadline = self.clock() + self.grace
-        while self.clock() < deadline and not self._settled(detected_by):
-            time.sleep(self.poll / 5)
-        if detected_by == self.rank:
-            self._report()
-        sys.stdout.flush()
-        self.exit(exit_codes.HUNG)
+        try:
+            deadline = self.clock() + self.grace
+            while self.clock() < deadline and not self._settled(detected_by):
+                time.sleep(self.poll / 5)
+            if detected_by == self.rank:
+                self._report()
+        except Exception as exc:  # a damaged earlier report, a full disk: the rank still exits
+            print(
+                f"megatron-ext hang watchdog: rank {self.rank}: no report.md "
+                f"({type(exc).__name__}: {exc})",
+                file=sys.stderr,
+                flush=True,
+            )
+        finally:
+            sys.stdout.flush()
+            self.exit(exit_codes.HUNG)
 
     def _settled(self, detected_by: int) -> bool:
         """The firing rank: every rank dumped; the others: the firing rank's report is out."""

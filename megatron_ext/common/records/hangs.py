@@ -151,4 +151,6 @@ def repeats_previous(directory: str | Path, iteration: int, where: str) -> bool:
         last = json.loads(max(earlier, key=lambda p: p.stat().st_mtime).read_text())
     except (OSError, ValueError):
         return False
+    if not isinstance(last, dict):  # damaged (written atomically: only by hand): no repeat
+        return False
     return (last.get("iteration"), last.get("where")) == (iteration, where)

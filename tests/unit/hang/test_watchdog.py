@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.common import exit_codes
-from megatron_ext.common.records.hangs import HangDump, read_dumps, report
+from megatron_ext.common.records.hangs import HangDump, read_dumps, repeats_previous, report
 from megatron_ext.hang.watchdog import Bounds, Watchdog
 
 
@@ -129,3 +129,51 @@ def test_a_request_by_rank_0_is_credited_to_rank_0(tmp_path: Path) -> None:
     first = Watchdog(0, 2, tmp_path)
     assert first._ask(5.0) == 0
     assert Watchdog(1, 2, tmp_path)._ask(5.0) == 0  # the exclusive create lost to rank 0
+
+
+@pytest.mark.parametrize(
+    "saved",
+    ["[]", "null", '{"train": 5}', '{"train": ["x"]}', '{"train": [null]}', '{"train": [1e999]}'],
+)
+def test_a_damaged_durations_file_is_ignored_like_a_missing_one(tmp_path: Path, saved: str) -> None:
+    """durations.json valid JSON of another shape: the start-up died in an AttributeError or a
+    TypeError, and an infinite duration made the bound infinite (the watchdog never fired)."""
+    (tmp_path / "durations.json").write_text(saved)
+    dog = Watchdog(0, 1, tmp_path, Bounds(5.0, 0.1, 100.0))
+    dog.recall(tmp_path / "durations.json")
+    dog.step_end(11)
+    assert dog.bound() == 100.0  # no history: the first timeout
+
+
+def test_durations_that_cannot_be_kept_do_not_stop_the_save(tmp_path: Path, capsys) -> None:
+    (tmp_path / "durations.json").mkdir()  # in the way: the replace fails
+    dog = Watchdog(0, 1, tmp_path)
+    dog.remember(tmp_path / "durations.json")
+    assert "cannot keep the durations in" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["durations.json"]  # no temporary left
+
+
+@pytest.mark.parametrize("request_body", ["[1]", '{"rank": null}', '"x"'])
+def test_a_damaged_request_still_lets_the_stall_fire(tmp_path: Path, request_body: str) -> None:
+    """A request.json of another shape killed the watching thread (a TypeError): the hang went
+    on with no stacks and no exit."""
+    dog = Watchdog(0, 1, tmp_path, Bounds(5.0, 0.3, 0.3), poll=0.05, grace=0.1)
+    (tmp_path / "request.json").write_text(request_body)
+    assert _run_until_exit([dog]) == {0: exit_codes.HUNG}
+
+
+def test_the_rank_exits_43_when_its_folder_is_gone_or_a_report_is_damaged(
+    tmp_path: Path,
+) -> None:
+    """The attempt's folder removed under the watchdog (FileNotFoundError on the request) or
+    an earlier attempt's report.json damaged (AttributeError): the thread died, no exit."""
+    gone = Watchdog(0, 1, tmp_path / "run-1", Bounds(5.0, 0.3, 0.3), poll=0.05, grace=0.1)
+    gone.start = lambda: (Watchdog.start(gone), (tmp_path / "run-1").rmdir())  # type: ignore
+    assert _run_until_exit([gone]) == {0: exit_codes.HUNG}
+    assert read_dumps(tmp_path / "run-1")  # the dump recreated the folder
+    (tmp_path / "run-0").mkdir()
+    (tmp_path / "run-0" / "report.json").write_text("[]")
+    (tmp_path / "run-1" / "report.json").unlink()
+    assert not repeats_previous(tmp_path / "run-2", 1, "x")  # the supervisor reads it too
+    again = Watchdog(0, 1, tmp_path / "run-2", Bounds(5.0, 0.3, 0.3), poll=0.05, grace=0.1)
+    assert _run_until_exit([again]) == {0: exit_codes.HUNG}

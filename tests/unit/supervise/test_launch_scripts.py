@@ -263,6 +263,18 @@ def test_sbatch_dry_run_python_launcher(h: Harness):
     assert h.launches == 0
 
 
+@pytest.mark.parametrize("script", [SBATCH, SINGLE])
+def test_a_relative_script_path_with_cdpath_exported_finds_the_checkout(h: Harness, script: Path):
+    """`checkout/launch/...` with CDPATH exported (a .bashrc's `export CDPATH=.:~`): `cd`
+    printed the directory it found, the checkout's path came out twice, and the launcher said
+    the repository itself was not a megatron-ext checkout."""
+    h.slurm()
+    (h.tmp / "checkout").symlink_to(REPO)
+    relative = Path("checkout") / script.relative_to(REPO)
+    words = dry_run_words(h.run(relative, "--dry-run", CDPATH=f"{h.tmp / 'elsewhere'}:."))
+    assert str(h.tmp / "checkout" / "pretrain_gpt_ext.py") in words
+
+
 def test_sbatch_outside_slurm_fails_clearly(h: Harness):
     r = h.run(SBATCH, "--dry-run")
     assert r.returncode == 2
