@@ -5,12 +5,25 @@ cannot work under Bridge is refused here, before anything starts (:class:`Bridge
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Any
 
 from megatron_ext.common.bridge_state import data_path_words
 from megatron_ext.common.errors import StartupError
+
+# Megatron's flags the launchers give any script (the skip list resolved): the integration
+# sets the config from the first three (megatron_ext.bridge.run.apply_launcher_flags).
+LAUNCHER_ARGS = frozenset(
+    {
+        "save",
+        "load",
+        "exit_signal_handler",
+        "iterations_to_skip",
+        "result_rejected_tracker_filename",
+    }
+)
 
 
 class BridgeRefusal(StartupError):
@@ -74,16 +87,9 @@ def megatron_args(config: Any, flags: list[str]) -> Any:
     """Megatron's parser (with the overlay's group) on ``flags``, then the ConfigContainer's
     fields the features read; also Megatron's global args (``calc_params_l2_norm`` reads them)."""
     from megatron.training import global_vars
-    from megatron.training.arguments import parse_args
 
-    from megatron_ext.loop.install import add_megatron_ext_args
-
-    argv = sys.argv
-    sys.argv = [argv[0], *flags]
-    try:
-        args = parse_args(extra_args_provider=add_megatron_ext_args)
-    finally:
-        sys.argv = argv
+    args = _parsed(flags)
+    refuse_megatron_flags(args, _parsed([]))
     if args.fused_output_loss and getattr(config.dataset, "eod_mask_loss", False):
         raise BridgeRefusal(
             "--fused-output-loss with dataset.eod_mask_loss=True: Bridge's GPT step does not "
@@ -94,6 +100,39 @@ def megatron_args(config: Any, flags: list[str]) -> Any:
         setattr(args, name, value)
     global_vars.set_args(args)
     return args
+
+
+def _parsed(flags: list[str]) -> Any:
+    """Megatron's parser, with the overlay's group, on ``flags``."""
+    from megatron.training.arguments import parse_args
+
+    from megatron_ext.loop.install import add_megatron_ext_args
+
+    argv = sys.argv
+    sys.argv = [argv[0], *flags]
+    try:
+        return parse_args(extra_args_provider=add_megatron_ext_args)
+    finally:
+        sys.argv = argv
+
+
+def refuse_megatron_flags(args: Any, defaults: Any) -> None:
+    """Megatron's own flags set in ``args``: Bridge trains what the ConfigContainer says, so
+    they would be accepted and ignored (the launchers' own, LAUNCHER_ARGS, excepted)."""
+    from megatron_ext.loop.install import add_megatron_ext_args
+
+    ours = {*vars(add_megatron_ext_args(argparse.ArgumentParser()).parse_args([])), *LAUNCHER_ARGS}
+    given = [
+        "--" + name.replace("_", "-")
+        for name, value in vars(args).items()
+        if name not in ours and value != getattr(defaults, name, value)
+    ]
+    if given:
+        raise BridgeRefusal(
+            f"{', '.join(given)}: Megatron's own flags, which Bridge does not read (it trains "
+            "what the ConfigContainer says, e.g. config.train.micro_batch_size); set them in "
+            "the config instead. The flags list holds megatron-ext's flags (docs/bridge.md)"
+        )
 
 
 def config_values(config: Any, args: Any) -> dict[str, Any]:

@@ -61,6 +61,23 @@ def test_z_loss_and_the_fused_output_loss_with_bridges_fused_cross_entropy_are_a
     )  # fmt: skip
 
 
+def test_megatrons_own_flags_which_bridge_would_ignore_are_refused(tmp_path: Path) -> None:
+    """Megatron's parser accepts its own flags, but Bridge trains what the ConfigContainer says:
+    they are refused, naming them, not silently ignored; the launchers' flags stay accepted."""
+    config = example_config(tmp_path)
+    for flags, named in (
+        (["--micro-batch-size", "7", "--spike-detect"], "--micro-batch-size:"),
+        (["--lr=0.5", "--train-iters", "99"], "--train-iters, --lr:"),
+    ):
+        with pytest.raises(bridge_args.BridgeRefusal, match=f"{named} Megatron's own flags"):
+            bridge_args.megatron_args(config, flags)
+    assert (config.train.micro_batch_size, config.train.train_iters) == (2, 4)
+    launchers = ["--save", str(tmp_path), "--load", str(tmp_path), "--exit-signal-handler"]
+    launchers += ["--result-rejected-tracker-filename", "t", "--iterations-to-skip", "3"]
+    args = bridge_args.megatron_args(config, [*launchers, "--signals-dir", str(tmp_path)])
+    assert (args.micro_batch_size, args.iterations_to_skip) == (2, [3])
+
+
 def test_a_forward_step_whose_loss_mask_cannot_be_read_is_refused() -> None:
     """The user's Bridge step must return its loss as ``partial(loss_func, loss_mask, ...)``
     (Bridge's gpt_step) or with ``loss_mask=`` (its distillation loss): the per-sample,
