@@ -95,6 +95,19 @@ def read_bridge_state(directory: str | Path) -> dict[str, Any]:
             f"needs {BRIDGE_RUN_CONFIG_FILE}, {BRIDGE_TRAIN_STATE_FILE} and megatron-ext's "
             f"{BRIDGE_LAYOUT_FILE} (written when megatron_ext.bridge.pretrain saves)"
         ) from None
+    try:
+        args = _as_args(config, state, layout)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:  # damaged or foreign
+        raise BridgeStateError(
+            f"{directory}: its {BRIDGE_RUN_CONFIG_FILE}, {BRIDGE_TRAIN_STATE_FILE} or "
+            f"{BRIDGE_LAYOUT_FILE} lacks what a Bridge run writes ({type(exc).__name__}: {exc}); "
+            "restore the checkpoint or use an earlier one"
+        ) from None
+    return {"args": args, "iteration": args.iteration, "checkpoint_version": 3.0}
+
+
+def _as_args(config: Any, state: Any, layout: Any) -> argparse.Namespace:
+    """Megatron's saved args from a Bridge checkpoint's run config, train state and layout."""
     args = copy.deepcopy(_megatron_defaults())
     for section in SECTIONS:
         for key, value in (config.get(section) or {}).items():
@@ -115,7 +128,7 @@ def read_bridge_state(directory: str | Path) -> dict[str, Any]:
     args.consumed_train_samples = counters["consumed_train_samples"]
     args.skipped_train_samples = counters["skipped_train_samples"]
     args.save = (config.get("checkpoint") or {}).get("save")
-    return {"args": args, "iteration": args.iteration, "checkpoint_version": 3.0}
+    return args
 
 
 def saved_overlay_args(load: str | Path) -> tuple[Path, dict[str, Any]] | None:

@@ -125,3 +125,41 @@ def test_truncated_data_file_is_unreadable(tmp_path: Path) -> None:
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(UnreadableState):
         read_common_state(tmp_path)
+
+
+def test_a_damaged_bridge_checkpoint_is_refused_by_the_reader_and_left_to_bridge_at_start_up(
+    tmp_path: Path,
+) -> None:
+    """A Bridge ``iter_*`` whose run_config.yaml is empty, a list or lacks ``model:``, or that
+    Bridge saved without the overlay (no layout file): the reader refuses in one line (it was
+    an AttributeError / KeyError), and the training start-up leaves it to Bridge's own load."""
+    import yaml
+
+    from megatron_ext.common.bridge_state import BridgeStateError
+    from megatron_ext.common.checkpoint_state import read_saved_args
+    from megatron_ext.common.files import BRIDGE_LAYOUT_FILE, BRIDGE_TRAIN_STATE_FILE
+    from megatron_ext.common.records.skip_windows import resume_point
+
+    step = tmp_path / "iter_0000004"
+    step.mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+    model = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "seq_length": 64}
+    config = {"model": model, "train": {"global_batch_size": 8}, "dataset": {"blend": None}}
+    counters = {"step": 4, "consumed_train_samples": 32, "skipped_train_samples": 0}
+    torch.save({k: torch.tensor(v) for k, v in counters.items()}, step / BRIDGE_TRAIN_STATE_FILE)
+    (step / BRIDGE_LAYOUT_FILE).write_text('{"data_parallel_size": 2, "world_size": 2}')
+    (step / "run_config.yaml").write_text(yaml.safe_dump(config))
+    saved = read_saved_args(step)
+    assert (saved.consumed_train_samples, saved.data_parallel_size) == (32, 2)
+    assert resume_point(["--load", str(tmp_path)]).consumed == 32
+    damaged = {"": "", "- a list\n": "", "train: {}\ndataset: {}\n": ""}
+    for text in damaged:
+        (step / "run_config.yaml").write_text(text)
+        with pytest.raises(BridgeStateError, match="lacks what a Bridge run writes"):
+            read_saved_args(step)
+        assert resume_point(["--load", str(tmp_path)]) is None
+    (step / "run_config.yaml").write_text(yaml.safe_dump(config))
+    (step / BRIDGE_LAYOUT_FILE).unlink()  # saved by Bridge alone
+    with pytest.raises(BridgeStateError, match="cannot read it as a Megatron-Bridge checkpoint"):
+        read_saved_args(step)
+    assert resume_point(["--load", str(tmp_path)]) is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from megatron_ext.common.bridge_state import BridgeStateError
 from megatron_ext.common.checkpoint_state import UnreadableState, read_saved_args
 from megatron_ext.common.files import checkpoint_dir, read_checkpoint_tracker
 
@@ -67,7 +68,7 @@ def resume_point(argv: list[str]) -> ResumePoint | None:
         return FRESH
     try:
         saved = read_saved_args(checkpoint_dir(known.load, iteration))
-    except (UnreadableState, OSError):
+    except (UnreadableState, BridgeStateError, OSError):  # Megatron's (Bridge's) load says
         return None
     return ResumePoint(
         iteration,
