@@ -68,12 +68,9 @@ def read_windows(path: str | os.PathLike[str]) -> list[Window]:
 
 
 def read_file(path: str | os.PathLike[str]) -> list[int]:
-    """Every iteration listed in a skip file (ranges expanded; refused above
+    """Every iteration listed in a skip file, sorted (ranges expanded; refused above
     :data:`MAX_SKIPPED`, as at start-up)."""
-    windows = read_windows(path)
-    merged = to_merged([(w.first, w.last) for w in windows])
-    refuse_too_many(sum(b - a + 1 for a, b in merged), f"{path}: ")
-    return [i for w in windows for i in range(w.first, w.last + 1)]
+    return clip([(w.first, w.last) for w in read_windows(path)], None, f"{path}: ")[0]
 
 
 def clip(
