@@ -149,6 +149,16 @@ def choose_target(
     )
 
 
+# The optional fields of a rollback request, the type each must have, and its name in refusals.
+_TYPED_FIELDS = (
+    *((key, int, "a whole number") for key in ("attempt", "culprit_dp_rank")),
+    *(
+        (key, int | float, "a number")
+        for key in ("loss", "loss_baseline", "grad_norm", "grad_baseline")
+    ),
+)
+
+
 def latest_incident(ledger: list[dict[str, Any]]) -> dict[str, Any]:
     """The newest rollback request in the ledger, its iterations and measurements checked."""
     rollbacks = [e for e in ledger if e.get("kind") == "rollback"]
@@ -171,20 +181,12 @@ def latest_incident(ledger: list[dict[str, Any]]) -> dict[str, Any]:
             f"a {event.get('kind')} record of the spike ledger has onset={event['onset']} after "
             f"its iteration {event['iteration']}: the ledger line is damaged; fix or remove it"
         )
-    for key in ("attempt", "culprit_dp_rank"):
+    for key, kind, what in _TYPED_FIELDS:
         value = event.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
             raise PlanError(
                 f"a {event.get('kind')} record of the spike ledger at iteration "
-                f"{event['iteration']} has {key}={value!r}, not a whole number: fix or remove "
-                "the line"
-            )
-    for key in ("loss", "loss_baseline", "grad_norm", "grad_baseline"):
-        value = event.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise PlanError(
-                f"a {event.get('kind')} record of the spike ledger at iteration "
-                f"{event['iteration']} has {key}={value!r}, not a number: fix or remove the line"
+                f"{event['iteration']} has {key}={value!r}, not {what}: fix or remove the line"
             )
     return event
 
