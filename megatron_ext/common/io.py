@@ -137,6 +137,13 @@ def remove_durably(path: str | os.PathLike[str]) -> None:
     _fsync_directory(target.parent)
 
 
+def check_writable(directory: str | os.PathLike[str]) -> None:
+    """Create ``directory`` and a file in it now, before any work (``OSError`` where either
+    fails), so that a refusal comes before anything is written."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    tempfile.NamedTemporaryFile(dir=directory, prefix=".megatron-ext-write-test.").close()
+
+
 def atomic_write_json(path: str | os.PathLike[str], value: Any) -> Path:
     """:func:`atomic_write` of an indented, JSON-safe document."""
     return atomic_write(path, json.dumps(json_safe(value), indent=2) + "\n")

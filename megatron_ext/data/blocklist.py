@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from megatron_ext.common.errors import Refusal, UsageError, report
-from megatron_ext.common.io import atomic_write
+from megatron_ext.common.io import atomic_write, check_writable
 from megatron_ext.common.records.pair import fingerprint
 from megatron_ext.data.shards import located, write_without
 
@@ -257,8 +256,7 @@ def apply(args: argparse.Namespace) -> int:
         _check(shard)
     try:
         if not args.dry_run:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            tempfile.NamedTemporaryFile(dir=out_dir, prefix=".megatron-ext-write-test.").close()
+            check_writable(out_dir)
     except OSError as exc:
         raise BlocklistError(
             f"--out-dir {args.out_dir}: cannot write there ({exc.strerror or exc}); choose "

@@ -8,7 +8,6 @@ import contextlib
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
@@ -21,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from megatron_ext.common.errors import Refusal, report
-from megatron_ext.common.io import remove_durably, rename_durably
+from megatron_ext.common.io import check_writable, remove_durably, rename_durably
 from megatron_ext.common.records.pair import append_fingerprint, publish
 from megatron_ext.common.records.provenance import SUFFIX, Recorder
 from megatron_ext.data.encode import EncodeError, encode_chunk, fields, worker_pool
@@ -278,9 +277,7 @@ def _prepare_tokenizer(args: argparse.Namespace) -> LoadedTokenizer:
 def _check_writable(directory: Path, what: str) -> None:
     """Create ``directory`` and a file in it now, before any work, or refuse."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".megatron-ext-write-test."):
-            pass
+        check_writable(directory)
     except OSError as exc:
         raise PreprocessError(
             f"{what} {directory} is not writable ({exc.strerror or exc}); choose another "
