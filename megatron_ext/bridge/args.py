@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
-from megatron_ext.common.bridge_state import data_path_words
+from megatron_ext.common.bridge_state import data_path_words, parse_megatron_args
 from megatron_ext.common.errors import StartupError
 
 # Megatron's flags the launchers give any script (the skip list resolved): the integration
@@ -88,8 +87,11 @@ def megatron_args(config: Any, flags: list[str]) -> Any:
     fields the features read; also Megatron's global args (``calc_params_l2_norm`` reads them)."""
     from megatron.training import global_vars
 
-    args = _parsed(flags)
-    refuse_megatron_flags(args, _parsed([]))
+    from megatron_ext.loop.install import add_megatron_ext_args
+
+    args = parse_megatron_args(flags, add_megatron_ext_args)
+    # Not the cached megatron_defaults(): rank and world size come from this moment's env.
+    refuse_megatron_flags(args, parse_megatron_args([]))
     if args.fused_output_loss and getattr(config.dataset, "eod_mask_loss", False):
         raise BridgeRefusal(
             "--fused-output-loss with dataset.eod_mask_loss=True: Bridge's GPT step does not "
@@ -100,20 +102,6 @@ def megatron_args(config: Any, flags: list[str]) -> Any:
         setattr(args, name, value)
     global_vars.set_args(args)
     return args
-
-
-def _parsed(flags: list[str]) -> Any:
-    """Megatron's parser, with the overlay's group, on ``flags``."""
-    from megatron.training.arguments import parse_args
-
-    from megatron_ext.loop.install import add_megatron_ext_args
-
-    argv = sys.argv
-    sys.argv = [argv[0], *flags]
-    try:
-        return parse_args(extra_args_provider=add_megatron_ext_args)
-    finally:
-        sys.argv = argv
 
 
 def refuse_megatron_flags(args: Any, defaults: Any) -> None:

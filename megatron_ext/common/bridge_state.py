@@ -48,17 +48,22 @@ def is_bridge_checkpoint(directory: str | Path) -> bool:
     return (Path(directory) / BRIDGE_RUN_CONFIG_FILE).is_file()
 
 
-@functools.cache
-def _megatron_defaults() -> argparse.Namespace:
-    """Megatron's parser defaults, parsed once per process (callers change a deep copy)."""
+def parse_megatron_args(flags: list[str], extra_args_provider: Any = None) -> argparse.Namespace:
+    """Megatron's ``parse_args`` on ``flags`` rather than this process's ``sys.argv``."""
     from megatron.training.arguments import parse_args
 
     argv = sys.argv
-    sys.argv = [argv[0]]
+    sys.argv = [argv[0], *flags]
     try:
-        return parse_args()
+        return parse_args(extra_args_provider=extra_args_provider)
     finally:
         sys.argv = argv
+
+
+@functools.cache
+def megatron_defaults() -> argparse.Namespace:
+    """Megatron's parser defaults, parsed once per process (callers change a deep copy)."""
+    return parse_megatron_args([])
 
 
 def data_path_words(data_path: Any, blend: Any) -> list[str] | None:
@@ -108,7 +113,7 @@ def read_bridge_state(directory: str | Path) -> dict[str, Any]:
 
 def _as_args(config: Any, state: Any, layout: Any) -> argparse.Namespace:
     """Megatron's saved args from a Bridge checkpoint's run config, train state and layout."""
-    args = copy.deepcopy(_megatron_defaults())
+    args = copy.deepcopy(megatron_defaults())
     for section in SECTIONS:
         for key, value in (config.get(section) or {}).items():
             if hasattr(args, key) and not key.startswith("_"):
